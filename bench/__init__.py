@@ -1,0 +1,1 @@
+"""ttj-jax's benchmarks: the harness replica, the torch peer, timing, and the `ttj-bench` CLI."""

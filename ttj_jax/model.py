@@ -1,0 +1,183 @@
+"""The fast forward pass: one jitted function per (plan, model shape), compiled once per input shape.
+
+The whole layer stack is one XLA program: LayerNorm -> fused QKV GEMM -> attention -> out-projection ->
+residual -> LayerNorm -> MLP -> residual, per layer, then the final LayerNorm. Numerics come from the
+plan's policy (numerics.py), attention from the plan's implementation, masking work from its mask mode.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+
+from ttj_jax.config import Config
+from ttj_jax.masks import MaskKind, classify_mask
+from ttj_jax.numerics import NumericsPolicy, gelu_exact, get_policy, layer_norm
+from ttj_jax.params import PreparedWeights, prepare_weights
+from ttj_jax.planner import InputFacts, Plan, device_facts, plan as make_plan
+
+# A large finite negative instead of -inf for excluded keys: a row with no allowed key then yields a
+# finite (uniform) softmax instead of NaN, and such rows are always zeroed afterwards (SPEC section 1).
+MASKED_SCORE = -1e30
+
+
+def xla_attention(qkv: jax.Array, key_valid: jax.Array | None, *, causal: bool,
+                  policy: NumericsPolicy) -> jax.Array:
+    """qkv: (B, S, 3, H, hd) fp32 -> context (B, S, H, hd) fp32, explicit scores, softmax in fp32."""
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]                                  # (B, S, H, hd)
+    S, head_dim = q.shape[1], q.shape[-1]
+    scores = policy.einsum("bqhd,bkhd->bhqk", q * head_dim ** -0.5, k)                  # (B, H, S, S)
+    allowed = None
+    if causal:
+        allowed = jnp.tril(jnp.ones((S, S), bool))[None, None]
+    if key_valid is not None:
+        keys = key_valid[:, None, None, :]
+        allowed = keys if allowed is None else allowed & keys
+    if allowed is not None:
+        scores = jnp.where(allowed, scores, MASKED_SCORE)
+    probs = jax.nn.softmax(scores.astype(policy.statistics_dtype), axis=-1)
+    return policy.einsum("bhqk,bkhd->bqhd", probs, v)
+
+
+def pallas_attention(qkv, key_valid, *, causal, policy):
+    from ttj_jax.kernels import flash_attention_fused_qkv   # deferred: Pallas import cost only when used
+    return flash_attention_fused_qkv(qkv.astype(policy.gemm_dtype), causal=causal,
+                                     key_mask=key_valid).astype(jnp.float32)
+
+
+def cudnn_attention(qkv, key_valid, *, causal, policy):
+    if key_valid is not None:
+        raise ValueError("the cudnn attention plan takes no key mask; the planner must choose another")
+    qkv = qkv.astype(policy.gemm_dtype)
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    return jax.nn.dot_product_attention(q, k, v, is_causal=causal,
+                                        implementation="cudnn").astype(jnp.float32)
+
+
+ATTENTION = {"xla": xla_attention, "pallas": pallas_attention, "cudnn": cudnn_attention}
+
+
+def _layer(w: Mapping[str, jax.Array], x, row_valid, key_valid, *, config: Config, plan: Plan,
+           policy: NumericsPolicy):
+    """One pre-LN block on the fp32 residual x (B, S, d)."""
+    B, S, d = x.shape
+    h = layer_norm(x, w["norm1_weight"], w["norm1_bias"])
+    qkv = policy.matmul(h, w["qkv_weight"]) + w["qkv_bias"]                              # (B, S, 3d)
+    qkv = qkv.reshape(B, S, 3, config.num_heads, config.head_dim)                        # free reshape
+    context = ATTENTION[plan.attention](qkv, key_valid, causal=config.causal, policy=policy)
+    a = policy.matmul(context.reshape(B, S, d), w["out_weight"]) + w["out_bias"]
+    if row_valid is not None:
+        a = jnp.where(row_valid, a, 0.0)
+    x = x + a
+    h = layer_norm(x, w["norm2_weight"], w["norm2_bias"])
+    h = gelu_exact(policy.matmul(h, w["ffn_in_weight"]) + w["ffn_in_bias"])
+    x = x + policy.matmul(h, w["ffn_out_weight"]) + w["ffn_out_bias"]
+    if row_valid is not None:
+        x = jnp.where(row_valid, x, 0.0)
+    return x
+
+
+def _stack(weights: PreparedWeights, x, mask, *, config: Config, plan: Plan):
+    policy = get_policy(plan.policy)
+    row_valid = mask[:, :, None] if plan.mask_mode != "none" else None
+    key_valid = mask if plan.mask_mode == "keys" else None
+    h = x.astype(policy.residual_dtype)
+    for w in weights.layers:
+        h = _layer(w, h, row_valid, key_valid, config=config, plan=plan, policy=policy)
+    y = layer_norm(h, weights.final_norm["weight"], weights.final_norm["bias"])
+    if row_valid is not None:
+        y = jnp.where(row_valid, y, 0.0)
+    return y.astype(x.dtype)
+
+
+def _run_prepared(weights: PreparedWeights, x, mask, *, config: Config, plan: Plan):
+    if weights.policy_name != plan.policy:
+        raise ValueError(f"weights were prepared for policy {weights.policy_name!r}, "
+                         f"the plan needs {plan.policy!r}")
+    if not plan.batch_chunk or plan.batch_chunk >= x.shape[0]:
+        return _stack(weights, x, mask, config=config, plan=plan)
+    # Batch chunks run one after another (lax.map is a scan): peak activations are one chunk's.
+    # The planner picks a divisor of B, so both reshapes are free.
+    B, S, d = x.shape
+    n = B // plan.batch_chunk
+    xs = x.reshape(n, plan.batch_chunk, S, d)
+    if mask is None:
+        ys = jax.lax.map(lambda xc: _stack(weights, xc, None, config=config, plan=plan), xs)
+    else:
+        masks = mask.reshape(n, plan.batch_chunk, S)
+        ys = jax.lax.map(lambda a: _stack(weights, a[0], a[1], config=config, plan=plan), (xs, masks))
+    return ys.reshape(B, S, d)
+
+
+def _run_raw(params, x, mask, *, config: Config, plan: Plan):
+    return _run_prepared(prepare_weights(params, get_policy(plan.policy)), x, mask, config=config, plan=plan)
+
+
+@functools.lru_cache(maxsize=None)
+def executable(plan: Plan, config: Config, prepared: bool = True):
+    """The jitted forward for one plan and model: f(weights, x, mask_or_None) -> y. Pass
+    `model_key(config)` so that one executable serves every input shape of a model."""
+    body = _run_prepared if prepared else _run_raw
+    return jax.jit(functools.partial(body, config=config, plan=plan))
+
+
+def model_key(config: Config) -> Config:
+    """The config with batch_size and seq_len normalised away: they come from x, so one executable
+    (and jax's per-shape cache inside it) serves every input shape of one model."""
+    return config.with_input(1, 1)
+
+
+def validate_inputs(x, valid_token_mask, config: Config) -> None:
+    """Clear errors for bad input, naming the argument and the shapes."""
+    shape = getattr(x, "shape", None)
+    dtype = getattr(x, "dtype", None)
+    if shape is None or dtype is None:
+        raise TypeError(f"x must be an array [batch, seq_len, d_model]; got {type(x).__name__}")
+    if len(shape) != 3:
+        raise ValueError(f"x must have rank 3 [batch, seq_len, d_model]; got shape {tuple(shape)}")
+    if shape[-1] != config.d_model:
+        raise ValueError(f"x has d_model {shape[-1]} (shape {tuple(shape)}) but the config has "
+                         f"d_model={config.d_model}")
+    if shape[0] < 1 or shape[1] < 1:
+        raise ValueError(f"x must have batch >= 1 and seq_len >= 1; got shape {tuple(shape)}")
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"x must be floating point (float32, float16 or bfloat16); got dtype {dtype}")
+    if valid_token_mask is not None:
+        mshape = getattr(valid_token_mask, "shape", None)
+        if mshape is None or tuple(mshape) != tuple(shape[:2]):
+            raise ValueError(f"valid_token_mask must have shape [batch, seq_len] = {tuple(shape[:2])}; "
+                             f"got {None if mshape is None else tuple(mshape)}")
+        if valid_token_mask.dtype != jnp.bool_:
+            raise TypeError(f"valid_token_mask must be bool; got dtype {valid_token_mask.dtype}")
+
+
+def plan_for(config: Config, x, mask_kind: MaskKind, device=None, **overrides) -> Plan:
+    device = device if device is not None else next(iter(x.devices())) if hasattr(x, "devices") \
+        else jax.devices()[0]
+    facts = InputFacts(batch_size=int(x.shape[0]), seq_len=int(x.shape[1]), dtype=str(jnp.dtype(x.dtype)),
+                       mask_kind=mask_kind)
+    return make_plan(config, facts, device_facts(device), **overrides)
+
+
+def forward(params: Any, x, valid_token_mask=None, *, config, mask_kind: MaskKind | str | None = None,
+            policy: str | None = None, attention: str | None = None):
+    """y = Transformer(x) per SPEC section 1, same shape and dtype as x.
+
+    params: raw params (init_params / params_from_state_dict; prepared inside the same jitted call) or
+    a PreparedWeights (prepared once, the fast path). valid_token_mask: bool [B, S] or None.
+    mask_kind: skip the host-side mask classification when the caller already knows it.
+    NaN/inf in x are not hidden: they propagate to the output rows they reach.
+    """
+    config = Config.from_object(config)
+    x = jnp.asarray(x)
+    if valid_token_mask is not None:
+        valid_token_mask = jnp.asarray(valid_token_mask)
+    validate_inputs(x, valid_token_mask, config)
+    kind = MaskKind(mask_kind) if mask_kind is not None else classify_mask(valid_token_mask)
+    chosen = plan_for(config, x, kind, policy=policy, attention=attention)
+    mask = valid_token_mask if chosen.mask_mode != "none" else None
+    prepared = isinstance(params, PreparedWeights)
+    return executable(chosen, model_key(config), prepared)(params, x, mask)

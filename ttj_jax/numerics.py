@@ -1,0 +1,71 @@
+"""The numerics policy: which dtype each stage of the layer computes in. No other module decides this.
+
+SPEC section 5 sets the constraints this policy encodes:
+- FP16 GEMM operands with FP32 accumulation and FP32 outputs pass the harness rule; the residual stream
+  must stay FP32 (an FP16 residual fails: the final LayerNorm amplifies its rounding near the row mean).
+- BF16 cannot meet atol 0.002, so no bf16 policy is offered for fp32 inputs.
+- LayerNorm statistics and the softmax are computed in FP32.
+`EXACT_FP32` is the policy tests compare against: FP32 everywhere with the highest matmul precision.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+LAYER_NORM_EPS = 1e-5
+
+
+@dataclasses.dataclass(frozen=True)
+class NumericsPolicy:
+    name: str
+    gemm_dtype: np.dtype          # operands of every matmul (projections, MLP, attention's two dots)
+    precision: jax.lax.Precision  # XLA precision for those matmuls (matters only for fp32 operands)
+    # Always fp32 here, named so that every reader sees the choice:
+    accumulate_dtype: np.dtype = np.dtype(np.float32)   # matmul accumulation and outputs
+    residual_dtype: np.dtype = np.dtype(np.float32)     # the residual stream between blocks
+    statistics_dtype: np.dtype = np.dtype(np.float32)   # LayerNorm mean/variance and softmax
+
+    def matmul(self, x: jax.Array, w: jax.Array) -> jax.Array:
+        """x @ w with this policy's operands, accumulated and returned in fp32. `w` is already in
+        gemm_dtype (prepared once, see params.prepare_weights)."""
+        return jnp.matmul(x.astype(self.gemm_dtype), w.astype(self.gemm_dtype),
+                          precision=self.precision, preferred_element_type=self.accumulate_dtype)
+
+    def einsum(self, spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
+        return jnp.einsum(spec, a.astype(self.gemm_dtype), b.astype(self.gemm_dtype),
+                          precision=self.precision, preferred_element_type=self.accumulate_dtype)
+
+
+MIXED_FP16 = NumericsPolicy("mixed_fp16", gemm_dtype=np.dtype(np.float16),
+                            precision=jax.lax.Precision.DEFAULT)
+EXACT_FP32 = NumericsPolicy("exact_fp32", gemm_dtype=np.dtype(np.float32),
+                            precision=jax.lax.Precision.HIGHEST)
+
+POLICIES: dict[str, NumericsPolicy] = {p.name: p for p in (MIXED_FP16, EXACT_FP32)}
+
+
+def get_policy(policy: "str | NumericsPolicy") -> NumericsPolicy:
+    if isinstance(policy, NumericsPolicy):
+        return policy
+    try:
+        return POLICIES[policy]
+    except KeyError:
+        raise ValueError(f"unknown numerics policy {policy!r}; known: {sorted(POLICIES)}") from None
+
+
+def layer_norm(x: jax.Array, weight: jax.Array, bias: jax.Array) -> jax.Array:
+    """LayerNorm over the last axis, biased variance, eps 1e-5, statistics in fp32; returns fp32."""
+    x = x.astype(jnp.float32)
+    mean = jnp.mean(x, axis=-1, keepdims=True)
+    centered = x - mean
+    variance = jnp.mean(centered * centered, axis=-1, keepdims=True)
+    return centered * jax.lax.rsqrt(variance + LAYER_NORM_EPS) * weight + bias
+
+
+def gelu_exact(x: jax.Array) -> jax.Array:
+    """The erf GELU (PyTorch's default), not the tanh approximation."""
+    return jax.nn.gelu(x, approximate=False)

@@ -1,0 +1,152 @@
+"""The planner: a pure function from (config, input facts, device facts) to a named plan.
+
+Nothing here touches a device or an array; `device_facts()` (the one impure helper) reads the facts the
+planner is then handed. Each rule names the measurement or constraint behind it in the plan's `reason`,
+so `Plan.explain()` says in one line what will run and why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ttj_jax.config import Config
+from ttj_jax.masks import MaskKind
+from ttj_jax.numerics import POLICIES
+
+ATTENTION_IMPLEMENTATIONS = ("xla", "pallas", "cudnn")
+MASK_MODES = ("none", "rows", "keys")
+
+# Activations of one chunk may take at most this share of the device's memory.
+ACTIVATION_MEMORY_SHARE = 0.25
+# Explicit [B, H, S, S] scores stop being sensible past this many bytes per call.
+XLA_SCORES_LIMIT_BYTES = 2 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class InputFacts:
+    batch_size: int
+    seq_len: int
+    dtype: str                     # numpy name of x's dtype: "float32", "float16", "bfloat16"
+    mask_kind: MaskKind = MaskKind.NONE
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceFacts:
+    platform: str                  # "cpu" or "gpu"
+    device_kind: str = ""          # e.g. "NVIDIA H200"
+    memory_bytes: int | None = None
+    device_count: int = 1
+
+    @property
+    def is_gpu(self) -> bool:
+        return self.platform == "gpu"
+
+
+CPU = DeviceFacts(platform="cpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    policy: str                    # a name from numerics.POLICIES
+    attention: str                 # one of ATTENTION_IMPLEMENTATIONS
+    mask_mode: str                 # "none": no masking; "rows": zero invalid rows; "keys": key mask too
+    batch_chunk: int | None = None  # run the stack over batch chunks of this size (lax.map), or all at once
+    reason: str = ""
+
+    def __post_init__(self):
+        if self.policy not in POLICIES:
+            raise ValueError(f"Plan.policy={self.policy!r} is not one of {sorted(POLICIES)}")
+        if self.attention not in ATTENTION_IMPLEMENTATIONS:
+            raise ValueError(f"Plan.attention={self.attention!r} is not one of {ATTENTION_IMPLEMENTATIONS}")
+        if self.mask_mode not in MASK_MODES:
+            raise ValueError(f"Plan.mask_mode={self.mask_mode!r} is not one of {MASK_MODES}")
+
+    @property
+    def name(self) -> str:
+        chunk = f"/chunk{self.batch_chunk}" if self.batch_chunk else ""
+        return f"{self.attention}-attention/{self.policy}/mask-{self.mask_mode}{chunk}"
+
+    def explain(self) -> str:
+        return f"{self.name}: {self.reason}"
+
+
+def plan(config: Config, inputs: InputFacts, device: DeviceFacts = CPU, *,
+         policy: str | None = None, attention: str | None = None) -> Plan:
+    """Chooses numerics, attention implementation, masking work and chunking for one call shape.
+    `policy` / `attention` force a choice (tests, ablations); everything else is derived."""
+    reasons = []
+
+    if policy is None:
+        policy = "mixed_fp16"
+        reasons.append("fp16 GEMMs with fp32 accumulation and fp32 residual meet the harness rule (SPEC 5)")
+    else:
+        reasons.append(f"policy {policy} requested")
+
+    if inputs.mask_kind in (MaskKind.NONE, MaskKind.ALL_TRUE):
+        mask_mode = "none"
+        reasons.append("no mask work: " + ("no mask" if inputs.mask_kind == MaskKind.NONE else "mask all True"))
+    elif inputs.mask_kind == MaskKind.PREFIX and config.causal:
+        mask_mode = "rows"
+        reasons.append("prefix mask under causal attention collapses to zeroing invalid rows")
+    else:
+        mask_mode = "keys"
+        reasons.append(f"{inputs.mask_kind.value} mask{'' if config.causal else ' without causal'} "
+                       "needs key masking")
+
+    scores_bytes = 4 * inputs.batch_size * config.num_heads * inputs.seq_len ** 2
+    if attention is not None:
+        reasons.append(f"attention {attention} requested")
+    elif not device.is_gpu:
+        attention = "xla"
+        reasons.append("XLA attention on the CPU (Pallas GPU kernels run there only interpreted)")
+    elif policy == "exact_fp32":
+        attention = "xla"
+        reasons.append("exact fp32 attention through XLA at HIGHEST precision")
+    elif scores_bytes <= XLA_SCORES_LIMIT_BYTES:
+        attention = "xla"
+        reasons.append(f"scores {scores_bytes / 2**20:.0f} MiB: XLA fuses the explicit softmax")
+    else:
+        attention = "pallas"
+        reasons.append(f"scores {scores_bytes / 2**30:.1f} GiB too large to materialise: flash attention")
+
+    batch_chunk = _batch_chunk(config, inputs, device, attention)
+    if batch_chunk:
+        reasons.append(f"activations exceed {ACTIVATION_MEMORY_SHARE:.0%} of device memory: "
+                       f"batch chunks of {batch_chunk}")
+    return Plan(policy=policy, attention=attention, mask_mode=mask_mode, batch_chunk=batch_chunk,
+                reason="; ".join(reasons))
+
+
+def activation_bytes_per_sequence(config: Config, seq_len: int, attention: str) -> int:
+    """Peak live activations for one sequence through one layer, fp32, counted generously:
+    the residual, the QKV projection, the context, the MLP hidden, plus explicit scores for XLA."""
+    d, f, h = config.d_model, config.ffn_dim, config.num_heads
+    per_token = 4 * (2 * d + 3 * d + d + 2 * f)
+    scores = 4 * 2 * h * seq_len * seq_len if attention == "xla" else 0
+    return per_token * seq_len + scores
+
+
+def _batch_chunk(config: Config, inputs: InputFacts, device: DeviceFacts, attention: str) -> int | None:
+    if device.memory_bytes is None:
+        return None
+    budget = ACTIVATION_MEMORY_SHARE * device.memory_bytes
+    per_sequence = activation_bytes_per_sequence(config, inputs.seq_len, attention)
+    if per_sequence * inputs.batch_size <= budget:
+        return None
+    # The largest divisor of the batch that fits: a divisor keeps the chunked reshape free (no padding copy).
+    fitting = [c for c in range(1, inputs.batch_size + 1)
+               if inputs.batch_size % c == 0 and c * per_sequence <= budget]
+    return max(fitting) if fitting else 1
+
+
+def device_facts(device) -> DeviceFacts:
+    """Reads the facts of one jax device (the only impure function in this module)."""
+    platform = "gpu" if device.platform in ("gpu", "cuda", "rocm") else device.platform
+    memory = None
+    try:
+        stats = device.memory_stats() or {}
+        memory = stats.get("bytes_limit")
+    except Exception:   # memory_stats is unimplemented on some backends (the CPU among them)
+        memory = None
+    return DeviceFacts(platform=platform, device_kind=getattr(device, "device_kind", ""),
+                       memory_bytes=memory)
