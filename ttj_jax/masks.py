@@ -5,6 +5,9 @@
 - PREFIX: valid = positions < length, per sequence. Under causal attention the key mask changes nothing
   for valid queries (each sees only earlier, valid keys), so it collapses to zeroing invalid rows.
 - GENERAL: anything else: true key masking plus zeroed rows.
+- UNKNOWN: not classified on the host (a mask whose contents may change unseen, such as a torch
+  inference tensor, which keeps no version counter): the compiled program decides per sequence, on the
+  device, whether key masking is needed. Always correct, no host sync, a little more device work.
 Classifying reads the mask on the host (one device-to-host copy); callers on a hot path classify once
 per mask object and pass the kind (the bridge caches it per tensor and version).
 """
@@ -21,6 +24,7 @@ class MaskKind(str, enum.Enum):
     ALL_TRUE = "all_true"
     PREFIX = "prefix"
     GENERAL = "general"
+    UNKNOWN = "unknown"
 
 
 def classify_mask(valid_token_mask) -> MaskKind:

@@ -8,6 +8,7 @@ plan's policy (numerics.py), attention from the plan's implementation, masking w
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Any, Mapping
 
 import jax
@@ -80,10 +81,21 @@ def _layer(w: Mapping[str, jax.Array], x, row_valid, key_valid, *, config: Confi
     return x
 
 
+def key_mask_for(mask, *, mode: str, causal: bool):
+    """The key mask attention must apply, or None. In "device" mode a sequence whose mask is a prefix
+    needs none under causal attention (SPEC section 1), so its keys are all let through."""
+    if mode == "keys" or (mode == "device" and not causal):
+        return mask
+    if mode == "device":
+        turns_back_on = jnp.any(~mask[:, :-1] & mask[:, 1:], axis=1)                     # (B,)
+        return mask | ~turns_back_on[:, None]
+    return None
+
+
 def _stack(weights: PreparedWeights, x, mask, *, config: Config, plan: Plan):
     policy = get_policy(plan.policy)
     row_valid = mask[:, :, None] if plan.mask_mode != "none" else None
-    key_valid = mask if plan.mask_mode == "keys" else None
+    key_valid = key_mask_for(mask, mode=plan.mask_mode, causal=config.causal)
     h = x.astype(policy.residual_dtype)
     for w in weights.layers:
         h = _layer(w, h, row_valid, key_valid, config=config, plan=plan, policy=policy)
@@ -130,28 +142,28 @@ def model_key(config: Config) -> Config:
     return config.with_input(1, 1)
 
 
-def validate_inputs(x, valid_token_mask, config: Config) -> None:
-    """Clear errors for bad input, naming the argument and the shapes."""
-    shape = getattr(x, "shape", None)
-    dtype = getattr(x, "dtype", None)
-    if shape is None or dtype is None:
-        raise TypeError(f"x must be an array [batch, seq_len, d_model]; got {type(x).__name__}")
-    if len(shape) != 3:
-        raise ValueError(f"x must have rank 3 [batch, seq_len, d_model]; got shape {tuple(shape)}")
-    if shape[-1] != config.d_model:
-        raise ValueError(f"x has d_model {shape[-1]} (shape {tuple(shape)}) but the config has "
+FLOATING_DTYPES = ("float32", "float16", "bfloat16", "float64")
+
+
+def validate_inputs(x_shape, x_dtype: str, mask_shape, mask_dtype: str | None, config: Config) -> None:
+    """Clear errors for bad input, naming the argument and the shapes. Takes shapes and dtype names
+    (numpy spelling) so that the JAX entry point and the torch bridge share one set of checks."""
+    x_shape = tuple(x_shape)
+    if len(x_shape) != 3:
+        raise ValueError(f"x must have rank 3 [batch, seq_len, d_model]; got shape {x_shape}")
+    if x_shape[-1] != config.d_model:
+        raise ValueError(f"x has d_model {x_shape[-1]} (shape {x_shape}) but the config has "
                          f"d_model={config.d_model}")
-    if shape[0] < 1 or shape[1] < 1:
-        raise ValueError(f"x must have batch >= 1 and seq_len >= 1; got shape {tuple(shape)}")
-    if not jnp.issubdtype(dtype, jnp.floating):
-        raise TypeError(f"x must be floating point (float32, float16 or bfloat16); got dtype {dtype}")
-    if valid_token_mask is not None:
-        mshape = getattr(valid_token_mask, "shape", None)
-        if mshape is None or tuple(mshape) != tuple(shape[:2]):
-            raise ValueError(f"valid_token_mask must have shape [batch, seq_len] = {tuple(shape[:2])}; "
-                             f"got {None if mshape is None else tuple(mshape)}")
-        if valid_token_mask.dtype != jnp.bool_:
-            raise TypeError(f"valid_token_mask must be bool; got dtype {valid_token_mask.dtype}")
+    if x_shape[0] < 1 or x_shape[1] < 1:
+        raise ValueError(f"x must have batch >= 1 and seq_len >= 1; got shape {x_shape}")
+    if x_dtype not in FLOATING_DTYPES:
+        raise TypeError(f"x must be floating point ({', '.join(FLOATING_DTYPES)}); got dtype {x_dtype}")
+    if mask_shape is not None:
+        if tuple(mask_shape) != x_shape[:2]:
+            raise ValueError(f"valid_token_mask must have shape [batch, seq_len] = {x_shape[:2]} "
+                             f"(x has shape {x_shape}); got {tuple(mask_shape)}")
+        if mask_dtype != "bool":
+            raise TypeError(f"valid_token_mask must be bool; got dtype {mask_dtype}")
 
 
 def plan_for(config: Config, x, mask_kind: MaskKind, device=None, **overrides) -> Plan:
@@ -160,6 +172,25 @@ def plan_for(config: Config, x, mask_kind: MaskKind, device=None, **overrides) -
     facts = InputFacts(batch_size=int(x.shape[0]), seq_len=int(x.shape[1]), dtype=str(jnp.dtype(x.dtype)),
                        mask_kind=mask_kind)
     return make_plan(config, facts, device_facts(device), **overrides)
+
+
+_MASK_KINDS: dict[int, tuple[Any, MaskKind]] = {}
+
+
+def _mask_kind(mask) -> MaskKind:
+    """classify_mask, once per jax array: jax arrays are immutable, so an array's kind never changes.
+    Keyed by id with a weak reference, so a new array reusing an id is never mistaken for the old one."""
+    if mask is None:
+        return MaskKind.NONE
+    cached = _MASK_KINDS.get(id(mask))
+    if cached is not None and cached[0]() is mask:
+        return cached[1]
+    kind = classify_mask(mask)
+    try:
+        _MASK_KINDS[id(mask)] = (weakref.ref(mask, lambda _, key=id(mask): _MASK_KINDS.pop(key, None)), kind)
+    except TypeError:   # not weak-referenceable: classify every call
+        pass
+    return kind
 
 
 def forward(params: Any, x, valid_token_mask=None, *, config, mask_kind: MaskKind | str | None = None,
@@ -172,12 +203,17 @@ def forward(params: Any, x, valid_token_mask=None, *, config, mask_kind: MaskKin
     NaN/inf in x are not hidden: they propagate to the output rows they reach.
     """
     config = Config.from_object(config)
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise TypeError(f"x must be an array [batch, seq_len, d_model]; got {type(x).__name__}")
+    mask = valid_token_mask
+    validate_inputs(x.shape, jnp.dtype(x.dtype).name, None if mask is None else getattr(mask, "shape", ()),
+                    None if mask is None else jnp.dtype(mask.dtype).name, config)
+    if jnp.dtype(x.dtype) == jnp.float64:
+        raise TypeError("x is float64, which jax computes only with x64 mode on; pass float32")
     x = jnp.asarray(x)
-    if valid_token_mask is not None:
-        valid_token_mask = jnp.asarray(valid_token_mask)
-    validate_inputs(x, valid_token_mask, config)
-    kind = MaskKind(mask_kind) if mask_kind is not None else classify_mask(valid_token_mask)
+    mask = None if mask is None else jnp.asarray(mask)
+    kind = MaskKind(mask_kind) if mask_kind is not None else _mask_kind(mask)
     chosen = plan_for(config, x, kind, policy=policy, attention=attention)
-    mask = valid_token_mask if chosen.mask_mode != "none" else None
+    mask = mask if chosen.mask_mode != "none" else None
     prepared = isinstance(params, PreparedWeights)
     return executable(chosen, model_key(config), prepared)(params, x, mask)

@@ -14,7 +14,7 @@ from ttj_jax.masks import MaskKind
 from ttj_jax.numerics import POLICIES
 
 ATTENTION_IMPLEMENTATIONS = ("xla", "pallas", "cudnn")
-MASK_MODES = ("none", "rows", "keys")
+MASK_MODES = ("none", "rows", "keys", "device")
 
 # Activations of one chunk may take at most this share of the device's memory.
 ACTIVATION_MEMORY_SHARE = 0.25
@@ -49,7 +49,8 @@ CPU = DeviceFacts(platform="cpu")
 class Plan:
     policy: str                    # a name from numerics.POLICIES
     attention: str                 # one of ATTENTION_IMPLEMENTATIONS
-    mask_mode: str                 # "none": no masking; "rows": zero invalid rows; "keys": key mask too
+    mask_mode: str                 # "none": no masking; "rows": zero invalid rows; "keys": key mask too;
+    #                                "device": rows, and keys for the sequences the device finds non-prefix
     batch_chunk: int | None = None  # run the stack over batch chunks of this size (lax.map), or all at once
     reason: str = ""
 
@@ -85,6 +86,9 @@ def plan(config: Config, inputs: InputFacts, device: DeviceFacts = CPU, *,
     if inputs.mask_kind in (MaskKind.NONE, MaskKind.ALL_TRUE):
         mask_mode = "none"
         reasons.append("no mask work: " + ("no mask" if inputs.mask_kind == MaskKind.NONE else "mask all True"))
+    elif inputs.mask_kind == MaskKind.UNKNOWN:
+        mask_mode = "device"
+        reasons.append("mask not classified on the host: the device decides per sequence (no host sync)")
     elif inputs.mask_kind == MaskKind.PREFIX and config.causal:
         mask_mode = "rows"
         reasons.append("prefix mask under causal attention collapses to zeroing invalid rows")

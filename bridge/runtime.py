@@ -1,0 +1,203 @@
+"""The bridge's hot path: torch tensors in, ttj-jax's compiled forward, torch tensors out.
+
+Per module, built once and reused (held in a WeakKeyDictionary, so nothing is added to the module):
+- zero-copy jax views of the module's parameters (DLPack) and the prepared weights derived from them
+  (fused QKV, fp16 copies), rebuilt only when a parameter's storage or version changes: `.to()` gives
+  new storage, `load_state_dict` and in-place edits bump the version. The views hold the old storage
+  alive, so a new allocation can never reuse a cached address (no false "unchanged").
+- per input signature (shape, dtype, device, mask kind): the plan and its compiled executable.
+- the kind of the last mask seen, keyed by the tensor object and its version counter.
+Per call, the work is: a few attribute checks, a key comparison, one DLPack import of x (the fast
+native path, compat.dlpack_importer), the async jax dispatch, and one DLPack export. No host sync:
+torch's pending writes to x are ordered before jax reads it through the DLPack stream protocol, and
+torch's stream waits on jax's result the same way on export.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from typing import Any, Callable
+
+import torch
+
+import jax
+from ttj_jax.compat import dlpack_importer
+from ttj_jax.config import Config
+from ttj_jax.masks import MaskKind, classify_mask
+from ttj_jax.model import executable, model_key, plan_for, validate_inputs
+from ttj_jax.numerics import get_policy
+from ttj_jax.params import expected_shapes, prepare_weights
+from ttj_jax.planner import Plan
+
+_STATES: "weakref.WeakKeyDictionary[torch.nn.Module, _ModuleState]" = weakref.WeakKeyDictionary()
+_IMPORTERS: dict[tuple[int, int], Callable[[torch.Tensor], Any]] = {}
+_PREPARE = {}   # policy name -> jitted prepare_weights
+
+
+def _importer(device: torch.device) -> Callable[[torch.Tensor], Any]:
+    key = (device.type, device.index)
+    importer = _IMPORTERS.get(key)
+    if importer is None:
+        probe = torch.empty(1, device=device)
+        importer = _IMPORTERS[key] = dlpack_importer(*probe.__dlpack_device__())
+    return importer
+
+
+def _torch_dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclasses.dataclass
+class _Call:
+    plan: Plan
+    run: Callable
+    import_tensor: Callable
+    passes_mask: bool
+    upcast_to: torch.dtype | None   # float64 inputs compute in float32 and are cast back
+
+
+class _ModuleState:
+    def __init__(self, module: torch.nn.Module, config: Config):
+        self.config = config
+        self.model_key = model_key(config)
+        named = dict(module.named_parameters())
+        expected = expected_shapes(config)
+        missing = [n for n in expected if n not in named]
+        if missing:
+            raise ValueError(f"module {type(module).__name__} lacks parameter(s) {missing[:6]} "
+                             f"that the config ({config}) needs: is it structured like the harness's "
+                             "BaselineTransformer?")
+        for name, shape in expected.items():
+            if tuple(named[name].shape) != shape:
+                raise ValueError(f"parameter {name} has shape {tuple(named[name].shape)}, the config "
+                                 f"needs {shape}")
+        self.names = list(expected)
+        self.params = [named[n] for n in self.names]
+        self.weights_key = None
+        self.prepared: dict[str, Any] = {}
+        self.calls: dict[tuple, _Call] = {}
+        self.mask_ref = None
+        self.mask_version = None
+        self.mask_kind = None
+
+    def current_key(self):
+        return [p._version for p in self.params], [p.data_ptr() for p in self.params]
+
+    def weights(self, policy_name: str):
+        key = self.current_key()
+        if key != self.weights_key:
+            self.prepared.clear()
+            self.weights_key = key
+        prepared = self.prepared.get(policy_name)
+        if prepared is None:
+            prepared = self.prepared[policy_name] = self._prepare(policy_name)
+        return prepared
+
+    def _prepare(self, policy_name: str):
+        device = self.params[0].device
+        for name, p in zip(self.names, self.params):
+            if p.device != device:
+                raise ValueError(f"parameter {name} is on {p.device} but {self.names[0]} is on {device}")
+        importer = _importer(device)
+        state = {}
+        for name, p in zip(self.names, self.params):
+            t = p.detach()
+            if t.dtype == torch.float64:
+                t = t.float()
+            state[name] = importer(t if t.is_contiguous() else t.contiguous())
+        from ttj_jax.params import _unflatten
+        raw = _unflatten(state, self.config.num_layers)
+        prepare = _PREPARE.get(policy_name)
+        if prepare is None:
+            policy = get_policy(policy_name)
+            prepare = _PREPARE[policy_name] = jax.jit(lambda params: prepare_weights(params, policy))
+        return prepare(raw)
+
+    def classify(self, mask: torch.Tensor) -> MaskKind:
+        """The mask's kind: cached per tensor object and version; an inference tensor has no version
+        counter, so its contents could change unseen: the device decides (MaskKind.UNKNOWN)."""
+        if mask.is_inference():
+            return MaskKind.UNKNOWN
+        version = mask._version
+        if self.mask_ref is not None and self.mask_ref() is mask and self.mask_version == version:
+            return self.mask_kind
+        kind = classify_mask(mask.detach().cpu().numpy())   # one host sync per new mask or version
+        self.mask_ref, self.mask_version, self.mask_kind = weakref.ref(mask), version, kind
+        return kind
+
+    def build_call(self, x: torch.Tensor, kind: MaskKind) -> _Call:
+        if x.device != self.params[0].device:
+            raise ValueError(f"x is on {x.device} but the module's weights are on {self.params[0].device}")
+        importer = _importer(x.device)
+        upcast = x.dtype if x.dtype == torch.float64 else None
+        jax_device = getattr(importer, "device", None)
+        shape_probe = jax.ShapeDtypeStruct(tuple(x.shape), "float32" if upcast else _torch_dtype_name(x.dtype))
+        plan = plan_for(self.config, shape_probe, kind, device=jax_device or jax.devices(
+            "cpu" if x.device.type == "cpu" else None)[0])
+        return _Call(plan=plan, run=executable(plan, self.model_key, True), import_tensor=importer,
+                     passes_mask=plan.mask_mode != "none", upcast_to=upcast)
+
+
+def _state(module: torch.nn.Module, config) -> _ModuleState:
+    state = _STATES.get(module)
+    if state is None:
+        config = Config.from_object(config if config is not None else _config_of(module))
+        state = _STATES[module] = _ModuleState(module, config)
+    return state
+
+
+def _config_of(module: torch.nn.Module):
+    config = getattr(module, "config", None)
+    if config is None:
+        raise ValueError(f"{type(module).__name__} has no `config` attribute; pass config= (an object with "
+                         "batch_size, seq_len, d_model, num_heads, ffn_dim, num_layers, causal)")
+    return config
+
+
+def forward(module: torch.nn.Module, x: torch.Tensor, valid_token_mask: torch.Tensor | None = None, *,
+            config=None) -> torch.Tensor:
+    """Runs ttj-jax on `module`'s own parameters (any module with the harness's parameter names).
+    Returns a new tensor with x's shape, dtype and device; never modifies its inputs. Inference only."""
+    state = _state(module, config)
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor [batch, seq_len, d_model]; got {type(x).__name__}")
+    mask = valid_token_mask
+    if mask is not None:
+        if not isinstance(mask, torch.Tensor):
+            raise TypeError(f"valid_token_mask must be a torch.Tensor or None; got {type(mask).__name__}")
+        if mask.device != x.device:
+            raise ValueError(f"valid_token_mask is on {mask.device} but x is on {x.device}")
+    validate_inputs(x.shape, _torch_dtype_name(x.dtype), None if mask is None else mask.shape,
+                    None if mask is None else _torch_dtype_name(mask.dtype), state.config)
+
+    kind = MaskKind.NONE if mask is None else state.classify(mask)
+    key = (x.shape, x.dtype, x.device, kind)
+    call = state.calls.get(key)
+    if call is None:
+        call = state.calls[key] = state.build_call(x, kind)
+
+    weights = state.weights(call.plan.policy)
+    if x.requires_grad:
+        x = x.detach()
+    if call.upcast_to is not None:
+        x = x.float()
+    jx = call.import_tensor(x if x.is_contiguous() else x.contiguous())
+    jmask = None
+    if call.passes_mask:
+        jmask = call.import_tensor(mask if mask.is_contiguous() else mask.contiguous())
+    out = torch.from_dlpack(call.run(weights, jx, jmask))
+    return out if call.upcast_to is None else out.to(call.upcast_to)
+
+
+def explain(module: torch.nn.Module, x: torch.Tensor, valid_token_mask=None, *, config=None) -> str:
+    """The one-line plan the bridge runs for this input."""
+    state = _state(module, config)
+    kind = MaskKind.NONE if valid_token_mask is None else state.classify(valid_token_mask)
+    return state.build_call(x, kind).plan.explain()
+
+
+def refresh(module: torch.nn.Module) -> None:
+    """Forgets everything cached for `module`. Needed only after changes the bridge cannot see:
+    replacing a Parameter object, or writing through `param.data` (which bypasses the version counter)."""
+    _STATES.pop(module, None)
