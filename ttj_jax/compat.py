@@ -60,3 +60,29 @@ def dlpack_importer(dl_device_type: int, device_id: int) -> Callable[[Any], jax.
 
 def jax_version() -> str:
     return jax.__version__
+
+
+class count_compilations:
+    """Context manager counting XLA backend compilations inside it (jax.monitoring's compile event).
+
+        with count_compilations() as counter:
+            ...
+        counter.count
+    """
+    EVENT = "/jax/core/compile/backend_compile_duration"
+
+    def __init__(self):
+        self.count = 0
+
+    def _listener(self, event, duration_secs, **kwargs):
+        if event == self.EVENT:
+            self.count += 1
+
+    def __enter__(self):
+        jax.monitoring.register_event_duration_secs_listener(self._listener)
+        return self
+
+    def __exit__(self, *exc):
+        from jax._src import monitoring   # the public module has no unregister in every version
+        monitoring.unregister_event_duration_listener(self._listener)
+        return False

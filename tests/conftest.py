@@ -1,0 +1,87 @@
+"""Shared helpers: the PyTorch reference (bench/baseline.py, written from SPEC section 1), input and
+mask builders, and a report of the worst |err|/tolerance seen per test under the harness rule."""
+
+import os
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import numpy as np
+import pytest
+import torch
+
+import jax.numpy as jnp
+import ttj_jax as T
+from bench.baseline import BaselineTransformer, TransformerConfig, check_close
+
+_HARNESS_REPORT: list[tuple[str, int, float]] = []
+
+MASK_KINDS = ("none", "all_true", "prefix", "random", "all_invalid")
+
+
+def baseline_and_params(config: T.Config, seed: int = 0):
+    torch.manual_seed(seed)
+    base = BaselineTransformer(TransformerConfig(**vars(config))).eval()
+    return base, T.params_from_state_dict(base.state_dict(), config)
+
+
+def random_input(config: T.Config, seed: int, *, batch=None, seq_len=None, scale=1.0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(batch or config.batch_size, seq_len or config.seq_len, config.d_model,
+                       generator=gen) * scale
+
+
+def make_mask(kind: str, batch: int, seq_len: int, seed: int):
+    """A bool [B, S] mask of the named kind (None for "none"). Random masks keep position 0 invalid in
+    one sequence and valid in another so that both non-prefix cases occur."""
+    rng = np.random.default_rng(seed)
+    if kind == "none":
+        return None
+    if kind == "all_true":
+        mask = np.ones((batch, seq_len), bool)
+    elif kind == "prefix":
+        lengths = rng.integers(0, seq_len + 1, batch)
+        lengths[0] = max(1, seq_len - 1)
+        mask = np.arange(seq_len)[None, :] < lengths[:, None]
+    elif kind == "random":
+        mask = rng.random((batch, seq_len)) > 0.35
+    elif kind == "all_invalid":
+        mask = rng.random((batch, seq_len)) > 0.35
+        mask[0] = False          # one sequence with no valid token at all: zeros, never NaN
+    else:
+        raise ValueError(kind)
+    return torch.from_numpy(mask)
+
+
+def torch_reference(base, x, mask):
+    with torch.no_grad():
+        return base(x.float(), mask)
+
+
+def to_jax(t):
+    return None if t is None else jnp.asarray(t.numpy())
+
+
+def to_torch(a):
+    return torch.from_numpy(np.array(a, dtype=np.float32))
+
+
+@pytest.fixture
+def harness_rule(request):
+    """check(out, ref) -> asserts zero failing elements under the harness rule and records the worst
+    |err|/tolerance for the end-of-run report."""
+    def check(out, ref, label=""):
+        failed, worst = check_close(out, ref)
+        _HARNESS_REPORT.append((f"{request.node.name}{label}", failed, worst))
+        assert failed == 0, f"{failed} elements fail the harness rule; worst |err|/tol {worst:.3f}"
+        return worst
+    return check
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _HARNESS_REPORT:
+        return
+    worst = sorted(_HARNESS_REPORT, key=lambda r: -r[2])
+    terminalreporter.section("harness rule: worst |err|/tolerance (1.0 = failing)")
+    terminalreporter.write_line(f"{len(_HARNESS_REPORT)} checks; the five closest to failing:")
+    for name, failed, ratio in worst[:5]:
+        terminalreporter.write_line(f"  {ratio:6.3f}  failed={failed}  {name}")
