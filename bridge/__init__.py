@@ -13,8 +13,8 @@ import os
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 from bridge.module import TTJTransformer  # noqa: E402
-from bridge.runtime import explain, forward, refresh  # noqa: E402
+from bridge.runtime import explain, forward, refresh, weight_views  # noqa: E402
 
 UserOptimizedTransformer = TTJTransformer
 
-__all__ = ["TTJTransformer", "UserOptimizedTransformer", "forward", "explain", "refresh"]
+__all__ = ["TTJTransformer", "UserOptimizedTransformer", "forward", "explain", "refresh", "weight_views"]

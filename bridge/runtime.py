@@ -27,7 +27,7 @@ from ttj_jax.config import Config
 from ttj_jax.masks import MaskKind, classify_mask
 from ttj_jax.model import executable, model_key, plan_for, validate_inputs
 from ttj_jax.numerics import get_policy
-from ttj_jax.params import expected_shapes, prepare_weights
+from ttj_jax.params import expected_shapes, params_from_state_dict, prepare_weights
 from ttj_jax.planner import Plan
 
 _STATES: "weakref.WeakKeyDictionary[torch.nn.Module, _ModuleState]" = weakref.WeakKeyDictionary()
@@ -75,6 +75,7 @@ class _ModuleState:
         self.names = list(expected)
         self.params = [named[n] for n in self.names]
         self.weights_key = None
+        self.views: dict[str, Any] = {}          # name -> zero-copy jax view of the parameter
         self.prepared: dict[str, Any] = {}
         self.calls: dict[tuple, _Call] = {}
         self.mask_ref = None
@@ -88,6 +89,7 @@ class _ModuleState:
         key = self.current_key()
         if key != self.weights_key:
             self.prepared.clear()
+            self.views = {}
             self.weights_key = key
         prepared = self.prepared.get(policy_name)
         if prepared is None:
@@ -99,15 +101,14 @@ class _ModuleState:
         for name, p in zip(self.names, self.params):
             if p.device != device:
                 raise ValueError(f"parameter {name} is on {p.device} but {self.names[0]} is on {device}")
-        importer = _importer(device)
-        state = {}
-        for name, p in zip(self.names, self.params):
-            t = p.detach()
-            if t.dtype == torch.float64:
-                t = t.float()
-            state[name] = importer(t if t.is_contiguous() else t.contiguous())
-        from ttj_jax.params import _unflatten
-        raw = _unflatten(state, self.config.num_layers)
+        if not self.views:
+            importer = _importer(device)
+            for name, p in zip(self.names, self.params):
+                t = p.detach()
+                if t.dtype == torch.float64:     # jax without x64 mode computes in float32
+                    t = t.float()
+                self.views[name] = importer(t if t.is_contiguous() else t.contiguous())
+        raw = params_from_state_dict(self.views, self.config)
         prepare = _PREPARE.get(policy_name)
         if prepare is None:
             policy = get_policy(policy_name)
@@ -195,6 +196,13 @@ def explain(module: torch.nn.Module, x: torch.Tensor, valid_token_mask=None, *, 
     state = _state(module, config)
     kind = MaskKind.NONE if valid_token_mask is None else state.classify(valid_token_mask)
     return state.build_call(x, kind).plan.explain()
+
+
+def weight_views(module: torch.nn.Module) -> dict[str, Any]:
+    """The jax arrays the bridge reads the module's parameters through (empty before the first call);
+    for parameters that are contiguous float32/16 they share the parameter's memory."""
+    state = _STATES.get(module)
+    return dict(state.views) if state is not None else {}
 
 
 def refresh(module: torch.nn.Module) -> None:

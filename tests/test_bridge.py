@@ -1,0 +1,217 @@
+"""The PyTorch bridge on the CPU: parameter names, zero-copy weights, cache invalidation, dtypes,
+devices, the harness flow end to end in both plug-in ways, and bad inputs. (The CUDA path, with its
+stream ordering, is exercised on the H200 by `ttj-bench --suite official`.)"""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+import bridge
+import ttj_jax as T
+from bench.baseline import BaselineTransformer, TransformerConfig, copy_model_weights, make_inputs
+from conftest import make_mask, random_input, torch_reference
+
+CONFIG = TransformerConfig(batch_size=2, seq_len=17, d_model=64, num_heads=4, ffn_dim=96, num_layers=2,
+                           causal=True)
+
+
+def pair(config=CONFIG, seed=0):
+    torch.manual_seed(seed)
+    base = BaselineTransformer(config).eval()
+    ours = bridge.TTJTransformer(config).eval()
+    copy_model_weights(base, ours, strict=True)
+    return base, ours
+
+
+def test_parameter_names_and_shapes_match_the_harness_both_ways():
+    base, ours = pair()
+    assert list(ours.state_dict()) == list(base.state_dict())
+    assert {k: v.shape for k, v in ours.state_dict().items()} == {k: v.shape for k, v in base.state_dict().items()}
+    assert set(ours.state_dict()) == set(T.expected_shapes(T.Config.from_object(CONFIG)))
+    copy_model_weights(ours, base, strict=True)       # and back
+    assert bridge.UserOptimizedTransformer is bridge.TTJTransformer
+
+
+def test_default_init_is_pytorchs():
+    torch.manual_seed(0)
+    ours = bridge.TTJTransformer(CONFIG)
+    w = ours.layers[0].ffn_out.weight
+    bound = 1 / np.sqrt(CONFIG.ffn_dim)
+    assert w.abs().max() <= bound and w.abs().max() > 0.9 * bound
+    assert (ours.final_norm.weight == 1).all() and (ours.final_norm.bias == 0).all()
+
+
+def test_weights_reach_jax_zero_copy():
+    base, ours = pair()
+    x, _ = make_inputs(CONFIG, 1)
+    ours(x)
+    views = bridge.weight_views(ours)
+    assert len(views) == len(list(ours.parameters()))
+    for name, p in ours.named_parameters():
+        assert views[name].unsafe_buffer_pointer() == p.data_ptr(), name
+
+
+def test_matches_reference_and_never_modifies_inputs(harness_rule):
+    base, ours = pair()
+    x, mask = make_inputs(CONFIG, 5, padding_ratio=0.4)
+    x_before, mask_before = x.clone(), mask.clone()
+    y = ours(x, mask)
+    assert torch.equal(x, x_before) and torch.equal(mask, mask_before)
+    assert y.dtype == x.dtype and y.shape == x.shape and y.device == x.device
+    harness_rule(y, torch_reference(base, x, mask))
+    assert y.data_ptr() != x.data_ptr()
+
+
+def _stale_check(change, harness_rule):
+    """Runs once, applies `change(base, ours)`, and checks the next output follows the new weights."""
+    base, ours = pair()
+    x, _ = make_inputs(CONFIG, 2)
+    before = ours(x)
+    change(base, ours)
+    after = ours(x)
+    assert not torch.equal(before, after), "output unchanged: stale weights were used"
+    fresh = bridge.TTJTransformer(CONFIG).eval()
+    copy_model_weights(ours, fresh)                  # a fresh module (fresh cache) with the new weights
+    assert torch.equal(after, fresh(x))
+    harness_rule(after, torch_reference(base, x, None))
+
+
+def test_in_place_parameter_edit_is_seen(harness_rule):
+    def change(base, ours):
+        with torch.no_grad():
+            for m in (base, ours):
+                m.layers[1].ffn_in.weight.mul_(1.5)
+                m.final_norm.bias.add_(0.25)
+    _stale_check(change, harness_rule)
+
+
+def test_load_state_dict_is_seen(harness_rule):
+    def change(base, ours):
+        torch.manual_seed(123)
+        other = BaselineTransformer(CONFIG)
+        base.load_state_dict(other.state_dict())
+        copy_model_weights(other, ours)
+    _stale_check(change, harness_rule)
+
+
+def test_dtype_change_with_to_is_seen(harness_rule):
+    def change(base, ours):
+        ours.to(dtype=torch.float16)                       # weights rounded to fp16 ...
+        base.load_state_dict({k: v.half().float() for k, v in base.state_dict().items()})
+        ours.to(dtype=torch.float32)                       # ... and back: same dtype, new storage
+    _stale_check(change, harness_rule)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("grad_mode", ["inference_mode", "no_grad", "enabled"])
+def test_dtypes_and_grad_modes(dtype, grad_mode, harness_rule):
+    base, ours = pair()
+    x = random_input(T.Config.from_object(CONFIG), 3).to(dtype)
+    if grad_mode == "enabled":
+        x.requires_grad_(dtype.is_floating_point)
+    context = {"inference_mode": torch.inference_mode, "no_grad": torch.no_grad}.get(grad_mode)
+    with (context() if context else torch.enable_grad()):
+        y = ours(x)
+    assert y.dtype == dtype and y.shape == x.shape
+    harness_rule(y.float(), torch_reference(base, x.detach().float(), None))
+
+
+def test_non_contiguous_input(harness_rule):
+    base, ours = pair()
+    x = random_input(T.Config.from_object(CONFIG), 4, batch=CONFIG.seq_len, seq_len=2).transpose(0, 1)
+    assert not x.is_contiguous()
+    harness_rule(ours(x), torch_reference(base, x.contiguous(), None))
+
+
+def test_mask_edited_in_place_is_reclassified(harness_rule):
+    base, ours = pair(CONFIG.__class__(**{**vars(CONFIG), "causal": False}))
+    x, mask = make_inputs(base.config, 6)
+    ours(x, mask)                                        # all True: cached as such
+    mask[0, 3] = False                                   # now a general mask, same tensor object
+    harness_rule(ours(x, mask), torch_reference(base, x, mask))
+
+
+def test_inference_tensor_masks_are_decided_on_the_device(harness_rule):
+    base, ours = pair()
+    with torch.inference_mode():
+        x = random_input(T.Config.from_object(CONFIG), 8)
+        mask = make_mask("random", CONFIG.batch_size, CONFIG.seq_len, seed=8).clone()
+        assert mask.is_inference()
+        assert "mask-device" in bridge.explain(ours, x, mask)
+        harness_rule(ours(x, mask), torch_reference(base, x, mask))
+        mask[:] = True                                   # edited in place, no version counter to see it
+        harness_rule(ours(x, mask), torch_reference(base, x, mask))
+
+
+def test_harness_flow_assigning_our_class(harness_rule):
+    """SPEC section 2, way (a): our module assigned as UserOptimizedTransformer, weights copied strictly,
+    `.to(device, dtype).eval()`, five seeds under inference_mode, every element checked."""
+    UserOptimizedTransformer = bridge.UserOptimizedTransformer
+    for padding_ratio in (0.0, 0.3):
+        baseline = BaselineTransformer(CONFIG)
+        optimized = UserOptimizedTransformer(CONFIG)
+        copy_model_weights(baseline, optimized, strict=True)
+        baseline = baseline.to(device="cpu", dtype=torch.float32).eval()
+        optimized = optimized.to(device="cpu", dtype=torch.float32).eval()
+        with torch.inference_mode():
+            for seed in range(1234, 1239):
+                x, mask = make_inputs(CONFIG, seed, padding_ratio=padding_ratio)
+                harness_rule(optimized(x, mask), baseline(x, mask), label=f"-p{padding_ratio}-s{seed}")
+
+
+def test_harness_flow_one_line_drop_in(harness_rule):
+    """Way (b): one line in the "your codes here" block, on self's own baseline-structured parameters."""
+    class UserOptimizedTransformer(BaselineTransformer):
+        def forward(self, x, valid_token_mask=None):
+            # --- your codes here ---
+            return bridge.forward(self, x, valid_token_mask)
+
+    baseline = BaselineTransformer(CONFIG)
+    optimized = UserOptimizedTransformer(CONFIG)
+    copy_model_weights(baseline, optimized, strict=True)
+    baseline, optimized = baseline.eval(), optimized.eval()
+    with torch.inference_mode():
+        for seed in range(1234, 1239):
+            x, mask = make_inputs(CONFIG, seed)
+            harness_rule(optimized(x, mask), baseline(x, mask), label=f"-s{seed}")
+
+
+def test_deepcopy_and_state_dict_do_not_carry_the_cache():
+    base, ours = pair()
+    x, _ = make_inputs(CONFIG, 1)
+    ours(x)
+    assert list(ours.state_dict()) == list(base.state_dict())
+    clone = copy.deepcopy(ours)
+    assert torch.equal(clone(x), ours(x))
+
+
+META = "meta"
+
+
+@pytest.mark.parametrize("make_bad, error, match", [
+    (lambda x, m: (x[0], None), ValueError, "rank 3"),
+    (lambda x, m: (x[..., :-1], None), ValueError, "d_model"),
+    (lambda x, m: (x, m[:, :-1]), ValueError, r"valid_token_mask must have shape"),
+    (lambda x, m: (x, m.int()), TypeError, "valid_token_mask must be bool"),
+    (lambda x, m: (x.int(), None), TypeError, "floating point"),
+    (lambda x, m: (x.numpy(), None), TypeError, "torch.Tensor"),
+    (lambda x, m: (x, m.to(META)), ValueError, "valid_token_mask is on meta but x is on cpu"),
+    (lambda x, m: (x.to(META), None), ValueError, "x is on meta but the module's weights are on cpu"),
+])
+def test_bad_inputs_raise_clear_errors(make_bad, error, match):
+    _, ours = pair()
+    x, mask = make_inputs(CONFIG, 0)
+    bad_x, bad_mask = make_bad(x, mask)
+    with pytest.raises(error, match=match):
+        ours(bad_x, bad_mask)
+
+
+def test_bad_configs_and_modules():
+    with pytest.raises(ValueError, match="divisible by num_heads"):
+        bridge.TTJTransformer(TransformerConfig(1, 8, 30, 4, 32, 1, True))
+    with pytest.raises(ValueError, match="no `config` attribute"):
+        bridge.forward(torch.nn.Linear(4, 4), torch.randn(1, 2, 4))
+    with pytest.raises(ValueError, match="lacks parameter"):
+        bridge.forward(torch.nn.Linear(4, 4), torch.randn(1, 2, 4), config=CONFIG)
