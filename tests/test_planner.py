@@ -1,0 +1,59 @@
+"""The planner is a pure function: same facts, same plan; each rule tested by the facts that trigger it."""
+
+import pytest
+
+import ttj_jax as T
+from ttj_jax.masks import MaskKind
+from ttj_jax.planner import CPU, activation_bytes_per_sequence
+
+H200 = T.DeviceFacts(platform="gpu", device_kind="NVIDIA H200", memory_bytes=100 * 2**30)
+SHAPE_1 = T.OFFICIAL["1"].config
+SHAPE_14 = T.OFFICIAL["14"].config
+
+
+def facts(config, mask=MaskKind.ALL_TRUE, dtype="float32"):
+    return T.InputFacts(config.batch_size, config.seq_len, dtype, mask)
+
+
+def test_pure_and_explained():
+    a = T.plan(SHAPE_1, facts(SHAPE_1), H200)
+    assert a == T.plan(SHAPE_1, facts(SHAPE_1), H200)
+    line = a.explain()
+    assert "\n" not in line and line.startswith(a.name) and "mixed_fp16" in line
+
+
+@pytest.mark.parametrize("kind, causal, mode", [
+    (MaskKind.NONE, True, "none"), (MaskKind.ALL_TRUE, True, "none"), (MaskKind.ALL_TRUE, False, "none"),
+    (MaskKind.PREFIX, True, "rows"), (MaskKind.PREFIX, False, "keys"),
+    (MaskKind.GENERAL, True, "keys"), (MaskKind.UNKNOWN, True, "device"),
+])
+def test_mask_work_follows_the_mask_kind(kind, causal, mode):
+    config = T.Config(2, 16, 32, 2, 32, 1, causal)
+    assert T.plan(config, facts(config, kind)).mask_mode == mode
+
+
+def test_attention_choice():
+    assert T.plan(SHAPE_1, facts(SHAPE_1), CPU).attention == "xla"
+    assert T.plan(SHAPE_1, facts(SHAPE_1), H200).attention == "xla"            # 32 MiB of scores
+    assert T.plan(SHAPE_14, facts(SHAPE_14), H200).attention == "pallas"      # 5 TB of scores
+    assert T.plan(SHAPE_14, facts(SHAPE_14), H200, policy="exact_fp32").attention == "xla"
+    assert T.plan(SHAPE_1, facts(SHAPE_1), H200, attention="cudnn").attention == "cudnn"
+
+
+def test_batch_chunks_are_divisors_that_fit():
+    plan = T.plan(SHAPE_14, facts(SHAPE_14), H200)
+    assert plan.batch_chunk and SHAPE_14.batch_size % plan.batch_chunk == 0
+    per_sequence = activation_bytes_per_sequence(SHAPE_14, SHAPE_14.seq_len, plan.attention)
+    assert plan.batch_chunk * per_sequence <= 0.25 * H200.memory_bytes
+    assert "batch chunks" in plan.explain()
+    assert T.plan(SHAPE_1, facts(SHAPE_1), H200).batch_chunk is None
+    assert T.plan(SHAPE_14, facts(SHAPE_14), CPU).batch_chunk is None          # memory unknown
+
+
+def test_invalid_plans_are_refused():
+    with pytest.raises(ValueError, match="policy"):
+        T.Plan(policy="bf16", attention="xla", mask_mode="none")
+    with pytest.raises(ValueError, match="attention"):
+        T.Plan(policy="mixed_fp16", attention="magic", mask_mode="none")
+    with pytest.raises(ValueError, match="mask_mode"):
+        T.Plan(policy="mixed_fp16", attention="xla", mask_mode="some")
