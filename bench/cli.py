@@ -1,0 +1,327 @@
+"""`ttj-bench`: the main job. Per shape, every contender in one process and one run:
+
+  baseline     the SPEC reference in eager PyTorch (bench/baseline.py), TF32 on CUDA as the harness sets
+  peer         the best PyTorch-only design (bench/torch_peer.py); on CUDA only unless --peer
+  ttj_bridge   ttj-jax through the PyTorch bridge: what a harness user gets
+  ttj_jax      ttj-jax called from JAX directly: prepared weights, jax arrays in and out
+
+Accuracy: the harness's seeds (1234..1238) plus --extra-seeds more, every element checked with the
+harness rule against the baseline. Timing: the harness protocol (bench/timing.py) for the torch-facing
+contenders; ttj_jax, whose work runs on JAX's own stream that torch's events cannot see, is timed as
+JAX users see it in a loop: back-to-back calls, one block_until_ready per round, time / calls.
+Results: a table, JSON under --out, and (with matplotlib) a PNG of the speedups.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import torch  # noqa: E402
+
+import bridge  # noqa: E402  (sets up jax's allocator before jax touches the GPU)
+import jax  # noqa: E402
+import ttj_jax as T  # noqa: E402
+from bench.baseline import (BaselineTransformer, TransformerConfig, check_close,  # noqa: E402
+                            copy_model_weights, make_inputs)
+from bench.timing import median_host_overhead_us, time_contenders  # noqa: E402
+
+HARNESS_SEEDS = tuple(range(1234, 1239))
+TIMING_SEED_OFFSET = 100000
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="ttj-bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--suite", choices=sorted(T.SUITES), default=None,
+                   help="shape table: 'small' (CPU-sized, the default without a GPU) or 'official' "
+                        "(the fourteen harness shapes, the default with one)")
+    p.add_argument("--shapes", default=None,
+                   help="comma-separated shape ids from the suite (default: all the harness can run)")
+    p.add_argument("--device", default="auto", help="'auto', 'cpu' or 'cuda'")
+    p.add_argument("--extra-seeds", type=int, default=None,
+                   help="accuracy seeds beyond the harness's five (default 20 on CUDA, 0 on the CPU)")
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--calls", type=int, default=None, help="calls per round (default 100, 10 on the CPU)")
+    p.add_argument("--peer", action=argparse.BooleanOptionalAction, default=None,
+                   help="include the torch peer (default: on CUDA only)")
+    p.add_argument("--out", default="bench/results", help="folder for the JSON and the PNG")
+    p.add_argument("--tag", default=None, help="file name stem (default: <suite>-<date>-<device>)")
+    p.add_argument("--no-plot", action="store_true")
+    return p.parse_args(argv)
+
+
+def _slug(text: str) -> str:
+    return "".join(c if c.isalnum() else "-" for c in text.lower()).strip("-")
+
+
+class Progress:
+    """A rich progress bar when rich is installed, plain lines otherwise."""
+
+    def __init__(self, total: int):
+        self.total = total
+        try:
+            from rich.progress import Progress as RichProgress
+            self._rich = RichProgress(transient=False)
+            self._task = self._rich.add_task("shapes", total=total)
+            self._rich.start()
+        except ImportError:
+            self._rich = None
+
+    def step(self, message: str, advance: int = 0):
+        if self._rich is not None:
+            self._rich.update(self._task, description=message, advance=advance)
+        else:
+            print(message, flush=True)
+
+    def close(self):
+        if self._rich is not None:
+            self._rich.stop()
+
+
+def _ttj_jax_contender(module, config: T.Config, x: torch.Tensor):
+    """ttj-jax as a JAX user calls it: prepared weights and a jax input, no torch in the loop."""
+    params = T.params_from_state_dict({k: v.detach().clone() for k, v in module.state_dict().items()}, config)
+    jx = jax.dlpack.from_dlpack(x.detach().clone())
+    plan = T.model.plan_for(config, jx, T.MaskKind.ALL_TRUE)
+    prepared = jax.block_until_ready(T.prepare_weights(params, T.get_policy(plan.policy)))
+    run = T.executable(plan, T.model_key(config))
+    return (lambda: run(prepared, jx, None)), plan
+
+
+def _time_jax_loop(fn, *, warmup: int, rounds: int, calls: int) -> dict:
+    for _ in range(warmup):
+        fn()
+    jax.block_until_ready(fn())
+    per_call = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(calls - 1):
+            fn()
+        jax.block_until_ready(fn())
+        per_call.append((time.perf_counter() - start) * 1e3 / calls)
+    return {"median_ms": statistics.median(per_call), "rounds_ms": per_call, "calls": rounds * calls}
+
+
+def run_shape(shape: T.Shape, args, device: torch.device, progress: Progress) -> dict:
+    config = shape.config
+    harness_config = TransformerConfig(**vars(config))
+    torch.manual_seed(0)
+    baseline = BaselineTransformer(harness_config)
+    ours = bridge.TTJTransformer(harness_config)
+    copy_model_weights(baseline, ours, strict=True)
+    baseline = baseline.to(device=device, dtype=torch.float32).eval()
+    ours = ours.to(device=device, dtype=torch.float32).eval()
+    result = {"config": vars(config), "regime": shape.regime}
+
+    contenders = {"baseline": lambda x, m: baseline(x, m), "ttj_bridge": lambda x, m: ours(x, m)}
+    if args.peer:
+        from bench.torch_peer import build_peer
+        progress.step(f"shape {shape.id}: building the torch peer")
+        t0 = time.perf_counter()
+        contenders["peer"] = build_peer(baseline, harness_config, device=device)
+        result["peer_build_s"] = time.perf_counter() - t0
+
+    # Accuracy: every element of every seed, against the baseline as the harness computes it.
+    seeds = HARNESS_SEEDS + tuple(range(2000, 2000 + args.extra_seeds))
+    accuracy = {name: [0, 0.0] for name in contenders if name != "baseline"}
+    first_call_s = {}
+    with torch.inference_mode():
+        for i, seed in enumerate(seeds):
+            progress.step(f"shape {shape.id}: accuracy seed {i + 1}/{len(seeds)}")
+            x, mask = make_inputs(harness_config, seed, device=device)
+            ref = baseline(x, mask)
+            for name, fn in contenders.items():
+                if name == "baseline":
+                    continue
+                t0 = time.perf_counter()
+                out = fn(x, mask)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                first_call_s.setdefault(name, time.perf_counter() - t0)
+                failed, worst = check_close(out, ref)
+                accuracy[name][0] += failed
+                accuracy[name][1] = max(accuracy[name][1], worst)
+                del out
+            del ref
+
+    result["first_call_s"] = first_call_s
+    result["plan"] = bridge.explain(ours, *make_inputs(harness_config, HARNESS_SEEDS[0], device=device))
+    result["failed_elements"] = accuracy["ttj_bridge"][0]
+    result["worst_err_over_tol"] = accuracy["ttj_bridge"][1]
+    result["accuracy"] = {name: {"failed_elements": f, "worst_err_over_tol": w}
+                          for name, (f, w) in accuracy.items()}
+    result["seeds"] = len(seeds)
+
+    # Timing: one fixed input, the harness protocol.
+    x, mask = make_inputs(harness_config, HARNESS_SEEDS[0] + TIMING_SEED_OFFSET, device=device)
+    calls = args.calls or (100 if device.type == "cuda" else 10)
+    with torch.inference_mode():
+        timed = {name: (lambda fn=fn: fn(x, mask)) for name, fn in contenders.items()}
+        rounds_done = lambda r, n: progress.step(f"shape {shape.id}: timing round {r}/{n}")
+        timings = time_contenders(timed, warmup=args.warmup, rounds=args.rounds, calls=calls, device=device,
+                                  progress=rounds_done)
+        result["bridge_host_us"] = median_host_overhead_us(timed["ttj_bridge"], 50, device=device)
+
+    progress.step(f"shape {shape.id}: ttj-jax from JAX")
+    jax_fn, jax_plan = _ttj_jax_contender(ours, config, x)
+    out = torch.from_dlpack(jax.block_until_ready(jax_fn()))
+    with torch.inference_mode():
+        failed, worst = check_close(out, baseline(x, mask))
+    result["ttj_jax_accuracy"] = {"failed_elements": failed, "worst_err_over_tol": worst}
+    result["ttj_jax_timing"] = _time_jax_loop(jax_fn, warmup=args.warmup, rounds=args.rounds, calls=calls)
+    result["jax_host_us"] = median_host_overhead_us(jax_fn, 50, device=device)
+
+    result["timing"] = timings
+    for name in contenders:
+        result[f"{name}_ms"] = timings[name]["median_ms"]
+    result["ttj_jax_ms"] = result["ttj_jax_timing"]["median_ms"]
+    base_ms = result["baseline_ms"]
+    result["speedup"] = {name: base_ms / result[f"{name}_ms"]
+                         for name in ("peer", "ttj_bridge", "ttj_jax") if f"{name}_ms" in result}
+    del baseline, ours, contenders, timed
+    return result
+
+
+def _geomean(values):
+    values = [v for v in values if v]
+    return float(statistics.geometric_mean(values)) if values else None
+
+
+def print_table(results: dict, device_name: str):
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        Console = None
+    headers = ["shape", "baseline ms", "peer ms", "ttj bridge ms", "ttj jax ms", "bridge x", "jax x",
+               "failed", "worst err/tol"]
+    rows = []
+    for sid, r in results.items():
+        fmt = lambda v: "-" if v is None else f"{v:.4g}"
+        rows.append([sid, fmt(r.get("baseline_ms")), fmt(r.get("peer_ms")), fmt(r.get("ttj_bridge_ms")),
+                     fmt(r.get("ttj_jax_ms")), fmt(r["speedup"].get("ttj_bridge")),
+                     fmt(r["speedup"].get("ttj_jax")), str(r["failed_elements"]),
+                     f"{r['worst_err_over_tol']:.3f}"])
+    geo = {k: _geomean([r["speedup"].get(k) for r in results.values()]) for k in ("peer", "ttj_bridge", "ttj_jax")}
+    footer = "geomean speedup over baseline: " + ", ".join(
+        f"{k} {v:.2f}x" for k, v in geo.items() if v is not None)
+    if Console is not None:
+        table = Table(title=f"ttj-bench on {device_name}")
+        for h in headers:
+            table.add_column(h, justify="right")
+        for row in rows:
+            table.add_row(*row)
+        Console(width=140).print(table)
+    else:
+        print(" | ".join(headers))
+        for row in rows:
+            print(" | ".join(row))
+    print(footer, flush=True)
+    return geo
+
+
+def plot(results: dict, path: str, title: str) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    ids = list(results)
+    series = [("peer", "torch peer"), ("ttj_bridge", "ttj-jax via bridge"), ("ttj_jax", "ttj-jax from JAX")]
+    fig, ax = plt.subplots(figsize=(max(6, len(ids) * 0.9), 4))
+    width = 0.8 / len(series)
+    for i, (key, label) in enumerate(series):
+        values = [results[s]["speedup"].get(key, 0) or 0 for s in ids]
+        if any(values):
+            ax.bar([j + i * width for j in range(len(ids))], values, width, label=label)
+    ax.set_xticks([j + width for j in range(len(ids))], ids)
+    ax.set_yscale("log")
+    ax.set_ylabel("speedup over baseline (log)")
+    ax.set_xlabel("shape")
+    ax.axhline(1.0, color="gray", linewidth=0.8)
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.device == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(args.device)
+    on_cuda = device.type == "cuda"
+    suite_name = args.suite or ("official" if on_cuda else "small")
+    suite = T.SUITES[suite_name]
+    ids = args.shapes.split(",") if args.shapes else [
+        s for s in suite if suite_name != "official" or s in T.shapes.HARNESS_IDS]
+    unknown = [s for s in ids if s not in suite]
+    if unknown:
+        print(f"unknown shape id(s) {unknown} for suite {suite_name}; known: {list(suite)}", file=sys.stderr)
+        return 2
+    if "14" in ids:
+        print("shape 14 cannot run through the harness protocol (its baseline cannot exist); "
+              "see the scale tooling", file=sys.stderr)
+        return 2
+    args.peer = on_cuda if args.peer is None else args.peer
+    args.extra_seeds = (20 if on_cuda else 0) if args.extra_seeds is None else args.extra_seeds
+    if on_cuda:   # what the harness sets: the baseline runs its matmuls in TF32
+        torch.set_float32_matmul_precision("high")
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    device_name = torch.cuda.get_device_name(device) if on_cuda else f"cpu ({platform.machine()})"
+
+    date = datetime.date.today().isoformat()
+    tag = args.tag or f"{suite_name}-{date}-{_slug(device_name.removeprefix('NVIDIA '))}"
+    os.makedirs(args.out, exist_ok=True)
+    json_path = os.path.join(args.out, f"{tag}.json")
+    document = {"gpu": device_name if on_cuda else None, "device": device_name, "jax": jax.__version__,
+                "torch": torch.__version__, "date": date, "suite": suite_name,
+                "command": "ttj-bench " + " ".join(sys.argv[1:] if argv is None else argv), "shapes": {}}
+    if os.path.exists(json_path):   # runs split over several calls fill one file
+        with open(json_path) as f:
+            previous = json.load(f)
+        if previous.get("device") == device_name:
+            document["shapes"] = previous.get("shapes", {})
+
+    progress = Progress(len(ids))
+    try:
+        for sid in ids:
+            shape = suite[sid]
+            progress.step(f"shape {sid}: {shape.describe()}")
+            document["shapes"][sid] = run_shape(shape, args, device, progress)
+            progress.step(f"shape {sid}: done", advance=1)
+            with open(json_path, "w") as f:
+                json.dump(document, f, indent=1)
+            if on_cuda:
+                torch.cuda.empty_cache()
+    finally:
+        progress.close()
+    ordered = dict(sorted(document["shapes"].items(), key=lambda kv: (len(kv[0]), kv[0])))
+    geo = print_table(ordered, device_name)
+    document["geomean_speedup"] = geo
+    with open(json_path, "w") as f:
+        json.dump(document, f, indent=1)
+    print(f"wrote {json_path}")
+    if not args.no_plot and plot(ordered, json_path.removesuffix(".json") + ".png", f"ttj-bench: {device_name}"):
+        print(f"wrote {json_path.removesuffix('.json')}.png")
+    failed = sum(r["failed_elements"] + r["ttj_jax_accuracy"]["failed_elements"] for r in ordered.values())
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
