@@ -62,21 +62,22 @@ def profile_shape(sid: str) -> dict:
         state = runtime._STATES[ours]
         call = next(iter(state.calls.values()))
         weights = state.weights(call.plan.policy)
-        jx = call.import_tensor(x)
+        transfer = call.transfer
+        jx = transfer.to_jax(x)
         y = call.run(weights, jx, None)
         keep = []
         out["step_weights_check"] = host_us(lambda: state.weights(call.plan.policy))
         out["step_classify_mask"] = host_us(lambda: state.classify(mask))
-        out["step_import_x"] = host_us(lambda: call.import_tensor(x))
+        out["step_import_x"] = host_us(lambda: (transfer.order_before_jax(), transfer.to_jax(x)))
         out["step_dispatch"] = host_us(lambda: call.run(weights, jx, None))
-        out["step_export"] = host_us(lambda: torch.from_dlpack(y))
-        out["step_export_and_free"] = host_us(lambda: keep.append(torch.from_dlpack(call.run(weights, jx, None)))
+        out["step_export"] = host_us(lambda: transfer.to_torch(y))
+        out["step_export_and_free"] = host_us(lambda: keep.append(transfer.to_torch(call.run(weights, jx, None)))
                                               or keep.clear())
         out["bridge_call_host"] = host_us(lambda: ours(x, mask))
         out["bridge_call_no_mask_host"] = host_us(lambda: ours(x, None))
         out["torch_add_host"] = host_us(lambda: x + 1)
         timed = time_contenders({"bridge": lambda: ours(x, mask), "bridge_no_mask": lambda: ours(x, None),
-                                 "jax_dispatch_plus_export": lambda: torch.from_dlpack(call.run(weights, jx, None)),
+                                 "jax_dispatch_plus_export": lambda: transfer.to_torch(call.run(weights, jx, None)),
                                  "torch_add": lambda: x + 1}, warmup=20, rounds=3, calls=100, device="cuda")
         out["events_ms"] = {k: v["median_ms"] for k, v in timed.items()}
         out["events_p10_ms"] = {k: v["p10_ms"] for k, v in timed.items()}

@@ -7,22 +7,24 @@ Per module, built once and reused (held in a WeakKeyDictionary, so nothing is ad
   alive, so a new allocation can never reuse a cached address (no false "unchanged").
 - per input signature (shape, dtype, device, mask kind): the plan and its compiled executable.
 - the kind of the last mask seen, keyed by the tensor object and its version counter.
-Per call, the work is: a few attribute checks, a key comparison, one DLPack import of x (the fast
-native path, compat.dlpack_importer), the async jax dispatch, and one DLPack export. No host sync:
-torch's pending writes to x are ordered before jax reads it through the DLPack stream protocol, and
-torch's stream waits on jax's result the same way on export.
+Per call, the work is: a few attribute checks, a key comparison, one DLPack import of x (the native
+path, compat.DlpackImporter), the async jax dispatch, and one DLPack export. No host sync: torch's
+pending writes to x are ordered before jax reads it by one cached CUDA event (_Transfer), and torch's
+stream waits on jax's result through the DLPack protocol on export; later torch writes to x are
+therefore ordered after jax's reads too.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import weakref
+from operator import attrgetter
 from typing import Any, Callable
 
 import torch
 
 import jax
-from ttj_jax.compat import dlpack_importer
+from ttj_jax.compat import dlpack_exporter, dlpack_importer
 from ttj_jax.config import Config
 from ttj_jax.masks import MaskKind, classify_mask
 from ttj_jax.model import executable, model_key, plan_for, validate_inputs
@@ -31,17 +33,62 @@ from ttj_jax.params import expected_shapes, params_from_state_dict, prepare_weig
 from ttj_jax.planner import Plan
 
 _STATES: "weakref.WeakKeyDictionary[torch.nn.Module, _ModuleState]" = weakref.WeakKeyDictionary()
-_IMPORTERS: dict[tuple[int, int], Callable[[torch.Tensor], Any]] = {}
+_TRANSFERS: dict[tuple[str, int | None], "_Transfer"] = {}
 _PREPARE = {}   # policy name -> jitted prepare_weights
+_version_of = attrgetter("_version")
+_data_ptr_of = torch.Tensor.data_ptr
 
 
-def _importer(device: torch.device) -> Callable[[torch.Tensor], Any]:
-    key = (device.type, device.index)
-    importer = _IMPORTERS.get(key)
-    if importer is None:
+class _Transfer:
+    """Moves tensors between torch and jax on one device, zero-copy, ordered on the GPU.
+
+    CUDA, torch -> jax: one cached event is recorded on torch's current stream and jax's stream waits
+    on it, then the tensors cross as plain capsules. That is the DLPack stream protocol's ordering done
+    once per call with cached objects, instead of per tensor inside torch's `__dlpack__`.
+    CUDA, jax -> torch: jax makes torch's current stream wait for the result (DLPack protocol).
+    Elsewhere (the CPU) both directions use the plain protocol.
+    """
+
+    def __init__(self, device: torch.device):
         probe = torch.empty(1, device=device)
-        importer = _IMPORTERS[key] = dlpack_importer(*probe.__dlpack_device__())
-    return importer
+        self.importer = dlpack_importer(*probe.__dlpack_device__())
+        self.device = device
+        self.on_cuda = device.type == "cuda" and self.importer.fast and self.importer.stream is not None
+        self.export_capsule = dlpack_exporter()
+        if self.on_cuda:
+            self.jax_stream = torch.cuda.ExternalStream(self.importer.stream, device=device)
+            self.event = torch.cuda.Event()
+
+    def order_before_jax(self) -> None:
+        """Makes jax's stream wait for everything torch's current stream has queued so far."""
+        if self.on_cuda:
+            self.event.record(torch.cuda.current_stream(self.device))
+            self.jax_stream.wait_event(self.event)
+
+    def to_jax(self, tensor: torch.Tensor):
+        """Call order_before_jax() first (once for all tensors of one call)."""
+        if self.on_cuda:
+            return self.importer.from_capsule(torch.utils.dlpack.to_dlpack(tensor))
+        return self.importer(tensor)
+
+    def to_torch(self, array) -> torch.Tensor:
+        if not self.on_cuda:
+            return torch.from_dlpack(array)
+        stream = torch.cuda.current_stream(self.device).cuda_stream or 1   # DLPack: 1 = legacy default
+        try:
+            return torch.utils.dlpack.from_dlpack(self.export_capsule(array, stream))
+        except (TypeError, ValueError, RuntimeError, AttributeError):
+            # this jax's native export wants something else: use the array's own protocol from now on
+            self.export_capsule = lambda a, s: a.__dlpack__(stream=s)
+            return torch.utils.dlpack.from_dlpack(self.export_capsule(array, stream))
+
+
+def _transfer(device: torch.device) -> _Transfer:
+    key = (device.type, device.index)
+    transfer = _TRANSFERS.get(key)
+    if transfer is None:
+        transfer = _TRANSFERS[key] = _Transfer(device)
+    return transfer
 
 
 def _torch_dtype_name(dtype: torch.dtype) -> str:
@@ -52,7 +99,7 @@ def _torch_dtype_name(dtype: torch.dtype) -> str:
 class _Call:
     plan: Plan
     run: Callable
-    import_tensor: Callable
+    transfer: _Transfer
     passes_mask: bool
     upcast_to: torch.dtype | None   # float64 inputs compute in float32 and are cast back
 
@@ -83,7 +130,8 @@ class _ModuleState:
         self.mask_kind = None
 
     def current_key(self):
-        return [p._version for p in self.params], [p.data_ptr() for p in self.params]
+        # map() over C-level getters: ~8 us for 66 parameters, where a Python loop took ~18 us on the H200 host
+        return list(map(_version_of, self.params)), list(map(_data_ptr_of, self.params))
 
     def weights(self, policy_name: str):
         key = self.current_key()
@@ -102,12 +150,13 @@ class _ModuleState:
             if p.device != device:
                 raise ValueError(f"parameter {name} is on {p.device} but {self.names[0]} is on {device}")
         if not self.views:
-            importer = _importer(device)
+            transfer = _transfer(device)
+            transfer.order_before_jax()
             for name, p in zip(self.names, self.params):
                 t = p.detach()
                 if t.dtype == torch.float64:     # jax without x64 mode computes in float32
                     t = t.float()
-                self.views[name] = importer(t if t.is_contiguous() else t.contiguous())
+                self.views[name] = transfer.to_jax(t if t.is_contiguous() else t.contiguous())
         raw = params_from_state_dict(self.views, self.config)
         prepare = _PREPARE.get(policy_name)
         if prepare is None:
@@ -130,13 +179,13 @@ class _ModuleState:
     def build_call(self, x: torch.Tensor, kind: MaskKind) -> _Call:
         if x.device != self.params[0].device:
             raise ValueError(f"x is on {x.device} but the module's weights are on {self.params[0].device}")
-        importer = _importer(x.device)
+        transfer = _transfer(x.device)
         upcast = x.dtype if x.dtype == torch.float64 else None
-        jax_device = getattr(importer, "device", None)
+        jax_device = transfer.importer.device
         shape_probe = jax.ShapeDtypeStruct(tuple(x.shape), "float32" if upcast else _torch_dtype_name(x.dtype))
         plan = plan_for(self.config, shape_probe, kind, device=jax_device or jax.devices(
             "cpu" if x.device.type == "cpu" else None)[0])
-        return _Call(plan=plan, run=executable(plan, self.model_key, True), import_tensor=importer,
+        return _Call(plan=plan, run=executable(plan, self.model_key, True), transfer=transfer,
                      passes_mask=plan.mask_mode != "none", upcast_to=upcast)
 
 
@@ -183,11 +232,13 @@ def forward(module: torch.nn.Module, x: torch.Tensor, valid_token_mask: torch.Te
         x = x.detach()
     if call.upcast_to is not None:
         x = x.float()
-    jx = call.import_tensor(x if x.is_contiguous() else x.contiguous())
+    transfer = call.transfer
+    transfer.order_before_jax()
+    jx = transfer.to_jax(x if x.is_contiguous() else x.contiguous())
     jmask = None
     if call.passes_mask:
-        jmask = call.import_tensor(mask if mask.is_contiguous() else mask.contiguous())
-    out = torch.from_dlpack(call.run(weights, jx, jmask))
+        jmask = transfer.to_jax(mask if mask.is_contiguous() else mask.contiguous())
+    out = transfer.to_torch(call.run(weights, jx, jmask))
     return out if call.upcast_to is None else out.to(call.upcast_to)
 
 

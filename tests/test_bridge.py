@@ -215,3 +215,17 @@ def test_bad_configs_and_modules():
         bridge.forward(torch.nn.Linear(4, 4), torch.randn(1, 2, 4))
     with pytest.raises(ValueError, match="lacks parameter"):
         bridge.forward(torch.nn.Linear(4, 4), torch.randn(1, 2, 4), config=CONFIG)
+
+
+def test_capsule_paths_are_zero_copy_both_ways():
+    """The native import of an already-ordered capsule and the native export (the CUDA hot path's
+    calls, exercised here on the CPU) share memory with their source."""
+    from ttj_jax.compat import dlpack_exporter, dlpack_importer
+    t = torch.randn(3, 5)
+    importer = dlpack_importer(*t.__dlpack_device__())
+    assert importer.fast
+    a = importer.from_capsule(torch.utils.dlpack.to_dlpack(t))
+    assert a.unsafe_buffer_pointer() == t.data_ptr()
+    np.testing.assert_array_equal(np.asarray(a), t.numpy())
+    back = torch.utils.dlpack.from_dlpack(dlpack_exporter()(a, None))
+    assert back.data_ptr() == t.data_ptr() and torch.equal(back, t)
