@@ -1,0 +1,101 @@
+"""The harness's timing protocol (SPEC section 2, point 4), and a host-overhead probe.
+
+The harness warms each contender up, then runs rounds of calls, alternating which contender goes first,
+and times every call with a pair of CUDA events recorded on torch's current stream. The events see GPU
+time only, but host time inside a call still counts wherever it leaves the GPU idle, which on small
+shapes is most of it. On the CPU, `time.perf_counter` stands in for the events.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+
+# progress(rounds_done, rounds): called after each round (the CLI drives a progress bar with it).
+ProgressCallback = Callable[[int, int], None]
+
+
+def _summary(samples_ms: list[float]) -> dict:
+    return {
+        "median_ms": float(np.median(samples_ms)),
+        "p10_ms": float(np.percentile(samples_ms, 10)),
+        "p90_ms": float(np.percentile(samples_ms, 90)),
+        "calls": len(samples_ms),
+    }
+
+
+def _round_cuda(fn: Callable[[], Any], calls: int, device: torch.device) -> list:
+    stream = torch.cuda.current_stream(device)
+    # Created before the loop so that creating them never lands between a start and an end record.
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(calls)]
+    for start, end in events:
+        start.record(stream)
+        fn()
+        end.record(stream)
+    return events
+
+
+def _round_cpu(fn: Callable[[], Any], calls: int) -> list[float]:
+    samples = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e3)
+    return samples
+
+
+def time_contenders(contenders: dict[str, Callable[[], Any]], *, warmup: int = 20, rounds: int = 3,
+                    calls: int = 100, device, progress: Optional[ProgressCallback] = None
+                    ) -> dict[str, dict]:
+    """Times zero-argument callables (closures over one fixed input) the way the harness does.
+
+    Each contender gets `warmup` untimed calls, then `rounds` rounds of `calls` timed calls each;
+    the contender order is reversed every other round. Returns, per contender,
+    {"median_ms", "p10_ms", "p90_ms", "calls"} over all timed calls.
+    """
+    device = torch.device(device)
+    on_cuda = device.type == "cuda"
+    names = list(contenders)
+    for name in names:
+        for _ in range(warmup):
+            contenders[name]()
+    if on_cuda:
+        torch.cuda.synchronize(device)
+
+    samples_ms: dict[str, list[float]] = {name: [] for name in names}
+    for round_index in range(rounds):
+        order = names if round_index % 2 == 0 else names[::-1]
+        if on_cuda:
+            pending = [(name, _round_cuda(contenders[name], calls, device)) for name in order]
+            torch.cuda.synchronize(device)
+            for name, events in pending:
+                samples_ms[name].extend(start.elapsed_time(end) for start, end in events)
+        else:
+            for name in order:
+                samples_ms[name].extend(_round_cpu(contenders[name], calls))
+        if progress is not None:
+            progress(round_index + 1, rounds)
+    return {name: _summary(samples_ms[name]) for name in names}
+
+
+def median_host_overhead_us(fn: Callable[[], Any], calls: int, *, device=None) -> float:
+    """Median host time, in microseconds, of issuing one call: `perf_counter` around the call, no sync.
+
+    On a CUDA device the GPU is drained before each call (outside the timed span), so a full launch
+    queue never makes the host wait and the number is the issue cost alone.
+    """
+    sync = (lambda: torch.cuda.synchronize(device)) if (
+        device is not None and torch.device(device).type == "cuda") else (lambda: None)
+    samples_us = []
+    for _ in range(calls):
+        sync()
+        start = time.perf_counter()
+        fn()
+        samples_us.append((time.perf_counter() - start) * 1e6)
+    sync()
+    return statistics.median(samples_us)
