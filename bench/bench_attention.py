@@ -1,0 +1,407 @@
+"""Causal flash attention on the GPU: ttj's Pallas kernel against cuDNN, XLA and jax's bundled kernels.
+
+    python bench/bench_attention.py [--quick] [--check] [--out DIR]
+
+First a correctness sweep of ttj's kernel on the GPU (the Triton-lowered twin of
+tests/test_flash_attention.py: odd S, every head_dim, masks, fp32/bf16 inputs, the fused-qkv layout,
+determinism). Then, per case, ttj's output on the full case is checked against the fp32 reference on a
+prefix (causal rows [:K] depend only on inputs [:K]) and on the last rows, and every contender is timed:
+compile apart, warm-up, then the median of repeated timings of N back-to-back calls with N chosen so one
+timing lasts >= 50 ms. Every contender runs inside try/except: a failure is recorded, never fatal.
+Writes <out>/attention-<date>-<gpu>.json and prints a table last.
+
+--check runs only the correctness parts (exit status 1 if one fails). --quick skips S=100000 and times
+fewer block-size variants. --smoke runs tiny cases in interpret mode to test this script on a CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import functools
+import json
+import math
+import pathlib
+import re
+import statistics
+import sys
+import time
+import traceback
+
+_REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
+if str(_REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(_REPO_ROOT))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from ttj_jax.kernels import BlockSizes, flash_attention, flash_attention_fused_qkv  # noqa: E402
+from ttj_jax.kernels import flash_attention_reference  # noqa: E402
+from ttj_jax.kernels.flash_attention import resolve_block_sizes  # noqa: E402
+
+# Timing cases, all causal fp16: (B, H, S, head_dim).
+CASES = [(1, 16, 100_000, 64), (1, 16, 16384, 64), (64, 4, 1024, 32),
+         (64, 4, 128, 8), (64, 4, 128, 32), (64, 4, 128, 128), (64, 4, 128, 256)]
+SMOKE_CASES = [(1, 2, 100, 64), (2, 2, 40, 8)]
+CHECK_PREFIX_LEN = 4096    # rows of a big case checked against the reference on the prefix
+CHECK_LAST_ROWS = 64       # and the last rows, which see the most keys
+XLA_SCORES_LIMIT_BYTES = 8e9
+MIN_TIMING_S = 0.05
+IN_GRAPH_THRESHOLD_MS = 1.0   # calls shorter than this are timed IN_GRAPH_REPEATS at a time in one program
+IN_GRAPH_REPEATS = 50
+TIMING_REPEATS = 5
+FP16_UNIT_ROUNDOFF = 2.0 ** -11
+# Same pass rule as tests/test_flash_attention.py: |err| <= units * u * max|v|.
+TOLERANCE_UNITS = {"float16": (2, 2.0 ** -11), "float32": (4, 2.0 ** -11), "bfloat16": (2, 2.0 ** -8)}
+
+# Block-size variants timed per case next to the default (how the default table gets chosen).
+VARIANTS_BY_HEAD_DIM = {
+    8: [BlockSizes(64, 64, 4, 2), BlockSizes(128, 64, 4, 2), BlockSizes(32, 32, 2, 2), BlockSizes(128, 128, 4, 2)],
+    32: [BlockSizes(128, 64, 4, 3), BlockSizes(64, 64, 4, 2), BlockSizes(128, 128, 8, 3), BlockSizes(64, 32, 4, 3)],
+    64: [BlockSizes(128, 64, 4, 3), BlockSizes(128, 128, 8, 3), BlockSizes(64, 64, 4, 3), BlockSizes(128, 64, 8, 4)],
+    128: [BlockSizes(128, 64, 8, 3), BlockSizes(64, 64, 4, 3), BlockSizes(128, 128, 8, 2), BlockSizes(64, 32, 4, 3)],
+    256: [BlockSizes(64, 64, 8, 2), BlockSizes(64, 32, 4, 2), BlockSizes(32, 64, 4, 2), BlockSizes(128, 32, 8, 2)],
+}
+
+
+def log(message: str):
+    print(message, flush=True)
+
+
+def _random_qkv(seed, shape, dtype):
+    keys = jax.random.split(jax.random.key(seed), 3)
+    return tuple(jax.random.normal(key, shape, jnp.float32).astype(dtype) for key in keys)
+
+
+def _error_and_tolerance(out, ref, v):
+    """Max |out - ref| and the pass tolerance (units * u * max|v|) for v's dtype."""
+    units, unit_roundoff = TOLERANCE_UNITS[jnp.dtype(v.dtype).name]
+    atol = units * unit_roundoff * float(jnp.max(jnp.abs(v.astype(jnp.float32))))
+    diff = jnp.abs(out.astype(jnp.float32) - ref.astype(jnp.float32))
+    finite = bool(jnp.all(jnp.isfinite(out.astype(jnp.float32))))
+    return (float(jnp.max(diff)) if finite else math.inf), atol
+
+
+_reference = jax.jit(flash_attention_reference, static_argnames=("causal", "sm_scale"))
+
+
+@jax.jit
+def _reference_last_rows(q_rows, k, v):
+    """Causal attention for the last R query rows of a sequence, against all its keys, in fp32."""
+    rows, seq_len, head_dim = q_rows.shape[1], k.shape[1], k.shape[-1]
+    q32, k32, v32 = (x.astype(jnp.float32) for x in (q_rows, k, v))
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q32, k32, precision=jax.lax.Precision.HIGHEST) * head_dim ** -0.5
+    query_pos = seq_len - rows + jnp.arange(rows)
+    scores = jnp.where(jnp.arange(seq_len)[None, :] <= query_pos[:, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1)
+    return jnp.einsum("bhqk,bkhd->bqhd", probs, v32, precision=jax.lax.Precision.HIGHEST)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Correctness sweep (the GPU twin of the CI tests).
+
+def _sweep_configs(smoke: bool):
+    f16, f32, bf16 = jnp.float16, jnp.float32, jnp.bfloat16
+    configs = [  # (S, head_dim, dtype, causal, masks)
+        (1, 64, f16, True, None), (7, 8, f16, False, None), (33, 16, f16, True, "lengths"),
+        (127, 32, f16, False, "mask"), (127, 64, f32, True, "both"), (129, 128, f16, False, None),
+        (1000, 128, f16, True, None), (1000, 256, f16, False, "mask"), (255, 256, bf16, True, "lengths"),
+        (300, 48, f32, False, "both"), (513, 64, f16, True, "mask"), (1000, 8, f16, True, "both"),
+    ]
+    return configs[:4] if smoke else configs
+
+
+def run_sweep(interpret: bool, smoke: bool) -> list[dict]:
+    checks = []
+    batch, heads = 2, 2
+    for index, (seq_len, head_dim, dtype, causal, masks) in enumerate(_sweep_configs(smoke)):
+        name = f"sweep S={seq_len} hd={head_dim} {jnp.dtype(dtype).name} causal={causal} masks={masks}"
+        record = {"name": name, "S": seq_len, "head_dim": head_dim, "dtype": jnp.dtype(dtype).name,
+                  "causal": causal, "masks": masks}
+        try:
+            q, k, v = _random_qkv(index, (batch, seq_len, heads, head_dim), dtype)
+            kwargs = {}
+            if masks in ("lengths", "both"):
+                kwargs["kv_lengths"] = jnp.asarray([0 if masks == "lengths" else seq_len // 3, seq_len // 2 + 1],
+                                                   jnp.int32)
+            if masks in ("mask", "both"):
+                key_mask = np.random.default_rng(index).random((batch, seq_len)) < 0.6
+                key_mask[0] = False  # a fully masked row must give zeros
+                kwargs["key_mask"] = jnp.asarray(key_mask)
+            out = flash_attention(q, k, v, causal=causal, interpret=interpret, **kwargs)
+            ref = _reference(*(x.astype(jnp.float32) for x in (q, k, v)), causal=causal, **kwargs)
+            err, atol = _error_and_tolerance(out, ref, v)
+            record.update(max_abs_err=err, atol=atol, passed=err <= atol)
+        except Exception as exc:  # noqa: BLE001 - a failure is a result here
+            record.update(passed=False, error=_describe(exc))
+        checks.append(record)
+        log(f"  {'ok  ' if record['passed'] else 'FAIL'} {name} err={record.get('max_abs_err')} "
+            f"atol={record.get('atol')} {record.get('error', '')}")
+
+    for seq_len, head_dim in ([(127, 64)] if smoke else [(127, 64), (1000, 32)]):
+        record = {"name": f"fused qkv == separate S={seq_len} hd={head_dim}", "S": seq_len, "head_dim": head_dim}
+        try:
+            qkv = _random_qkv(99, (batch, seq_len, 3, heads, head_dim), jnp.float16)[0]
+            lengths = jnp.asarray([seq_len, seq_len // 2], jnp.int32)
+            fused = flash_attention_fused_qkv(qkv, causal=True, kv_lengths=lengths, interpret=interpret)
+            separate = flash_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], causal=True,
+                                       kv_lengths=lengths, interpret=interpret)
+            diff = float(jnp.max(jnp.abs(fused.astype(jnp.float32) - separate.astype(jnp.float32))))
+            record.update(max_abs_err=diff, bit_identical=bool(jnp.array_equal(fused, separate)),
+                          passed=diff <= FP16_UNIT_ROUNDOFF * float(jnp.max(jnp.abs(qkv[:, :, 2]))))
+        except Exception as exc:  # noqa: BLE001
+            record.update(passed=False, error=_describe(exc))
+        checks.append(record)
+        log(f"  {'ok  ' if record['passed'] else 'FAIL'} {record['name']} diff={record.get('max_abs_err')} "
+            f"bit_identical={record.get('bit_identical')} {record.get('error', '')}")
+
+    record = {"name": "two runs bit-identical"}
+    try:
+        q, k, v = _random_qkv(7, (batch, 257 if smoke else 1000, heads, 64), jnp.float16)
+        first = flash_attention(q, k, v, causal=True, interpret=interpret)
+        second = flash_attention(q, k, v, causal=True, interpret=interpret)
+        record.update(passed=bool(jnp.array_equal(first, second)))
+    except Exception as exc:  # noqa: BLE001
+        record.update(passed=False, error=_describe(exc))
+    checks.append(record)
+    log(f"  {'ok  ' if record['passed'] else 'FAIL'} {record['name']} {record.get('error', '')}")
+    return checks
+
+
+# ----------------------------------------------------------------------------------------------------
+# Timing.
+
+@dataclasses.dataclass
+class Contender:
+    name: str
+    fn: object                       # (q, k, v) -> out
+    block_sizes: BlockSizes | None = None
+    skip_reason: str | None = None
+
+
+def _contenders(batch, heads, seq_len, head_dim, *, quick: bool, interpret: bool) -> list[Contender]:
+    scale = head_dim ** -0.5
+    variants = [resolve_block_sizes(seq_len, head_dim, None)]  # the default first
+    for candidate in VARIANTS_BY_HEAD_DIM.get(head_dim, []):
+        resolved = resolve_block_sizes(seq_len, head_dim, candidate)  # as the kernel will run it
+        if resolved not in variants:
+            variants.append(resolved)
+    variants = variants[:2] if quick else variants[:4]
+    contenders = [Contender("ttj", _ttj(bs, interpret), bs) for bs in variants]
+    # Under --smoke (CPU) the contenders below fail or run on the CPU: that tests the error handling.
+
+    contenders.append(Contender("cudnn", lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, is_causal=True, implementation="cudnn")))
+    scores_bytes = batch * heads * seq_len * seq_len * 4
+    contenders.append(Contender(
+        "xla", lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla"),
+        skip_reason=(f"skipped: [B,H,S,S] fp32 scores would take {scores_bytes / 1e9:.1f} GB"
+                     if scores_bytes > XLA_SCORES_LIMIT_BYTES else None)))
+
+    def jax_triton(q, k, v):
+        from jax.experimental.pallas.ops.gpu import attention as jax_attention
+        return jax_attention.mha(q, k, v, None, scale, True)  # segment_ids, sm_scale, causal
+
+    def jax_mosaic(q, k, v):
+        # Note: this kernel applies no softmax scale; the work is the same, so the timing compares.
+        from jax.experimental.pallas.ops.gpu import attention_mgpu
+        config = attention_mgpu.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2, causal=True)
+        return attention_mgpu.attention(q, k, v, config)
+
+    contenders.append(Contender("jax_triton", jax_triton))
+    contenders.append(Contender("jax_mosaic", jax_mosaic))
+    return contenders
+
+
+def _ttj(block_sizes, interpret):
+    return lambda q, k, v: flash_attention(q, k, v, causal=True, block_sizes=block_sizes, interpret=interpret)
+
+
+def _repeated(fn, repeats, q, k, v):
+    """`repeats` calls of fn inside one program, each depending on the previous one's output (through one
+    element of q), so small cases are timed without the host's per-call dispatch cost."""
+    def body(_, carry):
+        q, _ = carry
+        out = fn(q, k, v)
+        return q.at[0, 0, 0, 0].set(out[0, 0, 0, 0].astype(q.dtype)), out
+    return jax.lax.fori_loop(0, repeats, body, (q, jnp.zeros(q.shape, q.dtype)))[1]
+
+
+def _measure(fn, compiled, args) -> dict:
+    """Time per call: directly when one call is long, else from `IN_GRAPH_REPEATS` calls in one program."""
+    ms_dispatch, calls = _time_compiled(compiled, args)
+    timing = {"ms_per_dispatch": ms_dispatch, "calls_per_timing": calls, "in_graph_repeats": 1}
+    if ms_dispatch >= IN_GRAPH_THRESHOLD_MS:
+        return dict(timing, ms=ms_dispatch)
+    looped = jax.jit(functools.partial(_repeated, fn, IN_GRAPH_REPEATS)).lower(*args).compile()
+    ms_looped, calls = _time_compiled(looped, args)
+    return dict(timing, ms=ms_looped / IN_GRAPH_REPEATS, calls_per_timing=calls, in_graph_repeats=IN_GRAPH_REPEATS)
+
+
+def _time_compiled(compiled, args) -> tuple[float, int]:
+    """Median ms per call over TIMING_REPEATS timings of N back-to-back calls, each >= MIN_TIMING_S."""
+    jax.block_until_ready(compiled(*args))  # warm-up
+    calls = 1
+    while True:
+        start = time.perf_counter()
+        for _ in range(calls):
+            out = compiled(*args)
+        jax.block_until_ready(out)
+        elapsed = time.perf_counter() - start
+        if elapsed >= MIN_TIMING_S:
+            break
+        calls = max(calls * 2, math.ceil(calls * 1.2 * MIN_TIMING_S / max(elapsed, 1e-6)))
+    timings = []
+    for _ in range(TIMING_REPEATS):
+        start = time.perf_counter()
+        for _ in range(calls):
+            out = compiled(*args)
+        jax.block_until_ready(out)
+        timings.append((time.perf_counter() - start) / calls)
+    return statistics.median(timings) * 1e3, calls
+
+
+def _check_case_output(out, q, k, v, label: str, prefix_len: int) -> dict:
+    """ttj's output on the full case against the fp32 reference on a prefix and on the last rows."""
+    seq_len = q.shape[1]
+    prefix = min(seq_len, prefix_len)
+    ref = _reference(*(x[:, :prefix].astype(jnp.float32) for x in (q, k, v)), causal=True)
+    err, atol = _error_and_tolerance(out[:, :prefix], ref, v)
+    record = {"name": f"{label} rows [:{prefix}]", "max_abs_err": err, "atol": atol}
+    if seq_len > prefix:
+        rows = min(CHECK_LAST_ROWS, seq_len)
+        tail_ref = _reference_last_rows(q[:, -rows:], k, v)
+        tail_err, _ = _error_and_tolerance(out[:, -rows:], tail_ref, v)
+        record.update(name=f"{label} rows [:{prefix}] and [-{rows}:]", max_abs_err=max(err, tail_err))
+    record["passed"] = record["max_abs_err"] <= atol
+    return record
+
+
+def run_case(batch, heads, seq_len, head_dim, *, quick, check_only, interpret) -> tuple[list, list]:
+    results, checks = [], []
+    q, k, v = _random_qkv(seq_len + head_dim, (batch, seq_len, heads, head_dim), jnp.float16)
+    flops = 2 * batch * heads * seq_len * seq_len * head_dim  # causal: half of 4*B*H*S*S*hd
+    shape = {"B": batch, "S": seq_len, "H": heads, "head_dim": head_dim, "causal": True}
+    label = f"B={batch} H={heads} S={seq_len} hd={head_dim}"
+    for contender in _contenders(batch, heads, seq_len, head_dim, quick=quick, interpret=interpret):
+        if check_only and contender.name != "ttj":
+            continue
+        record = dict(shape, contender=contender.name, tflops=None, ms=None)
+        if contender.block_sizes is not None:
+            record["block_sizes"] = dataclasses.asdict(contender.block_sizes)
+        blocks_text = (f" {contender.block_sizes.block_q}x{contender.block_sizes.block_k}"
+                       f" w{contender.block_sizes.num_warps} s{contender.block_sizes.num_stages}"
+                       if contender.block_sizes else "")
+        if contender.skip_reason:
+            record["error"] = contender.skip_reason
+            results.append(record)
+            log(f"  {contender.name:10s}{blocks_text}: {contender.skip_reason}")
+            continue
+        try:
+            start = time.perf_counter()
+            compiled = jax.jit(contender.fn).lower(q, k, v).compile()
+            record["compile_s"] = round(time.perf_counter() - start, 3)
+            if contender.name == "ttj":
+                check = _check_case_output(compiled(q, k, v), q, k, v, f"{label} ttj{blocks_text}",
+                                           prefix_len=64 if interpret else CHECK_PREFIX_LEN)
+                check["block_sizes"] = record["block_sizes"]
+                checks.append(check)
+                record["check_passed"] = check["passed"]
+                log(f"  {'ok  ' if check['passed'] else 'FAIL'} {check['name']} "
+                    f"err={check['max_abs_err']:.3g} atol={check['atol']:.3g}")
+            if not check_only:
+                record.update(_measure(contender.fn, compiled, (q, k, v)))
+                record["tflops"] = flops / (record["ms"] * 1e-3) / 1e12
+                log(f"  {contender.name:10s}{blocks_text}: {record['ms']:9.3f} ms  {record['tflops']:7.1f} TFLOP/s "
+                    f"(x{record['in_graph_repeats']} in graph; {record['ms_per_dispatch']:.3f} ms per dispatch; "
+                    f"compile {record['compile_s']:.1f} s)")
+        except Exception as exc:  # noqa: BLE001 - one contender's failure must not end the run
+            record["error"] = _describe(exc)
+            log(f"  {contender.name:10s}{blocks_text}: ERROR {record['error'][:300]}")
+        results.append(record)
+    return results, checks
+
+
+def _describe(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}"
+    if len(text) > 2000:
+        text = text[:2000] + " ..."
+    return text + " | at " + " <- ".join(
+        f"{frame.name}:{frame.lineno}" for frame in reversed(traceback.extract_tb(exc.__traceback__)[-3:]))
+
+
+def _print_table(results: list[dict]):
+    log("")
+    log(f"{'case':28s} {'contender':10s} {'blocks':16s} {'ms':>10s} {'TFLOP/s':>8s} {'vs cudnn':>8s}")
+    cudnn_ms = {(r["B"], r["H"], r["S"], r["head_dim"]): r["ms"] for r in results
+                if r["contender"] == "cudnn" and r["ms"]}
+    for r in results:
+        key = (r["B"], r["H"], r["S"], r["head_dim"])
+        case = f"B={r['B']} H={r['H']} S={r['S']} hd={r['head_dim']}"
+        blocks = r.get("block_sizes")
+        blocks = (f"{blocks['block_q']}x{blocks['block_k']} w{blocks['num_warps']} s{blocks['num_stages']}"
+                  if blocks else "")
+        if r["ms"] is None:
+            log(f"{case:28s} {r['contender']:10s} {blocks:16s} {(r.get('error') or '')[:60]}")
+            continue
+        ratio = f"{cudnn_ms[key] / r['ms']:.2f}x" if key in cudnn_ms else ""
+        flag = "  CHECK FAILED" if r.get("check_passed") is False else ""
+        log(f"{case:28s} {r['contender']:10s} {blocks:16s} {r['ms']:10.3f} {r['tflops']:8.1f} {ratio:>8s}{flag}")
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "unknown"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--quick", action="store_true", help="skip S=100000 and time fewer block-size variants")
+    parser.add_argument("--check", action="store_true", help="correctness checks only, no timing")
+    parser.add_argument("--out", default=str(_REPO_ROOT / "bench" / "results"), help="folder for the JSON")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny cases in interpret mode: tests this script on a CPU, numbers mean nothing")
+    args = parser.parse_args(argv)
+
+    device = jax.devices()[0]
+    if device.platform != "gpu" and not args.smoke:
+        log(f"bench_attention needs a GPU (found {device.platform}); use --smoke to test the script on a CPU")
+        return 2
+    interpret = args.smoke
+    gpu_name = getattr(device, "device_kind", device.platform)
+    log(f"device: {gpu_name}, jax {jax.__version__}")
+    started = time.perf_counter()
+
+    log("correctness sweep:")
+    checks = run_sweep(interpret, args.smoke)
+    cases = SMOKE_CASES if args.smoke else [c for c in CASES if not (args.quick and c[2] >= 100_000)]
+    results = []
+    for batch, heads, seq_len, head_dim in cases:
+        log(f"case B={batch} H={heads} S={seq_len} head_dim={head_dim} causal fp16 "
+            f"({time.perf_counter() - started:.0f} s so far):")
+        case_results, case_checks = run_case(batch, heads, seq_len, head_dim, quick=args.quick,
+                                             check_only=args.check, interpret=interpret)
+        results += case_results
+        checks += case_checks
+
+    date = datetime.date.today().isoformat()
+    out_dir = pathlib.Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    suffix = "-smoke" if args.smoke else ("-check" if args.check else "")
+    path = out_dir / f"attention-{date}-{_slug(gpu_name)}{suffix}.json"
+    payload = {"gpu": gpu_name, "jax": jax.__version__, "date": date, "quick": args.quick,
+               "check_only": args.check, "cases": results, "checks": checks}
+    path.write_text(json.dumps(payload, indent=1, default=str) + "\n")
+
+    if not args.check:
+        _print_table(results)
+    failed = [c["name"] for c in checks if not c["passed"]]
+    log(f"\nchecks: {len(checks) - len(failed)}/{len(checks)} passed" + (f"; FAILED: {failed}" if failed else ""))
+    log(f"wrote {path} ({time.perf_counter() - started:.0f} s)")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

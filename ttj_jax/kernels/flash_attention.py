@@ -1,0 +1,409 @@
+"""Flash attention forward pass as one generic (Triton-style) Pallas kernel.
+
+On a GPU `pl.pallas_call` lowers this kernel through Triton; on a CPU it runs with `interpret=True`,
+which is how CI checks it. Layout is `[B, S, H, head_dim]` (what a `[B, S, d]` projection reshapes to
+for free); `flash_attention_fused_qkv` reads q, k and v straight out of a fused `[B, S, 3, H, head_dim]`
+projection.
+
+Numerics (the dtype each stage uses):
+- Both dots take fp16 operands for fp16 and fp32 inputs, bf16 operands for bf16 inputs, and accumulate
+  in fp32. fp32 inputs are rounded to fp16 inside the kernel: fp16 keeps the same 10-bit mantissa as
+  the TF32 that Triton would use for an fp32 dot, runs at twice the tensor-core rate, and rounds the
+  operands the same way in interpret mode on a CPU as on the GPU (only the fp32 summation order differs),
+  so CI pins the GPU's numerics. The cost is fp16's range: |q|, |k|, |v| must stay below 65504 (the
+  scores themselves are fp32, the softmax scale applied after the dot).
+- Softmax statistics (running max and sum) and the output accumulator are fp32 (online softmax); the
+  output is cast to q's dtype once, at the end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import numbers
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+# A finite stand-in for -inf: exp2(_MASK_VALUE - m) is exactly 0 for any real score m, and unlike -inf
+# it never makes `m_prev - m_next` a NaN (-inf - -inf) while a row has seen no allowed key yet.
+_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+_LOG2_E = math.log2(math.e)
+
+_SUPPORTED_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+MIN_HEAD_DIM, MAX_HEAD_DIM = 8, 256
+# Triton's tensor-core dot needs every dimension >= 16, and every Triton tensor has power-of-two sizes.
+_MIN_BLOCK = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    block_q: int     # query rows per program (one program per (query block, batch, head))
+    block_k: int     # keys per step of the inner loop
+    num_warps: int   # Triton warps per program
+    num_stages: int  # Triton software-pipelining depth of the key loop
+
+    def __post_init__(self):
+        for name in ("block_q", "block_k"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < _MIN_BLOCK or value & (value - 1):
+                raise ValueError(f"BlockSizes.{name}={value!r} must be a power of two >= {_MIN_BLOCK}")
+        if isinstance(self.num_warps, bool) or self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"BlockSizes.num_warps={self.num_warps!r} must be one of 1, 2, 4, 8, 16")
+        if isinstance(self.num_stages, bool) or not isinstance(self.num_stages, int) or self.num_stages < 1:
+            raise ValueError(f"BlockSizes.num_stages={self.num_stages!r} must be an int >= 1")
+
+
+# Default block sizes, keyed by (padded head_dim, "short" for S <= _SHORT_SEQ_LEN else "long").
+# PROVISIONAL until measured on the H200: start points taken from Triton's Hopper flash-attention
+# tutorial. bench/bench_attention.py times variants per case; update this table from its JSON.
+_SHORT_SEQ_LEN = 256
+_DEFAULT_BLOCK_SIZES: dict[tuple[int, str], BlockSizes] = {
+    (16, "short"): BlockSizes(block_q=64, block_k=64, num_warps=4, num_stages=2),
+    (16, "long"): BlockSizes(block_q=128, block_k=64, num_warps=4, num_stages=3),
+    (32, "short"): BlockSizes(block_q=64, block_k=64, num_warps=4, num_stages=2),
+    (32, "long"): BlockSizes(block_q=128, block_k=64, num_warps=4, num_stages=3),
+    (64, "short"): BlockSizes(block_q=64, block_k=64, num_warps=4, num_stages=2),
+    (64, "long"): BlockSizes(block_q=128, block_k=64, num_warps=4, num_stages=3),
+    (128, "short"): BlockSizes(block_q=64, block_k=64, num_warps=4, num_stages=2),
+    (128, "long"): BlockSizes(block_q=128, block_k=64, num_warps=8, num_stages=3),
+    (256, "short"): BlockSizes(block_q=64, block_k=32, num_warps=4, num_stages=2),
+    (256, "long"): BlockSizes(block_q=64, block_k=64, num_warps=8, num_stages=2),
+}
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """The head_dim the kernel runs at: the next power of two, at least 16 (zero padding is exact)."""
+    return max(_MIN_BLOCK, pl.next_power_of_2(head_dim))
+
+
+def default_block_sizes(seq_len: int, head_dim: int) -> BlockSizes:
+    length = "short" if seq_len <= _SHORT_SEQ_LEN else "long"
+    return _DEFAULT_BLOCK_SIZES[(padded_head_dim(head_dim), length)]
+
+
+def resolve_block_sizes(seq_len: int, head_dim: int, block_sizes: BlockSizes | None) -> BlockSizes:
+    """The block sizes a call runs with: the given or default ones, blocks clamped for a tiny S."""
+    chosen = default_block_sizes(seq_len, head_dim) if block_sizes is None else block_sizes
+    longest_useful = max(_MIN_BLOCK, pl.next_power_of_2(seq_len))
+    return dataclasses.replace(chosen, block_q=min(chosen.block_q, longest_useful),
+                               block_k=min(chosen.block_k, longest_useful))
+
+
+def _flash_attention_kernel(q_ref, k_ref, v_ref, kv_lengths_ref, key_mask_ref, o_ref, *,
+                            causal: bool, sm_scale: float, block_q: int, block_k: int,
+                            num_q_blocks: int, static_key_limit: int | None, dot_dtype):
+    # Refs: q (block_q, hd), k and v (S_pad, hd) for this (batch, head), kv_lengths (1,) int32 or None,
+    # key_mask (S_pad,) int32 or None, o (block_q, hd).
+    q_block = pl.program_id(0)
+    if causal:
+        # Heaviest query blocks (most keys under the diagonal) first, so the light ones fill the tail.
+        q_block = num_q_blocks - 1 - q_block
+    q_start = q_block * block_q
+    num_keys = k_ref.shape[0]
+
+    # Keys at positions >= key_limit are excluded: the per-sequence length (already clamped to S by
+    # the wrapper), else S itself when the sequence was padded to a block multiple.
+    key_limit = kv_lengths_ref[0] if kv_lengths_ref is not None else static_key_limit
+
+    # Fold the softmax scale and log2(e) into one multiply so the kernel can use exp2.
+    score_scale = sm_scale * _LOG2_E
+    q = q_ref[...].astype(dot_dtype)
+
+    def step(key_block, carry, *, mask_causal_and_limit: bool):
+        o, m_prev, l_prev = carry
+        key_start = pl.multiple_of(key_block * block_k, block_k)
+        k = k_ref[pl.ds(key_start, block_k), :].astype(dot_dtype)
+        scores = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                                 preferred_element_type=jnp.float32) * score_scale  # (block_q, block_k)
+
+        allowed = None
+        if key_mask_ref is not None:
+            allowed = (key_mask_ref[pl.ds(key_start, block_k)] != 0)[None, :]
+        if mask_causal_and_limit:
+            key_pos = key_start + jnp.arange(block_k, dtype=jnp.int32)
+            if causal:
+                query_pos = q_start + jnp.arange(block_q, dtype=jnp.int32)
+                below_diagonal = query_pos[:, None] >= key_pos[None, :]
+                allowed = below_diagonal if allowed is None else allowed & below_diagonal
+            if key_limit is not None:
+                in_length = (key_pos < key_limit)[None, :]
+                allowed = in_length if allowed is None else allowed & in_length
+        if allowed is not None:
+            scores = jnp.where(allowed, scores, _MASK_VALUE)
+
+        # Online softmax (FlashAttention-2): rescale what was accumulated under the old running max.
+        m_next = jnp.maximum(m_prev, scores.max(axis=1))
+        correction = jnp.exp2(m_prev - m_next)
+        p = jnp.exp2(scores - m_next[:, None])
+        l_next = l_prev * correction + p.sum(axis=1)
+        v = v_ref[pl.ds(key_start, block_k), :].astype(dot_dtype)
+        o = o * correction[:, None] + lax.dot_general(
+            p.astype(dot_dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        return o, m_next, l_next
+
+    # Split the key loop in two. Blocks in [0, num_unmasked) lie entirely below the causal diagonal and
+    # entirely inside key_limit, so they skip the elementwise causal/length mask (iota, compare, select
+    # on block_q * block_k scores). Blocks in [num_unmasked, num_blocks) straddle the diagonal or the
+    # limit and take the mask. Blocks from num_blocks on are wholly above the diagonal or past the limit
+    # and are never visited: under causal attention a query block does about half the work.
+    if causal:
+        visible_end, unmasked_end = q_start + block_q, q_start
+    else:
+        visible_end, unmasked_end = num_keys, num_keys
+    if key_limit is not None:
+        visible_end = _int_min(visible_end, key_limit)
+        unmasked_end = _int_min(unmasked_end, key_limit)
+    num_blocks = _int_div(visible_end + block_k - 1, block_k)
+    num_unmasked = _int_div(unmasked_end, block_k)
+
+    carry = (jnp.zeros((block_q, q_ref.shape[-1]), jnp.float32),  # output accumulator
+             jnp.full((block_q,), _MASK_VALUE, jnp.float32),       # running max of scores (log2 units)
+             jnp.zeros((block_q,), jnp.float32))                   # running sum of exp2(score - max)
+    carry = _fori_loop(0, num_unmasked, functools.partial(step, mask_causal_and_limit=False), carry)
+    if causal or key_limit is not None:
+        carry = _fori_loop(num_unmasked, num_blocks, functools.partial(step, mask_causal_and_limit=True), carry)
+    o, m, l = carry
+
+    if key_limit is not None or key_mask_ref is not None:
+        # A row that never saw an allowed key still has m == _MASK_VALUE (its masked scores each
+        # added exp2(0) = 1 to l): it must come out as zeros, not as a mean of v or 0/0.
+        saw_a_key = m > _MASK_VALUE
+        o = jnp.where(saw_a_key[:, None], o / jnp.where(saw_a_key, l, 1.0)[:, None], 0.0)
+    else:
+        o = o / l[:, None]
+    o_ref[...] = o.astype(o_ref.dtype)
+
+
+def _fori_loop(lower, upper, body, carry):
+    # Loop bounds stay Python ints when they are static; skip a statically empty loop outright.
+    if isinstance(lower, int) and isinstance(upper, int) and lower >= upper:
+        return carry
+    return lax.fori_loop(lower, upper, body, carry)
+
+
+def _int_min(a, b):
+    if isinstance(a, int) and isinstance(b, int):
+        return min(a, b)
+    return jnp.minimum(a, b)
+
+
+def _int_div(numerator, denominator: int):
+    # lax.div truncates, which equals floor division for the non-negative values here; it lowers to one
+    # Triton divide, where `//` on a traced program id adds sign fix-ups (and jax's own kernel avoids it).
+    if isinstance(numerator, int):
+        return numerator // denominator
+    return lax.div(numerator, jnp.int32(denominator))
+
+
+def _check_dtype_and_head_dim(name: str, x: jax.Array):
+    if jnp.dtype(x.dtype) not in _SUPPORTED_DTYPES:
+        raise ValueError(f"{name}.dtype={jnp.dtype(x.dtype)} must be float16, bfloat16 or float32")
+    head_dim = x.shape[-1]
+    if not MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"{name}.shape={x.shape}: head_dim={head_dim} must be in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}]")
+    if any(size < 1 for size in x.shape):
+        raise ValueError(f"{name}.shape={x.shape} must have no empty dimension")
+
+
+def _check_qkv(q, k, v):
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim != 4:
+            raise ValueError(f"{name}.shape={x.shape} must be [batch, seq_len, num_heads, head_dim] (rank 4)")
+    if not q.shape == k.shape == v.shape:
+        raise ValueError(f"q.shape={q.shape}, k.shape={k.shape} and v.shape={v.shape} must match")
+    if not q.dtype == k.dtype == v.dtype:
+        raise ValueError(f"q.dtype={q.dtype}, k.dtype={k.dtype} and v.dtype={v.dtype} must match")
+    _check_dtype_and_head_dim("q", q)
+
+
+def _check_masks(kv_lengths, key_mask, batch: int, seq_len: int):
+    if kv_lengths is not None:
+        if kv_lengths.shape != (batch,) or not jnp.issubdtype(kv_lengths.dtype, jnp.integer):
+            raise ValueError(f"kv_lengths.shape={kv_lengths.shape}, kv_lengths.dtype={kv_lengths.dtype}: "
+                             f"must be integer [batch]=({batch},)")
+    if key_mask is not None:
+        if key_mask.shape != (batch, seq_len) or key_mask.dtype != jnp.bool_:
+            raise ValueError(f"key_mask.shape={key_mask.shape}, key_mask.dtype={key_mask.dtype}: "
+                             f"must be bool [batch, seq_len]=({batch}, {seq_len})")
+
+
+def _check_statics(causal, sm_scale, block_sizes):
+    if not isinstance(causal, bool):
+        raise ValueError(f"causal={causal!r} must be a bool")
+    if sm_scale is not None and (isinstance(sm_scale, bool) or not isinstance(sm_scale, numbers.Real)):
+        raise ValueError(f"sm_scale={sm_scale!r} must be a Python float or None")
+    if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
+        raise ValueError(f"block_sizes={block_sizes!r} must be a BlockSizes or None")
+
+
+def _pad_seq_and_head_dim(x: jax.Array, seq_pad: int, head_dim_pad: int) -> jax.Array:
+    if not (seq_pad or head_dim_pad):
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[1], widths[-1] = (0, seq_pad), (0, head_dim_pad)
+    return jnp.pad(x, widths)
+
+
+def _attention_pallas_call(q_src, k_src, v_src, kv_lengths, key_mask, *, fused: bool, causal: bool,
+                           sm_scale, block_sizes, interpret: bool):
+    """Pads to block multiples, runs the kernel, slices back.
+
+    Separate layout: q_src, k_src, v_src are each [B, S, H, hd]. Fused layout: all three are the same
+    [B, S, 3, H, hd] array and the BlockSpecs pick slot 0, 1 or 2, so nothing is sliced out in HBM.
+    """
+    batch, seq_len = q_src.shape[:2]
+    num_heads, head_dim = q_src.shape[-2:]
+    sm_scale = head_dim ** -0.5 if sm_scale is None else float(sm_scale)
+    blocks = resolve_block_sizes(seq_len, head_dim, block_sizes)
+    block_q, block_k = blocks.block_q, blocks.block_k
+
+    # Both blocks are powers of two, so a multiple of the larger one is a multiple of both. These pads
+    # are the only copies the wrapper makes; shapes that need neither read the inputs in place.
+    seq_pad = -seq_len % max(block_q, block_k)
+    head_dim_pad = padded_head_dim(head_dim) - head_dim
+    padded_len, padded_hd = seq_len + seq_pad, head_dim + head_dim_pad
+    if fused:
+        q_src = k_src = v_src = _pad_seq_and_head_dim(q_src, seq_pad, head_dim_pad)
+    else:
+        q_src, k_src, v_src = (_pad_seq_and_head_dim(x, seq_pad, head_dim_pad) for x in (q_src, k_src, v_src))
+
+    num_q_blocks = padded_len // block_q
+    if causal:
+        q_block_index = lambda i: num_q_blocks - 1 - i  # same reversal as in the kernel
+    else:
+        q_block_index = lambda i: i
+
+    def seq_spec(block_len, block_index, slot):
+        # Grid is (query block i, batch b, head h); `None` squeezes a dimension out of the kernel's ref.
+        if fused:
+            return pl.BlockSpec((None, block_len, None, None, padded_hd),
+                                lambda i, b, h: (b, block_index(i), slot, h, 0))
+        return pl.BlockSpec((None, block_len, None, padded_hd), lambda i, b, h: (b, block_index(i), h, 0))
+
+    whole_sequence = lambda i: 0
+    in_specs = [seq_spec(block_q, q_block_index, 0),
+                seq_spec(padded_len, whole_sequence, 1),
+                seq_spec(padded_len, whole_sequence, 2)]
+
+    static_key_limit = seq_len if seq_pad else None
+    if kv_lengths is not None:
+        kv_lengths = jnp.clip(kv_lengths.astype(jnp.int32), 0, seq_len).reshape(batch, 1)
+        in_specs.append(pl.BlockSpec((None, 1), lambda i, b, h: (b, 0)))
+    else:
+        in_specs.append(None)
+    if key_mask is not None:
+        # int32 rather than bool: Triton's i1 memory type is awkward and this array is tiny.
+        key_mask = jnp.pad(key_mask.astype(jnp.int32), ((0, 0), (0, seq_pad)))
+        in_specs.append(pl.BlockSpec((None, padded_len), lambda i, b, h: (b, 0)))
+    else:
+        in_specs.append(None)
+
+    dtype = jnp.dtype(q_src.dtype)
+    kernel = functools.partial(
+        _flash_attention_kernel, causal=causal, sm_scale=sm_scale, block_q=block_q, block_k=block_k,
+        num_q_blocks=num_q_blocks, static_key_limit=static_key_limit,
+        dot_dtype=jnp.bfloat16 if dtype == jnp.bfloat16 else jnp.float16)
+    out = pl.pallas_call(
+        kernel,
+        grid=(num_q_blocks, batch, num_heads),
+        in_specs=in_specs,
+        out_specs=pl.BlockSpec((None, block_q, None, padded_hd), lambda i, b, h: (b, q_block_index(i), h, 0)),
+        out_shape=jax.ShapeDtypeStruct((batch, padded_len, num_heads, padded_hd), dtype),
+        compiler_params=pltriton.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages),
+        interpret=interpret,
+        name="ttj_flash_attention",
+    )(q_src, k_src, v_src, kv_lengths, key_mask)
+    if seq_pad or head_dim_pad:
+        out = out[:, :seq_len, :, :head_dim]
+    return out
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "sm_scale", "block_sizes", "interpret"))
+def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool,
+                    kv_lengths: jax.Array | None = None, key_mask: jax.Array | None = None,
+                    sm_scale: float | None = None, block_sizes: BlockSizes | None = None,
+                    interpret: bool = False) -> jax.Array:
+    """Softmax attention `softmax(q k^T * sm_scale) v` per (batch, head), fused in one kernel.
+
+    Args:
+      q, k, v: [B, S, H, head_dim], one dtype among float16, bfloat16, float32; 8 <= head_dim <= 256.
+        Any S >= 1 (padded internally to a block multiple) and any head_dim in range (padded to a
+        power of two >= 16; zero padding is exact).
+      causal: key j is excluded for query i when j > i.
+      kv_lengths: optional integer [B]; keys at positions >= kv_lengths[b] are excluded.
+      key_mask: optional bool [B, S]; keys with key_mask[b, j] == False are excluded. May be combined
+        with kv_lengths.
+      sm_scale: Python float, default head_dim ** -0.5.
+      block_sizes: BlockSizes or None for the per-shape default; blocks are clamped for a tiny S.
+      interpret: run the kernel in Pallas interpret mode (CPU).
+
+    Returns:
+      [B, S, H, head_dim] in q's dtype. A query with no allowed key gets zeros. See the module
+      docstring for the dtype of each stage. Copies: none when S is a multiple of the larger block and
+      head_dim a power of two >= 16; otherwise one padded copy of q, k and v, and one of the output.
+    """
+    _check_statics(causal, sm_scale, block_sizes)
+    _check_qkv(q, k, v)
+    _check_masks(kv_lengths, key_mask, q.shape[0], q.shape[1])
+    return _attention_pallas_call(q, k, v, kv_lengths, key_mask, fused=False, causal=causal,
+                                  sm_scale=sm_scale, block_sizes=block_sizes, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "sm_scale", "block_sizes", "interpret"))
+def flash_attention_fused_qkv(qkv: jax.Array, *, causal: bool, kv_lengths: jax.Array | None = None,
+                              key_mask: jax.Array | None = None, sm_scale: float | None = None,
+                              block_sizes: BlockSizes | None = None, interpret: bool = False) -> jax.Array:
+    """`flash_attention` on q, k, v read straight out of one fused projection.
+
+    Args:
+      qkv: [B, S, 3, H, head_dim], the free reshape of a `[B, S, 3 * d]` output of `x @ W_qkv` whose
+        columns are ordered (q | k | v), each head-major. The kernel's BlockSpecs index slot 0, 1, 2 in
+        place, so this layout costs no copy (except the padding copy described in `flash_attention`,
+        made once for the whole qkv array). A `[3, B, S, H, hd]` or `[B, S, H, 3, hd]` layout would need
+        a transpose first; give those to `flash_attention` as three arrays instead.
+      Other arguments: as in `flash_attention`.
+
+    Returns:
+      [B, S, H, head_dim] in qkv's dtype.
+    """
+    _check_statics(causal, sm_scale, block_sizes)
+    if qkv.ndim != 5 or qkv.shape[2] != 3:
+        raise ValueError(f"qkv.shape={qkv.shape} must be [batch, seq_len, 3, num_heads, head_dim]")
+    _check_dtype_and_head_dim("qkv", qkv)
+    _check_masks(kv_lengths, key_mask, qkv.shape[0], qkv.shape[1])
+    return _attention_pallas_call(qkv, qkv, qkv, kv_lengths, key_mask, fused=True, causal=causal,
+                                  sm_scale=sm_scale, block_sizes=block_sizes, interpret=interpret)
+
+
+def attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool,
+                        kv_lengths: jax.Array | None = None, key_mask: jax.Array | None = None,
+                        sm_scale: float | None = None, precision=lax.Precision.HIGHEST) -> jax.Array:
+    """Plain-jnp attention with `flash_attention`'s semantics, computed in fp32 (materialises [B,H,S,S]).
+
+    Returns q's dtype. A query with no allowed key gets zeros.
+    """
+    batch, seq_len, _, head_dim = q.shape
+    sm_scale = head_dim ** -0.5 if sm_scale is None else sm_scale
+    q32, k32, v32 = (x.astype(jnp.float32) for x in (q, k, v))
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q32, k32, precision=precision) * sm_scale  # (B, H, S, S)
+    positions = jnp.arange(seq_len)
+    allowed = jnp.ones((batch, 1, seq_len, seq_len), bool)
+    if causal:
+        allowed &= positions[:, None] >= positions[None, :]
+    if kv_lengths is not None:
+        allowed &= (positions[None, :] < kv_lengths[:, None])[:, None, None, :]
+    if key_mask is not None:
+        allowed &= key_mask[:, None, None, :]
+    scores = jnp.where(allowed, scores, -jnp.inf)
+    row_max = jnp.max(scores, axis=-1, keepdims=True)
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)  # rows with no allowed key
+    weights = jnp.where(allowed, jnp.exp(scores - row_max), 0.0)
+    row_sum = jnp.sum(weights, axis=-1, keepdims=True)
+    probs = weights / jnp.where(row_sum > 0, row_sum, 1.0)
+    out = jnp.einsum("bhqk,bkhd->bqhd", probs, v32, precision=precision)  # (B, S, H, hd)
+    return out.astype(q.dtype)
