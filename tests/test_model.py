@@ -178,3 +178,23 @@ def test_config_errors():
         T.Config(1, 8, 32.0, 4, 32, 1, True)
     with pytest.raises(ValueError, match="lacks field"):
         T.Config.from_object(object())
+
+
+@pytest.mark.parametrize("attention", ["pallas", "cudnn"])
+def test_attention_implementations_through_the_model(attention, harness_rule):
+    """The model with each GPU attention implementation forced. On the CPU, Pallas runs interpreted;
+    cuDNN cannot run there, so only its refusal of a key mask is checked (it runs on the H200 in ttj-bench)."""
+    config = T.Config(2, 33, 32, 2, 32, 1, True)
+    base, params = baseline_and_params(config)
+    x = random_input(config, seed=11)
+    if attention == "cudnn":
+        mask = make_mask("random", 2, 33, seed=1)
+        with pytest.raises(ValueError, match="cudnn attention plan takes no key mask"):
+            T.forward(params, to_jax(x), to_jax(mask), config=config, attention="cudnn", mask_kind="general")
+        return
+    for kind in ("none", "prefix", "random"):
+        mask = make_mask(kind, 2, 33, seed=2)
+        if mask is not None:
+            x = x.masked_fill(~mask[:, :, None], 0.0)
+        y = T.forward(params, to_jax(x), to_jax(mask), config=config, attention="pallas")
+        harness_rule(to_torch(y), torch_reference(base, x, mask), label=f"-{kind}")

@@ -44,9 +44,13 @@ def xla_attention(qkv: jax.Array, key_valid: jax.Array | None, *, causal: bool,
 
 
 def pallas_attention(qkv, key_valid, *, causal, policy):
+    """Our flash kernel, reading q, k and v straight from the fused layout. Its dots take fp16 operands
+    with fp32 accumulation whatever the policy (the kernel's documented choice), so the exact_fp32
+    policy never plans it. On the CPU (forced, for tests) it runs interpreted."""
     from ttj_jax.kernels import flash_attention_fused_qkv   # deferred: Pallas import cost only when used
-    return flash_attention_fused_qkv(qkv.astype(policy.gemm_dtype), causal=causal,
-                                     key_mask=key_valid).astype(jnp.float32)
+    interpret = jax.default_backend() == "cpu"
+    return flash_attention_fused_qkv(qkv.astype(policy.gemm_dtype), causal=causal, key_mask=key_valid,
+                                     interpret=interpret).astype(jnp.float32)
 
 
 def cudnn_attention(qkv, key_valid, *, causal, policy):
