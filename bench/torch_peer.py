@@ -237,6 +237,22 @@ def _raised_recompile_limit():
     return config.patch(**changes)
 
 
+def _raise_call_time_recompile_limit():
+    """Guards are also re-checked at call time: a caller's tensor that differs from the compiled one (an
+    inference tensor against a normal one) recompiles then, outside _raised_recompile_limit. With 13
+    peers in one process sharing PeerModel.forward's variants, the default limit (8) was passed there and
+    Dynamo silently ran shape 6 eager (37 ms against 13; H200, 2026-11-30). Raise it for the process."""
+    import torch._dynamo  # noqa: F401
+
+    config = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(config, name):
+            setattr(config, name, max(getattr(config, name), 4 * PEER_RECOMPILE_LIMIT))
+    for name in ("accumulated_recompile_limit", "accumulated_cache_size_limit"):
+        if hasattr(config, name):
+            setattr(config, name, max(getattr(config, name), 16 * PEER_RECOMPILE_LIMIT))
+
+
 class TorchPeer:
     """The callable `build_peer` returns: `peer(x, valid_token_mask) -> y`."""
 
@@ -340,6 +356,8 @@ def build_peer(baseline: nn.Module, config, *, device, compile: Optional[bool] =
     device = torch.device(device)
     on_cuda = device.type == "cuda"
     compile = on_cuda if compile is None else compile
+    if compile:
+        _raise_call_time_recompile_limit()
     cuda_graph = on_cuda if cuda_graph is None else cuda_graph
     native = _native_fp16_gemm_works(device)
     if on_cuda and not native:
