@@ -133,15 +133,23 @@ class _ModuleState:
         # map() over C-level getters: ~8 us for 66 parameters, where a Python loop took ~18 us on the H200 host
         return list(map(_version_of, self.params)), list(map(_data_ptr_of, self.params))
 
-    def weights(self, policy_name: str):
+    def weights(self, policy_name: str, data_parallel: int = 1):
         key = self.current_key()
         if key != self.weights_key:
             self.prepared.clear()
             self.views = {}
             self.weights_key = key
-        prepared = self.prepared.get(policy_name)
+        prepared = self.prepared.get((policy_name, data_parallel))
         if prepared is None:
-            prepared = self.prepared[policy_name] = self._prepare(policy_name)
+            prepared = self.prepared.get((policy_name, 1))
+            if prepared is None:
+                prepared = self.prepared[(policy_name, 1)] = self._prepare(policy_name)
+            if data_parallel > 1:   # replicated over the mesh once, not on every call
+                from jax.sharding import NamedSharding, PartitionSpec
+                from ttj_jax.parallel import batch_mesh
+                mesh = batch_mesh(data_parallel, jax.default_backend())
+                prepared = self.prepared[(policy_name, data_parallel)] = jax.device_put(
+                    prepared, NamedSharding(mesh, PartitionSpec()))
         return prepared
 
     def _prepare(self, policy_name: str):
@@ -176,7 +184,7 @@ class _ModuleState:
         self.mask_ref, self.mask_version, self.mask_kind = weakref.ref(mask), version, kind
         return kind
 
-    def build_call(self, x: torch.Tensor, kind: MaskKind) -> _Call:
+    def build_call(self, x: torch.Tensor, kind: MaskKind, data_parallel: int | None = None) -> _Call:
         if x.device != self.params[0].device:
             raise ValueError(f"x is on {x.device} but the module's weights are on {self.params[0].device}")
         transfer = _transfer(x.device)
@@ -184,7 +192,7 @@ class _ModuleState:
         jax_device = transfer.importer.device
         shape_probe = jax.ShapeDtypeStruct(tuple(x.shape), "float32" if upcast else _torch_dtype_name(x.dtype))
         plan = plan_for(self.config, shape_probe, kind, device=jax_device or jax.devices(
-            "cpu" if x.device.type == "cpu" else None)[0])
+            "cpu" if x.device.type == "cpu" else None)[0], data_parallel=data_parallel)
         return _Call(plan=plan, run=executable(plan, self.model_key, True), transfer=transfer,
                      passes_mask=plan.mask_mode != "none", upcast_to=upcast)
 
@@ -206,9 +214,11 @@ def _config_of(module: torch.nn.Module):
 
 
 def forward(module: torch.nn.Module, x: torch.Tensor, valid_token_mask: torch.Tensor | None = None, *,
-            config=None) -> torch.Tensor:
+            config=None, data_parallel: int | None = None) -> torch.Tensor:
     """Runs ttj-jax on `module`'s own parameters (any module with the harness's parameter names).
-    Returns a new tensor with x's shape, dtype and device; never modifies its inputs. Inference only."""
+    Returns a new tensor with x's shape, dtype and device; never modifies its inputs. Inference only.
+    data_parallel: split the batch over that many devices (default: the planner's choice; the output
+    is gathered back to x's device)."""
     state = _state(module, config)
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor [batch, seq_len, d_model]; got {type(x).__name__}")
@@ -222,12 +232,12 @@ def forward(module: torch.nn.Module, x: torch.Tensor, valid_token_mask: torch.Te
                     None if mask is None else _torch_dtype_name(mask.dtype), state.config)
 
     kind = MaskKind.NONE if mask is None else state.classify(mask)
-    key = (x.shape, x.dtype, x.device, kind)
+    key = (x.shape, x.dtype, x.device, kind, data_parallel)
     call = state.calls.get(key)
     if call is None:
-        call = state.calls[key] = state.build_call(x, kind)
+        call = state.calls[key] = state.build_call(x, kind, data_parallel)
 
-    weights = state.weights(call.plan.policy)
+    weights = state.weights(call.plan.policy, call.plan.data_parallel)
     if x.requires_grad:
         x = x.detach()
     if call.upcast_to is not None:
@@ -238,7 +248,10 @@ def forward(module: torch.nn.Module, x: torch.Tensor, valid_token_mask: torch.Te
     jmask = None
     if call.passes_mask:
         jmask = transfer.to_jax(mask if mask.is_contiguous() else mask.contiguous())
-    out = transfer.to_torch(call.run(weights, jx, jmask))
+    y = call.run(weights, jx, jmask)
+    if call.plan.data_parallel > 1:   # gathered onto x's device, where torch expects the result
+        y = jax.device_put(y, transfer.importer.device)
+    out = transfer.to_torch(y)
     return out if call.upcast_to is None else out.to(call.upcast_to)
 
 

@@ -136,8 +136,11 @@ def _run_raw(params, x, mask, *, config: Config, plan: Plan):
 def executable(plan: Plan, config: Config, prepared: bool = True):
     """The jitted forward for one plan and model: f(weights, x, mask_or_None) -> y. Pass
     `model_key(config)` so that one executable serves every input shape of a model."""
-    body = _run_prepared if prepared else _run_raw
-    return jax.jit(functools.partial(body, config=config, plan=plan))
+    body = functools.partial(_run_prepared if prepared else _run_raw, config=config, plan=plan)
+    if plan.data_parallel > 1:
+        from ttj_jax.parallel import batch_mesh, data_parallel
+        return data_parallel(body, batch_mesh(plan.data_parallel, jax.default_backend()))
+    return jax.jit(body)
 
 
 def model_key(config: Config) -> Config:
@@ -198,13 +201,15 @@ def _mask_kind(mask) -> MaskKind:
 
 
 def forward(params: Any, x, valid_token_mask=None, *, config, mask_kind: MaskKind | str | None = None,
-            policy: str | None = None, attention: str | None = None):
+            policy: str | None = None, attention: str | None = None, data_parallel: int | None = None):
     """y = Transformer(x) per SPEC section 1, same shape and dtype as x.
 
     params: raw params (init_params / params_from_state_dict; prepared inside the same jitted call) or
     a PreparedWeights (prepared once, the fast path). valid_token_mask: bool [B, S] or None.
     mask_kind: skip the host-side mask classification when the caller already knows it.
     NaN/inf in x are not hidden: they propagate to the output rows they reach.
+    data_parallel: split the batch over that many devices (default: the planner's choice); the output
+    is then batch-sharded over them.
     """
     config = Config.from_object(config)
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
@@ -217,7 +222,7 @@ def forward(params: Any, x, valid_token_mask=None, *, config, mask_kind: MaskKin
     x = jnp.asarray(x)
     mask = None if mask is None else jnp.asarray(mask)
     kind = MaskKind(mask_kind) if mask_kind is not None else _mask_kind(mask)
-    chosen = plan_for(config, x, kind, policy=policy, attention=attention)
+    chosen = plan_for(config, x, kind, policy=policy, attention=attention, data_parallel=data_parallel)
     mask = mask if chosen.mask_mode != "none" else None
     prepared = isinstance(params, PreparedWeights)
     return executable(chosen, model_key(config), prepared)(params, x, mask)

@@ -16,6 +16,9 @@ from ttj_jax.numerics import POLICIES
 ATTENTION_IMPLEMENTATIONS = ("xla", "pallas", "cudnn")
 MASK_MODES = ("none", "rows", "keys", "device")
 
+# Split the batch over several devices only when one call moves at least this many elements of x:
+# smaller calls are launch-bound, and cross-device placement would add latency, not remove it.
+DATA_PARALLEL_MIN_ELEMENTS = 64 * 2**20
 # Activations of one chunk may take at most this share of the device's memory.
 ACTIVATION_MEMORY_SHARE = 0.25
 # Explicit [B, H, S, S] scores stop being sensible past this many bytes per call.
@@ -60,6 +63,7 @@ class Plan:
     mask_mode: str                 # "none": no masking; "rows": zero invalid rows; "keys": key mask too;
     #                                "device": rows, and keys for the sequences the device finds non-prefix
     batch_chunk: int | None = None  # run the stack over batch chunks of this size (lax.map), or all at once
+    data_parallel: int = 1         # devices the batch is split over (parallel.py); chunks are per device
     reason: str = ""
 
     def __post_init__(self):
@@ -69,20 +73,23 @@ class Plan:
             raise ValueError(f"Plan.attention={self.attention!r} is not one of {ATTENTION_IMPLEMENTATIONS}")
         if self.mask_mode not in MASK_MODES:
             raise ValueError(f"Plan.mask_mode={self.mask_mode!r} is not one of {MASK_MODES}")
+        if not isinstance(self.data_parallel, int) or self.data_parallel < 1:
+            raise ValueError(f"Plan.data_parallel={self.data_parallel!r} must be an int >= 1")
 
     @property
     def name(self) -> str:
         chunk = f"/chunk{self.batch_chunk}" if self.batch_chunk else ""
-        return f"{self.attention}-attention/{self.policy}/mask-{self.mask_mode}{chunk}"
+        devices = f"/x{self.data_parallel}-devices" if self.data_parallel > 1 else ""
+        return f"{self.attention}-attention/{self.policy}/mask-{self.mask_mode}{chunk}{devices}"
 
     def explain(self) -> str:
         return f"{self.name}: {self.reason}"
 
 
 def plan(config: Config, inputs: InputFacts, device: DeviceFacts = CPU, *,
-         policy: str | None = None, attention: str | None = None) -> Plan:
-    """Chooses numerics, attention implementation, masking work and chunking for one call shape.
-    `policy` / `attention` force a choice (tests, ablations); everything else is derived."""
+         policy: str | None = None, attention: str | None = None, data_parallel: int | None = None) -> Plan:
+    """Chooses numerics, attention implementation, masking work, devices and chunking for one call
+    shape. `policy` / `attention` / `data_parallel` force a choice (tests, ablations); the rest is derived."""
     reasons = []
 
     if policy is None:
@@ -124,12 +131,31 @@ def plan(config: Config, inputs: InputFacts, device: DeviceFacts = CPU, *,
         reasons.append(f"S={inputs.seq_len}: our Pallas flash kernel, measured faster than XLA and cuDNN "
                        f"{'up to S=1024' if inputs.seq_len < CUDNN_MIN_SEQ_LEN else 'here (key mask or head_dim)'}")
 
-    batch_chunk = _batch_chunk(config, inputs, device, attention)
+    if data_parallel is not None:
+        reasons.append(f"{data_parallel} device(s) requested")
+    else:
+        data_parallel = _data_parallel(config, inputs, device)
+        if data_parallel > 1:
+            reasons.append(f"batch split over {data_parallel} of {device.device_count} devices (SPMD)")
+    if inputs.batch_size % data_parallel:
+        raise ValueError(f"batch {inputs.batch_size} cannot be split evenly over {data_parallel} devices")
+
+    per_device = dataclasses.replace(inputs, batch_size=inputs.batch_size // data_parallel)
+    batch_chunk = _batch_chunk(config, per_device, device, attention)
     if batch_chunk:
         reasons.append(f"activations exceed {ACTIVATION_MEMORY_SHARE:.0%} of device memory: "
                        f"batch chunks of {batch_chunk}")
     return Plan(policy=policy, attention=attention, mask_mode=mask_mode, batch_chunk=batch_chunk,
-                reason="; ".join(reasons))
+                data_parallel=data_parallel, reason="; ".join(reasons))
+
+
+def _data_parallel(config: Config, inputs: InputFacts, device: DeviceFacts) -> int:
+    """The most devices (up to all) that divide the batch, for calls large enough to gain from them."""
+    if not device.is_gpu or device.device_count < 2:
+        return 1
+    if inputs.batch_size * inputs.seq_len * config.d_model < DATA_PARALLEL_MIN_ELEMENTS:
+        return 1
+    return max(n for n in range(1, device.device_count + 1) if inputs.batch_size % n == 0)
 
 
 def activation_bytes_per_sequence(config: Config, seq_len: int, attention: str) -> int:
@@ -155,7 +181,9 @@ def _batch_chunk(config: Config, inputs: InputFacts, device: DeviceFacts, attent
 
 
 def device_facts(device) -> DeviceFacts:
-    """Reads the facts of one jax device (the only impure function in this module)."""
+    """Reads the facts of one jax device and how many of its kind are visible (the only impure
+    function in this module)."""
+    import jax
     platform = "gpu" if device.platform in ("gpu", "cuda", "rocm") else device.platform
     memory = None
     try:
@@ -164,4 +192,4 @@ def device_facts(device) -> DeviceFacts:
     except Exception:   # memory_stats is unimplemented on some backends (the CPU among them)
         memory = None
     return DeviceFacts(platform=platform, device_kind=getattr(device, "device_kind", ""),
-                       memory_bytes=memory)
+                       memory_bytes=memory, device_count=len(jax.devices(device.platform)))

@@ -1,0 +1,81 @@
+"""Data parallelism through JAX's SPMD on two CPU devices (XLA's host platform split in two, in a
+subprocess, since the device count is fixed when jax starts). The same code path runs over GPUs."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import ttj_jax as T
+from ttj_jax.masks import MaskKind
+
+SCRIPT = textwrap.dedent("""
+    import json, numpy as np, jax, jax.numpy as jnp
+    import ttj_jax as T
+    assert len(jax.devices()) == 2, jax.devices()
+    config = T.Config(4, 24, 32, 2, 48, 2, True)
+    params = T.init_params(jax.random.key(0), config)
+    x = jax.random.normal(jax.random.key(1), (4, 24, 32))
+    mask = jnp.asarray(np.random.default_rng(0).random((4, 24)) > 0.3)
+    out = {}
+    for name, m in (("none", None), ("general", mask)):
+        one = T.forward(params, x, m, config=config, data_parallel=1)
+        two = T.forward(params, x, m, config=config, data_parallel=2)
+        out[name] = {"max_abs_diff": float(jnp.abs(one - two).max()),
+                     "devices": len(two.sharding.device_set), "shape": list(two.shape)}
+    plan = T.model.plan_for(config, x, T.MaskKind.NONE, data_parallel=2)
+    out["name"] = plan.name
+    prepared = T.prepare_weights(params, T.MIXED_FP16)
+    chunked = T.Plan(policy="mixed_fp16", attention="xla", mask_mode="none", batch_chunk=1, data_parallel=2)
+    y = T.executable(chunked, T.model_key(config))(prepared, x, None)
+    out["chunked_max_abs_diff"] = float(jnp.abs(y - T.forward(prepared, x, config=config)).max())
+
+    import torch, bridge
+    module = bridge.TTJTransformer(config).eval()
+    tx = torch.randn(4, 24, 32)
+    tm = torch.from_numpy(np.asarray(mask))
+    for name, m in (("bridge_none", None), ("bridge_general", tm)):
+        one = bridge.forward(module, tx, m, data_parallel=1)
+        two = bridge.forward(module, tx, m, data_parallel=2)
+        from bench.baseline import check_close
+        out[name] = {"max_abs_diff": float((one - two).abs().max()), "devices": 2,
+                     "shape": list(two.shape), "device": str(two.device),
+                     "harness_failed": check_close(two, one)[0]}
+    print(json.dumps(out))
+""")
+
+
+def test_two_devices_match_one():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300,
+                          cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    # Each device multiplies a smaller batch, so GEMM shapes and the fp32 accumulation order change
+    # (and XLA:CPU's threaded fp16 GEMMs are not bit-stable across processes): differences up to ~3e-4
+    # were seen against outputs of order 1. The issue's criterion is the harness rule; 1e-3 bounds it.
+    for name in ("none", "general", "bridge_none", "bridge_general"):
+        assert out[name]["devices"] == 2 and out[name]["shape"] == [4, 24, 32]
+        assert out[name]["max_abs_diff"] <= 1e-3, out
+    for name in ("bridge_none", "bridge_general"):
+        assert out[name]["device"] == "cpu" and out[name]["harness_failed"] == 0, out
+    # Chunks of one sequence change the GEMM shapes and so the fp32 accumulation order: 1e-4 (against
+    # outputs of order 1), still far under the harness's 2e-3.
+    assert out["chunked_max_abs_diff"] <= 1e-4 and out["name"].endswith("/x2-devices")
+
+
+H200X2 = T.DeviceFacts(platform="gpu", device_kind="NVIDIA H200", memory_bytes=100 * 2**30, device_count=2)
+
+
+def test_planner_splits_only_large_batches_that_divide():
+    shape_6, shape_1 = T.OFFICIAL["6"].config, T.OFFICIAL["1"].config
+    facts = lambda c, b=None: T.InputFacts(b or c.batch_size, c.seq_len, "float32", MaskKind.ALL_TRUE)
+    assert T.plan(shape_6, facts(shape_6), H200X2).data_parallel == 2
+    assert T.plan(T.OFFICIAL["14"].config, facts(T.OFFICIAL["14"].config), H200X2).data_parallel == 2
+    assert T.plan(shape_1, facts(shape_1), H200X2).data_parallel == 1          # launch-bound: one device
+    assert T.plan(shape_6, facts(shape_6, 9999), H200X2).data_parallel == 1   # odd batch: no even split
+    with pytest.raises(ValueError, match="cannot be split evenly"):
+        T.plan(shape_6, facts(shape_6, 9999), H200X2, data_parallel=2)
