@@ -4,6 +4,7 @@
   harness's `UserOptimizedTransformer` (exported under that name too).
 - `forward(module, x, valid_token_mask=None)`: runs ttj-jax on any module with those parameter names,
   such as `self` inside the harness's "your codes here" block.
+- `stream_forward(module, x_cpu, ...)`: x in host memory streams through the device in batch chunks.
 """
 
 import os
@@ -13,8 +14,9 @@ import os
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 from bridge.module import TTJTransformer  # noqa: E402
-from bridge.runtime import explain, forward, refresh, weight_views  # noqa: E402
+from bridge.runtime import explain, forward, refresh, stream_forward, weight_views  # noqa: E402
 
 UserOptimizedTransformer = TTJTransformer
 
-__all__ = ["TTJTransformer", "UserOptimizedTransformer", "forward", "explain", "refresh", "weight_views"]
+__all__ = ["TTJTransformer", "UserOptimizedTransformer", "forward", "explain", "refresh", "stream_forward",
+           "weight_views"]

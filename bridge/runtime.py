@@ -21,6 +21,7 @@ import weakref
 from operator import attrgetter
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 import jax
@@ -273,3 +274,55 @@ def refresh(module: torch.nn.Module) -> None:
     """Forgets everything cached for `module`. Needed only after changes the bridge cannot see:
     replacing a Parameter object, or writing through `param.data` (which bypasses the version counter)."""
     _STATES.pop(module, None)
+
+
+def _host_numpy(t: torch.Tensor):
+    """A host tensor as a numpy array, zero-copy where numpy has the dtype (bf16 through ml_dtypes)."""
+    t = t.detach()
+    if t.dtype == torch.float64:
+        t = t.float()
+    t = t.contiguous()
+    if t.dtype == torch.bfloat16:
+        import ml_dtypes
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
+
+
+def _progress_printer(label: str):
+    import sys
+
+    def report(done: int, total: int):
+        print(f"\r{label}: chunk {done}/{total}", end="\n" if done == total else "", file=sys.stderr, flush=True)
+    return report
+
+
+def stream_forward(module: torch.nn.Module, x: torch.Tensor, valid_token_mask: torch.Tensor | None = None, *,
+                   config=None, batch_chunk: int | None = None, progress=True) -> torch.Tensor:
+    """For x in host memory (a CPU tensor, pinned or not) with the module's weights on any device: the
+    batch streams through the weights' device in chunks, copies overlapped with compute
+    (ttj_jax.streaming). Returns a new CPU tensor of x's dtype. progress: True prints per-chunk progress
+    to stderr; a callable(done, total) receives it; False is silent."""
+    from ttj_jax.planner import plan as make_plan, InputFacts, device_facts
+    from ttj_jax.streaming import stream_forward as stream
+
+    state = _state(module, config)
+    if not isinstance(x, torch.Tensor) or x.device.type != "cpu":
+        raise ValueError("stream_forward takes x in host memory (a CPU torch.Tensor); for x already on the "
+                         f"device call bridge.forward; got {getattr(x, 'device', type(x).__name__)}")
+    mask = valid_token_mask
+    if mask is not None and (not isinstance(mask, torch.Tensor) or mask.device.type != "cpu"):
+        raise ValueError("valid_token_mask must be a CPU torch.Tensor like x, or None")
+    validate_inputs(x.shape, _torch_dtype_name(x.dtype), None if mask is None else mask.shape,
+                    None if mask is None else _torch_dtype_name(mask.dtype), state.config)
+    jax_device = _transfer(state.params[0].device).importer.device or jax.devices()[0]
+    x_np = _host_numpy(x)
+    mask_np = None if mask is None else mask.numpy()
+    facts = InputFacts(x.shape[0], x.shape[1], x_np.dtype.name,
+                       classify_mask(mask_np) if mask_np is not None else MaskKind.NONE)
+    policy = make_plan(state.config, facts, device_facts(jax_device)).policy
+    report = _progress_printer("ttj-jax stream") if progress is True else (progress or None)
+    y = stream(state.weights(policy), x_np, mask_np, config=state.config, device=jax_device,
+               batch_chunk=batch_chunk, policy=policy, progress=report)
+    out = torch.from_numpy(y.view(np.int16)).view(torch.bfloat16) if x.dtype == torch.bfloat16 \
+        else torch.from_numpy(y)
+    return out.to(x.dtype) if x.dtype == torch.float64 else out

@@ -193,3 +193,17 @@ def device_facts(device) -> DeviceFacts:
         memory = None
     return DeviceFacts(platform=platform, device_kind=getattr(device, "device_kind", ""),
                        memory_bytes=memory, device_count=len(jax.devices(device.platform)))
+
+
+def streaming_chunk(config: Config, inputs: InputFacts, device: DeviceFacts) -> int:
+    """Sequences per chunk when x streams from host memory: three chunks in flight (one arriving, one
+    computing, one leaving) plus one chunk's activations within the activation share of device memory.
+    Without a memory reading (the CPU), a quarter of the batch, so the pipeline still has stages."""
+    if device.memory_bytes is None:
+        return max(1, inputs.batch_size // 4)
+    itemsize = 2 if inputs.dtype in ("float16", "bfloat16") else 4
+    attention = "xla" if not device.is_gpu else "pallas"
+    per_sequence = (activation_bytes_per_sequence(config, inputs.seq_len, attention)
+                    + 3 * 2 * itemsize * inputs.seq_len * config.d_model)
+    fitting = int(ACTIVATION_MEMORY_SHARE * device.memory_bytes // per_sequence)
+    return max(1, min(inputs.batch_size, fitting))
