@@ -98,6 +98,17 @@ def copy_model_weights(baseline: nn.Module, optimized: nn.Module, strict: bool =
     return optimized.load_state_dict(copy.deepcopy(baseline.state_dict()), strict=strict)
 
 
+def harness_models(config, optimized_class, *, device="cpu", dtype=torch.float32, seed: int = 0):
+    """The harness's step 1: both models built on the CPU from one config, weights copied strictly,
+    then `.to(device=device, dtype=dtype).eval()` on each. Returns (baseline, optimized)."""
+    config = TransformerConfig(**{k: getattr(config, k) for k in TransformerConfig.__dataclass_fields__})
+    torch.manual_seed(seed)
+    baseline = BaselineTransformer(config)
+    optimized = optimized_class(config)
+    copy_model_weights(baseline, optimized, strict=True)
+    return (baseline.to(device=device, dtype=dtype).eval(), optimized.to(device=device, dtype=dtype).eval())
+
+
 def make_inputs(config, seed: int, *, padding_ratio: float = 0.0, input_scale: float = 1.0,
                 device="cpu", dtype=torch.float32, batch_size=None, seq_len=None):
     """The harness's accuracy/timing input: `randn * input_scale` and a mask that is an all-True tensor

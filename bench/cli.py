@@ -30,8 +30,7 @@ import torch  # noqa: E402
 import bridge  # noqa: E402  (sets up jax's allocator before jax touches the GPU)
 import jax  # noqa: E402
 import ttj_jax as T  # noqa: E402
-from bench.baseline import (BaselineTransformer, TransformerConfig, check_close,  # noqa: E402
-                            copy_model_weights, make_inputs)
+from bench.baseline import TransformerConfig, check_close, harness_models, make_inputs  # noqa: E402
 from bench.timing import median_host_overhead_us, time_contenders  # noqa: E402
 
 HARNESS_SEEDS = tuple(range(1234, 1239))
@@ -117,12 +116,7 @@ def _time_jax_loop(fn, *, warmup: int, rounds: int, calls: int) -> dict:
 def run_shape(shape: T.Shape, args, device: torch.device, progress: Progress) -> dict:
     config = shape.config
     harness_config = TransformerConfig(**vars(config))
-    torch.manual_seed(0)
-    baseline = BaselineTransformer(harness_config)
-    ours = bridge.TTJTransformer(harness_config)
-    copy_model_weights(baseline, ours, strict=True)
-    baseline = baseline.to(device=device, dtype=torch.float32).eval()
-    ours = ours.to(device=device, dtype=torch.float32).eval()
+    baseline, ours = harness_models(harness_config, bridge.TTJTransformer, device=device)
     result = {"config": vars(config), "regime": shape.regime}
 
     contenders = {"baseline": lambda x, m: baseline(x, m), "ttj_bridge": lambda x, m: ours(x, m)}

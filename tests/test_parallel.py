@@ -79,3 +79,18 @@ def test_planner_splits_only_large_batches_that_divide():
     assert T.plan(shape_6, facts(shape_6, 9999), H200X2).data_parallel == 1   # odd batch: no even split
     with pytest.raises(ValueError, match="cannot be split evenly"):
         T.plan(shape_6, facts(shape_6, 9999), H200X2, data_parallel=2)
+
+
+def test_scale_tool_reports_several_devices(tmp_path):
+    """bench.scale's several-devices section, end to end on two CPU devices with tiny configs."""
+    code = ("import sys; from bench import scale; sys.exit(scale.main(['--config', '4,96,32,2,32,1', "
+            "'--prefix-k', '32', '--full-ref', '1', '--timing-calls', '1', '--device', 'cpu', "
+            f"'--multi-second', '4,16,32,2,32,1', '--out', {str(tmp_path)!r}, '--tag', 't']))")
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                          cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-3000:])
+    multi = json.loads((tmp_path / "t.json").read_text())["multi_gpu"]
+    assert multi["devices"] == 2 and multi["harness_failed_vs_one_gpu"] == 0
+    assert multi["shape14_speedup"] > 0 and multi["shape6_speedup"] > 0
+    assert multi["max_abs_diff_vs_one_gpu"] <= 1e-3

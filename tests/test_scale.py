@@ -1,0 +1,144 @@
+"""The shape-14 validation tools at CPU scale: the chunked fp32 reference, the causal prefix property they
+rely on, and `python -m bench.scale` end to end.
+
+Tolerance of the chunked reference against `ttj_jax.reference`: 2e-5 absolute. Both are fp32 at the highest
+matmul precision and differ only in the softmax's summation order (per key chunk, rescaled by the running
+max) and in normalising after `probs @ v` instead of before; outputs are LayerNorm outputs of order 1 and
+land ~1e-6 apart. A real error (a missed or doubled key chunk, a wrong causal stop, a mask off by one)
+moves outputs by >= 1e-2, so 2e-5 hides nothing while leaving 20x room for rounding.
+"""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import bridge
+import ttj_jax as T
+from bench import scale
+from bench.baseline import TransformerConfig, copy_model_weights
+from conftest import baseline_and_params, make_mask, random_input, to_jax
+from ttj_jax.chunked_reference import _chunked_forward, chunked_reference_forward
+
+FP32_ATOL = 2e-5
+
+# (seq_len, query_chunk, key_chunk): chunks that divide S and ones that do not, equal and unequal chunks,
+# chunks larger than S (cut to S rounded up to 8, so padded), and key chunks longer than query chunks
+# (the causal stop then lands inside a key chunk).
+CHUNKINGS = [(1, 4, 4), (7, 7, 7), (7, 4, 3), (100, 25, 50), (100, 32, 64), (257, 64, 100), (257, 100, 33)]
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
+@pytest.mark.parametrize("seq_len,query_chunk,key_chunk", CHUNKINGS)
+def test_chunked_reference_matches_reference(seq_len, query_chunk, key_chunk, causal):
+    config = T.Config(3, seq_len, 32, 4, 48, 2, causal)
+    _, params = baseline_and_params(config, seed=seq_len)
+    x = to_jax(random_input(config, seed=1))
+    for kind in ("none", "prefix", "random", "all_invalid"):
+        mask = to_jax(make_mask(kind, 3, seq_len, seed=2))
+        got = np.asarray(chunked_reference_forward(params, x, mask, config=config, query_chunk=query_chunk,
+                                                   key_chunk=key_chunk))
+        want = np.asarray(T.reference(params, x, mask, config=config))
+        assert got.dtype == np.float32 and got.shape == x.shape
+        assert np.isfinite(got).all(), kind
+        np.testing.assert_allclose(got, want, rtol=0, atol=FP32_ATOL, err_msg=kind)
+        if kind == "all_invalid":   # a sequence with no valid token: zeros, not NaN
+            assert not np.any(got[0])
+
+
+def test_chunked_reference_never_builds_seq_by_seq_scores():
+    """Compiled at S=8192 (nothing runs): XLA's temporary buffers stay a small fraction of one
+    sequence's [H, S, S] fp32 scores (1 GiB here), where the plain reference needs several of them."""
+    config = T.Config(1, 1, 32, 4, 48, 1, True)
+    params = T.init_params(jax.random.key(0), config)
+    seq_len, heads = 8192, config.num_heads
+    x = jax.ShapeDtypeStruct((2, seq_len, 32), jnp.float32)
+    mask = jax.ShapeDtypeStruct((2, seq_len), jnp.bool_)
+    compiled = _chunked_forward.lower(params, x, mask, config=config, query_chunk=256, key_chunk=256).compile()
+    analysis = compiled.memory_analysis()
+    if analysis is None:
+        pytest.skip("this backend reports no memory analysis")
+    assert analysis.temp_size_in_bytes < heads * seq_len * seq_len * 4 / 20
+
+
+def test_chunked_reference_rejects_bad_input():
+    config = T.Config(1, 8, 32, 4, 48, 1, True)
+    params = T.init_params(jax.random.key(0), config)
+    x = jnp.zeros((1, 8, 32))
+    with pytest.raises(ValueError, match="query_chunk"):
+        chunked_reference_forward(params, x, config=config, query_chunk=0)
+    with pytest.raises(ValueError, match="valid_token_mask"):
+        chunked_reference_forward(params, x, jnp.ones((1, 7), bool), config=config)
+    with pytest.raises(ValueError, match="d_model=32"):
+        chunked_reference_forward(params, jnp.zeros((1, 8, 16)), config=config)
+
+
+@pytest.mark.parametrize("mask_kind", ["all_true", "prefix", "random"])
+def test_causal_prefix_property(mask_kind, harness_rule):
+    """What the prefix check rests on: ttj's output rows [:, :K] equal ttj run on input rows [:, :K].
+    An implementation that let a query see later keys (a wrong causal mask, a block that spills past
+    the diagonal, padding that leaks in) breaks this."""
+    config = T.Config(2, 200, 64, 4, 96, 2, True)
+    base, _ = baseline_and_params(config)
+    ours = bridge.TTJTransformer(TransformerConfig(**vars(config)))
+    copy_model_weights(base, ours, strict=True)
+    x = random_input(config, seed=5)
+    mask = make_mask(mask_kind, 2, 200, seed=6)
+    with torch.inference_mode():
+        full = ours(x, mask)
+        for k in (1, 77, 128):
+            harness_rule(full[:, :k], ours(x[:, :k].contiguous(), mask[:, :k].contiguous()), f"-K{k}")
+
+
+def _run(tmp_path, *extra):
+    argv = ["--config", "2,300,64,4,96,2", "--prefix-k", "128", "--full-ref", "1", "--timing-calls", "1",
+            "--device", "cpu", "--out", str(tmp_path), "--tag", "t", *extra]
+    rc = scale.main(argv)
+    return rc, json.loads((tmp_path / "t.json").read_text())
+
+
+def test_scale_end_to_end(tmp_path, capsys):
+    rc, document = _run(tmp_path, "--peer")
+    assert rc == 0
+    assert {"gpu", "jax", "torch", "date", "command", "config", "shape14", "multi_gpu"} <= set(document)
+    assert document["multi_gpu"] is None and document["config"]["seq_len"] == 300
+    result = document["shape14"]
+    for key in ("ttj_bridge_ms", "peer_ms", "peak_extra_gb", "prefix_failed", "prefix_k", "full_ref_failed",
+                "full_ref_sequences", "worst_err_over_tol", "plan"):
+        assert key in result, key
+    assert result["prefix_failed"] == 0 and result["full_ref_failed"] == 0
+    assert result["prefix_k"] == 128 and result["full_ref_sequences"] == 1
+    assert result["prefix_reference"] == "torch-baseline-fp32-no-tf32"
+    assert 0 < result["worst_err_over_tol"] < 1
+    assert result["ttj_bridge_ms"] > 0 and result["peer_ms"] > 0
+    assert result["peak_extra_gb"] is None   # no device allocator to read on the CPU
+    assert "wrote" in capsys.readouterr().out
+
+
+def test_scale_chunked_prefix_reference(tmp_path):
+    rc, document = _run(tmp_path, "--prefix-ref", "chunked", "--full-ref", "0", "--ref-chunk", "48")
+    result = document["shape14"]
+    assert rc == 0 and result["prefix_reference"] == "chunked-jax-fp32"
+    assert result["prefix_failed"] == 0 and result["full_ref_sequences"] == 0 and result["peer_ms"] is None
+
+
+def test_scale_full_check_catches_an_error_past_the_prefix(tmp_path, monkeypatch):
+    """A wrong last row is invisible to the prefix check (K < S) and must fail the full check: exit 1."""
+    def wrong_last_row(self, x, valid_token_mask=None):
+        out = bridge.forward(self, x, valid_token_mask, config=self.config).clone()
+        out[:, -1] += 0.1
+        return out
+
+    monkeypatch.setattr(bridge.TTJTransformer, "forward", wrong_last_row)
+    rc, document = _run(tmp_path)
+    result = document["shape14"]
+    assert rc == 1 and result["prefix_failed"] == 0 and result["full_ref_failed"] > 0
+
+
+def test_scale_refuses_a_bad_config(capsys):
+    assert scale.main(["--config", "1,2,3", "--device", "cpu"]) == 2
+    assert scale.main(["--shape", "99", "--device", "cpu"]) == 2
+    assert "known" in capsys.readouterr().err
