@@ -90,6 +90,13 @@ def test_block_size_settings(block_sizes, causal):
     _check(*_inputs(3, 127, 32), causal=causal, block_sizes=block_sizes)
 
 
+def test_long_sequence_default_blocks_for_head_dim_64():
+    """S past the short-sequence cutoff picks the measured long entry (128x128 blocks for head_dim 64),
+    with a ragged tail and several query blocks on and off the causal diagonal."""
+    q, k, v = _inputs(11, 300, 64, batch=1, heads=1)
+    _check(q, k, v, causal=True)
+
+
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("block_sizes", [None, SMALL_BLOCKS], ids=["default", "16x16"])
 def test_kv_lengths(block_sizes, causal):
