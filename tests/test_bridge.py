@@ -229,3 +229,22 @@ def test_capsule_paths_are_zero_copy_both_ways():
     np.testing.assert_array_equal(np.asarray(a), t.numpy())
     back = torch.utils.dlpack.from_dlpack(dlpack_exporter()(a, None))
     assert back.data_ptr() == t.data_ptr() and torch.equal(back, t)
+
+
+def test_steady_state_no_recompilation_across_shapes():
+    """Two models and several input shapes in one process, called in turn: after the first pass nothing
+    compiles again. (Host syncs cannot be seen on the CPU backend, where jax's transfer guard does not
+    fire; the bridge's absence of them is by construction, see bridge/runtime.py.)"""
+    from ttj_jax.compat import count_compilations
+    other = TransformerConfig(batch_size=3, seq_len=9, d_model=32, num_heads=2, ffn_dim=32, num_layers=1,
+                              causal=True)
+    (_, a), (_, b) = pair(), pair(other)
+    inputs = [(a, make_inputs(CONFIG, 1)), (b, make_inputs(other, 2)), (a, make_inputs(CONFIG, 3, seq_len=5)),
+              (a, make_inputs(CONFIG, 4, padding_ratio=0.5))]
+    for module, (x, mask) in inputs:
+        module(x, mask)
+    with count_compilations() as counter:
+        for _ in range(2):
+            for module, (x, mask) in inputs:
+                module(x, mask)
+    assert counter.count == 0, f"{counter.count} compilations in the steady state"
