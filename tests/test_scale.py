@@ -142,3 +142,11 @@ def test_scale_refuses_a_bad_config(capsys):
     assert scale.main(["--config", "1,2,3", "--device", "cpu"]) == 2
     assert scale.main(["--shape", "99", "--device", "cpu"]) == 2
     assert "known" in capsys.readouterr().err
+
+
+def test_scale_streamed_from_host_memory(tmp_path):
+    rc, document = _run(tmp_path, "--stream", "--stream-chunk", "1")
+    assert rc == 0
+    result = document["shape14"]
+    assert result["mode"] == "streamed from host memory"
+    assert result["prefix_failed"] == 0 and result["full_ref_failed"] == 0 and result["ttj_bridge_ms"] > 0
