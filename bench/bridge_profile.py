@@ -73,6 +73,14 @@ def profile_shape(sid: str) -> dict:
         out["step_export"] = host_us(lambda: transfer.to_torch(y))
         out["step_export_and_free"] = host_us(lambda: keep.append(transfer.to_torch(call.run(weights, jx, None)))
                                               or keep.clear())
+        # Variants that isolate costs (next experiments): freeing the previous output, the public export,
+        # the protocol import, and whether jax can write straight into a torch-owned (donated) buffer.
+        ring = []
+        out["step_export_keep_4"] = host_us(lambda: ring.append(transfer.to_torch(call.run(weights, jx, None)))
+                                            or (len(ring) > 4 and ring.pop(0)))
+        out["step_export_public_and_free"] = host_us(lambda: torch.from_dlpack(call.run(weights, jx, None)))
+        out["step_import_protocol"] = host_us(lambda: transfer.importer(x))
+        out["donation_into_torch_buffer"] = donation_probe(x, transfer)
         out["bridge_call_host"] = host_us(lambda: ours(x, mask))
         out["bridge_call_no_mask_host"] = host_us(lambda: ours(x, None))
         out["torch_add_host"] = host_us(lambda: x + 1)
@@ -91,6 +99,19 @@ def profile_shape(sid: str) -> dict:
         jax.block_until_ready(r)
         out["jax_loop_per_call_us"] = (time.perf_counter() - t0) / 200 * 1e6
     return out
+
+
+def donation_probe(x, transfer) -> dict:
+    """Can a jitted call write its result into a torch-allocated buffer passed as a donated argument?
+    If so, the bridge could skip exporting (and later freeing) a jax-owned output."""
+    twice = jax.jit(lambda out, v: v * 2.0, donate_argnums=0)
+    target = torch.empty_like(x)
+    transfer.order_before_jax()
+    y = twice(transfer.to_jax(target), transfer.to_jax(x))
+    jax.block_until_ready(y)
+    aliased = y.unsafe_buffer_pointer() == target.data_ptr()
+    return {"aliased": bool(aliased), "values_landed": bool(torch.allclose(target, x * 2.0)) if aliased else False,
+            "host": host_us(lambda: twice(transfer.to_jax(torch.empty_like(x)), transfer.to_jax(x)))}
 
 
 def argument_count_probe() -> dict:
