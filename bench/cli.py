@@ -251,7 +251,7 @@ def plot(results: dict, path: str, title: str) -> bool:
     ax.set_xlabel("shape")
     ax.axhline(1.0, color="gray", linewidth=0.8)
     ax.set_title(title)
-    ax.legend()
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=len(series), frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
