@@ -23,8 +23,6 @@ import functools
 import json
 import math
 import pathlib
-import re
-import statistics
 import sys
 import time
 import traceback
@@ -37,6 +35,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from bench.jax_timing import stream_ms_per_call  # noqa: E402
+from bench.naming import slug  # noqa: E402
 from ttj_jax.kernels import BlockSizes, flash_attention, flash_attention_fused_qkv  # noqa: E402
 from ttj_jax.kernels import flash_attention_reference  # noqa: E402
 from ttj_jax.kernels.flash_attention import resolve_block_sizes  # noqa: E402
@@ -231,36 +231,15 @@ def _repeated(fn, repeats, q, k, v):
 
 def _measure(fn, compiled, args) -> dict:
     """Time per call: directly when one call is long, else from `IN_GRAPH_REPEATS` calls in one program."""
-    ms_dispatch, calls = _time_compiled(compiled, args)
+    jax.block_until_ready(compiled(*args))  # warm-up
+    ms_dispatch, calls = stream_ms_per_call(compiled, args, min_seconds=MIN_TIMING_S, repeats=TIMING_REPEATS)
     timing = {"ms_per_dispatch": ms_dispatch, "calls_per_timing": calls, "in_graph_repeats": 1}
     if ms_dispatch >= IN_GRAPH_THRESHOLD_MS:
         return dict(timing, ms=ms_dispatch)
     looped = jax.jit(functools.partial(_repeated, fn, IN_GRAPH_REPEATS)).lower(*args).compile()
-    ms_looped, calls = _time_compiled(looped, args)
+    jax.block_until_ready(looped(*args))  # warm-up
+    ms_looped, calls = stream_ms_per_call(looped, args, min_seconds=MIN_TIMING_S, repeats=TIMING_REPEATS)
     return dict(timing, ms=ms_looped / IN_GRAPH_REPEATS, calls_per_timing=calls, in_graph_repeats=IN_GRAPH_REPEATS)
-
-
-def _time_compiled(compiled, args) -> tuple[float, int]:
-    """Median ms per call over TIMING_REPEATS timings of N back-to-back calls, each >= MIN_TIMING_S."""
-    jax.block_until_ready(compiled(*args))  # warm-up
-    calls = 1
-    while True:
-        start = time.perf_counter()
-        for _ in range(calls):
-            out = compiled(*args)
-        jax.block_until_ready(out)
-        elapsed = time.perf_counter() - start
-        if elapsed >= MIN_TIMING_S:
-            break
-        calls = max(calls * 2, math.ceil(calls * 1.2 * MIN_TIMING_S / max(elapsed, 1e-6)))
-    timings = []
-    for _ in range(TIMING_REPEATS):
-        start = time.perf_counter()
-        for _ in range(calls):
-            out = compiled(*args)
-        jax.block_until_ready(out)
-        timings.append((time.perf_counter() - start) / calls)
-    return statistics.median(timings) * 1e3, calls
 
 
 def _check_case_output(out, q, k, v, label: str, prefix_len: int) -> dict:
@@ -351,10 +330,6 @@ def _print_table(results: list[dict]):
         log(f"{case:28s} {r['contender']:10s} {blocks:16s} {r['ms']:10.3f} {r['tflops']:8.1f} {ratio:>8s}{flag}")
 
 
-def _slug(text: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "unknown"
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -390,7 +365,7 @@ def main(argv=None) -> int:
     out_dir = pathlib.Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     suffix = "-smoke" if args.smoke else ("-check" if args.check else "")
-    path = out_dir / f"attention-{date}-{_slug(gpu_name)}{suffix}.json"
+    path = out_dir / f"attention-{date}-{slug(gpu_name)}{suffix}.json"
     payload = {"gpu": gpu_name, "jax": jax.__version__, "date": date, "quick": args.quick,
                "check_only": args.check, "cases": results, "checks": checks}
     path.write_text(json.dumps(payload, indent=1, default=str) + "\n")

@@ -47,6 +47,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import ttj_jax as T  # noqa: E402
+from bench.jax_timing import stream_ms_per_call  # noqa: E402
+from bench.naming import slug  # noqa: E402
 from ttj_jax.kernels.fused_stack import fused_stack_forward, stack_weights, supports  # noqa: E402
 
 SHAPE_IDS = ("1", "2", "3", "4", "7", "9", "10", "11", "12")
@@ -117,28 +119,6 @@ def _repeated(fn, repeats: int):
     return jax.jit(run)
 
 
-def _time_stream(fn, args) -> float:
-    """Median ms per call over TIMING_REPEATS timings of N back-to-back calls closed by one sync."""
-    calls = 1
-    while True:
-        start = time.perf_counter()
-        for _ in range(calls):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        elapsed = time.perf_counter() - start
-        if elapsed >= MIN_TIMING_S:
-            break
-        calls = max(calls * 2, int(calls * 1.2 * MIN_TIMING_S / max(elapsed, 1e-6)) + 1)
-    timings = []
-    for _ in range(TIMING_REPEATS):
-        start = time.perf_counter()
-        for _ in range(calls):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        timings.append((time.perf_counter() - start) / calls)
-    return statistics.median(timings) * 1e3
-
-
 def _time_dispatch_and_latency(fn, args) -> tuple[float, float]:
     """Median host time for one call to return (us), and median time of one call plus its sync (ms)."""
     dispatch, latency = [], []
@@ -160,11 +140,12 @@ def measure(fn, args) -> dict:
     for _ in range(20):
         out = fn(*args)
     jax.block_until_ready(out)
-    record["ms"] = _time_stream(fn, args)
+    record["ms"], _ = stream_ms_per_call(fn, args, min_seconds=MIN_TIMING_S, repeats=TIMING_REPEATS)
     record["dispatch_us"], record["latency_ms"] = _time_dispatch_and_latency(fn, args)
     looped = _repeated(fn, IN_GRAPH_REPEATS)
     jax.block_until_ready(looped(*args))
-    record["in_graph_ms"] = _time_stream(looped, args) / IN_GRAPH_REPEATS
+    record["in_graph_ms"] = stream_ms_per_call(looped, args, min_seconds=MIN_TIMING_S,
+                                               repeats=TIMING_REPEATS)[0] / IN_GRAPH_REPEATS
     return record
 
 
@@ -318,10 +299,6 @@ def _print_table(records: list[dict]):
         log(f"{r['shape']:>9s} {name:26s} {us} {graph} {dispatch} {speedup} {worst} {regs} {spill} {smem}{flag}")
 
 
-def _slug(text: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "unknown"
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -371,7 +348,7 @@ def main(argv=None) -> int:
     out_dir = pathlib.Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     suffix = "-smoke" if args.smoke else ("-ptxas" if args.ptxas and device.platform != "gpu" else "")
-    path = out_dir / f"fused-stack-{date}-{_slug(gpu_name)}{suffix}.json"
+    path = out_dir / f"fused-stack-{date}-{slug(gpu_name)}{suffix}.json"
     payload = {"gpu": gpu_name, "jax": jax.__version__, "torch": torch_version, "date": date,
                "quick": args.quick, "timing": {"min_timing_s": MIN_TIMING_S, "repeats": TIMING_REPEATS,
                                                "in_graph_repeats": IN_GRAPH_REPEATS},

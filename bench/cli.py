@@ -31,6 +31,7 @@ import bridge  # noqa: E402  (sets up jax's allocator before jax touches the GPU
 import jax  # noqa: E402
 import ttj_jax as T  # noqa: E402
 from bench.baseline import TransformerConfig, check_close, harness_models, make_inputs  # noqa: E402
+from bench.naming import slug  # noqa: E402
 from bench.timing import median_host_overhead_us, time_contenders  # noqa: E402
 
 HARNESS_SEEDS = tuple(range(1234, 1239))
@@ -59,10 +60,6 @@ def parse_args(argv=None):
                    help="keep the other shapes already in the output file (runs split over several calls)")
     p.add_argument("--no-plot", action="store_true")
     return p.parse_args(argv)
-
-
-def _slug(text: str) -> str:
-    return "".join(c if c.isalnum() else "-" for c in text.lower()).strip("-")
 
 
 class Progress:
@@ -286,7 +283,7 @@ def main(argv=None) -> int:
     device_name = torch.cuda.get_device_name(device) if on_cuda else f"cpu ({platform.machine()})"
 
     date = datetime.date.today().isoformat()
-    tag = args.tag or f"{suite_name}-{date}-{_slug(device_name.removeprefix('NVIDIA '))}"
+    tag = args.tag or f"{suite_name}-{date}-{slug(device_name.removeprefix('NVIDIA '))}"
     os.makedirs(args.out, exist_ok=True)
     json_path = os.path.join(args.out, f"{tag}.json")
     document = {"gpu": device_name if on_cuda else None, "device": device_name, "jax": jax.__version__,

@@ -31,6 +31,7 @@ import bridge  # noqa: E402  (sets up jax's allocator before jax touches the GPU
 import jax  # noqa: E402
 import ttj_jax as T  # noqa: E402
 from bench.baseline import TransformerConfig, check_close, harness_models, make_inputs  # noqa: E402
+from bench.naming import slug  # noqa: E402
 from ttj_jax.chunked_reference import chunked_reference_forward  # noqa: E402
 from ttj_jax.params import to_jax_array  # noqa: E402
 
@@ -91,10 +92,6 @@ def config_from_spec(spec: str) -> T.Config:
         raise ValueError(f"a config needs six ints B,S,d,H,ffn,L; got {spec!r}")
     B, S, d, H, ffn, L = fields
     return T.Config(batch_size=B, seq_len=S, d_model=d, num_heads=H, ffn_dim=ffn, num_layers=L, causal=True)
-
-
-def _slug(text: str) -> str:
-    return "".join(c if c.isalnum() else "-" for c in text.lower()).strip("-")
 
 
 class Progress:
@@ -356,7 +353,7 @@ def main(argv=None) -> int:
         torch.backends.cuda.matmul.allow_tf32 = True
     device_name = torch.cuda.get_device_name(device) if on_cuda else f"cpu ({platform.machine()})"
     date = datetime.date.today().isoformat()
-    stem = args.tag or f"scale-{date}-{_slug(device_name.removeprefix('NVIDIA ')) if on_cuda else 'cpu'}"
+    stem = args.tag or f"scale-{date}-{slug(device_name.removeprefix('NVIDIA ')) if on_cuda else 'cpu'}"
     B, S, H = config.batch_size, config.seq_len, config.num_heads
     K = min(args.prefix_k, S)
     n_full = min(args.full_ref, B)

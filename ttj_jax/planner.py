@@ -21,8 +21,6 @@ MASK_MODES = ("none", "rows", "keys", "device")
 DATA_PARALLEL_MIN_ELEMENTS = 64 * 2**20
 # Activations of one chunk may take at most this share of the device's memory.
 ACTIVATION_MEMORY_SHARE = 0.25
-# Explicit [B, H, S, S] scores stop being sensible past this many bytes per call.
-XLA_SCORES_LIMIT_BYTES = 2 << 30
 # Attention on the GPU, from bench/results/attention-2026-11-30-nvidia-h200.json (fp16, causal, H200):
 # our Pallas kernel beats XLA's explicit softmax at every measured shape (S=128: 0.014-0.033 ms against
 # 0.035-0.066) and cuDNN up to S=1024 (hd 32 at S=1024: 0.107 ms against 0.117); cuDNN wins at long
@@ -112,7 +110,6 @@ def plan(config: Config, inputs: InputFacts, device: DeviceFacts = CPU, *,
         reasons.append(f"{inputs.mask_kind.value} mask{'' if config.causal else ' without causal'} "
                        "needs key masking")
 
-    scores_bytes = 4 * inputs.batch_size * config.num_heads * inputs.seq_len ** 2
     if attention is not None:
         reasons.append(f"attention {attention} requested")
     elif not device.is_gpu:

@@ -11,11 +11,10 @@ from __future__ import annotations
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from ttj_jax.config import Config
-from ttj_jax.masks import MaskKind, classify_mask
+from ttj_jax.masks import classify_mask
 from ttj_jax.model import executable, model_key, plan_for, validate_inputs
 from ttj_jax.params import PreparedWeights
 from ttj_jax.planner import InputFacts, device_facts, streaming_chunk

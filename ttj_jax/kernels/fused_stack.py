@@ -39,7 +39,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from ttj_jax.numerics import LAYER_NORM_EPS, MIXED_FP16, gelu_exact, layer_norm
+from ttj_jax.numerics import LAYER_NORM_EPS, MIXED_FP16, layer_norm
 from ttj_jax.params import PreparedWeights, prepare_weights
 
 # Limits of one program holding a whole sequence (and its [S, S] scores) on chip.

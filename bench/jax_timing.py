@@ -1,0 +1,32 @@
+"""Timing JAX callables as a JAX user's loop sees them, shared by the kernel benchmarks."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+
+
+def stream_ms_per_call(fn, args, *, min_seconds: float, repeats: int) -> tuple[float, int]:
+    """Median ms per call over `repeats` timings of N back-to-back calls closed by one block_until_ready;
+    N grows until one timing lasts at least `min_seconds`, so dispatch pipelining is what is timed.
+    Returns (ms per call, N). Warm up (compile) before calling this."""
+    calls = 1
+    while True:
+        start = time.perf_counter()
+        for _ in range(calls):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        elapsed = time.perf_counter() - start
+        if elapsed >= min_seconds:
+            break
+        calls = max(calls * 2, int(calls * 1.2 * min_seconds / max(elapsed, 1e-6)) + 1)
+    timings = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        timings.append((time.perf_counter() - start) / calls)
+    return statistics.median(timings) * 1e3, calls
