@@ -25,7 +25,6 @@ import math
 import pathlib
 import sys
 import time
-import traceback
 
 _REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 if str(_REPO_ROOT) not in sys.path:
@@ -36,7 +35,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench.jax_timing import stream_ms_per_call  # noqa: E402
-from bench.naming import slug  # noqa: E402
+from bench.report import describe_error, slug  # noqa: E402
 from ttj_jax.kernels import BlockSizes, flash_attention, flash_attention_fused_qkv  # noqa: E402
 from ttj_jax.kernels import flash_attention_reference  # noqa: E402
 from ttj_jax.kernels.flash_attention import resolve_block_sizes  # noqa: E402
@@ -135,7 +134,7 @@ def run_sweep(interpret: bool, smoke: bool) -> list[dict]:
             err, atol = _error_and_tolerance(out, ref, v)
             record.update(max_abs_err=err, atol=atol, passed=err <= atol)
         except Exception as exc:  # noqa: BLE001 - a failure is a result here
-            record.update(passed=False, error=_describe(exc))
+            record.update(passed=False, error=describe_error(exc))
         checks.append(record)
         log(f"  {'ok  ' if record['passed'] else 'FAIL'} {name} err={record.get('max_abs_err')} "
             f"atol={record.get('atol')} {record.get('error', '')}")
@@ -152,7 +151,7 @@ def run_sweep(interpret: bool, smoke: bool) -> list[dict]:
             record.update(max_abs_err=diff, bit_identical=bool(jnp.array_equal(fused, separate)),
                           passed=diff <= FP16_UNIT_ROUNDOFF * float(jnp.max(jnp.abs(qkv[:, :, 2]))))
         except Exception as exc:  # noqa: BLE001
-            record.update(passed=False, error=_describe(exc))
+            record.update(passed=False, error=describe_error(exc))
         checks.append(record)
         log(f"  {'ok  ' if record['passed'] else 'FAIL'} {record['name']} diff={record.get('max_abs_err')} "
             f"bit_identical={record.get('bit_identical')} {record.get('error', '')}")
@@ -164,7 +163,7 @@ def run_sweep(interpret: bool, smoke: bool) -> list[dict]:
         second = flash_attention(q, k, v, causal=True, interpret=interpret)
         record.update(passed=bool(jnp.array_equal(first, second)))
     except Exception as exc:  # noqa: BLE001
-        record.update(passed=False, error=_describe(exc))
+        record.update(passed=False, error=describe_error(exc))
     checks.append(record)
     log(f"  {'ok  ' if record['passed'] else 'FAIL'} {record['name']} {record.get('error', '')}")
     return checks
@@ -297,18 +296,10 @@ def run_case(batch, heads, seq_len, head_dim, *, quick, check_only, interpret) -
                     f"(x{record['in_graph_repeats']} in graph; {record['ms_per_dispatch']:.3f} ms per dispatch; "
                     f"compile {record['compile_s']:.1f} s)")
         except Exception as exc:  # noqa: BLE001 - one contender's failure must not end the run
-            record["error"] = _describe(exc)
+            record["error"] = describe_error(exc)
             log(f"  {contender.name:10s}{blocks_text}: ERROR {record['error'][:300]}")
         results.append(record)
     return results, checks
-
-
-def _describe(exc: BaseException) -> str:
-    text = f"{type(exc).__name__}: {exc}"
-    if len(text) > 2000:
-        text = text[:2000] + " ..."
-    return text + " | at " + " <- ".join(
-        f"{frame.name}:{frame.lineno}" for frame in reversed(traceback.extract_tb(exc.__traceback__)[-3:]))
 
 
 def _print_table(results: list[dict]):

@@ -34,7 +34,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
@@ -48,7 +47,7 @@ import numpy as np  # noqa: E402
 
 import ttj_jax as T  # noqa: E402
 from bench.jax_timing import stream_ms_per_call  # noqa: E402
-from bench.naming import slug  # noqa: E402
+from bench.report import describe_error, slug  # noqa: E402
 from ttj_jax.kernels.fused_stack import fused_stack_forward, stack_weights, supports  # noqa: E402
 
 SHAPE_IDS = ("1", "2", "3", "4", "7", "9", "10", "11", "12")
@@ -149,14 +148,6 @@ def measure(fn, args) -> dict:
     return record
 
 
-def _describe(exc: BaseException) -> str:
-    text = f"{type(exc).__name__}: {exc}"
-    if len(text) > 2000:
-        text = text[:2000] + " ..."
-    return text + " | at " + " <- ".join(
-        f"{frame.name}:{frame.lineno}" for frame in reversed(traceback.extract_tb(exc.__traceback__)[-3:]))
-
-
 # ----------------------------------------------------------------------------------------------------
 # --ptxas: registers, spills and shared memory of each tiling, from Triton's own compiler.
 
@@ -218,7 +209,7 @@ def run_shape(shape_id: str, config: T.Config, *, quick: bool, ptxas: bool, inte
             try:
                 record["ptxas"] = ptxas_report(config, variant)
             except Exception as exc:  # noqa: BLE001 - one tiling's failure must not end the run
-                record["error"] = _describe(exc)
+                record["error"] = describe_error(exc)
             records.append(record)
             _log_record(record)
         return records
@@ -237,7 +228,7 @@ def run_shape(shape_id: str, config: T.Config, *, quick: bool, ptxas: bool, inte
         record.update(plan=explanation, vs_exact=_harness_check(xla_out, exact))
         record.update(measure(xla, (prepared, x)))
     except Exception as exc:  # noqa: BLE001 - one contender's failure must not end the run
-        record["error"] = _describe(exc)
+        record["error"] = describe_error(exc)
     records.append(record)
     _log_record(record)
 
@@ -254,7 +245,7 @@ def run_shape(shape_id: str, config: T.Config, *, quick: bool, ptxas: bool, inte
             record["check_passed"] = all(record[k]["failed"] == 0 for k in ("vs_exact", "vs_xla") if k in record)
             record.update(measure(fused, (weights, x)))
         except Exception as exc:  # noqa: BLE001
-            record["error"] = _describe(exc)
+            record["error"] = describe_error(exc)
         records.append(record)
         _log_record(record)
     return records

@@ -31,7 +31,7 @@ import bridge  # noqa: E402  (sets up jax's allocator before jax touches the GPU
 import jax  # noqa: E402
 import ttj_jax as T  # noqa: E402
 from bench.baseline import TransformerConfig, check_close, harness_models, make_inputs  # noqa: E402
-from bench.naming import slug  # noqa: E402
+from bench.report import slug  # noqa: E402
 from ttj_jax.chunked_reference import chunked_reference_forward  # noqa: E402
 from ttj_jax.params import to_jax_array  # noqa: E402
 
