@@ -103,6 +103,8 @@ class _Call:
     transfer: _Transfer
     passes_mask: bool
     upcast_to: torch.dtype | None   # float64 inputs compute in float32 and are cast back
+    direct: Any = None              # a bridge.direct.DirectKernel: the fused plan launched on torch tensors
+    direct_note: str = ""           # why the fused plan runs through jax instead, when it does
 
 
 class _ModuleState:
@@ -153,6 +155,21 @@ class _ModuleState:
                     prepared, NamedSharding(mesh, PartitionSpec()))
         return prepared
 
+    def fused_tensors(self) -> list[torch.Tensor]:
+        """The fused kernel's weights (FusedWeights.FIELDS order) as torch tensors on the weights' device,
+        built by jax from the current parameters once per weight version. They are torch-owned copies,
+        so torch's allocator orders their reuse after the kernels that read them on torch's stream."""
+        prepared = self.weights("mixed_fp16")
+        tensors = self.prepared.get("fused-torch")
+        if tensors is None:
+            from ttj_jax.kernels.fused_stack import FusedWeights
+            from ttj_jax.model import fused_weights
+            fused = fused_weights(prepared, self.model_key)
+            transfer = _transfer(self.params[0].device)
+            tensors = [transfer.to_torch(fused.arrays[name]).clone() for name in FusedWeights.FIELDS]
+            self.prepared["fused-torch"] = tensors
+        return tensors
+
     def _prepare(self, policy_name: str):
         device = self.params[0].device
         for name, p in zip(self.names, self.params):
@@ -185,7 +202,8 @@ class _ModuleState:
         self.mask_ref, self.mask_version, self.mask_kind = weakref.ref(mask), version, kind
         return kind
 
-    def build_call(self, x: torch.Tensor, kind: MaskKind, data_parallel: int | None = None) -> _Call:
+    def build_call(self, x: torch.Tensor, kind: MaskKind, data_parallel: int | None = None,
+                   stack: str | None = None) -> _Call:
         if x.device != self.params[0].device:
             raise ValueError(f"x is on {x.device} but the module's weights are on {self.params[0].device}")
         transfer = _transfer(x.device)
@@ -193,9 +211,30 @@ class _ModuleState:
         jax_device = transfer.importer.device
         shape_probe = jax.ShapeDtypeStruct(tuple(x.shape), "float32" if upcast else _torch_dtype_name(x.dtype))
         plan = plan_for(self.config, shape_probe, kind, device=jax_device or jax.devices(
-            "cpu" if x.device.type == "cpu" else None)[0], data_parallel=data_parallel)
-        return _Call(plan=plan, run=executable(plan, self.model_key, True), transfer=transfer,
+            "cpu" if x.device.type == "cpu" else None)[0], data_parallel=data_parallel, stack=stack)
+        call = _Call(plan=plan, run=executable(plan, self.model_key, True), transfer=transfer,
                      passes_mask=plan.mask_mode != "none", upcast_to=upcast)
+        if plan.stack == "fused":
+            call.direct, call.direct_note = self._direct_kernel(x.shape, shape_probe.dtype, x.device)
+        return call
+
+    def _direct_kernel(self, shape, dtype, device: torch.device):
+        """(DirectKernel, "") for the fused plan on this input, or (None, why it runs through jax)."""
+        from bridge import direct
+        from ttj_jax.kernels.fused_stack import copy_free, direct_launch
+        why = direct.unavailable_reason(device)
+        if why is None and not copy_free(tuple(shape), self.config.d_model):
+            why = f"x.shape={tuple(shape)} needs padding for the fused kernel"
+        if why is not None:
+            return None, why
+        fused = self.fused_tensors()   # also builds the weights the launch will read
+        from ttj_jax.kernels.fused_stack import FusedWeights
+        structs = FusedWeights({n: jax.ShapeDtypeStruct(tuple(t.shape), _torch_dtype_name(t.dtype))
+                                for n, t in zip(FusedWeights.FIELDS, fused)},
+                               d_model=self.config.d_model, num_heads=self.config.num_heads,
+                               ffn_dim=self.config.ffn_dim)
+        spec = direct_launch(structs, tuple(shape), dtype, causal=self.config.causal)
+        return direct.DirectKernel(spec, device), ""
 
 
 def _state(module: torch.nn.Module, config) -> _ModuleState:
@@ -215,9 +254,11 @@ def _config_of(module: torch.nn.Module):
 
 
 def forward(module: torch.nn.Module, x: torch.Tensor, valid_token_mask: torch.Tensor | None = None, *,
-            config=None, data_parallel: int | None = None) -> torch.Tensor:
+            config=None, data_parallel: int | None = None, stack: str | None = None) -> torch.Tensor:
     """Runs ttj-jax on `module`'s own parameters (any module with the harness's parameter names).
     Returns a new tensor with x's shape, dtype and device; never modifies its inputs. Inference only.
+    stack: force "layers" (the XLA program) or "fused" (the whole-stack kernel; mask-free calls only)
+    instead of the planner's choice (ablations).
     data_parallel: split the batch over that many devices (default: the planner's choice; the output
     is gathered back to x's device)."""
     state = _state(module, config)
@@ -233,10 +274,19 @@ def forward(module: torch.nn.Module, x: torch.Tensor, valid_token_mask: torch.Te
                     None if mask is None else _torch_dtype_name(mask.dtype), state.config)
 
     kind = MaskKind.NONE if mask is None else state.classify(mask)
-    key = (x.shape, x.dtype, x.device, kind, data_parallel)
+    key = (x.shape, x.dtype, x.device, kind, data_parallel, stack)
     call = state.calls.get(key)
     if call is None:
-        call = state.calls[key] = state.build_call(x, kind, data_parallel)
+        call = state.calls[key] = state.build_call(x, kind, data_parallel, stack)
+
+    if call.direct is not None:   # one kernel launch on torch's stream (bridge/direct.py)
+        tensors = state.fused_tensors()
+        if call.upcast_to is not None:
+            x = x.float()
+        x = x if x.is_contiguous() else x.contiguous()
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        call.direct(x, *tensors, out)
+        return out if call.upcast_to is None else out.to(call.upcast_to)
 
     weights = state.weights(call.plan.policy, call.plan.data_parallel)
     if x.requires_grad:
@@ -257,10 +307,15 @@ def forward(module: torch.nn.Module, x: torch.Tensor, valid_token_mask: torch.Te
 
 
 def explain(module: torch.nn.Module, x: torch.Tensor, valid_token_mask=None, *, config=None) -> str:
-    """The one-line plan the bridge runs for this input."""
+    """The one-line plan the bridge runs for this input, and how the bridge launches it."""
     state = _state(module, config)
     kind = MaskKind.NONE if valid_token_mask is None else state.classify(valid_token_mask)
-    return state.build_call(x, kind).plan.explain()
+    call = state.build_call(x, kind)
+    text = call.plan.explain()
+    if call.plan.stack == "fused":
+        text += ("; launched directly on torch's stream (no JAX dispatch)" if call.direct is not None
+                 else f"; run through jax: {call.direct_note}")
+    return text
 
 
 def weight_views(module: torch.nn.Module) -> dict[str, Any]:

@@ -133,3 +133,38 @@ def shard_map(f, *, mesh, in_specs, out_specs):
     params = inspect.signature(jax.shard_map).parameters
     flag = {"check_vma": False} if "check_vma" in params else {"check_rep": False} if "check_rep" in params else {}
     return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, **flag)
+
+
+class TritonKernelIR:
+    """One Pallas kernel as Pallas lowered it for the GPU's Triton path: the Triton IR (MLIR text), its
+    name and its grid. Its arguments are pointers, the pallas_call's inputs then its outputs, in order."""
+
+    def __init__(self, name: str, ttir: str, grid: tuple[int, int, int]):
+        self.name, self.ttir, self.grid = name, ttir, grid
+
+
+def pallas_triton_kernels(fn, *arg_structs) -> list[TritonKernelIR]:
+    """The Triton IR of every generic Pallas kernel in `fn(*arg_structs)`, lowered for CUDA (no GPU
+    needed). Uses Pallas' private lowering hook (`lower_jaxpr_to_triton_module`), wrapped for the
+    duration of one fresh lowering of `fn`; raises RuntimeError when that hook is not where it was."""
+    try:
+        from jax._src.pallas.triton import lowering
+        original = lowering.lower_jaxpr_to_triton_module
+    except (ImportError, AttributeError) as e:
+        raise RuntimeError(f"this jax ({jax.__version__}) has no Pallas Triton lowering hook: {e}") from e
+    captured = []
+
+    def capture(*args, **kwargs):
+        result = original(*args, **kwargs)
+        operation = result.module.operation
+        name = str(operation.attributes["sym_name"]).strip('"')
+        grid = tuple(result.grid) + (1,) * (3 - len(result.grid))
+        captured.append(TritonKernelIR(name, operation.get_asm(enable_debug_info=False), grid))
+        return result
+
+    lowering.lower_jaxpr_to_triton_module = capture
+    try:   # a new function object each time: jit's caches never skip the lowering we need to see
+        jax.jit(lambda *a: fn(*a)).trace(*arg_structs).lower(lowering_platforms=("cuda",))
+    finally:
+        lowering.lower_jaxpr_to_triton_module = original
+    return captured

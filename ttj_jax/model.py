@@ -132,11 +132,38 @@ def _run_raw(params, x, mask, *, config: Config, plan: Plan):
     return _run_prepared(prepare_weights(params, get_policy(plan.policy)), x, mask, config=config, plan=plan)
 
 
+def _run_fused(weights, x, mask, *, config: Config, plan: Plan):
+    """The fused whole-stack kernel (plan.stack == "fused": mask-free by construction). weights: FusedWeights
+    (the fast path, see fused_weights), PreparedWeights or raw params (stacked inside this call)."""
+    from ttj_jax.kernels.fused_stack import FusedWeights, fused_stack_forward, stack_weights
+    if not isinstance(weights, FusedWeights):
+        if not isinstance(weights, PreparedWeights):
+            weights = prepare_weights(weights, get_policy(plan.policy))
+        weights = stack_weights(weights, num_heads=config.num_heads)
+    return fused_stack_forward(weights, x, num_heads=config.num_heads, causal=config.causal,
+                               interpret=jax.default_backend() == "cpu")
+
+
+_FUSED_WEIGHTS: "weakref.WeakKeyDictionary[PreparedWeights, Any]" = weakref.WeakKeyDictionary()
+
+
+def fused_weights(prepared: PreparedWeights, config: Config):
+    """The fused kernel's weight layout for `prepared`, built once per PreparedWeights object (they are
+    immutable) and kept as long as it lives."""
+    from ttj_jax.kernels.fused_stack import stack_weights
+    cached = _FUSED_WEIGHTS.get(prepared)
+    if cached is None:
+        cached = _FUSED_WEIGHTS[prepared] = jax.jit(
+            functools.partial(stack_weights, num_heads=config.num_heads))(prepared)
+    return cached
+
+
 @functools.lru_cache(maxsize=None)
 def executable(plan: Plan, config: Config, prepared: bool = True):
     """The jitted forward for one plan and model: f(weights, x, mask_or_None) -> y. Pass
     `model_key(config)` so that one executable serves every input shape of a model."""
-    body = functools.partial(_run_prepared if prepared else _run_raw, config=config, plan=plan)
+    run = _run_fused if plan.stack == "fused" else _run_prepared if prepared else _run_raw
+    body = functools.partial(run, config=config, plan=plan)
     if plan.data_parallel > 1:
         from ttj_jax.parallel import batch_mesh, data_parallel
         return data_parallel(body, batch_mesh(plan.data_parallel, jax.default_backend()))
@@ -201,7 +228,8 @@ def _mask_kind(mask) -> MaskKind:
 
 
 def forward(params: Any, x, valid_token_mask=None, *, config, mask_kind: MaskKind | str | None = None,
-            policy: str | None = None, attention: str | None = None, data_parallel: int | None = None):
+            policy: str | None = None, attention: str | None = None, data_parallel: int | None = None,
+            stack: str | None = None):
     """y = Transformer(x) per SPEC section 1, same shape and dtype as x.
 
     params: raw params (init_params / params_from_state_dict; prepared inside the same jitted call) or
@@ -222,7 +250,10 @@ def forward(params: Any, x, valid_token_mask=None, *, config, mask_kind: MaskKin
     x = jnp.asarray(x)
     mask = None if mask is None else jnp.asarray(mask)
     kind = MaskKind(mask_kind) if mask_kind is not None else _mask_kind(mask)
-    chosen = plan_for(config, x, kind, policy=policy, attention=attention, data_parallel=data_parallel)
+    chosen = plan_for(config, x, kind, policy=policy, attention=attention, data_parallel=data_parallel,
+                      stack=stack)
     mask = mask if chosen.mask_mode != "none" else None
     prepared = isinstance(params, PreparedWeights)
+    if chosen.stack == "fused" and prepared:
+        params = fused_weights(params, model_key(config))
     return executable(chosen, model_key(config), prepared)(params, x, mask)

@@ -15,6 +15,9 @@ from ttj_jax.numerics import POLICIES
 
 ATTENTION_IMPLEMENTATIONS = ("xla", "pallas", "cudnn")
 MASK_MODES = ("none", "rows", "keys", "device")
+# "layers": the XLA program, layer by layer (model.py); "fused": the whole stack as one Pallas kernel
+# (kernels/fused_stack.py), which the torch bridge launches with no JAX dispatch (bridge/direct.py).
+STACKS = ("layers", "fused")
 
 # Split the batch over several devices only when one call moves at least this many elements of x:
 # smaller calls are launch-bound, and cross-device placement would add latency, not remove it.
@@ -29,6 +32,9 @@ ACTIVATION_MEMORY_SHARE = 0.25
 CUDNN_MIN_SEQ_LEN = 4096
 # cuDNN's fused attention through jax.nn.dot_product_attention: head_dim a multiple of 8, at most 128.
 CUDNN_HEAD_DIMS = range(8, 129, 8)
+# The fused whole-stack kernel up to this many tokens (batch x seq_len) per call: PROVISIONAL until
+# bench/bench_fused_stack.py has measured it against the XLA program on the H200.
+FUSED_STACK_MAX_ROWS = 64 * 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +69,7 @@ class Plan:
     batch_chunk: int | None = None  # run the stack over batch chunks of this size (lax.map), or all at once
     data_parallel: int = 1         # devices the batch is split over (parallel.py); chunks are per device
     reason: str = ""
+    stack: str = "layers"          # one of STACKS
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -71,11 +78,18 @@ class Plan:
             raise ValueError(f"Plan.attention={self.attention!r} is not one of {ATTENTION_IMPLEMENTATIONS}")
         if self.mask_mode not in MASK_MODES:
             raise ValueError(f"Plan.mask_mode={self.mask_mode!r} is not one of {MASK_MODES}")
+        if self.stack not in STACKS:
+            raise ValueError(f"Plan.stack={self.stack!r} is not one of {STACKS}")
+        if self.stack == "fused" and (self.mask_mode != "none" or self.policy != "mixed_fp16"
+                                      or self.batch_chunk or self.data_parallel != 1):
+            raise ValueError("Plan.stack='fused' runs mask-free, mixed_fp16, unchunked, one-device plans only")
         if not isinstance(self.data_parallel, int) or self.data_parallel < 1:
             raise ValueError(f"Plan.data_parallel={self.data_parallel!r} must be an int >= 1")
 
     @property
     def name(self) -> str:
+        if self.stack == "fused":
+            return f"fused-stack/{self.policy}/mask-{self.mask_mode}"
         chunk = f"/chunk{self.batch_chunk}" if self.batch_chunk else ""
         devices = f"/x{self.data_parallel}-devices" if self.data_parallel > 1 else ""
         return f"{self.attention}-attention/{self.policy}/mask-{self.mask_mode}{chunk}{devices}"
@@ -85,10 +99,13 @@ class Plan:
 
 
 def plan(config: Config, inputs: InputFacts, device: DeviceFacts = CPU, *,
-         policy: str | None = None, attention: str | None = None, data_parallel: int | None = None) -> Plan:
+         policy: str | None = None, attention: str | None = None, data_parallel: int | None = None,
+         stack: str | None = None) -> Plan:
     """Chooses numerics, attention implementation, masking work, devices and chunking for one call
-    shape. `policy` / `attention` / `data_parallel` force a choice (tests, ablations); the rest is derived."""
+    shape. `policy` / `attention` / `data_parallel` / `stack` force a choice (tests, ablations); the rest
+    is derived."""
     reasons = []
+    attention_requested = attention is not None
 
     if policy is None:
         policy = "mixed_fp16"
@@ -142,8 +159,33 @@ def plan(config: Config, inputs: InputFacts, device: DeviceFacts = CPU, *,
     if batch_chunk:
         reasons.append(f"activations exceed {ACTIVATION_MEMORY_SHARE:.0%} of device memory: "
                        f"batch chunks of {batch_chunk}")
+    if stack is not None:
+        reasons.append(f"stack {stack} requested")
+    elif attention_requested:
+        stack = "layers"
+    else:
+        stack, why = _stack(config, inputs, device, policy, mask_mode, batch_chunk, data_parallel)
+        if why:
+            reasons.append(why)
+    if stack == "fused":   # the kernel computes attention itself
+        attention = "pallas"
     return Plan(policy=policy, attention=attention, mask_mode=mask_mode, batch_chunk=batch_chunk,
-                data_parallel=data_parallel, reason="; ".join(reasons))
+                data_parallel=data_parallel, reason="; ".join(reasons), stack=stack)
+
+
+def _stack(config: Config, inputs: InputFacts, device: DeviceFacts, policy: str, mask_mode: str,
+           batch_chunk, data_parallel: int) -> tuple[str, str]:
+    """The fused whole-stack kernel where it is measured faster than the XLA program (FUSED_STACK_MAX_ROWS),
+    for the calls it can run; the layer-by-layer XLA program otherwise."""
+    from ttj_jax.kernels.fused_stack import supports   # limits of the kernel (pure)
+    if not (device.is_gpu and policy == "mixed_fp16" and mask_mode == "none" and not batch_chunk
+            and data_parallel == 1 and supports(config, inputs.seq_len)):
+        return "layers", ""
+    rows = inputs.batch_size * inputs.seq_len
+    if rows > FUSED_STACK_MAX_ROWS:
+        return "layers", ""
+    return "fused", (f"{inputs.batch_size}x{inputs.seq_len} tokens fit the fused whole-stack kernel: one launch "
+                     f"instead of the XLA program's ~50 kernels (faster up to {FUSED_STACK_MAX_ROWS} tokens)")
 
 
 def _data_parallel(config: Config, inputs: InputFacts, device: DeviceFacts) -> int:

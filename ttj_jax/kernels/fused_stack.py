@@ -401,6 +401,51 @@ def fused_stack_forward(weights: FusedWeights, x: jax.Array, *, num_heads: int, 
     return y
 
 
+def copy_free(x_shape: tuple[int, ...], d_model: int, block_sequences: int = 1) -> bool:
+    """Whether fused_stack_forward runs x of this shape with no padded copy in or slice out: B a multiple
+    of block_sequences, S and d_model powers of two >= 16. Then the kernel reads x and writes y in
+    place, and its launch is just the Triton kernel (what `direct_launch` needs)."""
+    batch, seq_len, d = x_shape
+    return (d == d_model and batch % block_sequences == 0 and seq_len == _padded(seq_len)
+            and d_model == _padded(d_model))
+
+
+@dataclasses.dataclass(frozen=True)
+class DirectLaunch:
+    """The fused kernel for one input shape, lowered by Pallas to Triton IR, for a caller that compiles
+    and launches it itself (bridge/direct.py does, on torch tensors, with no JAX dispatch).
+
+    Kernel arguments, all pointers to contiguous row-major memory: x viewed as [B*S, d], then the 14
+    FusedWeights arrays in FusedWeights.FIELDS order, then y (x's shape and dtype), written whole."""
+    name: str
+    ttir: str
+    grid: tuple[int, int, int]
+    num_warps: int
+    num_stages: int
+    blocks: StackBlocks
+
+
+def direct_launch(weights: FusedWeights, x_shape: tuple[int, int, int], x_dtype, *, causal: bool,
+                  blocks: StackBlocks = StackBlocks()) -> DirectLaunch:
+    """The Triton IR of `fused_stack_forward` for x of this shape and dtype (weights may be arrays or
+    ShapeDtypeStructs). Only for copy-free shapes (`copy_free`), where the whole jitted function is
+    this one kernel; raises ValueError otherwise."""
+    from ttj_jax.compat import pallas_triton_kernels
+    if not copy_free(tuple(x_shape), weights.d_model, blocks.block_sequences):
+        raise ValueError(f"x.shape={tuple(x_shape)} needs padding for the fused kernel (d_model="
+                         f"{weights.d_model}, block_sequences={blocks.block_sequences}): no direct launch")
+    structs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), weights)
+    x = jax.ShapeDtypeStruct(tuple(x_shape), jnp.dtype(x_dtype))
+    kernels = pallas_triton_kernels(
+        functools.partial(fused_stack_forward, num_heads=weights.num_heads, causal=causal,
+                          block_sequences=blocks.block_sequences, ffn_block=blocks.ffn_block,
+                          num_warps=blocks.num_warps, num_stages=blocks.num_stages), structs, x)
+    if len(kernels) != 1:
+        raise RuntimeError(f"expected one Triton kernel in the fused stack, Pallas lowered {len(kernels)}")
+    [kernel] = kernels
+    return DirectLaunch(kernel.name, kernel.ttir, kernel.grid, blocks.num_warps, blocks.num_stages, blocks)
+
+
 def fused_stack_reference(weights: FusedWeights, x: jax.Array, *, num_heads: int, causal: bool) -> jax.Array:
     """Plain-jnp forward with the kernel's numerics, on the unpadded weights; materialises [B, H, S, S].
 

@@ -1,0 +1,152 @@
+"""The fused-stack plan end to end on the CPU: the planner's rule, the kernel's Triton IR for a direct
+launch, and the bridge's direct-launch plumbing with the launch itself replaced by the same kernel run in
+interpret mode (the CPU twin). The real launch (Triton compiling that IR for the GPU, launched on torch's
+stream) is checked on the H200 by `python -m bench.direct_check`, against the harness's baseline."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import bridge
+import ttj_jax as T
+from bench.baseline import check_close, harness_models, make_inputs
+from bridge import direct, runtime
+from ttj_jax.kernels.fused_stack import (FusedWeights, StackBlocks, copy_free, direct_launch,
+                                         fused_stack_forward, stack_weights)
+from ttj_jax.masks import MaskKind
+from ttj_jax.planner import FUSED_STACK_MAX_ROWS
+
+H200 = T.DeviceFacts(platform="gpu", device_kind="NVIDIA H200", memory_bytes=100 * 2**30)
+SMALL = T.Config(2, 32, 64, 4, 64, 2, True)
+
+
+def facts(config, mask=MaskKind.ALL_TRUE, batch=None):
+    return T.InputFacts(batch or config.batch_size, config.seq_len, "float32", mask)
+
+
+@pytest.mark.parametrize("sid", ["1", "2", "3", "4", "7", "9", "10", "11", "12"])
+def test_planner_fuses_short_mask_free_calls_on_the_gpu(sid):
+    config = T.OFFICIAL[sid].config
+    plan = T.plan(config, facts(config), H200)
+    assert plan.stack == "fused" and plan.name.startswith("fused-stack/")
+    assert "fused whole-stack kernel" in plan.explain()
+
+
+def test_planner_keeps_the_xla_program_elsewhere():
+    shape_2 = T.OFFICIAL["2"].config
+    assert T.plan(shape_2, facts(shape_2)).stack == "layers"                                   # CPU
+    assert T.plan(shape_2, facts(shape_2, MaskKind.PREFIX), H200).stack == "layers"            # mask work
+    assert T.plan(shape_2, facts(shape_2, MaskKind.UNKNOWN), H200).stack == "layers"
+    assert T.plan(shape_2, facts(shape_2), H200, policy="exact_fp32").stack == "layers"
+    assert T.plan(shape_2, facts(shape_2), H200, attention="xla").stack == "layers"             # forced
+    for sid in ("8", "13", "14"):   # d_model 1024; S=1024 and 100000: beyond the kernel's limits
+        config = T.OFFICIAL[sid].config
+        assert T.plan(config, facts(config), H200).stack == "layers"
+    rows_over = FUSED_STACK_MAX_ROWS // shape_2.seq_len + 1
+    assert T.plan(shape_2, facts(shape_2, batch=rows_over), H200).stack == "layers"
+    assert T.plan(shape_2, facts(shape_2), H200, stack="layers").stack == "layers"
+
+
+def test_fused_plans_are_mask_free_only():
+    with pytest.raises(ValueError, match="fused"):
+        T.Plan(policy="mixed_fp16", attention="pallas", mask_mode="rows", stack="fused")
+    with pytest.raises(ValueError, match="stack"):
+        T.Plan(policy="mixed_fp16", attention="pallas", mask_mode="none", stack="other")
+
+
+def _structs(config):
+    params = jax.eval_shape(lambda: T.init_params(jax.random.key(0), config))
+    return jax.eval_shape(lambda p: stack_weights(T.prepare_weights(p, T.MIXED_FP16),
+                                                  num_heads=config.num_heads), params)
+
+
+def test_direct_launch_ir_has_the_documented_arguments():
+    weights = _structs(SMALL)
+    spec = direct_launch(weights, (6, 32, 64), "float32", causal=True, blocks=StackBlocks(num_warps=4))
+    assert spec.grid == (6, 1, 1) and spec.num_warps == 4 and spec.num_stages == 1
+    signature = re.search(r"tt\.func public @\w+\((.*?)\)\s*(attributes.*)?\{", spec.ttir).group(1)
+    kinds = re.findall(r"!tt\.ptr<(\w+)>", signature)
+    expected = ["f32"] + ["f16" if weights.arrays[n].dtype == jnp.float16 else "f32"
+                          for n in FusedWeights.FIELDS] + ["f32"]
+    assert kinds == expected                                   # x, the 14 weights in FIELDS order, y
+    packed = direct_launch(weights, (8, 32, 64), "float32", causal=True, blocks=StackBlocks(block_sequences=4))
+    assert packed.grid == (2, 1, 1)
+
+
+def test_direct_launch_refuses_shapes_that_need_padding():
+    assert copy_free((3, 32, 64), 64) and not copy_free((3, 20, 64), 64) and not copy_free((3, 32, 64), 48)
+    assert not copy_free((3, 32, 64), 64, block_sequences=2)
+    with pytest.raises(ValueError, match="padding"):
+        direct_launch(_structs(SMALL), (2, 20, 64), "float32", causal=True)
+
+
+class InterpretedKernel:
+    """Stands in for bridge.direct.DirectKernel on the CPU: runs the same Pallas kernel (interpret mode)
+    on the tensors it is handed, in DirectLaunch's argument order, and writes the output in place."""
+    instances = []
+
+    def __init__(self, spec, device):
+        self.spec, self.calls = spec, 0
+        InterpretedKernel.instances.append(self)
+
+    def __call__(self, x, *tensors):
+        *weights, out = tensors
+        fused = FusedWeights({n: jnp.asarray(t.numpy()) for n, t in zip(FusedWeights.FIELDS, weights)},
+                             d_model=x.shape[-1], num_heads=SMALL.num_heads, ffn_dim=SMALL.ffn_dim)
+        y = fused_stack_forward(fused, jnp.asarray(x.numpy()), num_heads=SMALL.num_heads, causal=True,
+                                interpret=True)
+        out.copy_(torch.from_numpy(np.array(y)))
+        self.calls += 1
+
+
+def test_bridge_direct_path_plumbing(monkeypatch):
+    monkeypatch.setattr(direct, "unavailable_reason", lambda device: None)
+    monkeypatch.setattr(direct, "DirectKernel", InterpretedKernel)
+    InterpretedKernel.instances.clear()
+    base, ours = harness_models(SMALL, bridge.TTJTransformer)
+    x, mask = make_inputs(SMALL, 7)
+    x_before = x.clone()
+    with torch.no_grad():
+        y = runtime.forward(ours, x, mask, stack="fused")
+        y_again = runtime.forward(ours, x, mask, stack="fused")
+        layers = runtime.forward(ours, x, mask, stack="layers")
+        ref = base(x, mask)
+    [kernel] = InterpretedKernel.instances            # built once per input signature
+    assert kernel.calls == 2
+    assert torch.equal(x, x_before) and y.shape == x.shape and y.dtype == x.dtype
+    assert torch.equal(y, y_again)
+    assert check_close(y, ref)[0] == 0
+    assert check_close(y, layers)[0] == 0
+    # a weight edit is seen: the fused weights are rebuilt from the new parameters
+    with torch.no_grad():
+        ours.final_norm.bias.add_(0.5)
+        base.final_norm.bias.add_(0.5)
+        y2 = runtime.forward(ours, x, mask, stack="fused")
+        assert check_close(y2, base(x, mask))[0] == 0
+
+
+def test_bridge_explains_why_the_fused_plan_runs_through_jax_on_the_cpu():
+    base, ours = harness_models(SMALL, bridge.TTJTransformer)
+    x, mask = make_inputs(SMALL, 3)
+    with torch.no_grad():
+        y = runtime.forward(ours, x, mask, stack="fused")   # CPU: the same kernel, interpreted, via jax
+        assert check_close(y, base(x, mask))[0] == 0
+    call = runtime._STATES[ours].calls[(x.shape, x.dtype, x.device, MaskKind.ALL_TRUE, None, "fused")]
+    assert call.direct is None and "CUDA" in call.direct_note
+
+
+def test_jax_forward_runs_the_fused_plan():
+    params = T.init_params(jax.random.key(1), SMALL)
+    x = jax.random.normal(jax.random.key(2), (SMALL.batch_size, SMALL.seq_len, SMALL.d_model))
+    prepared = T.prepare_weights(params, T.MIXED_FP16)
+    fused = T.forward(prepared, x, config=SMALL, stack="fused")
+    raw = T.forward(params, x, config=SMALL, stack="fused")
+    ref = T.reference(params, x, config=SMALL)
+    assert check_close(torch.from_numpy(np.asarray(fused)), torch.from_numpy(np.asarray(ref)))[0] == 0
+    np.testing.assert_allclose(np.asarray(fused), np.asarray(raw), atol=1e-5)
