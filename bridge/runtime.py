@@ -221,9 +221,12 @@ class _ModuleState:
     def _direct_kernel(self, shape, dtype, device: torch.device):
         """(DirectKernel, "") for the fused plan on this input, or (None, why it runs through jax)."""
         from bridge import direct
-        from ttj_jax.kernels.fused_stack import copy_free, direct_launch
+        from ttj_jax.kernels.fused_stack import blocks_for, copy_free, direct_launch
+        blocks = blocks_for(shape[1], self.config.d_model)
+        if shape[0] % blocks.block_sequences:
+            blocks = dataclasses.replace(blocks, block_sequences=1)
         why = direct.unavailable_reason(device)
-        if why is None and not copy_free(tuple(shape), self.config.d_model):
+        if why is None and not copy_free(tuple(shape), self.config.d_model, blocks.block_sequences):
             why = f"x.shape={tuple(shape)} needs padding for the fused kernel"
         if why is not None:
             return None, why
@@ -233,7 +236,7 @@ class _ModuleState:
                                 for n, t in zip(FusedWeights.FIELDS, fused)},
                                d_model=self.config.d_model, num_heads=self.config.num_heads,
                                ffn_dim=self.config.ffn_dim)
-        spec = direct_launch(structs, tuple(shape), dtype, causal=self.config.causal)
+        spec = direct_launch(structs, tuple(shape), dtype, causal=self.config.causal, blocks=blocks)
         return direct.DirectKernel(spec, device), ""
 
 

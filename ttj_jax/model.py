@@ -7,6 +7,7 @@ plan's policy (numerics.py), attention from the plan's implementation, masking w
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import weakref
 from typing import Any, Mapping
@@ -135,12 +136,17 @@ def _run_raw(params, x, mask, *, config: Config, plan: Plan):
 def _run_fused(weights, x, mask, *, config: Config, plan: Plan):
     """The fused whole-stack kernel (plan.stack == "fused": mask-free by construction). weights: FusedWeights
     (the fast path, see fused_weights), PreparedWeights or raw params (stacked inside this call)."""
-    from ttj_jax.kernels.fused_stack import FusedWeights, fused_stack_forward, stack_weights
+    from ttj_jax.kernels.fused_stack import FusedWeights, blocks_for, fused_stack_forward, stack_weights
     if not isinstance(weights, FusedWeights):
         if not isinstance(weights, PreparedWeights):
             weights = prepare_weights(weights, get_policy(plan.policy))
         weights = stack_weights(weights, num_heads=config.num_heads)
+    blocks = blocks_for(x.shape[1], config.d_model)
+    if x.shape[0] % blocks.block_sequences:
+        blocks = dataclasses.replace(blocks, block_sequences=1)
     return fused_stack_forward(weights, x, num_heads=config.num_heads, causal=config.causal,
+                               block_sequences=blocks.block_sequences, ffn_block=blocks.ffn_block,
+                               num_warps=blocks.num_warps, num_stages=blocks.num_stages,
                                interpret=jax.default_backend() == "cpu")
 
 

@@ -81,6 +81,16 @@ class StackBlocks:
             raise ValueError(f"StackBlocks.num_stages={self.num_stages!r} must be an int >= 1")
 
 
+# Tilings by (padded seq_len, padded d_model), from `python -m bench.direct_check` on the H200 (see the
+# result file named there); anything not listed runs the defaults.
+MEASURED_BLOCKS: dict[tuple[int, int], StackBlocks] = {}
+
+
+def blocks_for(seq_len: int, d_model: int) -> StackBlocks:
+    """The tiling to run for this sequence length and model width (MEASURED_BLOCKS, else the defaults)."""
+    return MEASURED_BLOCKS.get((_padded(seq_len), _padded(d_model)), StackBlocks())
+
+
 def model_limits_error(d_model: int, num_heads: int, ffn_dim: int) -> str | None:
     """Why this kernel cannot run a model of these widths, or None when it can."""
     if d_model > MAX_D_MODEL:
