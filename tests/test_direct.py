@@ -148,5 +148,5 @@ def test_jax_forward_runs_the_fused_plan():
     fused = T.forward(prepared, x, config=SMALL, stack="fused")
     raw = T.forward(params, x, config=SMALL, stack="fused")
     ref = T.reference(params, x, config=SMALL)
-    assert check_close(torch.from_numpy(np.asarray(fused)), torch.from_numpy(np.asarray(ref)))[0] == 0
+    assert check_close(torch.from_numpy(np.array(fused)), torch.from_numpy(np.array(ref)))[0] == 0
     np.testing.assert_allclose(np.asarray(fused), np.asarray(raw), atol=1e-5)
