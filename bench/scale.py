@@ -194,6 +194,7 @@ def timed_calls(fn, calls: int, device, progress: Progress, name: str):
     for _ in range(calls):
         out = None
         if device.type == "cuda":
+            torch.cuda.set_device(device)   # a jax call may have made another GPU current (see main)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record(torch.cuda.current_stream(device))
             out = fn()
@@ -375,6 +376,13 @@ def main(argv=None) -> int:
         return 2
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     on_cuda = device.type == "cuda"
+    if on_cuda:
+        # jax's GPU start-up leaves the last GPU current on this thread (seen with two H200s: torch then
+        # put x on cuda:1 while the module sat on cuda:0, and refused DLPack exports of cuda:0 tensors).
+        # Start jax first, then make GPU 0 current and name it everywhere.
+        jax.devices()
+        device = torch.device("cuda", 0)
+        torch.cuda.set_device(device)
     if on_cuda:   # what the harness sets; the prefix reference turns TF32 off for itself
         torch.set_float32_matmul_precision("high")
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -389,7 +397,10 @@ def main(argv=None) -> int:
 
     harness_config = TransformerConfig(**vars(config))
     baseline, ours = harness_models(harness_config, bridge.TTJTransformer, device=device)
-    params = T.params_from_state_dict({k: v.detach().clone() for k, v in baseline.state_dict().items()}, config)
+    # Through host copies, then onto jax's first device: with two GPUs visible, jax.dlpack.from_dlpack refused
+    # these cuda:0 tensors (seen on an H200 x2, 2026-11-30; see the current-device note in main).
+    params = jax.device_put(T.params_from_state_dict(
+        {k: v.detach().cpu().clone() for k, v in baseline.state_dict().items()}, config), jax.devices()[0])
     chunked = chunked_reference(params, config, args.ref_chunk)
 
     def write(peer_ms, multi, pending=None):
