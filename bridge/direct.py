@@ -4,27 +4,63 @@ For calls the planner gives to the fused kernel (`Plan.stack == "fused"`: mask-f
 the work on the GPU is one kernel, and what a bridge call costs on the host decides the time the
 harness sees (SPEC section 2: host time counts wherever the GPU idles). Through jax that host time is a
 jitted call's dispatch plus a DLPack import and export (bench/results/bridge-profile-*.json). Here the
-kernel that Pallas generates from ttj_jax/kernels/fused_stack.py, as Triton IR
-(`fused_stack.direct_launch`), is compiled once by the Triton compiler that ships with torch for this
-GPU, and each call launches it with the torch tensors' pointers: one output allocation and one launch.
+kernel that Pallas generates from ttj_jax/kernels/fused_stack.py (`fused_stack.direct_launch`: its
+Triton IR) is compiled once to PTX by jaxlib's own Triton compiler, the one XLA runs for the same
+pallas_call (so the binary is the one the jax path runs), loaded with the CUDA driver, and each call
+launches it with the torch tensors' pointers: one output allocation and one `cuLaunchKernel`.
+
+(The Triton that ships with torch compiles the same IR too, but its build of the S=128, d=128 kernel gave
+wrong results on the H200 while jaxlib's was exact: bench/results/direct-debug-2026-11-30-h200.log.)
 
 Stream order is torch's own: the kernel runs on the caller's current stream, after whatever torch queued
 there (x's producers) and before whatever it queues next (y's consumers); no event, no host sync. The
 weights are the fused layout built by jax from the module's parameters once per weight version
-(runtime.py caches them as torch tensors sharing jax's memory).
+(runtime.py keeps them as torch-owned tensors). One DirectKernel holds one parameter buffer: launch it
+from one thread at a time.
 
-Availability: CUDA, and the `triton` package importable (it ships with CUDA builds of torch).
-`unavailable_reason()` says why not; the bridge then runs the same kernel through jax.
+Availability: CUDA with jax's CUDA plugin (its Triton compiler) and libcuda; `unavailable_reason()`
+says why not, and the bridge then runs the same kernel through jax.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
-import tempfile
+import re
+import weakref
 
 import torch
 
 from ttj_jax.kernels.fused_stack import DirectLaunch
+
+_CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+_CUDA_ERROR_INVALID_CONTEXT = 201
+_DRIVER = None
+
+
+def _driver():
+    global _DRIVER
+    if _DRIVER is None:
+        _DRIVER = ctypes.CDLL("libcuda.so.1")
+        _DRIVER.cuLaunchKernel.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [
+            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        _DRIVER.cuModuleUnload.argtypes = [ctypes.c_void_p]
+    return _DRIVER
+
+
+def _check(result: int, what: str) -> None:
+    if result:
+        name = ctypes.c_char_p()
+        _driver().cuGetErrorName(result, ctypes.byref(name))
+        raise RuntimeError(f"{what} failed: CUDA error {result} ({(name.value or b'?').decode()})")
+
+
+def entry_parameters(ptx: str, name: str) -> list[str]:
+    """The parameter types of PTX entry `name`, in order (e.g. ['.u64', '.u64', ...])."""
+    match = re.search(r"\.entry\s+" + re.escape(name) + r"\s*\((.*?)\)", ptx, re.S)
+    if match is None:
+        raise ValueError(f"no .entry {name} in the PTX")
+    return re.findall(r"\.param\s+(\.\w+)", match.group(1))
 
 
 def unavailable_reason(device: torch.device) -> str | None:
@@ -34,48 +70,82 @@ def unavailable_reason(device: torch.device) -> str | None:
     if os.environ.get("TTJ_DIRECT_LAUNCH", "1") == "0":
         return "disabled by TTJ_DIRECT_LAUNCH=0"
     try:
-        import triton  # noqa: F401
-        from triton.backends.compiler import GPUTarget  # noqa: F401
-    except ImportError as e:
-        return f"the triton package is not importable ({e})"
+        _driver()
+    except OSError as e:
+        return f"libcuda is not loadable ({e})"
+    try:
+        from jax._src.lib import triton as jaxlib_triton
+        import jax
+        jax.devices("gpu")
+        if not jaxlib_triton.has_compilation_handler("CUDA"):
+            return "this jaxlib registered no Triton compiler for CUDA"
+    except (ImportError, RuntimeError, AttributeError) as e:
+        return f"jax has no CUDA backend with a Triton compiler here ({e})"
     return None
 
 
 class DirectKernel:
     """One DirectLaunch compiled for one CUDA device. `kernel(*tensors)` launches it on torch's current
     stream of that device; the tensors are its arguments in DirectLaunch's order (contiguous, on the
-    device, of the dtypes the IR was lowered for: the caller guarantees it, nothing is checked here)."""
+    device, of the dtypes the IR was lowered for: the caller guarantees it, nothing is checked here).
+    PTX parameters past those (Triton's scratch pointers, unused by this kernel: it asks for no scratch)
+    are passed as null."""
 
     def __init__(self, spec: DirectLaunch, device: torch.device):
-        import triton
-        from triton.backends.compiler import GPUTarget
-        major, minor = torch.cuda.get_device_capability(device)
-        self.spec = spec
-        self.device_index = device.index if device.index is not None else torch.cuda.current_device()
-        with tempfile.TemporaryDirectory() as folder:   # triton.compile reads IR from a file
-            path = os.path.join(folder, f"{spec.name}.ttir")
-            with open(path, "w") as f:
-                f.write(spec.ttir)
-            with torch.cuda.device(self.device_index):
-                self.compiled = triton.compile(
-                    path, target=GPUTarget("cuda", major * 10 + minor, 32),
-                    options={"num_warps": spec.num_warps, "num_stages": spec.num_stages})
-                self.compiled._init_handles()   # loads the binary now, not inside the first timed call
-        self.grid = spec.grid
-        self._launcher = self.compiled.run
-        self._function = self.compiled.function
-        self._metadata = self.compiled.packed_metadata
+        from ttj_jax.compat import triton_to_ptx
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        major, minor = torch.cuda.get_device_capability(index)
+        self.spec, self.device_index = spec, index
+        self.ptx, self.shared_bytes = triton_to_ptx(spec.bytecode, f"{major}.{minor}",
+                                                    num_warps=spec.num_warps, num_stages=spec.num_stages)
+        parameters = entry_parameters(self.ptx, spec.name)
+        self.arguments = 1 + 14 + 1
+        extra = parameters[self.arguments:]
+        if len(parameters) < self.arguments or any(p not in (".u64", ".b64") for p in parameters):
+            raise RuntimeError(f"PTX entry {spec.name} takes {parameters}; expected {self.arguments} "
+                               "pointers (and optional scratch pointers)")
+        driver = _driver()
+        with torch.cuda.device(index):
+            torch.cuda.current_stream(index)   # torch's primary context is current on this thread
+            self._context = ctypes.c_void_p()
+            _check(driver.cuCtxGetCurrent(ctypes.byref(self._context)), "cuCtxGetCurrent")
+            module, function = ctypes.c_void_p(), ctypes.c_void_p()
+            _check(driver.cuModuleLoadData(ctypes.byref(module), ctypes.c_char_p(self.ptx.encode() + b"\0")),
+                   "cuModuleLoadData")
+            weakref.finalize(self, _unload, module.value)
+            _check(driver.cuModuleGetFunction(ctypes.byref(function), module, spec.name.encode()),
+                   "cuModuleGetFunction")
+            if self.shared_bytes > 48 * 1024:
+                _check(driver.cuFuncSetAttribute(function, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                                 self.shared_bytes), "cuFuncSetAttribute")
+        self._function = function
+        # One parameter block, reused: cuLaunchKernel copies the values at launch.
+        self._values = (ctypes.c_uint64 * len(parameters))()
+        address = ctypes.addressof(self._values)
+        self._params = (ctypes.c_void_p * len(parameters))(*[address + 8 * i for i in range(len(parameters))])
+        self._extra_nulls = [0] * len(extra)
+        self._block = 32 * spec.num_warps
+        self._launch = driver.cuLaunchKernel
         try:
             self._stream_of = torch._C._cuda_getCurrentRawStream   # private; ~1 us against ~3 public
-            self._stream_of(self.device_index)
+            self._stream_of(index)
         except (AttributeError, RuntimeError):
-            self._stream_of = lambda index: torch.cuda.current_stream(index).cuda_stream
-
-    @property
-    def shared_bytes(self) -> int:
-        return self.compiled.metadata.shared
+            self._stream_of = lambda i: torch.cuda.current_stream(i).cuda_stream
 
     def __call__(self, *tensors: torch.Tensor) -> None:
-        gx, gy, gz = self.grid
-        self._launcher(gx, gy, gz, self._stream_of(self.device_index), self._function, self._metadata,
-                       None, None, None, *tensors)
+        self._values[:] = [t.data_ptr() for t in tensors] + self._extra_nulls
+        gx, gy, gz = self.spec.grid
+        result = self._launch(self._function, gx, gy, gz, self._block, 1, 1, self.shared_bytes,
+                              self._stream_of(self.device_index), self._params, None)
+        if result == _CUDA_ERROR_INVALID_CONTEXT:   # a thread that never touched CUDA: use torch's context
+            _check(_driver().cuCtxSetCurrent(self._context), "cuCtxSetCurrent")
+            result = self._launch(self._function, gx, gy, gz, self._block, 1, 1, self.shared_bytes,
+                                  self._stream_of(self.device_index), self._params, None)
+        _check(result, "cuLaunchKernel")
+
+
+def _unload(module: int) -> None:
+    try:
+        _driver().cuModuleUnload(module)
+    except Exception:   # interpreter shutdown: the driver may already be gone
+        pass

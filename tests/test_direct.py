@@ -150,3 +150,24 @@ def test_jax_forward_runs_the_fused_plan():
     ref = T.reference(params, x, config=SMALL)
     assert check_close(torch.from_numpy(np.array(fused)), torch.from_numpy(np.array(ref)))[0] == 0
     np.testing.assert_allclose(np.asarray(fused), np.asarray(raw), atol=1e-5)
+
+
+def test_entry_parameters_reads_the_ptx_signature():
+    ptx = """.version 8.4
+.target sm_90a
+.visible .entry ttj_fused_stack(
+	.param .u64 .ptr .global .align 1 ttj_fused_stack_param_0,
+	.param .u64 .ptr .global .align 1 ttj_fused_stack_param_1,
+	.param .u64 .ptr .global .align 1 ttj_fused_stack_param_2
+)
+.reqntid 256, 1, 1
+{
+	ret;
+}"""
+    assert direct.entry_parameters(ptx, "ttj_fused_stack") == [".u64"] * 3
+    with pytest.raises(ValueError, match="no .entry"):
+        direct.entry_parameters(ptx, "other")
+
+
+def test_direct_launch_is_unavailable_without_cuda():
+    assert "CUDA device" in direct.unavailable_reason(torch.device("cpu"))

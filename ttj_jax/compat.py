@@ -10,6 +10,7 @@ falls back to the public API.
 
 from __future__ import annotations
 
+import io
 from typing import Any, Callable
 
 import jax
@@ -136,11 +137,12 @@ def shard_map(f, *, mesh, in_specs, out_specs):
 
 
 class TritonKernelIR:
-    """One Pallas kernel as Pallas lowered it for the GPU's Triton path: the Triton IR (MLIR text), its
-    name and its grid. Its arguments are pointers, the pallas_call's inputs then its outputs, in order."""
+    """One Pallas kernel as Pallas lowered it for the GPU's Triton path: the Triton IR (MLIR text and the
+    bytecode XLA is handed), its name and its grid. Its arguments are pointers, the pallas_call's inputs
+    then its outputs, in order."""
 
-    def __init__(self, name: str, ttir: str, grid: tuple[int, int, int]):
-        self.name, self.ttir, self.grid = name, ttir, grid
+    def __init__(self, name: str, ttir: str, bytecode: bytes, grid: tuple[int, int, int]):
+        self.name, self.ttir, self.bytecode, self.grid = name, ttir, bytecode, grid
 
 
 def pallas_triton_kernels(fn, *arg_structs) -> list[TritonKernelIR]:
@@ -159,7 +161,9 @@ def pallas_triton_kernels(fn, *arg_structs) -> list[TritonKernelIR]:
         operation = result.module.operation
         name = str(operation.attributes["sym_name"]).strip('"')
         grid = tuple(result.grid) + (1,) * (3 - len(result.grid))
-        captured.append(TritonKernelIR(name, operation.get_asm(enable_debug_info=False), grid))
+        buffer = io.BytesIO()
+        operation.write_bytecode(buffer)
+        captured.append(TritonKernelIR(name, operation.get_asm(enable_debug_info=False), buffer.getvalue(), grid))
         return result
 
     lowering.lower_jaxpr_to_triton_module = capture
@@ -168,3 +172,18 @@ def pallas_triton_kernels(fn, *arg_structs) -> list[TritonKernelIR]:
     finally:
         lowering.lower_jaxpr_to_triton_module = original
     return captured
+
+
+def triton_to_ptx(bytecode: bytes, compute_capability: str, *, num_warps: int, num_stages: int) -> tuple[str, int]:
+    """(PTX, shared memory bytes) for a Triton module, compiled by jaxlib's own Triton compiler: the one
+    (and the pass pipeline) XLA uses for the same pallas_call, so the binary matches what runs through
+    jax. compute_capability like "9.0". Needs jax's CUDA plugin (it registers the compiler when the GPU
+    backend starts); raises RuntimeError where there is none (a CPU machine)."""
+    from jax._src.lib import triton as jaxlib_triton
+    try:
+        jax.devices("gpu")   # starts the GPU backend, which registers the CUDA compilation handler
+    except RuntimeError as e:
+        raise RuntimeError(f"no GPU backend, so no Triton compiler in jaxlib: {e}") from e
+    result = jaxlib_triton.compile("CUDA", bytecode, compute_capability, num_warps=num_warps, num_ctas=1,
+                                   num_stages=num_stages)
+    return result.asm, int(result.smem_bytes)

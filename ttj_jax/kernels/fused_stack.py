@@ -429,6 +429,7 @@ class DirectLaunch:
     FusedWeights arrays in FusedWeights.FIELDS order, then y (x's shape and dtype), written whole."""
     name: str
     ttir: str
+    bytecode: bytes
     grid: tuple[int, int, int]
     num_warps: int
     num_stages: int
@@ -453,7 +454,8 @@ def direct_launch(weights: FusedWeights, x_shape: tuple[int, int, int], x_dtype,
     if len(kernels) != 1:
         raise RuntimeError(f"expected one Triton kernel in the fused stack, Pallas lowered {len(kernels)}")
     [kernel] = kernels
-    return DirectLaunch(kernel.name, kernel.ttir, kernel.grid, blocks.num_warps, blocks.num_stages, blocks)
+    return DirectLaunch(kernel.name, kernel.ttir, kernel.bytecode, kernel.grid, blocks.num_warps,
+                        blocks.num_stages, blocks)
 
 
 def fused_stack_reference(weights: FusedWeights, x: jax.Array, *, num_heads: int, causal: bool) -> jax.Array:
