@@ -4,10 +4,10 @@ For calls the planner gives to the fused kernel (`Plan.stack == "fused"`: mask-f
 the work on the GPU is one kernel, and what a bridge call costs on the host decides the time the
 harness sees (SPEC section 2: host time counts wherever the GPU idles). Through jax that host time is a
 jitted call's dispatch plus a DLPack import and export (bench/results/bridge-profile-*.json). Here the
-kernel that Pallas generates from ttj_jax/kernels/fused_stack.py (`fused_stack.direct_launch`: its
-Triton IR) is compiled once to PTX by jaxlib's own Triton compiler, the one XLA runs for the same
-pallas_call (so the binary is the one the jax path runs), loaded with the CUDA driver, and each call
-launches it with the torch tensors' pointers: one output allocation and one `cuLaunchKernel`.
+kernel that Pallas generates from ttj_jax/kernels/fused_stack.py (`fused_stack.direct_launch`) is
+compiled once by XLA, as for the jax path (its PTX read from XLA's dump of that one compilation:
+compat.xla_kernel_ptx), loaded with the CUDA driver, and each call launches it with the torch tensors'
+pointers: one output allocation and one `cuLaunchKernel`.
 
 (The Triton that ships with torch compiles the same IR too, but its build of the S=128, d=128 kernel gave
 wrong results on the H200 while jaxlib's was exact: bench/results/direct-debug-2026-11-30-h200.log.)
@@ -18,7 +18,7 @@ weights are the fused layout built by jax from the module's parameters once per 
 (runtime.py keeps them as torch-owned tensors). One DirectKernel holds one parameter buffer: launch it
 from one thread at a time.
 
-Availability: CUDA with jax's CUDA plugin (its Triton compiler) and libcuda; `unavailable_reason()`
+Availability: CUDA, jax's GPU backend and libcuda; `unavailable_reason()`
 says why not, and the bridge then runs the same kernel through jax.
 """
 
@@ -33,6 +33,9 @@ import torch
 
 from ttj_jax.kernels.fused_stack import DirectLaunch
 
+# Direct launches for grids up to this many programs (a few waves on the H200's 132 SMs); larger calls
+# are long enough on the GPU that jax's dispatch cost does not show, so they run through jax.
+MAX_PROGRAMS = 1024
 _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 _CUDA_ERROR_INVALID_CONTEXT = 201
 _DRIVER = None
@@ -63,6 +66,16 @@ def entry_parameters(ptx: str, name: str) -> list[str]:
     return re.findall(r"\.param\s+(\.\w+)", match.group(1))
 
 
+def _single_entry(ptx_texts: list[str], name: str) -> tuple[str, str]:
+    """(PTX, entry name) of the kernel called `name` (or the only kernel) among XLA's dumped modules."""
+    entries = [(text, entry) for text in ptx_texts for entry in re.findall(r"\.entry\s+(\w+)", text)]
+    named = [(t, e) for t, e in entries if name in e]
+    chosen = named if len(named) == 1 else entries if len(entries) == 1 else []
+    if not chosen:
+        raise RuntimeError(f"expected one kernel {name!r} in XLA's PTX, found {[e for _, e in entries]}")
+    return chosen[0]
+
+
 def unavailable_reason(device: torch.device) -> str | None:
     """Why the direct launch cannot run on `device`, or None when it can."""
     if device.type != "cuda":
@@ -74,13 +87,10 @@ def unavailable_reason(device: torch.device) -> str | None:
     except OSError as e:
         return f"libcuda is not loadable ({e})"
     try:
-        from jax._src.lib import triton as jaxlib_triton
         import jax
         jax.devices("gpu")
-        if not jaxlib_triton.has_compilation_handler("CUDA"):
-            return "this jaxlib registered no Triton compiler for CUDA"
-    except (ImportError, RuntimeError, AttributeError) as e:
-        return f"jax has no CUDA backend with a Triton compiler here ({e})"
+    except RuntimeError as e:
+        return f"jax has no GPU backend here ({e})"
     return None
 
 
@@ -92,13 +102,20 @@ class DirectKernel:
     are passed as null."""
 
     def __init__(self, spec: DirectLaunch, device: torch.device):
-        from ttj_jax.compat import triton_to_ptx
+        from ttj_jax.compat import xla_kernel_ptx
         index = device.index if device.index is not None else torch.cuda.current_device()
-        major, minor = torch.cuda.get_device_capability(index)
         self.spec, self.device_index = spec, index
-        self.ptx, self.shared_bytes = triton_to_ptx(spec.bytecode, f"{major}.{minor}",
-                                                    num_warps=spec.num_warps, num_stages=spec.num_stages)
-        parameters = entry_parameters(self.ptx, spec.name)
+        self.ptx, self.entry = _single_entry(xla_kernel_ptx(spec.function, *spec.arg_structs), spec.name)
+        threads = re.search(r"\.entry\s+" + re.escape(self.entry) + r"\s*\(.*?\)\s*\.(?:reqntid|maxntid)\s+(\d+)",
+                            self.ptx, re.S)
+        if threads and int(threads.group(1)) != 32 * spec.num_warps:
+            raise RuntimeError(f"PTX entry {self.entry} wants {threads.group(1)} threads, the spec "
+                               f"{32 * spec.num_warps}")
+        # Triton's shared memory is dynamic and its size is not in the PTX: reserve the device's opt-in
+        # maximum (safe for any size the compiler chose; the kernel is register-bound to one block per SM).
+        self.shared_bytes = getattr(torch.cuda.get_device_properties(index), "shared_memory_per_block_optin",
+                                    227 * 1024)
+        parameters = entry_parameters(self.ptx, self.entry)
         self.arguments = 1 + 14 + 1
         extra = parameters[self.arguments:]
         if len(parameters) < self.arguments or any(p not in (".u64", ".b64") for p in parameters):
@@ -113,7 +130,7 @@ class DirectKernel:
             _check(driver.cuModuleLoadData(ctypes.byref(module), ctypes.c_char_p(self.ptx.encode() + b"\0")),
                    "cuModuleLoadData")
             weakref.finalize(self, _unload, module.value)
-            _check(driver.cuModuleGetFunction(ctypes.byref(function), module, spec.name.encode()),
+            _check(driver.cuModuleGetFunction(ctypes.byref(function), module, self.entry.encode()),
                    "cuModuleGetFunction")
             if self.shared_bytes > 48 * 1024:
                 _check(driver.cuFuncSetAttribute(function, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,

@@ -228,6 +228,9 @@ class _ModuleState:
         why = direct.unavailable_reason(device)
         if why is None and not copy_free(tuple(shape), self.config.d_model, blocks.block_sequences):
             why = f"x.shape={tuple(shape)} needs padding for the fused kernel"
+        if why is None and shape[0] // blocks.block_sequences > direct.MAX_PROGRAMS:
+            why = (f"{shape[0] // blocks.block_sequences} programs: beyond {direct.MAX_PROGRAMS} the launch's host "
+                   "cost is negligible, and XLA launches it with its exact shared memory")
         if why is not None:
             return None, why
         fused = self.fused_tensors()   # also builds the weights the launch will read

@@ -30,7 +30,7 @@ def facts(config, mask=MaskKind.ALL_TRUE, batch=None):
     return T.InputFacts(batch or config.batch_size, config.seq_len, "float32", mask)
 
 
-@pytest.mark.parametrize("sid", ["1", "2", "3", "4", "7", "9", "10", "11", "12"])
+@pytest.mark.parametrize("sid", ["1", "2", "3", "4", "5", "6", "7", "9", "10", "11", "12"])
 def test_planner_fuses_short_mask_free_calls_on_the_gpu(sid):
     config = T.OFFICIAL[sid].config
     plan = T.plan(config, facts(config), H200)

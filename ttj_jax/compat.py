@@ -174,16 +174,20 @@ def pallas_triton_kernels(fn, *arg_structs) -> list[TritonKernelIR]:
     return captured
 
 
-def triton_to_ptx(bytecode: bytes, compute_capability: str, *, num_warps: int, num_stages: int) -> tuple[str, int]:
-    """(PTX, shared memory bytes) for a Triton module, compiled by jaxlib's own Triton compiler: the one
-    (and the pass pipeline) XLA uses for the same pallas_call, so the binary matches what runs through
-    jax. compute_capability like "9.0". Needs jax's CUDA plugin (it registers the compiler when the GPU
-    backend starts); raises RuntimeError where there is none (a CPU machine)."""
-    from jax._src.lib import triton as jaxlib_triton
-    try:
-        jax.devices("gpu")   # starts the GPU backend, which registers the CUDA compilation handler
-    except RuntimeError as e:
-        raise RuntimeError(f"no GPU backend, so no Triton compiler in jaxlib: {e}") from e
-    result = jaxlib_triton.compile("CUDA", bytecode, compute_capability, num_warps=num_warps, num_ctas=1,
-                                   num_stages=num_stages)
-    return result.asm, int(result.smem_bytes)
+def xla_kernel_ptx(fn, *arg_structs) -> list[str]:
+    """The PTX XLA generates for jit(fn)(*arg_structs) on the GPU, one text per dumped module: for a
+    function that is one pallas_call (plus free reshapes) that is the Pallas kernel as XLA compiled it,
+    with XLA's own Triton (jaxlib exposes no Triton compiler of its own from jax 0.11 on). Read from
+    XLA's dump of this one compilation (compiler option xla_dump_to). Needs a GPU backend."""
+    import glob
+    import os
+    import tempfile
+    with tempfile.TemporaryDirectory() as folder:
+        jax.jit(lambda *a: fn(*a)).lower(*arg_structs).compile(compiler_options={"xla_dump_to": folder})
+        texts = []
+        for path in sorted(glob.glob(os.path.join(folder, "*.ptx"))):
+            with open(path) as f:
+                texts.append(f.read())
+    if not texts:
+        raise RuntimeError("XLA dumped no PTX for this function (not a GPU backend?)")
+    return texts

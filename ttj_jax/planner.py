@@ -32,9 +32,12 @@ ACTIVATION_MEMORY_SHARE = 0.25
 CUDNN_MIN_SEQ_LEN = 4096
 # cuDNN's fused attention through jax.nn.dot_product_attention: head_dim a multiple of 8, at most 128.
 CUDNN_HEAD_DIMS = range(8, 129, 8)
-# The fused whole-stack kernel up to this many tokens (batch x seq_len) per call: PROVISIONAL until
-# bench/bench_fused_stack.py has measured it against the XLA program on the H200.
-FUSED_STACK_MAX_ROWS = 64 * 128
+# The fused whole-stack kernel up to this many tokens (batch x seq_len) per call, the largest measured:
+# bench/results/direct-2026-11-30-nvidia-h200.json (the kernel run through jax, harness timing): faster
+# than the XLA program on shape 6 (B=10000: 9.94 against 13.85 ms), shape 5 (0.154 against 0.235) and
+# shape 12, level on the host-bound shapes, where the bridge's direct launch (bridge/direct.py) removes
+# the host cost that hides it.
+FUSED_STACK_MAX_ROWS = 10000 * 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,7 +188,7 @@ def _stack(config: Config, inputs: InputFacts, device: DeviceFacts, policy: str,
     if rows > FUSED_STACK_MAX_ROWS:
         return "layers", ""
     return "fused", (f"{inputs.batch_size}x{inputs.seq_len} tokens fit the fused whole-stack kernel: one launch "
-                     f"instead of the XLA program's ~50 kernels (faster up to {FUSED_STACK_MAX_ROWS} tokens)")
+                     f"instead of the XLA program's ~50 kernels, measured faster up to {FUSED_STACK_MAX_ROWS} tokens")
 
 
 def _data_parallel(config: Config, inputs: InputFacts, device: DeviceFacts) -> int:

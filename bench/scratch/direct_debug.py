@@ -1,5 +1,5 @@
 """Debug: where does the direct launch's illegal address come from? Each step in its own process."""
-import os, subprocess, sys, json
+import os, subprocess, sys
 
 STEP = r'''
 import os, sys, json
@@ -32,10 +32,18 @@ with torch.no_grad():
         blocks = StackBlocks(num_warps=int(os.environ.get("W", "8")))
         spec = direct_launch(structs, tuple(x.shape), "float32", causal=True, blocks=blocks)
         k = direct.DirectKernel(spec, x.device)
-        print("grid", spec.grid, "shared", k.shared_bytes, "params", direct.entry_parameters(k.ptx, spec.name), flush=True)
+        print("grid", spec.grid, "entry", k.entry, "shared", k.shared_bytes, "params", direct.entry_parameters(k.ptx, k.entry), flush=True)
         out = torch.zeros_like(x)
         k(x, *tensors, out); torch.cuda.synchronize()
         print("direct vs base", check_close(out, ref), "vs layers", check_close(out, layers), flush=True)
+        y = runtime.forward(ours, x, mask, stack="fused"); torch.cuda.synchronize()
+        print("bridge fused:", runtime.explain(ours, x, mask), check_close(y, ref), flush=True)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(200):
+            k(x, *tensors, out)
+        end.record(); torch.cuda.synchronize()
+        print(f"KERNEL_MS {sid} {start.elapsed_time(end) / 200:.4f}", flush=True)
 '''
 
 def run(step, sid, env=None):
@@ -45,7 +53,9 @@ def run(step, sid, env=None):
              and "Source Location" not in l and "cuda_status" not in l and "cuda_executor" not in l and l.strip()]
     print(f"=== {step} shape {sid} {env or ''} rc={r.returncode}")
     print("\n".join(lines[-25:]), flush=True)
+    return r.returncode == 0 and "direct vs base (0," in r.stdout
 
-run("direct", "2", {"CUDA_LAUNCH_BLOCKING": "1"})
-run("direct", "2", {"CUDA_LAUNCH_BLOCKING": "1", "W": "4"})
-run("direct", "12", {"CUDA_LAUNCH_BLOCKING": "1"})
+ok = True
+for sid in sys.argv[1:] or ["2", "12"]:
+    ok &= run("direct", sid)
+sys.exit(0 if ok else 1)

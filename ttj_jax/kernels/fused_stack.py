@@ -434,6 +434,8 @@ class DirectLaunch:
     num_warps: int
     num_stages: int
     blocks: StackBlocks
+    function: Any = None        # the jax function whose only kernel this is, and its argument structs
+    arg_structs: Any = None     # (for compat.xla_kernel_ptx)
 
 
 def direct_launch(weights: FusedWeights, x_shape: tuple[int, int, int], x_dtype, *, causal: bool,
@@ -455,7 +457,11 @@ def direct_launch(weights: FusedWeights, x_shape: tuple[int, int, int], x_dtype,
         raise RuntimeError(f"expected one Triton kernel in the fused stack, Pallas lowered {len(kernels)}")
     [kernel] = kernels
     return DirectLaunch(kernel.name, kernel.ttir, kernel.bytecode, kernel.grid, blocks.num_warps,
-                        blocks.num_stages, blocks)
+                        blocks.num_stages, blocks,
+                        functools.partial(fused_stack_forward, num_heads=weights.num_heads, causal=causal,
+                                          block_sequences=blocks.block_sequences, ffn_block=blocks.ffn_block,
+                                          num_warps=blocks.num_warps, num_stages=blocks.num_stages),
+                        (structs, x))
 
 
 def fused_stack_reference(weights: FusedWeights, x: jax.Array, *, num_heads: int, causal: bool) -> jax.Array:
