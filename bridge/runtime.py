@@ -155,6 +155,15 @@ class _ModuleState:
                     prepared, NamedSharding(mesh, PartitionSpec()))
         return prepared
 
+    def fused_jax_weights(self):
+        """The fused kernel's weights as jax arrays (FusedWeights), built once per weight version."""
+        prepared = self.weights("mixed_fp16")
+        fused = self.prepared.get("fused-jax")
+        if fused is None:
+            from ttj_jax.model import fused_weights
+            fused = self.prepared["fused-jax"] = fused_weights(prepared, self.model_key)
+        return fused
+
     def fused_tensors(self) -> list[torch.Tensor]:
         """The fused kernel's weights (FusedWeights.FIELDS order) as torch tensors on the weights' device,
         built by jax from the current parameters once per weight version. They are torch-owned copies,
@@ -163,8 +172,7 @@ class _ModuleState:
         tensors = self.prepared.get("fused-torch")
         if tensors is None:
             from ttj_jax.kernels.fused_stack import FusedWeights
-            from ttj_jax.model import fused_weights
-            fused = fused_weights(prepared, self.model_key)
+            fused = self.fused_jax_weights()
             transfer = _transfer(self.params[0].device)
             tensors = [transfer.to_torch(fused.arrays[name]).clone() for name in FusedWeights.FIELDS]
             self.prepared["fused-torch"] = tensors
@@ -295,6 +303,8 @@ def forward(module: torch.nn.Module, x: torch.Tensor, valid_token_mask: torch.Te
         return out if call.upcast_to is None else out.to(call.upcast_to)
 
     weights = state.weights(call.plan.policy, call.plan.data_parallel)
+    if call.plan.stack == "fused":   # the kernel's own layout, built once per weight version
+        weights = state.fused_jax_weights()
     if x.requires_grad:
         x = x.detach()
     if call.upcast_to is not None:
