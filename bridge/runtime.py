@@ -84,10 +84,26 @@ class _Transfer:
             return torch.utils.dlpack.from_dlpack(self.export_capsule(array, stream))
 
 
+def _start_jax_keeping_torch_device() -> None:
+    """Starts jax's backends with torch's current CUDA device restored afterwards. Starting, jax makes
+    each of its GPUs current in turn; with two GPUs visible that left torch's current device at cuda:1
+    (seen on the two-H200 machine), so a later `torch.empty(..., device="cuda")` landed on the wrong GPU."""
+    if not torch.cuda.is_available():
+        jax.devices()
+        return
+    current = torch.cuda.current_device()
+    try:
+        jax.devices()
+    finally:
+        torch.cuda.set_device(current)
+
+
 def _transfer(device: torch.device) -> _Transfer:
     key = (device.type, device.index)
     transfer = _TRANSFERS.get(key)
     if transfer is None:
+        if not _TRANSFERS:
+            _start_jax_keeping_torch_device()
         transfer = _TRANSFERS[key] = _Transfer(device)
     return transfer
 

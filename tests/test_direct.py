@@ -30,7 +30,7 @@ def facts(config, mask=MaskKind.ALL_TRUE, batch=None):
     return T.InputFacts(batch or config.batch_size, config.seq_len, "float32", mask)
 
 
-@pytest.mark.parametrize("sid", ["1", "2", "3", "4", "5", "6", "7", "9", "10", "11", "12"])
+@pytest.mark.parametrize("sid", ["1", "2", "3", "4", "5", "6", "7", "9", "10", "12"])
 def test_planner_fuses_short_mask_free_calls_on_the_gpu(sid):
     config = T.OFFICIAL[sid].config
     plan = T.plan(config, facts(config), H200)
@@ -45,7 +45,7 @@ def test_planner_keeps_the_xla_program_elsewhere():
     assert T.plan(shape_2, facts(shape_2, MaskKind.UNKNOWN), H200).stack == "layers"
     assert T.plan(shape_2, facts(shape_2), H200, policy="exact_fp32").stack == "layers"
     assert T.plan(shape_2, facts(shape_2), H200, attention="xla").stack == "layers"             # forced
-    for sid in ("8", "13", "14"):   # d_model 1024; S=1024 and 100000: beyond the kernel's limits
+    for sid in ("8", "11", "13", "14"):   # d_model 1024; 16 heads (measured slower); S beyond its limits
         config = T.OFFICIAL[sid].config
         assert T.plan(config, facts(config), H200).stack == "layers"
     rows_over = FUSED_STACK_MAX_ROWS // shape_2.seq_len + 1

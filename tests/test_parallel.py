@@ -70,13 +70,17 @@ def test_two_devices_match_one():
 H200X2 = T.DeviceFacts(platform="gpu", device_kind="NVIDIA H200", memory_bytes=100 * 2**30, device_count=2)
 
 
-def test_planner_splits_only_large_batches_that_divide():
+def test_planner_splits_only_large_batches_already_spread_over_devices():
     shape_6, shape_1 = T.OFFICIAL["6"].config, T.OFFICIAL["1"].config
-    facts = lambda c, b=None: T.InputFacts(b or c.batch_size, c.seq_len, "float32", MaskKind.ALL_TRUE)
+    facts = lambda c, b=None, on=2: T.InputFacts(b or c.batch_size, c.seq_len, "float32", MaskKind.ALL_TRUE,
+                                                 input_devices=on)
     assert T.plan(shape_6, facts(shape_6), H200X2).data_parallel == 2
     assert T.plan(T.OFFICIAL["14"].config, facts(T.OFFICIAL["14"].config), H200X2).data_parallel == 2
     assert T.plan(shape_1, facts(shape_1), H200X2).data_parallel == 1          # launch-bound: one device
     assert T.plan(shape_6, facts(shape_6, 9999), H200X2).data_parallel == 1   # odd batch: no even split
+    # x on one device (a torch tensor): it stays there; moving half of it was measured slower
+    one = T.plan(T.OFFICIAL["14"].config, facts(T.OFFICIAL["14"].config, on=1), H200X2)
+    assert one.data_parallel == 1 and "measured slower" in one.explain()
     with pytest.raises(ValueError, match="cannot be split evenly"):
         T.plan(shape_6, facts(shape_6, 9999), H200X2, data_parallel=2)
 

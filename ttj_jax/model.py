@@ -209,8 +209,9 @@ def validate_inputs(x_shape, x_dtype: str, mask_shape, mask_dtype: str | None, c
 def plan_for(config: Config, x, mask_kind: MaskKind, device=None, **overrides) -> Plan:
     device = device if device is not None else next(iter(x.devices())) if hasattr(x, "devices") \
         else jax.devices()[0]
+    devices = x.devices() if hasattr(x, "devices") and callable(x.devices) else ()
     facts = InputFacts(batch_size=int(x.shape[0]), seq_len=int(x.shape[1]), dtype=str(jnp.dtype(x.dtype)),
-                       mask_kind=mask_kind)
+                       mask_kind=mask_kind, input_devices=max(1, len(devices)))
     return make_plan(config, facts, device_facts(device), **overrides)
 
 

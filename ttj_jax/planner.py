@@ -19,8 +19,11 @@ MASK_MODES = ("none", "rows", "keys", "device")
 # (kernels/fused_stack.py), which the torch bridge launches with no JAX dispatch (bridge/direct.py).
 STACKS = ("layers", "fused")
 
-# Split the batch over several devices only when one call moves at least this many elements of x:
-# smaller calls are launch-bound, and cross-device placement would add latency, not remove it.
+# Split the batch over several devices only when x already lives on them (a batch-sharded jax array)
+# and one call moves at least this many elements: smaller calls are launch-bound. An input on one
+# device stays on it unless data_parallel= asks: moving half of it to a second H200 and the result back
+# made shape 14 0.26x and shape 6 0.02x as fast (bench/results/scale-2026-11-30-h200x2.json; the
+# copies went through host memory at ~2 GB/s).
 DATA_PARALLEL_MIN_ELEMENTS = 64 * 2**20
 # Activations of one chunk may take at most this share of the device's memory.
 ACTIVATION_MEMORY_SHARE = 0.25
@@ -38,6 +41,11 @@ CUDNN_HEAD_DIMS = range(8, 129, 8)
 # shape 12, level on the host-bound shapes, where the bridge's direct launch (bridge/direct.py) removes
 # the host cost that hides it.
 FUSED_STACK_MAX_ROWS = 10000 * 128
+# ... and up to this many heads: the kernel walks the heads one after another, and at 16 heads of 8
+# (shape 11) it lost to the XLA program in the same run (JAX loop 0.303 against 0.221 ms,
+# bench/results/official-2026-11-30-h200-fused.json against official-2026-11-30-h200.json); at 1, 2
+# and 4 heads it won (shapes 9, 10, 1: 0.094, 0.106, 0.133 against 0.137, 0.134, 0.135 ms).
+FUSED_STACK_MAX_HEADS = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +54,7 @@ class InputFacts:
     seq_len: int
     dtype: str                     # numpy name of x's dtype: "float32", "float16", "bfloat16"
     mask_kind: MaskKind = MaskKind.NONE
+    input_devices: int = 1         # devices x is spread over (a sharded jax array); 1 for a torch tensor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,7 +162,9 @@ def plan(config: Config, inputs: InputFacts, device: DeviceFacts = CPU, *,
     else:
         data_parallel = _data_parallel(config, inputs, device)
         if data_parallel > 1:
-            reasons.append(f"batch split over {data_parallel} of {device.device_count} devices (SPMD)")
+            reasons.append(f"batch split over the {data_parallel} devices x lives on (SPMD)")
+        elif device.device_count > 1:
+            reasons.append("one device: x lives on one, and moving half of it was measured slower")
     if inputs.batch_size % data_parallel:
         raise ValueError(f"batch {inputs.batch_size} cannot be split evenly over {data_parallel} devices")
 
@@ -185,19 +196,21 @@ def _stack(config: Config, inputs: InputFacts, device: DeviceFacts, policy: str,
             and data_parallel == 1 and supports(config, inputs.seq_len)):
         return "layers", ""
     rows = inputs.batch_size * inputs.seq_len
-    if rows > FUSED_STACK_MAX_ROWS:
+    if rows > FUSED_STACK_MAX_ROWS or config.num_heads > FUSED_STACK_MAX_HEADS:
         return "layers", ""
     return "fused", (f"{inputs.batch_size}x{inputs.seq_len} tokens fit the fused whole-stack kernel: one launch "
                      f"instead of the XLA program's ~50 kernels, measured faster up to {FUSED_STACK_MAX_ROWS} tokens")
 
 
 def _data_parallel(config: Config, inputs: InputFacts, device: DeviceFacts) -> int:
-    """The most devices (up to all) that divide the batch, for calls large enough to gain from them."""
-    if not device.is_gpu or device.device_count < 2:
+    """The devices x already lives on, when there are several, the batch divides over them and the
+    call is large enough to gain; else 1."""
+    n = min(inputs.input_devices, device.device_count)
+    if not device.is_gpu or n < 2:
         return 1
     if inputs.batch_size * inputs.seq_len * config.d_model < DATA_PARALLEL_MIN_ELEMENTS:
         return 1
-    return max(n for n in range(1, device.device_count + 1) if inputs.batch_size % n == 0)
+    return n if inputs.batch_size % n == 0 else 1
 
 
 def activation_bytes_per_sequence(config: Config, seq_len: int, attention: str) -> int:
