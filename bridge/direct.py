@@ -5,9 +5,10 @@ the work on the GPU is one kernel, and what a bridge call costs on the host deci
 harness sees (SPEC section 2: host time counts wherever the GPU idles). Through jax that host time is a
 jitted call's dispatch plus a DLPack import and export (bench/results/bridge-profile-*.json). Here the
 kernel that Pallas generates from ttj_jax/kernels/fused_stack.py (`fused_stack.direct_launch`) is
-compiled once by XLA, as for the jax path (its PTX read from XLA's dump of that one compilation:
-compat.xla_kernel_ptx), loaded with the CUDA driver, and each call launches it with the torch tensors'
-pointers: one output allocation and one `cuLaunchKernel`.
+compiled once by XLA, as for the jax path (its cubin, or PTX, read from jax's serialization of that one
+executable: compat.xla_gpu_images), loaded with the CUDA driver, and each call launches it with the
+torch tensors' pointers: one output allocation and one `cuLaunchKernel`. Before first use the bridge
+compares one launch with the jax path's output on the same input, and falls back to jax on a mismatch.
 
 (The Triton that ships with torch compiles the same IR too, but its build of the S=128, d=128 kernel gave
 wrong results on the H200 while jaxlib's was exact: bench/results/direct-debug-2026-11-30-h200.log.)
@@ -66,16 +67,6 @@ def entry_parameters(ptx: str, name: str) -> list[str]:
     return re.findall(r"\.param\s+(\.\w+)", match.group(1))
 
 
-def _single_entry(ptx_texts: list[str], name: str) -> tuple[str, str]:
-    """(PTX, entry name) of the kernel called `name` (or the only kernel) among XLA's dumped modules."""
-    entries = [(text, entry) for text in ptx_texts for entry in re.findall(r"\.entry\s+(\w+)", text)]
-    named = [(t, e) for t, e in entries if name in e]
-    chosen = named if len(named) == 1 else entries if len(entries) == 1 else []
-    if not chosen:
-        raise RuntimeError(f"expected one kernel {name!r} in XLA's PTX, found {[e for _, e in entries]}")
-    return chosen[0]
-
-
 def unavailable_reason(device: torch.device) -> str | None:
     """Why the direct launch cannot run on `device`, or None when it can."""
     if device.type != "cuda":
@@ -98,49 +89,44 @@ class DirectKernel:
     """One DirectLaunch compiled for one CUDA device. `kernel(*tensors)` launches it on torch's current
     stream of that device; the tensors are its arguments in DirectLaunch's order (contiguous, on the
     device, of the dtypes the IR was lowered for: the caller guarantees it, nothing is checked here).
-    PTX parameters past those (Triton's scratch pointers, unused by this kernel: it asks for no scratch)
-    are passed as null."""
+    Kernel parameters past those (Triton's scratch pointers, unused by this kernel) are passed as null.
+    The bridge checks a new DirectKernel against the jax path once before using it (runtime.py)."""
 
     def __init__(self, spec: DirectLaunch, device: torch.device):
-        from ttj_jax.compat import xla_kernel_ptx
+        from ttj_jax.compat import xla_gpu_images
         index = device.index if device.index is not None else torch.cuda.current_device()
         self.spec, self.device_index = spec, index
-        self.ptx, self.entry = _single_entry(xla_kernel_ptx(spec.function, *spec.arg_structs), spec.name)
-        threads = re.search(r"\.entry\s+" + re.escape(self.entry) + r"\s*\(.*?\)\s*\.(?:reqntid|maxntid)\s+(\d+)",
-                            self.ptx, re.S)
-        if threads and int(threads.group(1)) != 32 * spec.num_warps:
-            raise RuntimeError(f"PTX entry {self.entry} wants {threads.group(1)} threads, the spec "
-                               f"{32 * spec.num_warps}")
-        # Triton's shared memory is dynamic and its size is not in the PTX: reserve the device's opt-in
-        # maximum (safe for any size the compiler chose; the kernel is register-bound to one block per SM).
-        self.shared_bytes = getattr(torch.cuda.get_device_properties(index), "shared_memory_per_block_optin",
-                                    227 * 1024)
-        parameters = entry_parameters(self.ptx, self.entry)
         self.arguments = 1 + 14 + 1
-        extra = parameters[self.arguments:]
-        if len(parameters) < self.arguments or any(p not in (".u64", ".b64") for p in parameters):
-            raise RuntimeError(f"PTX entry {spec.name} takes {parameters}; expected {self.arguments} "
-                               "pointers (and optional scratch pointers)")
         driver = _driver()
         with torch.cuda.device(index):
             torch.cuda.current_stream(index)   # torch's primary context is current on this thread
             self._context = ctypes.c_void_p()
             _check(driver.cuCtxGetCurrent(ctypes.byref(self._context)), "cuCtxGetCurrent")
-            module, function = ctypes.c_void_p(), ctypes.c_void_p()
-            _check(driver.cuModuleLoadData(ctypes.byref(module), ctypes.c_char_p(self.ptx.encode() + b"\0")),
-                   "cuModuleLoadData")
-            weakref.finalize(self, _unload, module.value)
-            _check(driver.cuModuleGetFunction(ctypes.byref(function), module, self.entry.encode()),
-                   "cuModuleGetFunction")
-            if self.shared_bytes > 48 * 1024:
-                _check(driver.cuFuncSetAttribute(function, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                                 self.shared_bytes), "cuFuncSetAttribute")
-        self._function = function
+            images = sorted(xla_gpu_images(spec.function, *spec.arg_structs), key=lambda i: i[0] != "cubin")
+            if not images:
+                raise RuntimeError("XLA's compiled executable holds no cubin or PTX for the kernel")
+            errors = []
+            for kind, image in images:
+                try:
+                    self._load(kind, image)
+                    break
+                except RuntimeError as e:
+                    errors.append(f"{kind}: {e}")
+            else:
+                raise RuntimeError("no loadable kernel image: " + "; ".join(errors))
+        # Triton's shared memory is dynamic and its size is not in the image: reserve the device's opt-in
+        # maximum (safe for any size the compiler chose; the kernel is register-bound to one block per SM).
+        self.shared_bytes = getattr(torch.cuda.get_device_properties(index), "shared_memory_per_block_optin",
+                                    227 * 1024)
+        if self.shared_bytes > 48 * 1024:
+            _check(driver.cuFuncSetAttribute(self._function, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                             self.shared_bytes), "cuFuncSetAttribute")
         # One parameter block, reused: cuLaunchKernel copies the values at launch.
-        self._values = (ctypes.c_uint64 * len(parameters))()
+        self._values = (ctypes.c_uint64 * self.parameter_count)()
         address = ctypes.addressof(self._values)
-        self._params = (ctypes.c_void_p * len(parameters))(*[address + 8 * i for i in range(len(parameters))])
-        self._extra_nulls = [0] * len(extra)
+        self._params = (ctypes.c_void_p * self.parameter_count)(
+            *[address + 8 * i for i in range(self.parameter_count)])
+        self._extra_nulls = [0] * (self.parameter_count - self.arguments)
         self._block = 32 * spec.num_warps
         self._launch = driver.cuLaunchKernel
         try:
@@ -148,6 +134,31 @@ class DirectKernel:
             self._stream_of(index)
         except (AttributeError, RuntimeError):
             self._stream_of = lambda i: torch.cuda.current_stream(i).cuda_stream
+
+    def _load(self, kind: str, image: bytes) -> None:
+        driver = _driver()
+        module = ctypes.c_void_p()
+        data = image + b"\0" if kind == "ptx" else image
+        _check(driver.cuModuleLoadData(ctypes.byref(module), ctypes.c_char_p(data)), f"cuModuleLoadData({kind})")
+        names = _function_names(module) if kind == "cubin" else re.findall(rb"\.entry\s+(\w+)", image)
+        names = [n.decode() if isinstance(n, bytes) else n for n in names]
+        chosen = [n for n in names if self.spec.name in n] or names
+        if len(chosen) != 1:
+            driver.cuModuleUnload(module)
+            raise RuntimeError(f"expected one kernel {self.spec.name!r}, the image has {names}")
+        self.entry = chosen[0]
+        function = ctypes.c_void_p()
+        _check(driver.cuModuleGetFunction(ctypes.byref(function), module, self.entry.encode()),
+               "cuModuleGetFunction")
+        sizes = _parameter_sizes(function)
+        if sizes is None and kind == "ptx":
+            sizes = [8 if t in (".u64", ".b64") else 0 for t in entry_parameters(image.decode(), self.entry)]
+        if sizes is None or len(sizes) < self.arguments or any(size != 8 for size in sizes):
+            driver.cuModuleUnload(module)
+            raise RuntimeError(f"kernel {self.entry} takes parameters of sizes {sizes}; expected "
+                               f"{self.arguments} pointers (and optional scratch pointers)")
+        weakref.finalize(self, _unload, module.value)
+        self.kind, self._function, self.parameter_count = kind, function, len(sizes)
 
     def __call__(self, *tensors: torch.Tensor) -> None:
         self._values[:] = [t.data_ptr() for t in tensors] + self._extra_nulls
@@ -159,6 +170,36 @@ class DirectKernel:
             result = self._launch(self._function, gx, gy, gz, self._block, 1, 1, self.shared_bytes,
                                   self._stream_of(self.device_index), self._params, None)
         _check(result, "cuLaunchKernel")
+
+
+def _function_names(module: ctypes.c_void_p) -> list[str]:
+    """Names of the kernels in a loaded module (CUDA 12.4+ driver API)."""
+    driver = _driver()
+    count = ctypes.c_uint()
+    _check(driver.cuModuleGetFunctionCount(ctypes.byref(count), module), "cuModuleGetFunctionCount")
+    functions = (ctypes.c_void_p * count.value)()
+    _check(driver.cuModuleEnumerateFunctions(functions, count, module), "cuModuleEnumerateFunctions")
+    names = []
+    for function in functions:
+        name = ctypes.c_char_p()
+        _check(driver.cuFuncGetName(ctypes.byref(name), ctypes.c_void_p(function)), "cuFuncGetName")
+        names.append(name.value.decode())
+    return names
+
+
+def _parameter_sizes(function: ctypes.c_void_p) -> list[int] | None:
+    """Byte sizes of a kernel's parameters, in order (cuFuncGetParamInfo, CUDA 12.4+), or None."""
+    driver = _driver()
+    if not hasattr(driver, "cuFuncGetParamInfo"):
+        return None
+    sizes = []
+    offset, size = ctypes.c_size_t(), ctypes.c_size_t()
+    while driver.cuFuncGetParamInfo(function, ctypes.c_size_t(len(sizes)), ctypes.byref(offset),
+                                    ctypes.byref(size)) == 0:
+        sizes.append(size.value)
+        if len(sizes) > 256:
+            break
+    return sizes
 
 
 def _unload(module: int) -> None:

@@ -184,7 +184,7 @@ class _ModuleState:
         """The fused kernel's weights (FusedWeights.FIELDS order) as torch tensors on the weights' device,
         built by jax from the current parameters once per weight version. They are torch-owned copies,
         so torch's allocator orders their reuse after the kernels that read them on torch's stream."""
-        prepared = self.weights("mixed_fp16")
+        self.weights("mixed_fp16")   # drops every derived array when a parameter changed
         tensors = self.prepared.get("fused-torch")
         if tensors is None:
             from ttj_jax.kernels.fused_stack import FusedWeights
@@ -239,10 +239,10 @@ class _ModuleState:
         call = _Call(plan=plan, run=executable(plan, self.model_key, True), transfer=transfer,
                      passes_mask=plan.mask_mode != "none", upcast_to=upcast)
         if plan.stack == "fused":
-            call.direct, call.direct_note = self._direct_kernel(x.shape, shape_probe.dtype, x.device)
+            call.direct, call.direct_note = self._direct_kernel(call, x.shape, shape_probe.dtype, x.device)
         return call
 
-    def _direct_kernel(self, shape, dtype, device: torch.device):
+    def _direct_kernel(self, call: _Call, shape, dtype, device: torch.device):
         """(DirectKernel, "") for the fused plan on this input, or (None, why it runs through jax)."""
         from bridge import direct
         from ttj_jax.kernels.fused_stack import blocks_for, copy_free, direct_launch
@@ -264,7 +264,32 @@ class _ModuleState:
                                d_model=self.config.d_model, num_heads=self.config.num_heads,
                                ffn_dim=self.config.ffn_dim)
         spec = direct_launch(structs, tuple(shape), dtype, causal=self.config.causal, blocks=blocks)
-        return direct.DirectKernel(spec, device), ""
+        try:
+            kernel = direct.DirectKernel(spec, device)
+        except (RuntimeError, OSError) as e:
+            return None, f"direct launch unavailable: {e}"
+        disagreement = self._compare_with_jax(kernel, call, shape, dtype, device)
+        if disagreement is not None:
+            return None, disagreement
+        return kernel, ""
+
+    # The direct launch runs the binary the jax path runs: its output must match to rounding noise.
+    DIRECT_CHECK_ATOL = 1e-4
+
+    def _compare_with_jax(self, kernel, call: _Call, shape, dtype, device) -> str | None:
+        """Launches `kernel` once on a random input and compares it with the jax path (the same plan
+        through jax). Returns why it cannot be used, or None. One host sync, once per input signature."""
+        generator = torch.Generator(device=device).manual_seed(0)
+        x = torch.randn(tuple(shape), generator=generator, device=device).to(getattr(torch, str(dtype)))
+        direct_out = torch.empty_like(x)
+        kernel(x, *self.fused_tensors(), direct_out)
+        call.transfer.order_before_jax()
+        jax_out = call.transfer.to_torch(call.run(self.fused_jax_weights(), call.transfer.to_jax(x), None))
+        difference = float((direct_out.float() - jax_out.float()).abs().max())
+        if not difference <= self.DIRECT_CHECK_ATOL:   # also catches NaN
+            return (f"the direct launch differed from the jax path by {difference:.3g} (> "
+                    f"{self.DIRECT_CHECK_ATOL}) on a test input: running through jax")
+        return None
 
 
 def _state(module: torch.nn.Module, config) -> _ModuleState:

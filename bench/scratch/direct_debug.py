@@ -32,7 +32,7 @@ with torch.no_grad():
         blocks = StackBlocks(num_warps=int(os.environ.get("W", "8")))
         spec = direct_launch(structs, tuple(x.shape), "float32", causal=True, blocks=blocks)
         k = direct.DirectKernel(spec, x.device)
-        print("grid", spec.grid, "entry", k.entry, "shared", k.shared_bytes, "params", direct.entry_parameters(k.ptx, k.entry), flush=True)
+        print("grid", spec.grid, "image", k.kind, "entry", k.entry, "shared", k.shared_bytes, "params", k.parameter_count, flush=True)
         out = torch.zeros_like(x)
         k(x, *tensors, out); torch.cuda.synchronize()
         print("direct vs base", check_close(out, ref), "vs layers", check_close(out, layers), flush=True)
