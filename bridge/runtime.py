@@ -350,17 +350,63 @@ def forward(module: torch.nn.Module, x: torch.Tensor, valid_token_mask: torch.Te
         x = x.detach()
     if call.upcast_to is not None:
         x = x.float()
-    transfer = call.transfer
-    transfer.order_before_jax()
-    jx = transfer.to_jax(x if x.is_contiguous() else x.contiguous())
-    jmask = None
-    if call.passes_mask:
-        jmask = transfer.to_jax(mask if mask.is_contiguous() else mask.contiguous())
-    y = call.run(weights, jx, jmask)
-    if call.plan.data_parallel > 1:   # gathered onto x's device, where torch expects the result
-        y = jax.device_put(y, transfer.importer.device)
-    out = transfer.to_torch(y)
+    x = x if x.is_contiguous() else x.contiguous()
+    mask = mask if not call.passes_mask or mask.is_contiguous() else mask.contiguous()
+    if call.plan.data_parallel > 1:
+        out = _run_split(call, weights, x, mask if call.passes_mask else None)
+    else:
+        transfer = call.transfer
+        transfer.order_before_jax()
+        jx = transfer.to_jax(x)
+        jmask = transfer.to_jax(mask) if call.passes_mask else None
+        out = transfer.to_torch(call.run(weights, jx, jmask))
     return out if call.upcast_to is None else out.to(call.upcast_to)
+
+
+def _run_split(call: _Call, weights, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """The batch split over the plan's devices. Each device's slice of x (and mask) is moved by torch
+    (a peer-to-peer copy between GPUs, stream-ordered on both) and imported on its device; the pieces
+    form one batch-sharded jax array, so jax's program moves nothing; each output shard comes back to
+    torch on its device and torch copies it into the output on x's device. Moving the slices with jax
+    instead went through host memory on two H200s (~2 GB/s: bench/results/scale-2026-11-30-h200x2.json).
+    On the CPU (tests, several host devices) jax places the pieces."""
+    from jax.sharding import NamedSharding, PartitionSpec
+    from ttj_jax.parallel import BATCH_AXIS, batch_mesh
+    n = call.plan.data_parallel
+    mesh = batch_mesh(n, jax.default_backend())
+    devices = list(mesh.devices.flat)
+    per_device = x.shape[0] // n
+    on_cuda = x.device.type == "cuda"
+    keep_alive, x_parts, mask_parts = [], [], []
+    for k, device in enumerate(devices):
+        rows = slice(k * per_device, (k + 1) * per_device)
+        pieces = [x[rows]] + ([mask[rows]] if mask is not None else [])
+        if on_cuda:
+            target = torch.device("cuda", device.local_hardware_id)
+            pieces = [p if p.device == target else p.to(target, non_blocking=True) for p in pieces]
+            transfer = _transfer(target)
+            transfer.order_before_jax()
+            arrays = [transfer.to_jax(p) for p in pieces]
+        else:
+            arrays = [jax.device_put(call.transfer.to_jax(p.contiguous()), device) for p in pieces]
+        keep_alive.append(pieces)
+        x_parts.append(arrays[0])
+        if mask is not None:
+            mask_parts.append(arrays[1])
+    sharding = NamedSharding(mesh, PartitionSpec(BATCH_AXIS))
+    jx = jax.make_array_from_single_device_arrays(tuple(x.shape), sharding, x_parts)
+    jmask = (jax.make_array_from_single_device_arrays(tuple(mask.shape), sharding, mask_parts)
+             if mask is not None else None)
+    y = call.run(weights, jx, jmask)
+    out = torch.empty(tuple(x.shape), dtype=x.dtype, device=x.device)
+    for shard in y.addressable_shards:
+        k = devices.index(shard.device)
+        source = torch.device("cuda", shard.device.local_hardware_id) if on_cuda else x.device
+        out[k * per_device:(k + 1) * per_device].copy_(_transfer(source).to_torch(shard.data), non_blocking=True)
+    # The imported slices may be freed only now: each output copy above is queued after jax's work on
+    # its device, so torch's allocator reuses their memory after jax has read them.
+    del keep_alive
+    return out
 
 
 def explain(module: torch.nn.Module, x: torch.Tensor, valid_token_mask=None, *, config=None) -> str:
