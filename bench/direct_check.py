@@ -21,7 +21,6 @@ import dataclasses
 import datetime
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -33,6 +32,7 @@ import bridge  # noqa: E402
 import jax  # noqa: E402
 import ttj_jax as T  # noqa: E402
 from bench.baseline import check_close, harness_models, make_inputs  # noqa: E402
+from bench.bridge_profile import host_us  # noqa: E402
 from bench.report import describe_error, slug  # noqa: E402
 from bench.timing import time_contenders  # noqa: E402
 from bridge import direct, runtime  # noqa: E402
@@ -64,19 +64,6 @@ def kernel_ms(launch, calls: int = 200) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / calls
-
-
-def host_us(fn, calls: int = 200) -> float:
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - t0) * 1e6)
-    torch.cuda.synchronize()
-    return statistics.median(samples)
 
 
 def run_shape(sid: str, seeds: int, quick: bool) -> dict:
@@ -142,8 +129,8 @@ def run_shape(sid: str, seeds: int, quick: bool) -> dict:
         record["timing_ms"] = {n: round(v["median_ms"], 4) for n, v in timed.items()}
         record["kernel_ms"] = {n: round(kernel_ms(lambda k=k: launch(k, x)), 4) for n, k in kernels.items()
                                if f"direct_{n}" in ok}
-        record["host_us"] = {"bridge_fused": round(host_us(fused_call), 1),
-                             "bridge_layers": round(host_us(layers_call), 1)}
+        record["host_us"] = {"bridge_fused": round(host_us(fused_call)["median_us"], 1),
+                             "bridge_layers": round(host_us(layers_call)["median_us"], 1)}
     return record
 
 

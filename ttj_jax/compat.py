@@ -10,7 +10,6 @@ falls back to the public API.
 
 from __future__ import annotations
 
-import io
 from typing import Any, Callable
 
 import jax
@@ -137,12 +136,11 @@ def shard_map(f, *, mesh, in_specs, out_specs):
 
 
 class TritonKernelIR:
-    """One Pallas kernel as Pallas lowered it for the GPU's Triton path: the Triton IR (MLIR text and the
-    bytecode XLA is handed), its name and its grid. Its arguments are pointers, the pallas_call's inputs
-    then its outputs, in order."""
+    """One Pallas kernel as Pallas lowered it for the GPU's Triton path: the Triton IR (MLIR text), its
+    name and its grid. Its arguments are pointers, the pallas_call's inputs then its outputs, in order."""
 
-    def __init__(self, name: str, ttir: str, bytecode: bytes, grid: tuple[int, int, int]):
-        self.name, self.ttir, self.bytecode, self.grid = name, ttir, bytecode, grid
+    def __init__(self, name: str, ttir: str, grid: tuple[int, int, int]):
+        self.name, self.ttir, self.grid = name, ttir, grid
 
 
 def pallas_triton_kernels(fn, *arg_structs) -> list[TritonKernelIR]:
@@ -161,9 +159,7 @@ def pallas_triton_kernels(fn, *arg_structs) -> list[TritonKernelIR]:
         operation = result.module.operation
         name = str(operation.attributes["sym_name"]).strip('"')
         grid = tuple(result.grid) + (1,) * (3 - len(result.grid))
-        buffer = io.BytesIO()
-        operation.write_bytecode(buffer)
-        captured.append(TritonKernelIR(name, operation.get_asm(enable_debug_info=False), buffer.getvalue(), grid))
+        captured.append(TritonKernelIR(name, operation.get_asm(enable_debug_info=False), grid))
         return result
 
     lowering.lower_jaxpr_to_triton_module = capture

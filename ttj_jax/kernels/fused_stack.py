@@ -429,7 +429,6 @@ class DirectLaunch:
     FusedWeights arrays in FusedWeights.FIELDS order, then y (x's shape and dtype), written whole."""
     name: str
     ttir: str
-    bytecode: bytes
     grid: tuple[int, int, int]
     num_warps: int
     num_stages: int
@@ -456,7 +455,7 @@ def direct_launch(weights: FusedWeights, x_shape: tuple[int, int, int], x_dtype,
     if len(kernels) != 1:
         raise RuntimeError(f"expected one Triton kernel in the fused stack, Pallas lowered {len(kernels)}")
     [kernel] = kernels
-    return DirectLaunch(kernel.name, kernel.ttir, kernel.bytecode, kernel.grid, blocks.num_warps,
+    return DirectLaunch(kernel.name, kernel.ttir, kernel.grid, blocks.num_warps,
                         blocks.num_stages, blocks,
                         functools.partial(fused_stack_forward, num_heads=weights.num_heads, causal=causal,
                                           block_sequences=blocks.block_sequences, ffn_block=blocks.ffn_block,
