@@ -422,8 +422,9 @@ def copy_free(x_shape: tuple[int, ...], d_model: int, block_sequences: int = 1) 
 
 @dataclasses.dataclass(frozen=True)
 class DirectLaunch:
-    """The fused kernel for one input shape, lowered by Pallas to Triton IR, for a caller that compiles
-    and launches it itself (bridge/direct.py does, on torch tensors, with no JAX dispatch).
+    """The fused kernel for one input shape, for a caller that launches it itself (bridge/direct.py does,
+    on torch tensors, with no JAX dispatch): its name, grid and tiling, the Triton IR Pallas lowered it
+    to, and the jax function (with argument structs) whose compiled executable holds XLA's build of it.
 
     Kernel arguments, all pointers to contiguous row-major memory: x viewed as [B*S, d], then the 14
     FusedWeights arrays in FusedWeights.FIELDS order, then y (x's shape and dtype), written whole."""
@@ -434,12 +435,12 @@ class DirectLaunch:
     num_stages: int
     blocks: StackBlocks
     function: Any = None        # the jax function whose only kernel this is, and its argument structs
-    arg_structs: Any = None     # (for compat.xla_kernel_ptx)
+    arg_structs: Any = None     # (for compat.xla_gpu_images)
 
 
 def direct_launch(weights: FusedWeights, x_shape: tuple[int, int, int], x_dtype, *, causal: bool,
                   blocks: StackBlocks = StackBlocks()) -> DirectLaunch:
-    """The Triton IR of `fused_stack_forward` for x of this shape and dtype (weights may be arrays or
+    """The DirectLaunch of `fused_stack_forward` for x of this shape and dtype (weights may be arrays or
     ShapeDtypeStructs). Only for copy-free shapes (`copy_free`), where the whole jitted function is
     this one kernel; raises ValueError otherwise."""
     from ttj_jax.compat import pallas_triton_kernels
