@@ -96,7 +96,7 @@ class DirectKernel:
         from ttj_jax.compat import xla_gpu_images
         index = device.index if device.index is not None else torch.cuda.current_device()
         self.spec, self.device_index = spec, index
-        self.arguments = 1 + 14 + 1
+        self.arguments = spec.argument_count
         driver = _driver()
         with torch.cuda.device(index):
             torch.cuda.current_stream(index)   # torch's primary context is current on this thread

@@ -263,7 +263,8 @@ class _ModuleState:
                                 for n, t in zip(FusedWeights.FIELDS, fused)},
                                d_model=self.config.d_model, num_heads=self.config.num_heads,
                                ffn_dim=self.config.ffn_dim)
-        spec = direct_launch(structs, tuple(shape), dtype, causal=self.config.causal, blocks=blocks)
+        spec = direct_launch(structs, tuple(shape), dtype, causal=self.config.causal, blocks=blocks,
+                             masked=call.passes_mask)
         try:
             kernel = direct.DirectKernel(spec, device)
         except (RuntimeError, OSError) as e:
@@ -281,10 +282,15 @@ class _ModuleState:
         through jax). Returns why it cannot be used, or None. One host sync, once per input signature."""
         generator = torch.Generator(device=device).manual_seed(0)
         x = torch.randn(tuple(shape), generator=generator, device=device).to(getattr(torch, str(dtype)))
+        mask = None
+        if call.passes_mask:   # a general mask (a fully invalid sequence included) exercises every path
+            mask = torch.rand(tuple(shape[:2]), generator=generator, device=device) < 0.7
+            mask[0] = False
         direct_out = torch.empty_like(x)
-        kernel(x, *self.fused_tensors(), direct_out)
+        kernel(x, *([mask] if mask is not None else []), *self.fused_tensors(), direct_out)
         call.transfer.order_before_jax()
-        jax_out = call.transfer.to_torch(call.run(self.fused_jax_weights(), call.transfer.to_jax(x), None))
+        jax_out = call.transfer.to_torch(call.run(self.fused_jax_weights(), call.transfer.to_jax(x),
+                                                  None if mask is None else call.transfer.to_jax(mask)))
         difference = float((direct_out.float() - jax_out.float()).abs().max())
         if not difference <= self.DIRECT_CHECK_ATOL:   # also catches NaN
             return (f"the direct launch differed from the jax path by {difference:.3g} (> "
@@ -340,7 +346,10 @@ def forward(module: torch.nn.Module, x: torch.Tensor, valid_token_mask: torch.Te
             x = x.float()
         x = x if x.is_contiguous() else x.contiguous()
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        call.direct(x, *tensors, out)
+        if call.passes_mask:
+            call.direct(x, mask if mask.is_contiguous() else mask.contiguous(), *tensors, out)
+        else:
+            call.direct(x, *tensors, out)
         return out if call.upcast_to is None else out.to(call.upcast_to)
 
     weights = state.weights(call.plan.policy, call.plan.data_parallel)

@@ -41,8 +41,8 @@ def test_planner_fuses_short_mask_free_calls_on_the_gpu(sid):
 def test_planner_keeps_the_xla_program_elsewhere():
     shape_2 = T.OFFICIAL["2"].config
     assert T.plan(shape_2, facts(shape_2)).stack == "layers"                                   # CPU
-    assert T.plan(shape_2, facts(shape_2, MaskKind.PREFIX), H200).stack == "layers"            # mask work
-    assert T.plan(shape_2, facts(shape_2, MaskKind.UNKNOWN), H200).stack == "layers"
+    for kind in (MaskKind.PREFIX, MaskKind.GENERAL, MaskKind.UNKNOWN):                         # masks: fused
+        assert T.plan(shape_2, facts(shape_2, kind), H200).stack == "fused"
     assert T.plan(shape_2, facts(shape_2), H200, policy="exact_fp32").stack == "layers"
     assert T.plan(shape_2, facts(shape_2), H200, attention="xla").stack == "layers"             # forced
     for sid in ("8", "11", "13", "14"):   # d_model 1024; 16 heads (measured slower); S beyond its limits
@@ -53,9 +53,12 @@ def test_planner_keeps_the_xla_program_elsewhere():
     assert T.plan(shape_2, facts(shape_2), H200, stack="layers").stack == "layers"
 
 
-def test_fused_plans_are_mask_free_only():
+def test_fused_plans_are_mixed_one_device_unchunked():
+    T.Plan(policy="mixed_fp16", attention="pallas", mask_mode="keys", stack="fused")            # masks: fine
     with pytest.raises(ValueError, match="fused"):
-        T.Plan(policy="mixed_fp16", attention="pallas", mask_mode="rows", stack="fused")
+        T.Plan(policy="exact_fp32", attention="xla", mask_mode="none", stack="fused")
+    with pytest.raises(ValueError, match="fused"):
+        T.Plan(policy="mixed_fp16", attention="pallas", mask_mode="none", stack="fused", batch_chunk=2)
     with pytest.raises(ValueError, match="stack"):
         T.Plan(policy="mixed_fp16", attention="pallas", mask_mode="none", stack="other")
 
@@ -96,10 +99,15 @@ class InterpretedKernel:
         InterpretedKernel.instances.append(self)
 
     def __call__(self, x, *tensors):
+        assert 1 + len(tensors) == self.spec.argument_count
+        mask = None
+        if self.spec.masked:   # the direct launch hands the bool mask's bytes; the kernel reads int8
+            mask, *tensors = tensors
+            mask = jnp.asarray(mask.numpy().view(np.int8))
         *weights, out = tensors
         fused = FusedWeights({n: jnp.asarray(t.numpy()) for n, t in zip(FusedWeights.FIELDS, weights)},
                              d_model=x.shape[-1], num_heads=SMALL.num_heads, ffn_dim=SMALL.ffn_dim)
-        y = fused_stack_forward(fused, jnp.asarray(x.numpy()), num_heads=SMALL.num_heads, causal=True,
+        y = fused_stack_forward(fused, jnp.asarray(x.numpy()), mask, num_heads=SMALL.num_heads, causal=True,
                                 interpret=True)
         out.copy_(torch.from_numpy(np.array(y)))
         self.calls += 1
@@ -137,6 +145,28 @@ class WrongKernel(InterpretedKernel):
     def __call__(self, x, *tensors):
         super().__call__(x, *tensors)
         tensors[-1].mul_(1.01)
+
+
+def test_bridge_direct_path_with_masks(monkeypatch):
+    monkeypatch.setattr(direct, "unavailable_reason", lambda device: None)
+    monkeypatch.setattr(direct, "DirectKernel", InterpretedKernel)
+    base, ours = harness_models(SMALL, bridge.TTJTransformer)
+    x, _ = make_inputs(SMALL, 9)
+    general = torch.rand(SMALL.batch_size, SMALL.seq_len, generator=torch.Generator().manual_seed(1)) < 0.6
+    general[1] = False
+    _, prefix = make_inputs(SMALL, 10, padding_ratio=0.5)
+    with torch.no_grad():
+        for mask in (general, prefix):
+            InterpretedKernel.instances.clear()
+            y = runtime.forward(ours, x, mask, stack="fused")
+            ref = base(x, mask)
+            assert [k.spec.masked for k in InterpretedKernel.instances] == [True]
+            assert check_close(y, ref)[0] == 0 and (y[~mask] == 0).all()
+        with torch.inference_mode():   # an inference-mode mask (unclassified) takes the fused plan too
+            mask = general.clone()
+            InterpretedKernel.instances.clear()
+            assert check_close(runtime.forward(ours, x, mask, stack="fused"), base(x, mask))[0] == 0
+            assert InterpretedKernel.instances and InterpretedKernel.instances[0].spec.masked
 
 
 def test_bridge_refuses_a_direct_launch_that_disagrees_with_jax(monkeypatch):

@@ -267,3 +267,78 @@ def test_bench_script_imports_and_explains_itself(capsys):
         bench_fused_stack.main(["--help"])
     assert exit_info.value.code == 0 and "--ptxas" in capsys.readouterr().out
     assert all(supports(T.OFFICIAL[s].config, T.OFFICIAL[s].config.seq_len) for s in bench_fused_stack.SHAPE_IDS)
+
+
+# Masks (SPEC section 1): (S, d, H, ffn, L, causal, B, block_sequences, mask kind).
+MASKED_CASES = {
+    "prefix-causal-S32": (32, 64, 4, 64, 2, True, 3, 1, "prefix"),
+    "general-causal-S20-packed": (20, 32, 2, 48, 2, True, 4, 2, "general"),
+    "general-noncausal-S7": (7, 32, 4, 32, 2, False, 3, 1, "general"),
+    "general-noncausal-S32-packed": (32, 64, 8, 64, 1, False, 4, 2, "general"),
+    "all-true-S16": (16, 32, 2, 32, 1, True, 2, 1, "all"),
+}
+
+
+def _mask(kind, B, S, seed):
+    rng = np.random.default_rng(seed)
+    if kind == "all":
+        mask = np.ones((B, S), bool)
+    elif kind == "prefix":
+        lengths = rng.integers(1, S + 1, B)
+        mask = np.arange(S)[None, :] < lengths[:, None]
+    else:
+        mask = rng.random((B, S)) < 0.6
+        mask[0] = False                     # a sequence with no valid token at all: zeros, never NaN
+    return jnp.asarray(mask)
+
+
+@pytest.mark.parametrize("case", list(MASKED_CASES))
+def test_masked_calls_match_reference_and_forward(case, harness_rule):
+    S, d, H, ffn, L, causal, B, block_sequences, kind = MASKED_CASES[case]
+    config, params, weights = _model(S, d, H, ffn, L, causal, B, seed=len(case) + 7)
+    x = jax.random.normal(jax.random.key(S + d), (B, S, d), jnp.float32)
+    mask = _mask(kind, B, S, seed=len(case))
+    y = _f32(fused_stack_forward(weights, x, mask, num_heads=H, causal=causal,
+                                 block_sequences=block_sequences, interpret=True))
+    assert np.isfinite(y).all()
+    assert (y[~np.asarray(mask)] == 0).all()                       # invalid rows exactly zero
+    reference = _f32(fused_stack_reference(weights, x, mask, num_heads=H, causal=causal))
+    np.testing.assert_allclose(y, reference, rtol=0, atol=REFERENCE_ATOL_PER_LAYER * L)
+    harness_rule(to_torch(y), to_torch(_f32(T.forward(params, x, mask, config=config))))
+    # int8 masks (what a direct launch hands over: a torch bool tensor's bytes) read the same
+    y8 = _f32(fused_stack_forward(weights, x, mask.astype(jnp.int8), num_heads=H, causal=causal,
+                                  block_sequences=block_sequences, interpret=True))
+    np.testing.assert_array_equal(y8, y)
+
+
+def test_a_mask_changes_what_it_must():
+    # Without causal attention, masking a key changes every valid row; the unmasked call must differ.
+    _, _, weights = _model(8, 32, 2, 32, 1, False, 1)
+    x = jax.random.normal(jax.random.key(5), (1, 8, 32), jnp.float32)
+    mask = jnp.asarray([[True] * 6 + [False] * 2])
+    masked = _f32(fused_stack_forward(weights, x, mask, num_heads=2, causal=False, interpret=True))
+    plain = _f32(fused_stack_forward(weights, x, num_heads=2, causal=False, interpret=True))
+    assert np.abs(masked[0, :6] - plain[0, :6]).max() > 1e-3
+
+
+@pytest.mark.parametrize("mask, name", [(jnp.ones((2, 5), bool), "shape"), (jnp.ones((2, 8), jnp.float32), "dtype")])
+def test_bad_masks_name_the_problem(mask, name):
+    _, _, weights = _model(8, 32, 2, 32, 1, True, 2)
+    x = jnp.zeros((2, 8, 32), jnp.float32)
+    with pytest.raises(ValueError, match=f"valid_token_mask.{name}"):
+        fused_stack_forward(weights, x, mask, num_heads=2, causal=True, interpret=True)
+
+
+@pytest.mark.parametrize("S,d,block_sequences", [(128, 128, 1), (32, 128, 2), (20, 48, 1)])
+def test_masked_kernel_lowers_through_triton_for_cuda(S, d, block_sequences):
+    # The mask path (an int8 row vector, compared and broadcast to the score tile) must lower too; an
+    # int8 mask on a copy-free shape adds nothing around the one kernel.
+    config, params, weights = _model(S, d, 4, d, 2, True, 4)
+    x = jax.ShapeDtypeStruct((4, S, d), jnp.float32)
+    mask = jax.ShapeDtypeStruct((4, S), jnp.int8)
+    forward = lambda w, x, m: fused_stack_forward(w, x, m, num_heads=4, causal=True,
+                                                  block_sequences=block_sequences)
+    text = jax.jit(forward).trace(weights, x, mask).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("stablehlo.custom_call") == 1
+    if S in (128, 32):
+        assert set(re.findall(r"stablehlo\.(\w+)", text)) <= {"custom_call", "reshape", "return"}

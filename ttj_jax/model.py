@@ -134,7 +134,8 @@ def _run_raw(params, x, mask, *, config: Config, plan: Plan):
 
 
 def _run_fused(weights, x, mask, *, config: Config, plan: Plan):
-    """The fused whole-stack kernel (plan.stack == "fused": mask-free by construction). weights: FusedWeights
+    """The fused whole-stack kernel (plan.stack == "fused"); a mask, when the plan passes one, is applied
+    inside the kernel in full (key masking and row zeroing, whatever the mask mode). weights: FusedWeights
     (the fast path, see fused_weights), PreparedWeights or raw params (stacked inside this call)."""
     from ttj_jax.kernels.fused_stack import FusedWeights, blocks_for, fused_stack_forward, stack_weights
     if not isinstance(weights, FusedWeights):
@@ -144,7 +145,7 @@ def _run_fused(weights, x, mask, *, config: Config, plan: Plan):
     blocks = blocks_for(x.shape[1], config.d_model)
     if x.shape[0] % blocks.block_sequences:
         blocks = dataclasses.replace(blocks, block_sequences=1)
-    return fused_stack_forward(weights, x, num_heads=config.num_heads, causal=config.causal,
+    return fused_stack_forward(weights, x, mask, num_heads=config.num_heads, causal=config.causal,
                                block_sequences=blocks.block_sequences, ffn_block=blocks.ffn_block,
                                num_warps=blocks.num_warps, num_stages=blocks.num_stages,
                                interpret=jax.default_backend() == "cpu")

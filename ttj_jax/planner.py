@@ -92,9 +92,8 @@ class Plan:
             raise ValueError(f"Plan.mask_mode={self.mask_mode!r} is not one of {MASK_MODES}")
         if self.stack not in STACKS:
             raise ValueError(f"Plan.stack={self.stack!r} is not one of {STACKS}")
-        if self.stack == "fused" and (self.mask_mode != "none" or self.policy != "mixed_fp16"
-                                      or self.batch_chunk or self.data_parallel != 1):
-            raise ValueError("Plan.stack='fused' runs mask-free, mixed_fp16, unchunked, one-device plans only")
+        if self.stack == "fused" and (self.policy != "mixed_fp16" or self.batch_chunk or self.data_parallel != 1):
+            raise ValueError("Plan.stack='fused' runs mixed_fp16, unchunked, one-device plans only")
         if not isinstance(self.data_parallel, int) or self.data_parallel < 1:
             raise ValueError(f"Plan.data_parallel={self.data_parallel!r} must be an int >= 1")
 
@@ -189,11 +188,12 @@ def plan(config: Config, inputs: InputFacts, device: DeviceFacts = CPU, *,
 
 def _stack(config: Config, inputs: InputFacts, device: DeviceFacts, policy: str, mask_mode: str,
            batch_chunk, data_parallel: int) -> tuple[str, str]:
-    """The fused whole-stack kernel where it is measured faster than the XLA program (FUSED_STACK_MAX_ROWS),
-    for the calls it can run; the layer-by-layer XLA program otherwise."""
+    """The fused whole-stack kernel where it is measured faster than the XLA program (FUSED_STACK_MAX_ROWS,
+    FUSED_STACK_MAX_HEADS), for the calls it can run (any mask: it masks keys and zeroes rows itself);
+    the layer-by-layer XLA program otherwise."""
     from ttj_jax.kernels.fused_stack import supports   # limits of the kernel (pure)
-    if not (device.is_gpu and policy == "mixed_fp16" and mask_mode == "none" and not batch_chunk
-            and data_parallel == 1 and supports(config, inputs.seq_len)):
+    if not (device.is_gpu and policy == "mixed_fp16" and not batch_chunk and data_parallel == 1
+            and supports(config, inputs.seq_len)):
         return "layers", ""
     rows = inputs.batch_size * inputs.seq_len
     if rows > FUSED_STACK_MAX_ROWS or config.num_heads > FUSED_STACK_MAX_HEADS:

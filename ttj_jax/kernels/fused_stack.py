@@ -257,12 +257,15 @@ def _loop(count: int, body, carry):
     return lax.fori_loop(0, count, body, carry)
 
 
-def _fused_stack_kernel(x_ref, norm1_w_ref, norm1_b_ref, qkv_w_ref, qkv_b_ref, out_w_ref, out_b_ref,
-                        norm2_w_ref, norm2_b_ref, ffn_in_w_ref, ffn_in_b_ref, ffn_out_w_ref, ffn_out_b_ref,
-                        final_w_ref, final_b_ref, y_ref, *, num_layers: int, num_heads: int, d_model: int,
-                        head_dim: int, seq_len: int, padded_seq_len: int, causal: bool, ffn_block: int):
-    # x_ref, y_ref: (rows, Dp), rows = block_sequences * padded_seq_len, sequences one after another.
+def _fused_stack_kernel(*refs, num_layers: int, num_heads: int, d_model: int, head_dim: int, seq_len: int,
+                        padded_seq_len: int, causal: bool, ffn_block: int, masked: bool):
+    # refs: x, [mask], the 14 weights, y. x_ref, y_ref: (rows, Dp), rows = block_sequences *
+    # padded_seq_len, sequences one after another; mask_ref: (rows,) int8, nonzero = valid token.
     # Weight refs: whole stacked arrays (FusedWeights' shapes), indexed per layer / head / ffn slice.
+    x_ref, *refs = refs
+    mask_ref = refs.pop(0) if masked else None
+    (norm1_w_ref, norm1_b_ref, qkv_w_ref, qkv_b_ref, out_w_ref, out_b_ref, norm2_w_ref, norm2_b_ref,
+     ffn_in_w_ref, ffn_in_b_ref, ffn_out_w_ref, ffn_out_b_ref, final_w_ref, final_b_ref, y_ref) = refs
     rows = x_ref.shape[0]
     num_ffn_blocks = ffn_in_w_ref.shape[-1] // ffn_block
     sm_scale = head_dim ** -0.5
@@ -280,6 +283,12 @@ def _fused_stack_kernel(x_ref, norm1_w_ref, norm1_b_ref, qkv_w_ref, qkv_b_ref, o
     elif padded_seq_len > seq_len:
         real_key = lax.rem(key, padded_seq_len) < seq_len
         allowed = real_key if allowed is None else allowed & real_key
+    row_valid = None
+    if masked:   # SPEC 1: invalid keys excluded; invalid rows' attention output, residual and output zeroed
+        valid = mask_ref[...] != 0                                                       # (rows,)
+        key_valid = jnp.broadcast_to(valid[None, :], (rows, rows))
+        allowed = key_valid if allowed is None else allowed & key_valid
+        row_valid = valid[:, None]
 
     x = x_ref[...].astype(jnp.float32)                                                   # (rows, Dp)
     for layer in range(num_layers):
@@ -301,7 +310,8 @@ def _fused_stack_kernel(x_ref, norm1_w_ref, norm1_b_ref, qkv_w_ref, qkv_b_ref, o
 
         # x + out_bias + sum over heads of context_h @ W_out[h]: the out-projection accumulates into
         # the residual itself, so no second (rows, Dp) accumulator is live during the head loop.
-        x = _loop(num_heads, attention_head, x + out_b_ref[layer][None, :])
+        attended = _loop(num_heads, attention_head, x + out_b_ref[layer][None, :])
+        x = attended if row_valid is None else jnp.where(row_valid, attended, x)
 
         h = _layer_norm_rows(x, norm2_w_ref[layer], norm2_b_ref[layer], d_model=d_model).astype(_GEMM_DTYPE)
 
@@ -314,8 +324,12 @@ def _fused_stack_kernel(x_ref, norm1_w_ref, norm1_b_ref, qkv_w_ref, qkv_b_ref, o
             return residual + _dot(hidden, ffn_out_w_ref[layer, columns, :])             # (rows, Dp)
 
         x = _loop(num_ffn_blocks, mlp_slice, x + ffn_out_b_ref[layer][None, :])
+        if row_valid is not None:
+            x = jnp.where(row_valid, x, 0.0)
 
     y = _layer_norm_rows(x, final_w_ref[...], final_b_ref[...], d_model=d_model)
+    if row_valid is not None:
+        y = jnp.where(row_valid, y, 0.0)
     y_ref[...] = y.astype(y_ref.dtype)
 
 
@@ -345,15 +359,19 @@ def _check_call(weights, x, num_heads, causal, blocks: StackBlocks, padded_seq_l
 
 @functools.partial(jax.jit, static_argnames=("num_heads", "causal", "block_sequences", "ffn_block",
                                              "num_warps", "num_stages", "interpret"))
-def fused_stack_forward(weights: FusedWeights, x: jax.Array, *, num_heads: int, causal: bool,
-                        block_sequences: int = 1, ffn_block: int | None = None, num_warps: int | None = None,
-                        num_stages: int | None = None, interpret: bool = False) -> jax.Array:
-    """y = LN_final(layers(x)) per SPEC section 1, without a mask, in one kernel launch.
+def fused_stack_forward(weights: FusedWeights, x: jax.Array, valid_token_mask: jax.Array | None = None, *,
+                        num_heads: int, causal: bool, block_sequences: int = 1, ffn_block: int | None = None,
+                        num_warps: int | None = None, num_stages: int | None = None,
+                        interpret: bool = False) -> jax.Array:
+    """y = LN_final(layers(x)) per SPEC section 1, in one kernel launch.
 
     Args:
       weights: from `stack_weights` (its num_heads must equal num_heads).
       x: [B, S, d_model], float32, float16 or bfloat16; 1 <= S <= 256. Any B (padded internally to a
         multiple of block_sequences), any S (padded to a power of two >= 16) and any d_model <= 256.
+      valid_token_mask: None, or [B, S] bool or int8 (nonzero = valid): invalid keys are excluded from
+        attention and invalid rows are zeroed (attention output, residual after each layer, output), as
+        SPEC section 1 says; any mask, prefix or not. int8 is read as is, bool is converted first.
       num_heads, causal: the model's (config.num_heads, config.causal).
       block_sequences: sequences per program, a power of two; block_sequences * padded S <= 256. Packing
         sequences makes every dot taller but the score tile grows as its square, so it pays only for
@@ -362,10 +380,10 @@ def fused_stack_forward(weights: FusedWeights, x: jax.Array, *, num_heads: int, 
       interpret: run the kernel in Pallas interpret mode (CPU).
 
     Returns:
-      [B, S, d_model] in x's dtype (numerics: see the module docstring). There is no valid_token_mask:
-      use this only for mask-free plans. Copies: none when B is a multiple of block_sequences, S a power
-      of two >= 16 and d_model a power of two >= 16 (every official shape it runs); otherwise one padded
-      copy of x and one slice of the output.
+      [B, S, d_model] in x's dtype (numerics: see the module docstring). Copies: none when B is a
+      multiple of block_sequences, S a power of two >= 16, d_model a power of two >= 16 (every official
+      shape it runs) and the mask is None or int8; otherwise one padded copy of x (and of the mask) and
+      one slice of the output.
     """
     defaults = StackBlocks()
     blocks = StackBlocks(
@@ -375,6 +393,14 @@ def fused_stack_forward(weights: FusedWeights, x: jax.Array, *, num_heads: int, 
         num_stages=defaults.num_stages if num_stages is None else num_stages)
     padded_seq_len = _padded(x.shape[1]) if x.ndim == 3 else 0
     _check_call(weights, x, num_heads, causal, blocks, padded_seq_len)
+    masked = valid_token_mask is not None
+    if masked:
+        if tuple(valid_token_mask.shape) != tuple(x.shape[:2]):
+            raise ValueError(f"valid_token_mask.shape={tuple(valid_token_mask.shape)} must be [batch, seq_len] "
+                             f"= {tuple(x.shape[:2])}")
+        if jnp.dtype(valid_token_mask.dtype) not in (jnp.dtype(jnp.bool_), jnp.dtype(jnp.int8)):
+            raise ValueError(f"valid_token_mask.dtype={jnp.dtype(valid_token_mask.dtype)} must be bool or int8")
+        mask = valid_token_mask.astype(jnp.int8)
 
     batch, seq_len, d_model = x.shape
     padded_d = weights.final_norm_weight.shape[0]
@@ -386,6 +412,11 @@ def fused_stack_forward(weights: FusedWeights, x: jax.Array, *, num_heads: int, 
     rows = blocks.block_sequences * padded_seq_len
     x = x.reshape(-1, padded_d)                          # (B_pad * S_pad, Dp): free, row-major
     num_programs = x.shape[0] // rows
+    extra_inputs, extra_specs = [], []
+    if masked:   # padding rows are invalid tokens
+        if batch_pad or seq_pad:
+            mask = jnp.pad(mask, ((0, batch_pad), (0, seq_pad)))
+        extra_inputs, extra_specs = [mask.reshape(-1)], [pl.BlockSpec((rows,), lambda i: (i,))]
 
     def whole(array):   # every program reads the whole stacked array (it indexes layers and heads itself)
         return pl.BlockSpec(array.shape, lambda i, ndim=array.ndim: (0,) * ndim)
@@ -394,17 +425,18 @@ def fused_stack_forward(weights: FusedWeights, x: jax.Array, *, num_heads: int, 
     kernel = functools.partial(
         _fused_stack_kernel, num_layers=weights.num_layers, num_heads=num_heads, d_model=d_model,
         head_dim=weights.head_dim, seq_len=seq_len, padded_seq_len=padded_seq_len, causal=causal,
-        ffn_block=ffn_block)
+        ffn_block=ffn_block, masked=masked)
     y = pl.pallas_call(
         kernel,
         grid=(num_programs,),
-        in_specs=[pl.BlockSpec((rows, padded_d), lambda i: (i, 0))] + [whole(a) for a in weight_arrays],
+        in_specs=[pl.BlockSpec((rows, padded_d), lambda i: (i, 0))] + extra_specs
+        + [whole(a) for a in weight_arrays],
         out_specs=pl.BlockSpec((rows, padded_d), lambda i: (i, 0)),
         out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
         compiler_params=pltriton.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages),
         interpret=interpret,
         name="ttj_fused_stack",
-    )(x, *weight_arrays)
+    )(x, *extra_inputs, *weight_arrays)
     y = y.reshape(batch + batch_pad, padded_seq_len, padded_d)
     if batch_pad or seq_pad or d_pad:
         y = y[:batch, :seq_len, :d_model]
@@ -426,8 +458,9 @@ class DirectLaunch:
     on torch tensors, with no JAX dispatch): its name, grid and tiling, the Triton IR Pallas lowered it
     to, and the jax function (with argument structs) whose compiled executable holds XLA's build of it.
 
-    Kernel arguments, all pointers to contiguous row-major memory: x viewed as [B*S, d], then the 14
-    FusedWeights arrays in FusedWeights.FIELDS order, then y (x's shape and dtype), written whole."""
+    Kernel arguments, all pointers to contiguous row-major memory: x viewed as [B*S, d], then (when
+    `masked`) the valid_token_mask as [B*S] bytes (int8; a torch bool tensor has the same bytes), then the
+    14 FusedWeights arrays in FusedWeights.FIELDS order, then y (x's shape and dtype), written whole."""
     name: str
     ttir: str
     grid: tuple[int, int, int]
@@ -436,10 +469,15 @@ class DirectLaunch:
     blocks: StackBlocks
     function: Any = None        # the jax function whose only kernel this is, and its argument structs
     arg_structs: Any = None     # (for compat.xla_gpu_images)
+    masked: bool = False
+
+    @property
+    def argument_count(self) -> int:
+        return 1 + int(self.masked) + len(FusedWeights.FIELDS) + 1
 
 
 def direct_launch(weights: FusedWeights, x_shape: tuple[int, int, int], x_dtype, *, causal: bool,
-                  blocks: StackBlocks = StackBlocks()) -> DirectLaunch:
+                  blocks: StackBlocks = StackBlocks(), masked: bool = False) -> DirectLaunch:
     """The DirectLaunch of `fused_stack_forward` for x of this shape and dtype (weights may be arrays or
     ShapeDtypeStructs). Only for copy-free shapes (`copy_free`), where the whole jitted function is
     this one kernel; raises ValueError otherwise."""
@@ -449,22 +487,25 @@ def direct_launch(weights: FusedWeights, x_shape: tuple[int, int, int], x_dtype,
                          f"{weights.d_model}, block_sequences={blocks.block_sequences}): no direct launch")
     structs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), weights)
     x = jax.ShapeDtypeStruct(tuple(x_shape), jnp.dtype(x_dtype))
-    kernels = pallas_triton_kernels(
-        functools.partial(fused_stack_forward, num_heads=weights.num_heads, causal=causal,
-                          block_sequences=blocks.block_sequences, ffn_block=blocks.ffn_block,
-                          num_warps=blocks.num_warps, num_stages=blocks.num_stages), structs, x)
+    mask = jax.ShapeDtypeStruct(tuple(x_shape[:2]), jnp.int8) if masked else None
+    forward = functools.partial(fused_stack_forward, num_heads=weights.num_heads, causal=causal,
+                                block_sequences=blocks.block_sequences, ffn_block=blocks.ffn_block,
+                                num_warps=blocks.num_warps, num_stages=blocks.num_stages)
+
+    def function(w, x, *mask):
+        return forward(w, x, *mask)
+
+    arg_structs = (structs, x) + ((mask,) if masked else ())
+    kernels = pallas_triton_kernels(function, *arg_structs)
     if len(kernels) != 1:
         raise RuntimeError(f"expected one Triton kernel in the fused stack, Pallas lowered {len(kernels)}")
     [kernel] = kernels
-    return DirectLaunch(kernel.name, kernel.ttir, kernel.grid, blocks.num_warps,
-                        blocks.num_stages, blocks,
-                        functools.partial(fused_stack_forward, num_heads=weights.num_heads, causal=causal,
-                                          block_sequences=blocks.block_sequences, ffn_block=blocks.ffn_block,
-                                          num_warps=blocks.num_warps, num_stages=blocks.num_stages),
-                        (structs, x))
+    return DirectLaunch(kernel.name, kernel.ttir, kernel.grid, blocks.num_warps, blocks.num_stages, blocks,
+                        function, arg_structs, masked)
 
 
-def fused_stack_reference(weights: FusedWeights, x: jax.Array, *, num_heads: int, causal: bool) -> jax.Array:
+def fused_stack_reference(weights: FusedWeights, x: jax.Array, valid_token_mask: jax.Array | None = None, *,
+                          num_heads: int, causal: bool) -> jax.Array:
     """Plain-jnp forward with the kernel's numerics, on the unpadded weights; materialises [B, H, S, S].
 
     Same operations in the same order as the kernel (fp16 dot operands with fp32 accumulation, the fp32
@@ -480,22 +521,32 @@ def fused_stack_reference(weights: FusedWeights, x: jax.Array, *, num_heads: int
         return jnp.einsum(spec, a.astype(_GEMM_DTYPE), b.astype(_GEMM_DTYPE), preferred_element_type=jnp.float32)
 
     residual = x.astype(jnp.float32)                                                      # (B, S, d)
+    valid = None if valid_token_mask is None else valid_token_mask.astype(bool)           # (B, S)
     for i in range(weights.num_layers):
         h = layer_norm(residual, weights.norm1_weight[i, :d], weights.norm1_bias[i, :d])
         q, k, v = (einsum("bsd,hde->bhse", h, weights.qkv_weight[i, slot, :, :d, :hd])
                    + weights.qkv_bias[i, slot, :, None, :hd] for slot in range(3))      # (B, H, S, hd)
         scores = einsum("bhqe,bhke->bhqk", q, k) * hd ** -0.5                             # (B, H, S, S)
+        allowed = jnp.ones((1, 1, seq_len, seq_len), bool)
         if causal:
-            scores = jnp.where(jnp.tril(jnp.ones((seq_len, seq_len), bool)), scores, -jnp.inf)
+            allowed = allowed & jnp.tril(jnp.ones((seq_len, seq_len), bool))
+        if valid is not None:
+            allowed = allowed & valid[:, None, None, :]
+        scores = jnp.where(allowed, scores, _MASK_VALUE)
         probs = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
         probs = probs * (1.0 / jnp.sum(probs, axis=-1, keepdims=True))
         context = einsum("bhqk,bhke->bhqe", probs, v)                                     # (B, H, S, hd)
-        residual = residual + weights.out_bias[i, :d]
+        attended = residual + weights.out_bias[i, :d]
         for head in range(num_heads):
-            residual = residual + einsum("bse,ed->bsd", context[:, head], weights.out_weight[i, head, :hd, :d])
+            attended = attended + einsum("bse,ed->bsd", context[:, head], weights.out_weight[i, head, :hd, :d])
+        residual = attended if valid is None else jnp.where(valid[..., None], attended, residual)
         h = layer_norm(residual, weights.norm2_weight[i, :d], weights.norm2_bias[i, :d])
         hidden = _gelu(einsum("bsd,df->bsf", h, weights.ffn_in_weight[i, :d, :ffn]) + weights.ffn_in_bias[i, :ffn])
         residual = residual + weights.ffn_out_bias[i, :d] \
             + einsum("bsf,fd->bsd", hidden, weights.ffn_out_weight[i, :ffn, :d])
+        if valid is not None:
+            residual = jnp.where(valid[..., None], residual, 0.0)
     y = layer_norm(residual, weights.final_norm_weight[:d], weights.final_norm_bias[:d])
+    if valid is not None:
+        y = jnp.where(valid[..., None], y, 0.0)
     return y.astype(x.dtype)
