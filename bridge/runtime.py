@@ -352,9 +352,10 @@ def forward(module: torch.nn.Module, x: torch.Tensor, valid_token_mask: torch.Te
             call.direct(x, *tensors, out)
         return out if call.upcast_to is None else out.to(call.upcast_to)
 
-    weights = state.weights(call.plan.policy, call.plan.data_parallel)
     if call.plan.stack == "fused":   # the kernel's own layout, built once per weight version
         weights = state.fused_jax_weights()
+    else:
+        weights = state.weights(call.plan.policy, call.plan.data_parallel)
     if x.requires_grad:
         x = x.detach()
     if call.upcast_to is not None:
