@@ -151,6 +151,18 @@ def _run_fused(weights, x, mask, *, config: Config, plan: Plan):
                                interpret=jax.default_backend() == "cpu")
 
 
+def _run_rows(weights, x, mask, *, config: Config, plan: Plan):
+    """Per layer our flash attention and one row-tile kernel for everything else (plan.stack == "rows")."""
+    from ttj_jax.kernels.row_block import rows_forward
+    from ttj_jax.planner import ROWS_BLOCK
+    if not isinstance(weights, PreparedWeights):
+        weights = prepare_weights(weights, get_policy(plan.policy))
+    row_valid = mask if plan.mask_mode != "none" else None
+    key_valid = key_mask_for(mask, mode=plan.mask_mode, causal=config.causal) if row_valid is not None else None
+    return rows_forward(weights, x, row_valid, key_valid, num_heads=config.num_heads, causal=config.causal,
+                        block_rows=ROWS_BLOCK, interpret=jax.default_backend() == "cpu")
+
+
 _FUSED_WEIGHTS: "weakref.WeakKeyDictionary[PreparedWeights, Any]" = weakref.WeakKeyDictionary()
 
 
@@ -169,7 +181,7 @@ def fused_weights(prepared: PreparedWeights, config: Config):
 def executable(plan: Plan, config: Config, prepared: bool = True):
     """The jitted forward for one plan and model: f(weights, x, mask_or_None) -> y. Pass
     `model_key(config)` so that one executable serves every input shape of a model."""
-    run = _run_fused if plan.stack == "fused" else _run_prepared if prepared else _run_raw
+    run = {"fused": _run_fused, "rows": _run_rows}.get(plan.stack, _run_prepared if prepared else _run_raw)
     body = functools.partial(run, config=config, plan=plan)
     if plan.data_parallel > 1:
         from ttj_jax.parallel import batch_mesh, data_parallel

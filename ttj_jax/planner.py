@@ -16,8 +16,11 @@ from ttj_jax.numerics import POLICIES
 ATTENTION_IMPLEMENTATIONS = ("xla", "pallas", "cudnn")
 MASK_MODES = ("none", "rows", "keys", "device")
 # "layers": the XLA program, layer by layer (model.py); "fused": the whole stack as one Pallas kernel
-# (kernels/fused_stack.py), which the torch bridge launches with no JAX dispatch (bridge/direct.py).
-STACKS = ("layers", "fused")
+# (kernels/fused_stack.py), which the torch bridge launches with no JAX dispatch (bridge/direct.py);
+# "rows": per layer our flash attention and one row-tile kernel for the rest (kernels/row_block.py),
+# planned only on request until measured on the GPU.
+STACKS = ("layers", "fused", "rows")
+ROWS_BLOCK = 64   # rows per program of the "rows" stack: batch * seq_len must be a multiple
 
 # Split the batch over several devices only when x already lives on them (a batch-sharded jax array)
 # and one call moves at least this many elements: smaller calls are launch-bound. An input on one
@@ -92,8 +95,8 @@ class Plan:
             raise ValueError(f"Plan.mask_mode={self.mask_mode!r} is not one of {MASK_MODES}")
         if self.stack not in STACKS:
             raise ValueError(f"Plan.stack={self.stack!r} is not one of {STACKS}")
-        if self.stack == "fused" and (self.policy != "mixed_fp16" or self.batch_chunk or self.data_parallel != 1):
-            raise ValueError("Plan.stack='fused' runs mixed_fp16, unchunked, one-device plans only")
+        if self.stack != "layers" and (self.policy != "mixed_fp16" or self.batch_chunk or self.data_parallel != 1):
+            raise ValueError(f"Plan.stack={self.stack!r} runs mixed_fp16, unchunked, one-device plans only")
         if not isinstance(self.data_parallel, int) or self.data_parallel < 1:
             raise ValueError(f"Plan.data_parallel={self.data_parallel!r} must be an int >= 1")
 
@@ -101,6 +104,8 @@ class Plan:
     def name(self) -> str:
         if self.stack == "fused":
             return f"fused-stack/{self.policy}/mask-{self.mask_mode}"
+        if self.stack == "rows":
+            return f"row-kernels/{self.attention}-attention/{self.policy}/mask-{self.mask_mode}"
         chunk = f"/chunk{self.batch_chunk}" if self.batch_chunk else ""
         devices = f"/x{self.data_parallel}-devices" if self.data_parallel > 1 else ""
         return f"{self.attention}-attention/{self.policy}/mask-{self.mask_mode}{chunk}{devices}"
@@ -172,6 +177,15 @@ def plan(config: Config, inputs: InputFacts, device: DeviceFacts = CPU, *,
     if batch_chunk:
         reasons.append(f"activations exceed {ACTIVATION_MEMORY_SHARE:.0%} of device memory: "
                        f"batch chunks of {batch_chunk}")
+    if stack == "rows":
+        from ttj_jax.kernels.row_block import supports as rows_supported
+        if not rows_supported(config) or (inputs.batch_size * inputs.seq_len) % ROWS_BLOCK:
+            raise ValueError(f"stack 'rows' needs d_model and ffn_dim powers of two (d_model <= 128) and "
+                             f"batch * seq_len a multiple of {ROWS_BLOCK}; got {config}, "
+                             f"{inputs.batch_size}x{inputs.seq_len}")
+        if attention != "pallas":
+            reasons.append("attention: our Pallas kernel, which the rows stack runs between its row kernels")
+        attention = "pallas"
     if stack is not None:
         reasons.append(f"stack {stack} requested")
     elif attention_requested:

@@ -1,0 +1,86 @@
+"""The "rows" stack (kernels/row_block.py) in interpret mode on the CPU: per layer our flash attention and
+one row-tile kernel for everything else. Compared with the XLA program (same mixed policy) under the
+harness rule and with the exact fp32 reference; masks as SPEC 1 says; its Triton lowering for CUDA.
+Its speed is measured on the H200 by `python -m bench.rows_check`, not here."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ttj_jax as T
+from conftest import to_torch
+from ttj_jax.kernels.row_block import rows_forward, supports
+
+CASES = {   # (B, S, d, H, ffn, L, causal, mask kind)
+    "causal-no-mask": (2, 32, 64, 4, 128, 2, True, None),
+    "noncausal-general-mask": (2, 32, 64, 4, 64, 2, False, "general"),
+    "causal-prefix-mask-hd16": (4, 16, 32, 2, 32, 1, True, "prefix"),
+    "causal-general-mask-S48": (4, 48, 32, 4, 64, 1, True, "general"),
+}
+
+
+def _mask(kind, B, S):
+    rng = np.random.default_rng(B * S)
+    if kind is None:
+        return None
+    if kind == "prefix":
+        return jnp.asarray(np.arange(S)[None, :] < rng.integers(1, S + 1, B)[:, None])
+    mask = rng.random((B, S)) < 0.6
+    mask[0] = False                                  # a sequence with no valid token: zeros, never NaN
+    return jnp.asarray(mask)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_rows_stack_matches_the_xla_program(case, harness_rule):
+    B, S, d, H, ffn, L, causal, kind = CASES[case]
+    config = T.Config(B, S, d, H, ffn, L, causal)
+    params = T.init_params(jax.random.key(len(case)), config)
+    x = jax.random.normal(jax.random.key(S), (B, S, d), jnp.float32)
+    mask = _mask(kind, B, S)
+    y = np.asarray(T.forward(params, x, mask, config=config, stack="rows"))
+    assert np.isfinite(y).all()
+    if mask is not None:
+        assert (y[~np.asarray(mask)] == 0).all()
+    xla = np.asarray(T.forward(params, x, mask, config=config, stack="layers"))
+    harness_rule(to_torch(y), to_torch(xla))
+    exact = np.asarray(T.reference(params, x, mask, config=config))
+    # no further from the exact fp32 reference than the XLA program (both round the same operands)
+    assert np.abs(y - exact).max() <= 1.5 * np.abs(xla - exact).max() + 1e-5
+
+
+def test_rows_stack_needs_what_it_says():
+    assert supports(T.OFFICIAL["13"].config) and supports(T.OFFICIAL["1"].config)
+    assert not supports(T.OFFICIAL["8"].config)                     # d_model 1024
+    config = T.Config(1, 20, 32, 2, 32, 1, True)                     # 20 rows: not a multiple of 64
+    with pytest.raises(ValueError, match="multiple of 64"):
+        T.plan(config, T.InputFacts(1, 20, "float32"), stack="rows")
+    prepared = T.prepare_weights(T.init_params(jax.random.key(0), config), T.MIXED_FP16)
+    with pytest.raises(ValueError, match="block_rows"):
+        rows_forward(prepared, jnp.zeros((1, 20, 32)), num_heads=2, causal=True, interpret=True)
+
+
+def test_rows_stack_lowers_through_triton_for_cuda():
+    # Shape 13's widths, a smaller batch: one entry kernel, then per layer attention and one row kernel
+    # (jit outlines repeated identical calls, so the text names each kernel rather than counting calls).
+    config = T.OFFICIAL["13"].config
+    params = jax.eval_shape(lambda: T.init_params(jax.random.key(0), config))
+    prepared = jax.eval_shape(lambda p: T.prepare_weights(p, T.MIXED_FP16), params)
+    x = jax.ShapeDtypeStruct((2, 1024, 128), jnp.float32)
+    forward = lambda w, x: rows_forward(w, x, num_heads=4, causal=True)
+    text = jax.jit(forward).trace(prepared, x).lower(lowering_platforms=("cuda",)).as_text()
+    assert "ttj_rows_entry" in text and "ttj_rows_between" in text
+    assert set(re.findall(r"stablehlo\.(\w+)", text)) <= {"custom_call", "reshape", "return", "convert",
+                                                            "slice", "call"}
+
+
+def test_gpu_script_refuses_a_machine_without_cuda(capsys):
+    from bench import rows_check
+    assert rows_check.main(["--shapes", "13"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+    assert rows_check.stacks_for(T.OFFICIAL["13"].config) == ["layers", "rows"]
+    assert rows_check.stacks_for(T.OFFICIAL["1"].config) == ["layers", "rows", "fused"]

@@ -1,0 +1,197 @@
+"""Everything a layer does between two attentions, as one generic (Triton-style) Pallas kernel per row tile.
+
+Outside attention, every step of a pre-LN layer is row-local: the out-projection and its bias, the
+residual add, LayerNorm, the MLP with its GELU, the second residual add, and then the next layer's
+LayerNorm and q/k/v projections. The XLA program runs them as about eight kernels, each a pass over the
+fp32 residual in device memory; at shape 13 (65,536 rows) those passes cost about as much as attention.
+Here one kernel per tile of rows reads the residual and the attention context once and writes the new
+residual once and the next layer's q, k and v (fp16) once. With our flash-attention kernel in between,
+a layer is two launches (`rows_forward`; the planner's "rows" stack, once measured on the GPU).
+
+Kernels (each a `pl.pallas_call` over row tiles of `block_rows` rows; widths must be powers of two
+>= 16 and d_model <= MAX_D_MODEL, since each program holds whole rows and whole [d, d] weights):
+- `_entry_kernel`: LN1 of layer 0 and its q, k, v projections.
+- `_between_kernel`: a = context @ W_out + b_out (zeroed on invalid rows); x += a; x += MLP(LN2(x))
+  (zeroed on invalid rows); then either the next layer's q, k, v or, after the last layer, the final
+  LayerNorm (zeroed on invalid rows).
+
+Numerics are the project's mixed policy (numerics.MIXED_FP16), as in the XLA program: fp16 dot operands
+with fp32 accumulation, fp32 residual, LayerNorm in fp32, q/k/v rounded to fp16 (what attention reads),
+GELU on fp32 with the erf evaluated by XLA's rational approximation (fused_stack._erf, within 4e-7).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from ttj_jax.kernels.fused_stack import _dot, _gelu, _layer_norm_rows, _loop
+from ttj_jax.numerics import MIXED_FP16
+from ttj_jax.params import PreparedWeights
+
+MAX_D_MODEL = 128
+MAX_FFN_DIM = 1024
+_GEMM_DTYPE = jnp.dtype(MIXED_FP16.gemm_dtype)
+
+
+def _power_of_two(n: int) -> bool:
+    return n >= 16 and n & (n - 1) == 0
+
+
+def supports(config) -> bool:
+    """Whether these kernels run a model of this config's widths (any batch and sequence length)."""
+    return (_power_of_two(config.d_model) and config.d_model <= MAX_D_MODEL
+            and _power_of_two(config.ffn_dim) and config.ffn_dim <= MAX_FFN_DIM)
+
+
+@dataclasses.dataclass(frozen=True)
+class RowBlocks:
+    block_rows: int = 64   # rows per program
+    ffn_block: int = 64    # MLP hidden columns per step
+    num_warps: int = 4
+
+
+def _row_spec(rows: int, width: int):
+    return pl.BlockSpec((rows, width), lambda i: (i, 0))
+
+
+def _whole(array):
+    return pl.BlockSpec(array.shape, lambda i, ndim=array.ndim: (0,) * ndim)
+
+
+def _project_qkv(h, w_refs, b_refs, q_ref, k_ref, v_ref):
+    for w_ref, b_ref, out_ref in zip(w_refs, b_refs, (q_ref, k_ref, v_ref)):
+        out_ref[...] = (_dot(h, w_ref[...]) + b_ref[...][None, :]).astype(out_ref.dtype)
+
+
+def _entry_kernel(x_ref, n_w_ref, n_b_ref, qw_ref, kw_ref, vw_ref, qb_ref, kb_ref, vb_ref,
+                  q_ref, k_ref, v_ref, *, d_model: int):
+    h = _layer_norm_rows(x_ref[...].astype(jnp.float32), n_w_ref[...], n_b_ref[...], d_model=d_model)
+    _project_qkv(h.astype(_GEMM_DTYPE), (qw_ref, kw_ref, vw_ref), (qb_ref, kb_ref, vb_ref), q_ref, k_ref, v_ref)
+
+
+def _between_kernel(*refs, d_model: int, ffn_block: int, masked: bool, last: bool):
+    # refs: x, context, [mask], out_w, out_b, norm2_w, norm2_b, ffn_in_w, ffn_in_b, ffn_out_w, ffn_out_b,
+    # then (next layer) norm1_w, norm1_b, qw, kw, vw, qb, kb, vb -> x_out, q, k, v
+    #      or (last)   final_w, final_b -> y
+    x_ref, context_ref, *refs = refs
+    mask_ref = refs.pop(0) if masked else None
+    (out_w_ref, out_b_ref, n2_w_ref, n2_b_ref, f_in_w_ref, f_in_b_ref, f_out_w_ref, f_out_b_ref), refs = \
+        refs[:8], refs[8:]
+    row_valid = (mask_ref[...] != 0)[:, None] if masked else None
+
+    x = x_ref[...].astype(jnp.float32)
+    attended = x + _dot(context_ref[...], out_w_ref[...]) + out_b_ref[...][None, :]
+    x = attended if row_valid is None else jnp.where(row_valid, attended, x)
+    h = _layer_norm_rows(x, n2_w_ref[...], n2_b_ref[...], d_model=d_model).astype(_GEMM_DTYPE)
+
+    def mlp_slice(block, residual):
+        start = block * ffn_block
+        if not isinstance(start, int):
+            start = pl.multiple_of(start, ffn_block)
+        columns = pl.ds(start, ffn_block)
+        hidden = _gelu(_dot(h, f_in_w_ref[:, columns]) + f_in_b_ref[columns][None, :])
+        return residual + _dot(hidden, f_out_w_ref[columns, :])
+
+    x = _loop(f_in_w_ref.shape[1] // ffn_block, mlp_slice, x + f_out_b_ref[...][None, :])
+    if row_valid is not None:
+        x = jnp.where(row_valid, x, 0.0)
+    if last:
+        final_w_ref, final_b_ref, y_ref = refs
+        y = _layer_norm_rows(x, final_w_ref[...], final_b_ref[...], d_model=d_model)
+        y_ref[...] = (y if row_valid is None else jnp.where(row_valid, y, 0.0)).astype(y_ref.dtype)
+        return
+    n1_w_ref, n1_b_ref, qw_ref, kw_ref, vw_ref, qb_ref, kb_ref, vb_ref, x_out_ref, q_ref, k_ref, v_ref = refs
+    x_out_ref[...] = x
+    h = _layer_norm_rows(x, n1_w_ref[...], n1_b_ref[...], d_model=d_model).astype(_GEMM_DTYPE)
+    _project_qkv(h, (qw_ref, kw_ref, vw_ref), (qb_ref, kb_ref, vb_ref), q_ref, k_ref, v_ref)
+
+
+def _split_qkv(layer: dict, d: int):
+    """q, k, v weights [d, d] (fp16) and biases [d] (fp32) out of the fused [d, 3d] projection."""
+    w, b = layer["qkv_weight"], layer["qkv_bias"]
+    weights = [w[:, i * d:(i + 1) * d].astype(_GEMM_DTYPE) for i in range(3)]
+    biases = [b[i * d:(i + 1) * d].astype(jnp.float32) for i in range(3)]
+    return weights, biases
+
+
+def _compiler(blocks: RowBlocks):
+    return pltriton.CompilerParams(num_warps=blocks.num_warps, num_stages=1)
+
+
+@functools.partial(jax.jit, static_argnames=("num_heads", "causal", "block_rows", "ffn_block", "num_warps",
+                                             "interpret"))
+def rows_forward(prepared: PreparedWeights, x: jax.Array, row_valid: jax.Array | None = None,
+                 key_valid: jax.Array | None = None, *, num_heads: int, causal: bool, block_rows: int = 64,
+                 ffn_block: int = 64, num_warps: int = 4, interpret: bool = False) -> jax.Array:
+    """y = LN_final(layers(x)) per SPEC section 1: per layer our flash-attention kernel and one row-tile
+    kernel for everything else (module docstring).
+
+    prepared: PreparedWeights of the mixed_fp16 policy. x: [B, S, d] (any float dtype; computed with an
+    fp32 residual, returned in x's dtype). row_valid: None or bool [B, S]: invalid rows are zeroed as
+    SPEC 1 says. key_valid: None or bool [B, S]: keys attention may see (see model.key_mask_for).
+    B * S must be a multiple of block_rows (the caller pads; the planner only plans shapes that are).
+    """
+    from ttj_jax.kernels.flash_attention import flash_attention
+    if prepared.policy_name != MIXED_FP16.name:
+        raise ValueError(f"prepared.policy_name={prepared.policy_name!r} must be {MIXED_FP16.name!r}")
+    B, S, d = x.shape
+    n = B * S
+    ffn = prepared.layers[0]["ffn_in_weight"].shape[1]
+    if not (_power_of_two(d) and d <= MAX_D_MODEL and _power_of_two(ffn) and ffn <= MAX_FFN_DIM):
+        raise ValueError(f"d_model={d} and ffn_dim={ffn} must be powers of two >= 16, at most "
+                         f"{MAX_D_MODEL} and {MAX_FFN_DIM}")
+    if n % block_rows:
+        raise ValueError(f"batch * seq_len = {n} must be a multiple of block_rows={block_rows}")
+    blocks = RowBlocks(block_rows, min(ffn_block, ffn), num_warps)
+    grid = (n // block_rows,)
+    rows = x.reshape(n, d).astype(jnp.float32)
+    masked = row_valid is not None
+    mask_inputs = [row_valid.reshape(n).astype(jnp.int8)] if masked else []
+    mask_specs = [pl.BlockSpec((block_rows,), lambda i: (i,))] if masked else []
+    qkv_shapes = [jax.ShapeDtypeStruct((n, d), _GEMM_DTYPE)] * 3
+
+    first = prepared.layers[0]
+    (qw, kw, vw), (qb, kb, vb) = _split_qkv(first, d)
+    entry_inputs = [first["norm1_weight"], first["norm1_bias"], qw, kw, vw, qb, kb, vb]
+    q, k, v = pl.pallas_call(
+        functools.partial(_entry_kernel, d_model=d), grid=grid,
+        in_specs=[_row_spec(block_rows, d)] + [_whole(a) for a in entry_inputs],
+        out_specs=[_row_spec(block_rows, d)] * 3, out_shape=qkv_shapes,
+        compiler_params=_compiler(blocks), interpret=interpret, name="ttj_rows_entry",
+    )(rows, *entry_inputs)
+
+    for index, layer in enumerate(prepared.layers):
+        heads = lambda a: a.reshape(B, S, num_heads, d // num_heads)
+        context = flash_attention(heads(q), heads(k), heads(v), causal=causal, key_mask=key_valid,
+                                  interpret=interpret).reshape(n, d)
+        last = index == len(prepared.layers) - 1
+        layer_inputs = [layer["out_weight"].astype(_GEMM_DTYPE), layer["out_bias"], layer["norm2_weight"],
+                        layer["norm2_bias"], layer["ffn_in_weight"].astype(_GEMM_DTYPE), layer["ffn_in_bias"],
+                        layer["ffn_out_weight"].astype(_GEMM_DTYPE), layer["ffn_out_bias"]]
+        if last:
+            tail_inputs = [prepared.final_norm["weight"], prepared.final_norm["bias"]]
+            out_specs, out_shape = _row_spec(block_rows, d), jax.ShapeDtypeStruct((n, d), x.dtype)
+        else:
+            following = prepared.layers[index + 1]
+            (qw, kw, vw), (qb, kb, vb) = _split_qkv(following, d)
+            tail_inputs = [following["norm1_weight"], following["norm1_bias"], qw, kw, vw, qb, kb, vb]
+            out_specs = [_row_spec(block_rows, d)] * 4
+            out_shape = [jax.ShapeDtypeStruct((n, d), jnp.float32)] + qkv_shapes
+        weights = layer_inputs + tail_inputs
+        result = pl.pallas_call(
+            functools.partial(_between_kernel, d_model=d, ffn_block=blocks.ffn_block, masked=masked, last=last),
+            grid=grid,
+            in_specs=[_row_spec(block_rows, d), _row_spec(block_rows, d)] + mask_specs
+            + [_whole(a) for a in weights],
+            out_specs=out_specs, out_shape=out_shape, compiler_params=_compiler(blocks), interpret=interpret,
+            name="ttj_rows_between",
+        )(rows, context, *mask_inputs, *weights)
+        if last:
+            return result.reshape(B, S, d)
+        rows, q, k, v = result
