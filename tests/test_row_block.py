@@ -74,8 +74,8 @@ def test_rows_stack_lowers_through_triton_for_cuda():
     forward = lambda w, x: rows_forward(w, x, num_heads=4, causal=True)
     text = jax.jit(forward).trace(prepared, x).lower(lowering_platforms=("cuda",)).as_text()
     assert "ttj_rows_entry" in text and "ttj_rows_between" in text
-    assert set(re.findall(r"stablehlo\.(\w+)", text)) <= {"custom_call", "reshape", "return", "convert",
-                                                            "slice", "call"}
+    # nothing around the kernels but free reshapes: the weights go in as prepared (no per-call slicing)
+    assert set(re.findall(r"stablehlo\.(\w+)", text)) <= {"custom_call", "reshape", "return", "call"}
 
 
 def test_gpu_script_refuses_a_machine_without_cuda(capsys):

@@ -64,20 +64,21 @@ def _whole(array):
     return pl.BlockSpec(array.shape, lambda i, ndim=array.ndim: (0,) * ndim)
 
 
-def _project_qkv(h, w_refs, b_refs, q_ref, k_ref, v_ref):
-    for w_ref, b_ref, out_ref in zip(w_refs, b_refs, (q_ref, k_ref, v_ref)):
-        out_ref[...] = (_dot(h, w_ref[...]) + b_ref[...][None, :]).astype(out_ref.dtype)
+def _project_qkv(h, qkv_w_ref, qkv_b_ref, q_ref, k_ref, v_ref, d_model: int):
+    """q, k, v of the rows h, each out of its d_model columns of the fused [d, 3d] projection."""
+    for slot, out_ref in enumerate((q_ref, k_ref, v_ref)):
+        columns = pl.ds(slot * d_model, d_model)
+        out_ref[...] = (_dot(h, qkv_w_ref[:, columns]) + qkv_b_ref[columns][None, :]).astype(out_ref.dtype)
 
 
-def _entry_kernel(x_ref, n_w_ref, n_b_ref, qw_ref, kw_ref, vw_ref, qb_ref, kb_ref, vb_ref,
-                  q_ref, k_ref, v_ref, *, d_model: int):
+def _entry_kernel(x_ref, n_w_ref, n_b_ref, qkv_w_ref, qkv_b_ref, q_ref, k_ref, v_ref, *, d_model: int):
     h = _layer_norm_rows(x_ref[...].astype(jnp.float32), n_w_ref[...], n_b_ref[...], d_model=d_model)
-    _project_qkv(h.astype(_GEMM_DTYPE), (qw_ref, kw_ref, vw_ref), (qb_ref, kb_ref, vb_ref), q_ref, k_ref, v_ref)
+    _project_qkv(h.astype(_GEMM_DTYPE), qkv_w_ref, qkv_b_ref, q_ref, k_ref, v_ref, d_model)
 
 
 def _between_kernel(*refs, d_model: int, ffn_block: int, masked: bool, last: bool):
     # refs: x, context, [mask], out_w, out_b, norm2_w, norm2_b, ffn_in_w, ffn_in_b, ffn_out_w, ffn_out_b,
-    # then (next layer) norm1_w, norm1_b, qw, kw, vw, qb, kb, vb -> x_out, q, k, v
+    # then (next layer) norm1_w, norm1_b, qkv_w, qkv_b -> x_out, q, k, v
     #      or (last)   final_w, final_b -> y
     x_ref, context_ref, *refs = refs
     mask_ref = refs.pop(0) if masked else None
@@ -106,18 +107,10 @@ def _between_kernel(*refs, d_model: int, ffn_block: int, masked: bool, last: boo
         y = _layer_norm_rows(x, final_w_ref[...], final_b_ref[...], d_model=d_model)
         y_ref[...] = (y if row_valid is None else jnp.where(row_valid, y, 0.0)).astype(y_ref.dtype)
         return
-    n1_w_ref, n1_b_ref, qw_ref, kw_ref, vw_ref, qb_ref, kb_ref, vb_ref, x_out_ref, q_ref, k_ref, v_ref = refs
+    n1_w_ref, n1_b_ref, qkv_w_ref, qkv_b_ref, x_out_ref, q_ref, k_ref, v_ref = refs
     x_out_ref[...] = x
     h = _layer_norm_rows(x, n1_w_ref[...], n1_b_ref[...], d_model=d_model).astype(_GEMM_DTYPE)
-    _project_qkv(h, (qw_ref, kw_ref, vw_ref), (qb_ref, kb_ref, vb_ref), q_ref, k_ref, v_ref)
-
-
-def _split_qkv(layer: dict, d: int):
-    """q, k, v weights [d, d] (fp16) and biases [d] (fp32) out of the fused [d, 3d] projection."""
-    w, b = layer["qkv_weight"], layer["qkv_bias"]
-    weights = [w[:, i * d:(i + 1) * d].astype(_GEMM_DTYPE) for i in range(3)]
-    biases = [b[i * d:(i + 1) * d].astype(jnp.float32) for i in range(3)]
-    return weights, biases
+    _project_qkv(h, qkv_w_ref, qkv_b_ref, q_ref, k_ref, v_ref, d_model)
 
 
 def _compiler(blocks: RowBlocks):
@@ -157,8 +150,7 @@ def rows_forward(prepared: PreparedWeights, x: jax.Array, row_valid: jax.Array |
     qkv_shapes = [jax.ShapeDtypeStruct((n, d), _GEMM_DTYPE)] * 3
 
     first = prepared.layers[0]
-    (qw, kw, vw), (qb, kb, vb) = _split_qkv(first, d)
-    entry_inputs = [first["norm1_weight"], first["norm1_bias"], qw, kw, vw, qb, kb, vb]
+    entry_inputs = [first["norm1_weight"], first["norm1_bias"], first["qkv_weight"], first["qkv_bias"]]
     q, k, v = pl.pallas_call(
         functools.partial(_entry_kernel, d_model=d), grid=grid,
         in_specs=[_row_spec(block_rows, d)] + [_whole(a) for a in entry_inputs],
@@ -171,16 +163,15 @@ def rows_forward(prepared: PreparedWeights, x: jax.Array, row_valid: jax.Array |
         context = flash_attention(heads(q), heads(k), heads(v), causal=causal, key_mask=key_valid,
                                   interpret=interpret).reshape(n, d)
         last = index == len(prepared.layers) - 1
-        layer_inputs = [layer["out_weight"].astype(_GEMM_DTYPE), layer["out_bias"], layer["norm2_weight"],
-                        layer["norm2_bias"], layer["ffn_in_weight"].astype(_GEMM_DTYPE), layer["ffn_in_bias"],
-                        layer["ffn_out_weight"].astype(_GEMM_DTYPE), layer["ffn_out_bias"]]
+        layer_inputs = [layer["out_weight"], layer["out_bias"], layer["norm2_weight"], layer["norm2_bias"],
+                        layer["ffn_in_weight"], layer["ffn_in_bias"], layer["ffn_out_weight"], layer["ffn_out_bias"]]
         if last:
             tail_inputs = [prepared.final_norm["weight"], prepared.final_norm["bias"]]
             out_specs, out_shape = _row_spec(block_rows, d), jax.ShapeDtypeStruct((n, d), x.dtype)
         else:
             following = prepared.layers[index + 1]
-            (qw, kw, vw), (qb, kb, vb) = _split_qkv(following, d)
-            tail_inputs = [following["norm1_weight"], following["norm1_bias"], qw, kw, vw, qb, kb, vb]
+            tail_inputs = [following["norm1_weight"], following["norm1_bias"], following["qkv_weight"],
+                           following["qkv_bias"]]
             out_specs = [_row_spec(block_rows, d)] * 4
             out_shape = [jax.ShapeDtypeStruct((n, d), jnp.float32)] + qkv_shapes
         weights = layer_inputs + tail_inputs
