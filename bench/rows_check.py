@@ -33,7 +33,7 @@ from bench.timing import time_contenders  # noqa: E402
 from bridge import runtime  # noqa: E402
 from ttj_jax.kernels import fused_stack, row_block  # noqa: E402
 
-SHAPES = ("13", "1", "5", "6", "9", "10", "3")
+SHAPES = ("13", "2", "3", "4", "12", "1", "5", "9", "10", "7", "6")
 
 
 def stacks_for(config) -> list[str]:
