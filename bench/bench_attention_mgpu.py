@@ -1,0 +1,352 @@
+"""Check and time the Mosaic GPU flash-attention kernel (ttj_jax/kernels/flash_attention_mgpu.py) on an H200.
+
+    PYTHONPATH=. python3 bench/bench_attention_mgpu.py [--quick] [--check] [--out DIR] [--budget-s 420]
+
+In order (most important first): head_dim 64 checks, the main timing case, the other head_dim checks,
+the block-size variants (each checked, then timed at the main case), the other timing cases.
+
+1. Correctness: the kernel's output against `flash_attention_reference` computed in fp32, for
+   head_dim 64, 128, 256, causal and not, S in {1, 113, 128, 1000} (whole outputs), and, at head_dim
+   64, S = 100000 (rows at the start, middle and end, against all the keys they may see). Pass rule:
+   the harness's, |out - ref| <= 0.002 + 0.02 |ref| elementwise; the worst err/tol is recorded. Also:
+   one bf16 case, one case run twice (the outputs must be bit-identical), each variant at S=1000.
+2. Timing, fp16 causal, TFLOP/s = 2 B H S^2 hd / time (the causal half of 4 B H S^2 hd): our Mosaic
+   kernel (its default and block-size variants at the main case), cuDNN
+   (`jax.nn.dot_product_attention(implementation="cudnn")`), our generic Pallas kernel, and jax's
+   bundled Mosaic kernel (which needs S to be a multiple of 128: it runs at S rounded up, its FLOPs
+   counted at its own S). Main case B=1 H=16 S=100000 hd=64 (target >= 500 TFLOP/s), then
+   B=64 H=4 S=1024 at hd 32 (the Mosaic kernel has no head_dim 32: skipped) and hd 64, and S=16384 at
+   hd 128 and 256. Timing: compile apart, one warm-up call, then the median of 5 timings of N
+   back-to-back calls (N chosen so one timing lasts >= 50 ms).
+
+Every step runs inside try/except (a failure is recorded, never fatal) and under a watchdog: a step
+that takes longer than --step-timeout-s (a hung kernel) ends the run, after writing what was measured.
+Steps that would start after --budget-s are skipped, so the run stays under 8 minutes. Writes
+<out>/attention-mgpu-<date>-<gpu>.json after every step and prints a table last. Exit status 1 if a
+check failed, 3 on a watchdog timeout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import importlib
+import json
+import os
+import pathlib
+import sys
+import threading
+import time
+
+_REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
+if str(_REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(_REPO_ROOT))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from bench.jax_timing import stream_ms_per_call  # noqa: E402
+from bench.report import describe_error, slug  # noqa: E402
+from ttj_jax.kernels import flash_attention, flash_attention_reference  # noqa: E402
+# The module, not the function of the same name that ttj_jax.kernels exports.
+mgpu = importlib.import_module("ttj_jax.kernels.flash_attention_mgpu")
+
+Blocks = mgpu.MgpuBlockSizes
+ATOL, RTOL = 0.002, 0.02           # the harness's rule
+CHECK_SEQ_LENS = (1, 113, 128, 1000)
+LONG_SEQ_LEN = 100_000
+LONG_CHECK_ROWS = 64               # rows checked at the start, middle and end of the long case
+MAIN_CASE = (1, 16, LONG_SEQ_LEN, 64)
+OTHER_TIMING_CASES = [(64, 4, 1024, 32), (64, 4, 1024, 64), (1, 16, 16384, 128), (1, 16, 16384, 256)]
+# Variants timed at the main case next to the default (and checked at S=1000 and at the main case).
+MAIN_VARIANTS = [
+    dict(block_sizes=Blocks(128, 4, 2, overlap_softmax=True), lowering_semantics="lane"),
+    dict(block_sizes=Blocks(128, 4, 2, overlap_softmax=False)),
+    dict(block_sizes=Blocks(128, 4, 2, overlap_softmax=False), lowering_semantics="lane"),
+    dict(block_sizes=Blocks(128, 2, 2, overlap_softmax=True)),
+    dict(block_sizes=Blocks(128, 4, 3)),
+    dict(block_sizes=Blocks(256, 2, 2)),
+    dict(block_sizes=Blocks(192, 3, 2)),
+]
+MIN_TIMING_S, TIMING_REPEATS = 0.05, 5
+
+
+def log(message: str):
+    print(message, flush=True)
+
+
+class Run:
+    """Results so far, written to JSON after every step; a watchdog that ends a hung run."""
+
+    def __init__(self, path: pathlib.Path, header: dict, step_timeout_s: float, budget_s: float):
+        self.path, self.header = path, header
+        self.checks, self.timings = [], []
+        self.step_timeout_s, self.budget_s = step_timeout_s, budget_s
+        self.started = time.perf_counter()
+        self._step, self._deadline = None, None
+        threading.Thread(target=self._watch, daemon=True).start()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
+
+    def over_budget(self) -> bool:
+        return self.elapsed() > self.budget_s
+
+    def begin(self, name: str):
+        self._step, self._deadline = name, time.perf_counter() + self.step_timeout_s
+
+    def end(self):
+        self._step = self._deadline = None
+        self.write()
+
+    def write(self, **extra):
+        payload = dict(self.header, elapsed_s=round(self.elapsed(), 1), checks=self.checks,
+                       timings=self.timings, **extra)
+        self.path.write_text(json.dumps(payload, indent=1, default=str) + "\n")
+
+    def _watch(self):
+        while True:
+            time.sleep(1.0)
+            deadline, step = self._deadline, self._step
+            if deadline is not None and time.perf_counter() > deadline:
+                log(f"WATCHDOG: '{step}' ran over {self.step_timeout_s:.0f} s (hung kernel?); ending the run")
+                self.write(timed_out_step=step)
+                log(f"wrote {self.path}")
+                os._exit(3)
+
+
+def _random_qkv(seed, shape, dtype):
+    keys = jax.random.split(jax.random.key(seed), 3)
+    return tuple(jax.random.normal(key, shape, jnp.float32).astype(dtype) for key in keys)
+
+
+@jax.jit
+def _worst_ratio(out, ref):
+    """max |out - ref| / (ATOL + RTOL |ref|), and max |out - ref|."""
+    err = jnp.abs(out.astype(jnp.float32) - ref)
+    return jnp.max(err / (ATOL + RTOL * jnp.abs(ref))), jnp.max(err)
+
+
+def _reference_rows(q, k, v, rows, *, causal: bool):
+    """fp32 attention output for query rows `rows` only (each against every key it may see)."""
+    q_rows = q[:, rows].astype(jnp.float32)
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q_rows, k.astype(jnp.float32),
+                        precision=jax.lax.Precision.HIGHEST) * q.shape[-1] ** -0.5
+    if causal:
+        allowed = jnp.asarray(rows)[:, None] >= jnp.arange(k.shape[1])[None, :]
+        scores = jnp.where(allowed[None, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1)
+    return jnp.einsum("bhqk,bkhd->bqhd", probs, v.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+
+
+def _check(run: Run, batch, heads, seq_len, head_dim, causal, *, dtype=jnp.float16, kernel_kwargs=None,
+           repeat: bool = False):
+    kernel_kwargs = kernel_kwargs or {}
+    label = (f"check B={batch} H={heads} S={seq_len} hd={head_dim} {'causal' if causal else 'full'} "
+             f"{jnp.dtype(dtype).name} {_kwargs_text(kernel_kwargs)}").strip()
+    record = dict(name=label, B=batch, H=heads, S=seq_len, head_dim=head_dim, causal=causal,
+                  dtype=jnp.dtype(dtype).name, variant=_kwargs_json(kernel_kwargs), passed=False)
+    if run.over_budget():
+        record.update(passed=None, error=f"skipped: time budget of {run.budget_s:.0f} s spent")
+        run.checks.append(record)
+        log(f"  skip {label}: time budget spent")
+        return None
+    run.begin(label)
+    try:
+        q, k, v = _random_qkv(seq_len * 7 + head_dim, (batch, seq_len, heads, head_dim), dtype)
+        fn = jax.jit(lambda q, k, v: mgpu.flash_attention_mgpu(q, k, v, causal=causal, **kernel_kwargs))
+        start = time.perf_counter()
+        compiled = fn.lower(q, k, v).compile()
+        record["compile_s"] = round(time.perf_counter() - start, 2)
+        out = jax.block_until_ready(compiled(q, k, v))
+        if seq_len <= 4096:
+            ref = flash_attention_reference(*(x.astype(jnp.float32) for x in (q, k, v)), causal=causal)
+            ratio, err = _worst_ratio(out, ref)
+        else:
+            middle = seq_len // 2
+            rows = np.concatenate([np.arange(LONG_CHECK_ROWS), np.arange(middle, middle + LONG_CHECK_ROWS),
+                                   np.arange(seq_len - LONG_CHECK_ROWS, seq_len)])
+            ratio, err = _worst_ratio(out[:, rows], _reference_rows(q, k, v, rows, causal=causal))
+            record["rows_checked"] = "first, middle and last 64"
+        record.update(worst_err_over_tol=float(ratio), max_abs_err=float(err),
+                      finite=bool(jnp.isfinite(out.astype(jnp.float32)).all()))
+        record["passed"] = record["worst_err_over_tol"] <= 1.0 and record["finite"]
+        if repeat:
+            again = jax.block_until_ready(compiled(q, k, v))
+            record["bit_identical_rerun"] = bool(jnp.array_equal(out, again))
+            record["passed"] &= record["bit_identical_rerun"]
+        log(f"  {'ok  ' if record['passed'] else 'FAIL'} {label}: err/tol={record['worst_err_over_tol']:.3f} "
+            f"max|err|={record['max_abs_err']:.2e} (compile {record['compile_s']:.1f} s)")
+    except Exception as exc:  # noqa: BLE001 - recorded, the run goes on
+        record["error"] = describe_error(exc)
+        log(f"  FAIL {label}: ERROR {record['error'][:400]}")
+    run.checks.append(record)
+    run.end()
+    return record["passed"]
+
+
+def _kwargs_text(kwargs) -> str:
+    parts = []
+    if "block_sizes" in kwargs:
+        b = kwargs["block_sizes"]
+        parts.append(f"kv{b.block_kv} s{b.num_stages} wg{b.num_compute_wgs}{' ovl' if b.overlap_softmax else ''}")
+    if "lowering_semantics" in kwargs:
+        parts.append(kwargs["lowering_semantics"])
+    return " ".join(parts)
+
+
+def _kwargs_json(kwargs) -> dict:
+    return {key: dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
+            for key, value in kwargs.items()}
+
+
+def _contenders(seq_len, head_dim, variants, baselines: bool):
+    """(name, fn, kwargs, seq_len it runs at, reason it is skipped or None)."""
+    supported = head_dim in mgpu.SUPPORTED_HEAD_DIMS
+    skip = None if supported else f"skipped: head_dim {head_dim} not in {mgpu.SUPPORTED_HEAD_DIMS}"
+    contenders = []
+    for kwargs in variants:
+        contenders.append(("ttj_mgpu", lambda q, k, v, kw=kwargs: mgpu.flash_attention_mgpu(
+            q, k, v, causal=True, **kw), kwargs, seq_len, skip))
+    if not baselines:
+        return contenders
+    contenders.append(("cudnn", lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, is_causal=True, implementation="cudnn"), {}, seq_len, None))
+    contenders.append(("ttj_generic", lambda q, k, v: flash_attention(q, k, v, causal=True), {}, seq_len, None))
+
+    def jax_mosaic(q, k, v):
+        from jax.experimental.pallas.ops.gpu import attention_mgpu  # noqa: PLC0415
+        config = attention_mgpu.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2, causal=True)
+        return attention_mgpu.attention(q, k, v, config)   # applies no softmax scale: same work
+    mosaic_len = -(-seq_len // 128) * 128
+    contenders.append(("jax_mosaic", jax_mosaic, {}, mosaic_len,
+                       None if head_dim % 64 == 0 else f"skipped: head_dim {head_dim} not a multiple of 64"))
+    return contenders
+
+
+def _time_case(run: Run, batch, heads, seq_len, head_dim, variants, baselines: bool = True):
+    log(f"timing B={batch} H={heads} S={seq_len} hd={head_dim} causal fp16 ({run.elapsed():.0f} s so far):")
+    inputs = {}
+    for name, fn, kwargs, run_len, skip in _contenders(seq_len, head_dim, variants, baselines):
+        record = dict(B=batch, H=heads, S=run_len, head_dim=head_dim, causal=True, contender=name,
+                      variant=_kwargs_json(kwargs), ms=None, tflops=None)
+        text = f"{name} {_kwargs_text(kwargs)}".strip()
+        if skip is None and run.over_budget():
+            skip = f"skipped: time budget of {run.budget_s:.0f} s spent"
+        if skip:
+            record["error"] = skip
+            run.timings.append(record)
+            log(f"  {text}: {skip}")
+            continue
+        run.begin(f"time {text} S={run_len} hd={head_dim}")
+        try:
+            if run_len not in inputs:
+                inputs[run_len] = _random_qkv(run_len + head_dim, (batch, run_len, heads, head_dim), jnp.float16)
+            args = inputs[run_len]
+            start = time.perf_counter()
+            compiled = jax.jit(fn).lower(*args).compile()
+            record["compile_s"] = round(time.perf_counter() - start, 2)
+            jax.block_until_ready(compiled(*args))   # warm-up
+            record["ms"], record["calls_per_timing"] = stream_ms_per_call(
+                compiled, args, min_seconds=MIN_TIMING_S, repeats=TIMING_REPEATS)
+            record["tflops"] = mgpu.attention_flops(batch, run_len, heads, head_dim, causal=True) / (
+                record["ms"] * 1e-3) / 1e12
+            log(f"  {text}: {record['ms']:.3f} ms  {record['tflops']:.1f} TFLOP/s (compile {record['compile_s']:.1f} s)")
+        except Exception as exc:  # noqa: BLE001 - recorded, the run goes on
+            record["error"] = describe_error(exc)
+            log(f"  {text}: ERROR {record['error'][:400]}")
+        run.timings.append(record)
+        run.end()
+
+
+def _print_table(run: Run):
+    log("")
+    log(f"{'case':30s} {'contender':12s} {'variant':26s} {'ms':>9s} {'TFLOP/s':>8s} {'vs cudnn':>8s}")
+    cudnn = {(r["B"], r["H"], r["S"], r["head_dim"]): r["ms"] for r in run.timings
+             if r["contender"] == "cudnn" and r["ms"]}
+    for r in run.timings:
+        case = f"B={r['B']} H={r['H']} S={r['S']} hd={r['head_dim']}"
+        variant = _kwargs_text({k: (Blocks(**v) if k == "block_sizes" else v) for k, v in r["variant"].items()})
+        if r["ms"] is None:
+            log(f"{case:30s} {r['contender']:12s} {variant:26s} {(r.get('error') or '')[:70]}")
+            continue
+        base = cudnn.get((r["B"], r["H"], r["S"], r["head_dim"]))
+        ratio = f"{base / r['ms']:.2f}x" if base else ""
+        log(f"{case:30s} {r['contender']:12s} {variant:26s} {r['ms']:9.3f} {r['tflops']:8.1f} {ratio:>8s}")
+    _print_check_summary(run)
+
+
+def _print_check_summary(run: Run):
+    failed = [c["name"] for c in run.checks if c["passed"] is False]
+    skipped = sum(c["passed"] is None for c in run.checks)
+    log(f"checks: {sum(c['passed'] is True for c in run.checks)}/{len(run.checks)} passed, {skipped} skipped"
+        + (f"; FAILED: {failed}" if failed else ""))
+
+
+def gpu_check_and_time(out_dir: str | None = None, *, quick: bool = False, check_only: bool = False,
+                       budget_s: float = 420.0, step_timeout_s: float = 90.0) -> int:
+    """Checks the Mosaic kernel on the GPU, times it, writes JSON, prints a table. Returns an exit status."""
+    device = jax.devices()[0]
+    if device.platform != "gpu":
+        log(f"bench_attention_mgpu needs a GPU (found {device.platform})")
+        return 2
+    gpu_name = getattr(device, "device_kind", device.platform)
+    date = datetime.date.today().isoformat()
+    out = pathlib.Path(out_dir or _REPO_ROOT / "bench" / "results")
+    out.mkdir(parents=True, exist_ok=True)
+    suffix = "-check" if check_only else ("-quick" if quick else "")
+    import jaxlib  # noqa: PLC0415
+    header = {"gpu": gpu_name, "jax": jax.__version__, "jaxlib": jaxlib.__version__,
+              "date": date, "quick": quick, "check_only": check_only, "pass_rule": f"atol {ATOL}, rtol {RTOL}"}
+    run = Run(out / f"attention-mgpu-{date}-{slug(gpu_name)}{suffix}.json", header, step_timeout_s, budget_s)
+    log(f"device: {gpu_name}, jax {jax.__version__}; writing {run.path}")
+
+    # Most important first: the main case's kernel (head_dim 64), its timing, then the rest.
+    seq_lens = CHECK_SEQ_LENS[-2:] if quick else CHECK_SEQ_LENS
+    log("correctness, default block sizes, head_dim 64:")
+    for causal in (True, False):
+        for seq_len in seq_lens:
+            _check(run, 2, 3, seq_len, 64, causal, repeat=(seq_len == 1000 and causal))
+    for causal in (True, False):
+        _check(run, 1, 2, LONG_SEQ_LEN, 64, causal)
+    if not check_only:
+        _time_case(run, *MAIN_CASE, variants=[{}])
+    log("correctness, default block sizes, head_dim 128 and 256, bf16:")
+    for head_dim in (128, 256):
+        for causal in (True, False):
+            for seq_len in seq_lens:
+                _check(run, 2, 3, seq_len, head_dim, causal)
+    _check(run, 2, 3, 1000, 64, True, dtype=jnp.bfloat16)
+    log("block-size variants at the main case:")
+    for kwargs in MAIN_VARIANTS:
+        passed = [_check(run, 2, 3, 1000, MAIN_CASE[3], causal, kernel_kwargs=kwargs) for causal in (True, False)]
+        if not check_only and all(passed):
+            _time_case(run, *MAIN_CASE, variants=[kwargs], baselines=False)
+    if not check_only:
+        for batch, heads, seq_len, head_dim in OTHER_TIMING_CASES:
+            _time_case(run, batch, heads, seq_len, head_dim, variants=[{}])
+        _print_table(run)
+    else:
+        _print_check_summary(run)
+    run.write()
+    log(f"wrote {run.path} ({run.elapsed():.0f} s)")
+    return 1 if any(c["passed"] is False for c in run.checks) else 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--quick", action="store_true", help="fewer correctness lengths")
+    parser.add_argument("--check", action="store_true", help="correctness only, no timing")
+    parser.add_argument("--out", default=None, help="folder for the JSON (default bench/results)")
+    parser.add_argument("--budget-s", type=float, default=420.0, help="start no optional step after this")
+    parser.add_argument("--step-timeout-s", type=float, default=90.0, help="watchdog limit per step")
+    args = parser.parse_args(argv)
+    return gpu_check_and_time(args.out, quick=args.quick, check_only=args.check, budget_s=args.budget_s,
+                              step_timeout_s=args.step_timeout_s)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

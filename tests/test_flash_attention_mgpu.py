@@ -1,0 +1,317 @@
+"""CPU checks of the Mosaic GPU (Hopper) flash-attention kernel, `ttj_jax/kernels/flash_attention_mgpu.py`.
+
+The kernel cannot run on a CPU: Mosaic GPU kernels execute only on sm_90 GPUs and have no interpret
+mode. Its numerical check against `flash_attention_reference` (the same cases as below, small S) and
+its timing run on the H200:
+
+    PYTHONPATH=. python3 bench/bench_attention_mgpu.py
+
+What this file checks, on the CPU:
+1. Lowering for CUDA: `jax.jit(...).trace(...).lower(lowering_platforms=("cuda",))` succeeds and
+   emits a Mosaic GPU custom call, for head_dim 64, 128, 256, causal and not, S in {128, 1000, 100000},
+   plus edge lengths, bf16, the other block-size variants and both lowering semantics. Lowering runs
+   Pallas -> Mosaic GPU, Mosaic's layout inference, its wgmma operand/shape checks, the TMA slicing
+   and the shared-memory budget; PTX generation, ptxas (register spills) and execution only happen on
+   the GPU, so a kernel that lowers here can still fail or be slow there.
+2. The pure-Python pieces: the KV block ranges (brute force against explicit masks), the padding
+   rule, block-size validation and shared-memory accounting, the FLOP count, argument validation.
+3. A NumPy emulation of each consumer warpgroup's schedule, driven by the kernel's own `consumer_plan`
+   (prologue, unmasked and masked loops, epilogue, skipped blocks, both rescaling variants, zero-filled
+   reads past S), compared with the reference; and the barrier bookkeeping that must hold for the
+   kernel not to deadlock: every consumer releases each K and V block of its tile exactly once, in
+   order, and passes the token the same number of times.
+
+jax's Mosaic GPU package imports absl (`absl.logging.vlog_is_on` in layout inference), which the
+CPU test environment does not install; when it is missing this file provides a stand-in whose
+`vlog_is_on` is always False, so the lowering still runs. The GPU machine has the real absl.
+"""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import logging
+import re
+import sys
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+fm = importlib.import_module("ttj_jax.kernels.flash_attention_mgpu")   # the package exports a function of that name
+from ttj_jax.kernels import flash_attention_reference
+
+
+def _install_absl_logging_stand_in():
+    try:
+        import absl.logging  # noqa: F401
+    except ModuleNotFoundError:
+        absl = types.ModuleType("absl")
+        absl_logging = types.ModuleType("absl.logging")
+        absl_logging.vlog_is_on = lambda level: False
+        absl_logging.__getattr__ = lambda name: getattr(logging.getLogger("absl"), name)
+        absl.logging = absl_logging
+        sys.modules["absl"], sys.modules["absl.logging"] = absl, absl_logging
+
+
+_install_absl_logging_stand_in()
+
+Blocks = fm.MgpuBlockSizes
+
+
+def _lower_for_cuda(seq_len, head_dim, causal, *, dtype=jnp.float16, batch=1, num_heads=2, **kwargs) -> str:
+    spec = jax.ShapeDtypeStruct((batch, seq_len, num_heads, head_dim), dtype)
+    call = jax.jit(lambda q, k, v: fm.flash_attention_mgpu(q, k, v, causal=causal, **kwargs))
+    return call.trace(spec, spec, spec).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _custom_calls(text: str) -> list[str]:
+    return re.findall(r"stablehlo\.custom_call @(\w+)", text)
+
+
+# --- 1. Lowering for CUDA -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("seq_len", [128, 1000, 100_000])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_lowers_to_one_mosaic_gpu_kernel(head_dim, causal, seq_len):
+    text = _lower_for_cuda(seq_len, head_dim, causal)
+    assert _custom_calls(text) == ["mosaic_gpu_v2"]
+    # S is a multiple of 8: q, k, v are read in place and the output written in place.
+    assert "stablehlo.pad" not in text and "stablehlo.slice" not in text
+
+
+@pytest.mark.parametrize("seq_len", [1, 7, 64, 113, 1023])
+@pytest.mark.parametrize("causal", [False, True])
+def test_lowers_at_odd_lengths(seq_len, causal):
+    text = _lower_for_cuda(seq_len, 64, causal)
+    assert _custom_calls(text) == ["mosaic_gpu_v2"]
+    needs_padding = fm.padded_seq_len(seq_len) != seq_len
+    assert ("stablehlo.pad" in text) == needs_padding
+
+
+@pytest.mark.parametrize("head_dim,blocks", [
+    (64, Blocks(block_kv=128, num_stages=4, num_compute_wgs=2, overlap_softmax=False)),
+    (64, Blocks(block_kv=256, num_stages=2)),
+    (64, Blocks(block_kv=192, num_stages=3)),
+    (64, Blocks(block_kv=128, num_stages=4, num_compute_wgs=3)),
+    (128, Blocks(block_kv=128, num_stages=3)),
+    (128, Blocks(block_kv=64, num_stages=4, num_compute_wgs=3)),
+])
+@pytest.mark.parametrize("causal", [False, True])
+def test_lowers_with_other_block_sizes(head_dim, blocks, causal):
+    assert _custom_calls(_lower_for_cuda(1000, head_dim, causal, block_sizes=blocks)) == ["mosaic_gpu_v2"]
+
+
+@pytest.mark.parametrize("lowering_semantics", ["lane", "warpgroup"])
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_lowers_in_both_semantics_and_dtypes(lowering_semantics, dtype):
+    text = _lower_for_cuda(1000, 128, True, dtype=dtype, batch=2, lowering_semantics=lowering_semantics)
+    assert _custom_calls(text) == ["mosaic_gpu_v2"]
+
+
+def test_lowered_kernel_depends_on_causal_and_blocks():
+    """The lowered module carries the kernel: different statics give a different serialized module."""
+    def module_of(**kwargs):
+        return re.search(r'module = "([^"]*)"', _lower_for_cuda(1000, 64, **kwargs)).group(1)
+    causal, full = module_of(causal=True), module_of(causal=False)
+    other = module_of(causal=True, block_sizes=Blocks(block_kv=256, num_stages=2))
+    assert len({causal, full, other}) == 3
+
+
+# --- 2. Pure-Python pieces ----------------------------------------------------------------------------
+
+def test_padded_seq_len():
+    assert [fm.padded_seq_len(s) for s in (1, 7, 8, 9, 100, 1000, 1001, 100_000)] == \
+        [1, 7, 8, 16, 104, 1000, 1008, 100_000]
+
+
+@pytest.mark.parametrize("block_kv", [64, 128, 192, 256])
+def test_kv_block_range_matches_explicit_masks(block_kv):
+    rows = fm.ROWS_PER_CONSUMER
+    for seq_len in range(1, 600, 7):
+        num_kv_blocks = -(-seq_len // block_kv)
+        for row_start in range(0, seq_len, rows):
+            real_rows = np.arange(row_start, min(row_start + rows, seq_len))
+            num_unmasked, num_visited = fm.kv_block_range(row_start, rows, seq_len, block_kv, causal=True)
+            assert 0 <= num_unmasked <= num_visited <= num_kv_blocks
+            for block in range(num_kv_blocks):
+                keys = np.arange(block * block_kv, min((block + 1) * block_kv, seq_len))
+                allowed = keys[None, :] <= real_rows[:, None]
+                if block < num_unmasked:
+                    assert allowed.all(), (seq_len, row_start, block)
+                if block >= num_visited:
+                    assert not allowed.any(), (seq_len, row_start, block)
+            # Tight: the last visited block holds a key the last real row may see.
+            last_keys = np.arange((num_visited - 1) * block_kv, seq_len)
+            assert (last_keys <= real_rows[-1]).any()
+            full_unmasked, full_visited = fm.kv_block_range(row_start, rows, seq_len, block_kv, causal=False)
+            assert (full_unmasked, full_visited) == (seq_len // block_kv, num_kv_blocks)
+
+
+def test_block_sizes_validate_themselves():
+    for bad in (dict(block_kv=100, num_stages=2), dict(block_kv=32, num_stages=2),
+                dict(block_kv=320, num_stages=2), dict(block_kv=128, num_stages=1),
+                dict(block_kv=128, num_stages=2, num_compute_wgs=4),
+                dict(block_kv=128, num_stages=2, num_compute_wgs=3, overlap_softmax=True),
+                dict(block_kv=128, num_stages=2, overlap_softmax=1), dict(block_kv=True, num_stages=2)):
+        with pytest.raises(ValueError):
+            Blocks(**bad)
+    assert Blocks(block_kv=128, num_stages=2, num_compute_wgs=3).block_q == 192
+
+
+@pytest.mark.parametrize("head_dim", fm.SUPPORTED_HEAD_DIMS)
+def test_defaults_fit_and_oversized_blocks_are_refused(head_dim):
+    blocks = fm.default_block_sizes(head_dim)
+    fm.check_block_sizes(head_dim, 2, blocks)
+    assert fm.smem_bytes(head_dim, 2, blocks) <= fm.SMEM_BUDGET_BYTES
+    too_deep = Blocks(block_kv=blocks.block_kv, num_stages=64)
+    with pytest.raises(ValueError, match="shared memory"):
+        fm.check_block_sizes(head_dim, 2, too_deep)
+
+
+def test_register_bound_variants_are_refused():
+    with pytest.raises(ValueError, match="head_dim=128 must be 64"):
+        fm.check_block_sizes(128, 2, Blocks(block_kv=64, num_stages=2, overlap_softmax=True))
+    with pytest.raises(ValueError, match="block_kv=256 <= 128"):
+        fm.check_block_sizes(64, 2, Blocks(block_kv=256, num_stages=2, overlap_softmax=True))
+    with pytest.raises(ValueError, match="head_dim=256 must be <= 128"):
+        fm.check_block_sizes(256, 2, Blocks(block_kv=64, num_stages=2, num_compute_wgs=3))
+
+
+def test_stages_are_clamped_to_the_sequence():
+    blocks = Blocks(block_kv=128, num_stages=6)
+    assert fm.resolve_block_sizes(100_000, 64, 2, blocks).num_stages == 6
+    assert fm.resolve_block_sizes(300, 64, 2, blocks).num_stages == 3
+    assert fm.resolve_block_sizes(5, 64, 2, blocks).num_stages == 2
+
+
+def test_attention_flops():
+    # The issue's causal count: 2 * B * H * S^2 * hd.
+    assert fm.attention_flops(1, 100_000, 16, 64, causal=True) == 2 * 16 * 100_000**2 * 64
+    assert fm.attention_flops(2, 10, 3, 64, causal=False) == 4 * 2 * 3 * 100 * 64
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(dtype=jnp.float32), "float16 or bfloat16"),
+    (dict(head_dim=32), "head_dim=32"),
+    (dict(head_dim=96), "head_dim=96"),
+    (dict(k_len=9), "must match"),
+    (dict(causal=1), "causal=1"),
+    (dict(sm_scale="0.1"), "sm_scale"),
+    (dict(block_sizes=(128, 2)), "block_sizes"),
+    (dict(lowering_semantics="thread"), "lowering_semantics"),
+])
+def test_bad_arguments_raise(bad, match):
+    bad = dict(bad)
+    dtype, head_dim = bad.pop("dtype", jnp.float16), bad.pop("head_dim", 64)
+    q = jax.ShapeDtypeStruct((1, 8, 2, head_dim), dtype)
+    k = jax.ShapeDtypeStruct((1, bad.pop("k_len", 8), 2, head_dim), dtype)
+    kwargs = {"causal": True, **bad}
+    with pytest.raises(ValueError, match=match):
+        jax.jit(lambda q, k, v: fm.flash_attention_mgpu(q, k, v, **kwargs)).trace(q, k, q)
+
+
+# --- 3. Emulation of the schedule ---------------------------------------------------------------------
+
+def _emulate(q, k, v, causal, blocks):
+    """NumPy model of the kernel: the same plan, block order, masks and rescaling as each consumer.
+
+    Also returns, per (tile, consumer), the K and V blocks it released in order and its token passes.
+    """
+    batch, seq_len, num_heads, head_dim = q.shape
+    blocks = fm.resolve_block_sizes(seq_len, head_dim, q.dtype.itemsize, blocks)
+    rows, block_kv = fm.ROWS_PER_CONSUMER, blocks.block_kv
+    num_tiles = -(-seq_len // blocks.block_q)
+    # Reads past the arrays come back as zeros (TMA's zero fill): model them with a zero tail.
+    tail = num_tiles * blocks.block_q + 2 * block_kv
+    pad = lambda x: np.pad(x.astype(np.float32), ((0, 0), (0, tail), (0, 0), (0, 0)))
+    q32, k32, v32 = pad(q), pad(k), pad(v)
+    score_scale = head_dim ** -0.5 * np.log2(np.e)
+    out = np.zeros(q.shape, np.float32)
+    logs = []
+    for b, h, program in itertools.product(range(batch), range(num_heads), range(num_tiles)):
+        tile = num_tiles - 1 - program if causal else program
+        for wg in range(blocks.num_compute_wgs):
+            plan = fm.consumer_plan(tile * blocks.block_q, wg, seq_len, blocks, causal)
+            row_start = tile * blocks.block_q + wg * rows
+            query = np.arange(row_start, row_start + rows)
+            q_rows = q32[b, row_start:row_start + rows, h]
+            released_k, released_v, tokens = [], [], 0
+
+            def kv(block, x):
+                return x[b, block * block_kv:(block + 1) * block_kv, h]
+
+            def softmax(block, m, l, masked):
+                scores = q_rows @ kv(block, k32).T
+                if masked:
+                    key = block * block_kv + np.arange(block_kv)
+                    allowed = key[None, :] <= query[:, None] if causal else np.broadcast_to(key < seq_len, scores.shape)
+                    scores = np.where(allowed, scores, -np.inf)
+                with np.errstate(invalid="ignore"):
+                    m_new = np.maximum(m, scores.max(axis=1) * score_scale)
+                alpha = np.exp2(m - m_new)
+                p = np.exp2(scores * score_scale - m_new[:, None])
+                return m_new, l * alpha + p.sum(axis=1), p.astype(q.dtype).astype(np.float32), alpha
+
+            acc = np.zeros((rows, head_dim), np.float32)
+            m, l, p, alpha = softmax(0, np.full(rows, -np.inf, np.float32), np.zeros(rows, np.float32),
+                                     plan.prologue_masked)
+            released_k.append(0)
+            tokens += 1
+            if not blocks.overlap_softmax:
+                acc *= alpha[:, None]
+            for block in range(1, plan.num_visited):
+                pv = p @ kv(block - 1, v32)
+                m, l, p_next, alpha_next = softmax(block, m, l, masked=block >= plan.first_masked)
+                released_k.append(block)
+                released_v.append(block - 1)
+                tokens += 1
+                if blocks.overlap_softmax:
+                    acc = acc * alpha[:, None] + pv
+                else:
+                    acc = (acc + pv) * alpha_next[:, None]
+                p, alpha = p_next, alpha_next
+            pv = p @ kv(plan.num_visited - 1, v32)
+            acc = acc * alpha[:, None] + pv if blocks.overlap_softmax else acc + pv
+            released_v.append(plan.num_visited - 1)
+            tokens += 1
+            for block in range(plan.num_visited, plan.tile_blocks):
+                released_k.append(block)
+                released_v.append(block)
+                tokens += 1
+            logs.append((tile, wg, plan.tile_blocks, released_k, released_v, tokens))
+            valid = query < seq_len
+            out[b, query[valid], h] = (acc / l[:, None])[valid]
+    return out, logs
+
+
+@pytest.mark.parametrize("blocks", [
+    None,
+    Blocks(block_kv=128, num_stages=2, overlap_softmax=False),
+    Blocks(block_kv=64, num_stages=3, num_compute_wgs=3),
+    Blocks(block_kv=192, num_stages=2),
+    Blocks(block_kv=256, num_stages=2),
+])
+@pytest.mark.parametrize("seq_len", [1, 7, 64, 100, 129, 200, 453])
+@pytest.mark.parametrize("causal", [False, True])
+def test_emulated_schedule_matches_reference(causal, seq_len, blocks):
+    rng = np.random.default_rng(seq_len)
+    q, k, v = (rng.standard_normal((2, seq_len, 2, 64)).astype(np.float16) for _ in range(3))
+    out, logs = _emulate(q, k, v, causal, blocks)
+    expected = np.asarray(flash_attention_reference(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
+                                                    causal=causal).astype(jnp.float32))
+    # The harness's rule (atol 0.002, rtol 0.02); the only rounding here is P's to fp16.
+    np.testing.assert_allclose(out, expected, atol=2e-3, rtol=2e-2)
+
+    for tile, group in itertools.groupby(sorted(logs, key=lambda log: log[0]), key=lambda log: log[0]):
+        group = list(group)
+        tile_blocks = group[0][2]
+        for _, wg, _, released_k, released_v, tokens in group:
+            # Each consumer releases every block of its tile once, in order, and passes the token
+            # tile_blocks + 1 times: the ring's phases and the token ring stay in step.
+            assert released_k == list(range(tile_blocks)), (tile, wg)
+            assert released_v == list(range(tile_blocks)), (tile, wg)
+            assert tokens == tile_blocks + 1, (tile, wg)

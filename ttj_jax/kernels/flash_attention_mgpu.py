@@ -1,0 +1,516 @@
+"""Flash attention forward pass for Hopper (sm_90), written with Pallas' Mosaic GPU backend.
+
+The generic kernel in `flash_attention.py` lowers through Triton and runs everywhere, interpret mode
+included. This one is the H200 path for head_dim 64, 128 and 256: tensor-core `wgmma`, TMA bulk copies
+into a ring of shared-memory stages, and warp specialization in the FlashAttention-3 style. It has no
+interpret mode and no masks: a dispatcher must send calls with `kv_lengths` or `key_mask`, other head
+sizes, float32 inputs, or non-Hopper devices to the generic kernel.
+
+Design (one CUDA block per (query tile, head, batch element)):
+- Warpgroups. `num_compute_wgs` consumer warpgroups (2 or 3) each own 64 consecutive query rows, so a
+  query tile is 64 * num_compute_wgs rows; one more warpgroup is the producer. The producer gives up
+  registers (`set_max_registers`), the consumers take them.
+- Producer. Issues the TMA copies of K and V blocks of `block_kv` keys into a ring of `num_stages`
+  slots, each slot with a "ready" barrier (completed by the copy) and a "consumed" barrier (one arrival
+  per consumer). K and V have separate barriers, because a consumer is done with K_j one GEMM phase
+  before it is done with V_j.
+- Consumers. Each loads its own 64 rows of Q once. Its loop is software-pipelined: one "GEMM phase"
+  issues P_{j-1} @ V_{j-1} and Q @ K_j^T together, then the warpgroup does the softmax of block j.
+  The GEMM phases of the consumers are ordered round-robin by a token ring of barriers (consumer w
+  waits for token w, issues, passes the token to w+1), so while one warpgroup runs its softmax on the
+  ALU/SFU, another's GEMMs run on the tensor core (FA3's ping-pong).
+- `overlap_softmax` (2 consumers, head_dim 64): Q @ K_j^T is issued first and P_{j-1} @ V_{j-1}
+  accumulates into a fresh accumulator, so the softmax of block j runs while that PV GEMM is still on
+  the tensor core (FA3's intra-warpgroup overlap). The rescale of the running output by the previous
+  block's correction is then one fused multiply-add after the GEMM: out = out * alpha_{j-1} + P V.
+  It costs a second head_dim-wide fp32 accumulator in registers, which only head_dim 64 affords.
+- Causal attention. Tiles are launched heaviest first (the last query tile is the first program), so
+  the light tiles fill the tail of the launch. A tile only visits KV blocks that start at or before its
+  last row; a consumer applies the causal mask only on blocks that straddle its own diagonal, and
+  consumers whose rows end earlier than the tile's last block skip the blocks past their diagonal
+  (waiting for each such block to arrive before releasing it, so the ring's phases stay in order).
+- Any sequence length. TMA reads past the end of the sequence are filled with zeros and TMA writes
+  past it are dropped, so the last query tile and the last KV block may overhang S without padding.
+  Under causal attention the keys past S are never visible to a real query (they come after it);
+  otherwise the block holding them is masked with `key < S`. The one exception: Mosaic GPU views the
+  sequence axis in whole 8-row tiles for TMA, so an S that is not a multiple of 8 (and > 8) is padded
+  to one with zeros (`padded_seq_len`), a copy of q, k and v and a slice of the output.
+- Output. Each consumer normalises its rows, writes them over its own Q buffer in shared memory and
+  stores them with one TMA copy.
+
+Numerics (fp16 or bf16 inputs; the output has the input dtype):
+- Both GEMMs take the input dtype and accumulate in fp32. P is rounded to the input dtype for P @ V.
+- Scores stay fp32. The softmax runs in base 2: the running max m is kept in units of
+  log2(e) * sm_scale * score, so each probability is one fused multiply-add and one `ex2.approx`
+  (`approx_math=True`: an error of a few fp32 ulps, far below the 2^-11 rounding of P to fp16).
+- Running max, running sum and the output accumulator are fp32; each row is multiplied by 1 / sum once.
+- Masked scores are -inf. Every visited row has key 0 in its first block, so its running max is
+  finite from the first block on and no NaN can arise; rows past S compute on zero-filled Q and their
+  writes are dropped.
+
+Layouts and copies: q, k, v are read in place from their `[B, S, H, head_dim]` arrays (the free
+reshape of a `[B, S, d]` projection) and the output is written in the same layout: no transposes, and
+no padding or slicing when S is a multiple of 8. A fused `[B, S, 3, H, head_dim]` QKV array would
+need its three slices copied out first (TMA copies from the fused array would avoid that; not done).
+
+What is unmeasured: everything that runs. This module lowers on a CPU (tests/test_flash_attention_mgpu.py
+checks that for every supported head_dim, causal or not, at several S); its numerics and speed are
+checked on the H200 by `bench/bench_attention_mgpu.py`. The default block sizes below are starting
+points from shared-memory and register budgets, not measurements.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import numbers
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+_SUPPORTED_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
+ROWS_PER_CONSUMER = 64          # one wgmma M tile per consumer warpgroup
+_LOG2_E = math.log2(math.e)
+# Hopper's opt-in shared memory per block (227 KiB) less room for barriers and 1 KiB swizzle alignment.
+SMEM_BUDGET_BYTES = 227 * 1024 - 2 * 1024
+# Registers per thread after `set_max_registers` (sum over warpgroups * 128 threads <= 65536).
+_REGISTERS = {2: (232, 40), 3: (160, 32)}   # num_compute_wgs -> (consumer, producer)
+
+
+@dataclasses.dataclass(frozen=True)
+class MgpuBlockSizes:
+    block_kv: int                  # keys per KV block (the N of Q @ K^T, the K of P @ V)
+    num_stages: int                # slots in the shared-memory ring of K/V blocks (clamped to the KV blocks)
+    num_compute_wgs: int = 2       # consumer warpgroups; a query tile is 64 * num_compute_wgs rows
+    overlap_softmax: bool = False  # softmax of block j overlaps the PV GEMM of block j - 1
+
+    def __post_init__(self):
+        def is_int(value):
+            return isinstance(value, int) and not isinstance(value, bool)
+        if not is_int(self.block_kv) or self.block_kv < 64 or self.block_kv > 256 or self.block_kv % 64:
+            raise ValueError(f"MgpuBlockSizes.block_kv={self.block_kv!r} must be 64, 128, 192 or 256")
+        if not is_int(self.num_stages) or self.num_stages < 2:
+            raise ValueError(f"MgpuBlockSizes.num_stages={self.num_stages!r} must be an int >= 2")
+        if self.num_compute_wgs not in _REGISTERS or not is_int(self.num_compute_wgs):
+            raise ValueError(f"MgpuBlockSizes.num_compute_wgs={self.num_compute_wgs!r} must be 2 or 3")
+        if not isinstance(self.overlap_softmax, bool):
+            raise ValueError(f"MgpuBlockSizes.overlap_softmax={self.overlap_softmax!r} must be a bool")
+        if self.overlap_softmax and self.num_compute_wgs != 2:
+            raise ValueError("overlap_softmax needs num_compute_wgs=2 (3 consumers have too few registers)")
+
+    @property
+    def block_q(self) -> int:
+        """Query rows per CUDA block (all consumers together)."""
+        return ROWS_PER_CONSUMER * self.num_compute_wgs
+
+
+# Starting points per head_dim (unmeasured; bench/bench_attention_mgpu.py sweeps alternatives).
+_DEFAULT_BLOCK_SIZES = {
+    64: MgpuBlockSizes(block_kv=128, num_stages=4, num_compute_wgs=2, overlap_softmax=True),
+    128: MgpuBlockSizes(block_kv=128, num_stages=2, num_compute_wgs=2),
+    256: MgpuBlockSizes(block_kv=64, num_stages=2, num_compute_wgs=2),
+}
+
+
+def smem_bytes(head_dim: int, itemsize: int, blocks: MgpuBlockSizes) -> int:
+    """Shared memory the kernel allocates: Q (reused for the output) and the K/V ring, plus barriers."""
+    tiles = head_dim * itemsize * (blocks.block_q + 2 * blocks.num_stages * blocks.block_kv)
+    num_barriers = blocks.num_compute_wgs * 2 + blocks.num_stages * 4
+    return tiles + 8 * num_barriers
+
+
+def check_block_sizes(head_dim: int, itemsize: int, blocks: MgpuBlockSizes) -> None:
+    """Raises ValueError when `blocks` cannot run at this head_dim (shared memory or registers)."""
+    if smem_bytes(head_dim, itemsize, blocks) > SMEM_BUDGET_BYTES:
+        raise ValueError(f"{blocks} at head_dim={head_dim} needs {smem_bytes(head_dim, itemsize, blocks)} "
+                         f"bytes of shared memory, more than {SMEM_BUDGET_BYTES}")
+    if blocks.overlap_softmax and (head_dim > 64 or blocks.block_kv > 128):
+        raise ValueError(f"overlap_softmax keeps two [64, head_dim] fp32 accumulators and two P blocks in "
+                         f"registers: head_dim={head_dim} must be 64 and block_kv={blocks.block_kv} <= 128")
+    if blocks.num_compute_wgs == 3 and head_dim > 128:
+        raise ValueError(f"num_compute_wgs=3 leaves 160 registers per thread: head_dim={head_dim} must be <= 128")
+
+
+def default_block_sizes(head_dim: int) -> MgpuBlockSizes:
+    return _DEFAULT_BLOCK_SIZES[head_dim]
+
+
+def resolve_block_sizes(seq_len: int, head_dim: int, itemsize: int,
+                        block_sizes: MgpuBlockSizes | None) -> MgpuBlockSizes:
+    """The block sizes a call runs with: given or default, stages clamped to the number of KV blocks."""
+    blocks = default_block_sizes(head_dim) if block_sizes is None else block_sizes
+    check_block_sizes(head_dim, itemsize, blocks)
+    num_kv_blocks = pl.cdiv(seq_len, blocks.block_kv)
+    # A ring longer than the sequence would only preload nothing; 2 stays the minimum for overlap.
+    return dataclasses.replace(blocks, num_stages=max(2, min(blocks.num_stages, num_kv_blocks)))
+
+
+def attention_flops(batch: int, seq_len: int, num_heads: int, head_dim: int, causal: bool) -> float:
+    """Matmul FLOPs of the forward pass: 4 * B * H * S^2 * hd, halved under causal attention."""
+    flops = 4.0 * batch * num_heads * seq_len * seq_len * head_dim
+    return flops / 2 if causal else flops
+
+
+def padded_seq_len(seq_len: int) -> int:
+    """The sequence length the kernel's arrays have: S itself when S % 8 == 0 or S < 8, else the next
+    multiple of 8 (Mosaic GPU's TMA path tiles the sequence axis by 8 rows and needs whole tiles)."""
+    return seq_len if seq_len < 8 or seq_len % 8 == 0 else seq_len + (-seq_len % 8)
+
+
+def _cdiv(a, b: int):
+    if isinstance(a, int):
+        return -(-a // b)
+    return lax.div(a + (b - 1), jnp.int32(b))
+
+
+def _floordiv(a, b: int):
+    # Only for a >= 0, where truncation equals floor division.
+    return a // b if isinstance(a, int) else lax.div(a, jnp.int32(b))
+
+
+def _minimum(a, b):
+    return min(a, b) if isinstance(a, int) and isinstance(b, int) else jnp.minimum(a, b)
+
+
+def kv_block_range(row_start, num_rows: int, seq_len: int, block_kv: int, causal: bool):
+    """KV blocks that rows [row_start, row_start + num_rows) visit: (num_unmasked, num_visited).
+
+    Blocks [0, num_unmasked) need no mask for any of these rows; blocks [num_unmasked, num_visited)
+    need the causal mask (causal) or the `key < seq_len` mask (otherwise); later blocks hold no key
+    these rows may see. Works on Python ints and on traced int32 scalars (the kernel's program ids).
+    """
+    num_kv_blocks = _cdiv(seq_len, block_kv)
+    if not causal:
+        return seq_len // block_kv, num_kv_blocks
+    # Block j is below the diagonal of every row when its last key (j + 1) * block_kv - 1 < row_start.
+    num_unmasked = _minimum(_floordiv(row_start, block_kv), num_kv_blocks)
+    num_visited = _minimum(_cdiv(row_start + num_rows, block_kv), num_kv_blocks)
+    return num_unmasked, num_visited
+
+
+class ConsumerPlan(NamedTuple):
+    """The KV blocks one consumer warpgroup handles, in order (ints, or traced int32 scalars)."""
+    prologue_masked: bool  # block 0 takes the mask (static: whenever any block of any row might need it)
+    first_masked: Any      # blocks [1, first_masked) skip the mask, [first_masked, num_visited) take it
+    num_visited: Any       # blocks [0, num_visited) are computed
+    tile_blocks: Any       # blocks [num_visited, tile_blocks) are loaded for other rows: wait, release
+
+
+def consumer_plan(tile_start, wg, seq_len: int, blocks: MgpuBlockSizes, causal: bool) -> ConsumerPlan:
+    """What consumer `wg` of the query tile starting at row `tile_start` does with the KV ring."""
+    rows = ROWS_PER_CONSUMER
+    _, tile_blocks = kv_block_range(tile_start, blocks.block_q, seq_len, blocks.block_kv, causal)
+    num_unmasked, num_visited = kv_block_range(tile_start + wg * rows, rows, seq_len, blocks.block_kv, causal)
+    first_masked = max(num_unmasked, 1) if isinstance(num_unmasked, int) else jnp.maximum(num_unmasked, 1)
+    return ConsumerPlan(causal or seq_len % blocks.block_kv != 0, first_masked, num_visited, tile_blocks)
+
+
+# --- Version-dependent Mosaic GPU API, in one place (jax 0.10.2 on CPUs, 0.11.2 on the H200) ---------
+# `jax.experimental.pallas.mosaic_gpu` imports absl (layout inference logs through it), which the
+# CPU environment may lack, so it is imported on first use, not when this module loads.
+# - Lowering semantics: the default changed from Lane (0.10) to Warpgroup (0.11); pinned here.
+# - Barrier(num_barriers=...) defaulted to 1 in 0.10 and to a scalar () in 0.11; always passed.
+# - SMEM refs are transposed with `ref.transpose(...)` (0.11 deprecates `plgpu.transpose_ref`).
+# - copy_gmem_to_smem's `oob_mode` defaults to zero fill in both; passed explicitly because the
+#   kernel relies on it for sequence lengths that are not block multiples.
+LOWERING_SEMANTICS = "warpgroup"   # or "lane"
+
+
+def _plgpu():
+    import jax.experimental.pallas.mosaic_gpu as plgpu  # noqa: PLC0415 - see the comment above
+    return plgpu
+
+
+def _compiler_params(lowering_semantics: str):
+    plgpu = _plgpu()
+    semantics = {"lane": plgpu.LoweringSemantics.Lane,
+                 "warpgroup": plgpu.LoweringSemantics.Warpgroup}[lowering_semantics]
+    return plgpu.CompilerParams(approx_math=True, lowering_semantics=semantics)
+
+
+def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_scale: float,
+                      seq_len: int, num_q_tiles: int, head_dim: int, blocks: MgpuBlockSizes, dtype):
+    # Refs: q, k, v, out [B, S, H, hd] in GMEM. scoped: shared memory and barriers for all warpgroups.
+    plgpu = _plgpu()
+    (q_smem, k_smem, v_smem), (q_ready, k_ready, v_ready, k_consumed, v_consumed, tokens) = scoped
+    num_wgs, block_kv, num_stages = blocks.num_compute_wgs, blocks.block_kv, blocks.num_stages
+    rows = ROWS_PER_CONSUMER
+    wg = lax.axis_index("wg")
+    batch, head = lax.axis_index("batch"), lax.axis_index("heads")
+    tile = lax.axis_index("q_tiles")
+    if causal:
+        tile = num_q_tiles - 1 - tile   # heaviest tiles first
+    tile_start = tile * blocks.block_q
+
+    def kv_rows(block):
+        return pl.ds(block * block_kv, block_kv)
+
+    def slot_of(block):
+        return lax.rem(block, jnp.int32(num_stages))
+
+    @pl.when(wg < num_wgs)
+    def _consumer():
+        plgpu.set_max_registers(_REGISTERS[num_wgs][0], action="increase")
+        row_start = tile_start + wg * rows
+        q_wg = q_smem.at[wg]
+        plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(row_start, rows), head], q_wg, q_ready.at[wg],
+                                oob_mode=plgpu.OOBFillMode.ZEROS)
+        plan = consumer_plan(tile_start, wg, seq_len, blocks, causal)
+        score_scale = sm_scale * _LOG2_E
+        row_layout = plgpu.Layout.WGMMA.reduce(1)
+
+        def wgmma_zeros(shape):
+            return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
+
+        def softmax(scores, block, m_prev, l_prev, masked: bool):
+            # scores: (64, block_kv) fp32 raw q.k. Returns the new running max and sum, P in the input
+            # dtype, and alpha = exp2(m_prev - m_new), the factor for what was accumulated before.
+            if masked:
+                key = block * block_kv + plgpu.broadcasted_iota(
+                    jnp.int32, scores.shape, 1, layout=plgpu.Layout.WGMMA)
+                if causal:
+                    query = row_start + plgpu.broadcasted_iota(
+                        jnp.int32, scores.shape, 0, layout=plgpu.Layout.WGMMA)
+                    allowed = key <= query
+                else:
+                    allowed = key < seq_len
+                scores = jnp.where(allowed, scores, -jnp.inf)
+            m_new = jnp.maximum(m_prev, scores.max(axis=1) * score_scale)
+            alpha = jnp.exp2(m_prev - m_new)
+            p = jnp.exp2(scores * score_scale - lax.broadcast_in_dim(m_new, scores.shape, [0]))
+            l_new = l_prev * alpha + p.sum(axis=1)
+            return m_new, l_new, p.astype(dtype), alpha
+
+        def next_token():
+            plgpu.barrier_arrive(tokens.at[lax.rem(wg + 1, jnp.int32(num_wgs))])
+
+        def rescale(acc, alpha):
+            return acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+
+        # Prologue: S_0 = Q @ K_0^T alone. Consumer 0 holds the token first.
+        m = plgpu.layout_cast(jnp.full((rows,), -jnp.inf, jnp.float32), row_layout)
+        l = plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), row_layout)
+        acc = wgmma_zeros((rows, head_dim))
+        plgpu.barrier_wait(q_ready.at[wg])
+        plgpu.barrier_wait(k_ready.at[0])
+
+        @pl.when(wg > 0)
+        def _():
+            plgpu.barrier_wait(tokens.at[wg])
+
+        def first_scores(s_ref):
+            plgpu.wgmma(s_ref, q_wg, k_smem.at[0].transpose((1, 0)))
+            next_token()
+            return s_ref[...]
+
+        scores = pl.run_scoped(first_scores, plgpu.ACC((rows, block_kv), jnp.float32))
+        plgpu.barrier_arrive(k_consumed.at[0])
+        # The prologue block takes the mask whenever any block might: a no-op where it is not needed.
+        m, l, p, alpha = softmax(scores, 0, m, l, masked=plan.prologue_masked)
+        if not blocks.overlap_softmax:
+            acc = rescale(acc, alpha)
+
+        def step(block, carry, *, masked: bool):
+            # One GEMM phase (P_{block-1} @ V_{block-1} and Q @ K_block^T), then the softmax of `block`.
+            acc, m, l, p, alpha = carry
+            prev_slot, slot = slot_of(block - 1), slot_of(block)
+            plgpu.barrier_wait(v_ready.at[prev_slot])
+            plgpu.barrier_wait(k_ready.at[slot])
+            plgpu.barrier_wait(tokens.at[wg])
+            k_t, v = k_smem.at[slot].transpose((1, 0)), v_smem.at[prev_slot]
+            if blocks.overlap_softmax:
+                def gemms(s_ref, pv_ref):
+                    plgpu.wgmma(s_ref, q_wg, k_t)
+                    plgpu.wgmma(pv_ref, p, v)   # returns once Q @ K^T is done; P @ V keeps running
+                    next_token()
+                    scores = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)
+                    plgpu.barrier_arrive(k_consumed.at[slot])
+                    softmax_out = softmax(scores, block, m, l, masked)
+                    return softmax_out, pv_ref[...]
+                (m, l, p_next, alpha_next), pv = pl.run_scoped(
+                    gemms, plgpu.ACC((rows, block_kv), jnp.float32), plgpu.ACC((rows, head_dim), jnp.float32))
+                plgpu.barrier_arrive(v_consumed.at[prev_slot])
+                acc = rescale(acc, alpha) + pv   # alpha of block - 1: P_{block-1} is relative to its max
+                return acc, m, l, p_next, alpha_next
+
+            def gemms(refs):
+                acc_ref, s_ref = refs
+                plgpu.wgmma(acc_ref, p, v)
+                plgpu.wgmma(s_ref, q_wg, k_t)
+                next_token()
+            acc, scores = pl.run_state(gemms)((plgpu.ACC.init(acc), plgpu.ACC.init(wgmma_zeros((rows, block_kv)))))
+            plgpu.barrier_arrive(k_consumed.at[slot])
+            plgpu.barrier_arrive(v_consumed.at[prev_slot])
+            m, l, p_next, alpha_next = softmax(scores, block, m, l, masked)
+            return rescale(acc, alpha_next), m, l, p_next, alpha_next
+
+        carry = (acc, m, l, p, alpha)
+        carry = _fori_loop(1, plan.first_masked, functools.partial(step, masked=False), carry)
+        carry = _fori_loop(plan.first_masked, plan.num_visited, functools.partial(step, masked=True), carry)
+        acc, m, l, p, alpha = carry
+
+        # Epilogue: the last P @ V.
+        last_slot = slot_of(plan.num_visited - 1)
+        plgpu.barrier_wait(v_ready.at[last_slot])
+        plgpu.barrier_wait(tokens.at[wg])
+        if blocks.overlap_softmax:
+            def last_pv(pv_ref):
+                plgpu.wgmma(pv_ref, p, v_smem.at[last_slot])
+                next_token()
+                return pv_ref[...]
+            pv = pl.run_scoped(last_pv, plgpu.ACC((rows, head_dim), jnp.float32))
+            acc = rescale(acc, alpha) + pv
+        else:
+            def last_pv(acc_ref):
+                plgpu.wgmma(acc_ref, p, v_smem.at[last_slot])
+                next_token()
+            acc = pl.run_state(last_pv)(plgpu.ACC.init(acc))
+        plgpu.barrier_arrive(v_consumed.at[last_slot])
+
+        # Blocks this tile loads but these rows never see (causal only): wait for each, release it,
+        # and pass the token on, so the ring and the token order stay the same for every consumer.
+        def skip(block, _):
+            slot = slot_of(block)
+            plgpu.barrier_wait(k_ready.at[slot])
+            plgpu.barrier_arrive(k_consumed.at[slot])
+            plgpu.barrier_wait(v_ready.at[slot])
+            plgpu.barrier_arrive(v_consumed.at[slot])
+            plgpu.barrier_wait(tokens.at[wg])
+            next_token()
+        if causal:
+            lax.fori_loop(plan.num_visited, plan.tile_blocks, skip, None)
+
+        acc = acc * lax.broadcast_in_dim(1.0 / l, acc.shape, [0])
+        q_wg[...] = acc.astype(dtype)   # every wgmma reading Q has completed
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_wg, out_ref.at[batch, pl.ds(row_start, rows), head])
+        plgpu.wait_smem_to_gmem(0)
+
+    _, tile_blocks = kv_block_range(tile_start, blocks.block_q, seq_len, block_kv, causal)
+
+    @pl.when(wg == num_wgs)
+    def _producer():
+        plgpu.set_max_registers(_REGISTERS[num_wgs][1], action="decrease")
+
+        def load(block, slot, what_ref, smem, ready):
+            plgpu.copy_gmem_to_smem(what_ref.at[batch, kv_rows(block), head], smem.at[slot], ready.at[slot],
+                                    oob_mode=plgpu.OOBFillMode.ZEROS)
+
+        def fill(block):
+            load(jnp.int32(block), block, k_ref, k_smem, k_ready)
+            load(jnp.int32(block), block, v_ref, v_smem, v_ready)
+
+        for block in range(num_stages):   # fill the ring (tile_blocks >= 1: block 0 always exists)
+            if block == 0:
+                fill(0)
+            elif isinstance(tile_blocks, int):
+                if block < tile_blocks:
+                    fill(block)
+            else:
+                pl.when(block < tile_blocks)(functools.partial(fill, block))
+
+        @pl.loop(num_stages, tile_blocks)
+        def _(block):
+            slot = slot_of(block)
+            plgpu.barrier_wait(k_consumed.at[slot])
+            load(block, slot, k_ref, k_smem, k_ready)
+            plgpu.barrier_wait(v_consumed.at[slot])
+            load(block, slot, v_ref, v_smem, v_ready)
+
+
+def _fori_loop(lower, upper, body, carry):
+    if isinstance(lower, int) and isinstance(upper, int) and lower >= upper:
+        return carry
+    return lax.fori_loop(lower, upper, body, carry)
+
+
+def _check_inputs(q, k, v, causal, sm_scale, block_sizes):
+    if not isinstance(causal, bool):
+        raise ValueError(f"causal={causal!r} must be a bool")
+    if sm_scale is not None and (isinstance(sm_scale, bool) or not isinstance(sm_scale, numbers.Real)):
+        raise ValueError(f"sm_scale={sm_scale!r} must be a Python float or None")
+    if block_sizes is not None and not isinstance(block_sizes, MgpuBlockSizes):
+        raise ValueError(f"block_sizes={block_sizes!r} must be an MgpuBlockSizes or None")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim != 4:
+            raise ValueError(f"{name}.shape={x.shape} must be [batch, seq_len, num_heads, head_dim] (rank 4)")
+    if not q.shape == k.shape == v.shape:
+        raise ValueError(f"q.shape={q.shape}, k.shape={k.shape} and v.shape={v.shape} must match")
+    if not q.dtype == k.dtype == v.dtype:
+        raise ValueError(f"q.dtype={q.dtype}, k.dtype={k.dtype} and v.dtype={v.dtype} must match")
+    if jnp.dtype(q.dtype) not in _SUPPORTED_DTYPES:
+        raise ValueError(f"q.dtype={jnp.dtype(q.dtype)} must be float16 or bfloat16")
+    if q.shape[-1] not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"q.shape={q.shape}: head_dim={q.shape[-1]} must be one of {SUPPORTED_HEAD_DIMS}")
+    if any(size < 1 for size in q.shape):
+        raise ValueError(f"q.shape={q.shape} must have no empty dimension")
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "sm_scale", "block_sizes", "lowering_semantics"))
+def flash_attention_mgpu(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool,
+                         sm_scale: float | None = None, block_sizes: MgpuBlockSizes | None = None,
+                         lowering_semantics: str = LOWERING_SEMANTICS) -> jax.Array:
+    """Softmax attention `softmax(q k^T * sm_scale) v` per (batch, head) on Hopper, in one kernel.
+
+    Args:
+      q, k, v: [B, S, H, head_dim], all float16 or all bfloat16; head_dim 64, 128 or 256; any S >= 1.
+      causal: key j is excluded for query i when j > i.
+      sm_scale: Python float, default head_dim ** -0.5.
+      block_sizes: MgpuBlockSizes, or None for the per-head_dim default.
+      lowering_semantics: "warpgroup" or "lane" (Mosaic GPU's two lowering modes; for benchmarks).
+
+    Returns:
+      [B, S, H, head_dim] in q's dtype. Reads and writes in place (no copies around the kernel) when
+      S is a multiple of 8; otherwise q, k, v are padded to one (`padded_seq_len`).
+      No masks: use `ttj_jax.kernels.flash_attention` for kv_lengths / key_mask.
+    """
+    _check_inputs(q, k, v, causal, sm_scale, block_sizes)
+    if lowering_semantics not in ("warpgroup", "lane"):
+        raise ValueError(f"lowering_semantics={lowering_semantics!r} must be 'warpgroup' or 'lane'")
+    plgpu = _plgpu()
+    batch, seq_len, num_heads, head_dim = q.shape
+    dtype = jnp.dtype(q.dtype)
+    sm_scale = head_dim ** -0.5 if sm_scale is None else float(sm_scale)
+    blocks = resolve_block_sizes(seq_len, head_dim, dtype.itemsize, block_sizes)
+    num_q_tiles = pl.cdiv(seq_len, blocks.block_q)
+    num_wgs, num_stages = blocks.num_compute_wgs, blocks.num_stages
+
+    # Tiles of (8 rows, 128 bytes) with the 128-byte swizzle: the layout wgmma reads without bank
+    # conflicts and TMA writes directly.
+    transforms = (plgpu.TilingTransform((8, 128 // dtype.itemsize)), plgpu.SwizzleTransform(128))
+    smem = (plgpu.SMEM((num_wgs, ROWS_PER_CONSUMER, head_dim), dtype, transforms=transforms),
+            plgpu.SMEM((num_stages, blocks.block_kv, head_dim), dtype, transforms=transforms),
+            plgpu.SMEM((num_stages, blocks.block_kv, head_dim), dtype, transforms=transforms))
+    barriers = (plgpu.Barrier(num_arrivals=1, num_barriers=num_wgs),             # q_ready
+                plgpu.Barrier(num_arrivals=1, num_barriers=num_stages),          # k_ready
+                plgpu.Barrier(num_arrivals=1, num_barriers=num_stages),          # v_ready
+                plgpu.Barrier(num_arrivals=num_wgs, num_barriers=num_stages),    # k_consumed
+                plgpu.Barrier(num_arrivals=num_wgs, num_barriers=num_stages),    # v_consumed
+                plgpu.Barrier(num_arrivals=1, num_barriers=num_wgs))             # tokens
+    kernel = functools.partial(_attention_kernel, causal=causal, sm_scale=sm_scale, seq_len=seq_len,
+                               num_q_tiles=num_q_tiles, head_dim=head_dim, blocks=blocks, dtype=dtype)
+
+    def entry(q_ref, k_ref, v_ref, out_ref):
+        pl.run_scoped(lambda *scoped: kernel(q_ref, k_ref, v_ref, out_ref, scoped), smem, barriers,
+                      collective_axes="wg")
+
+    # Row-major grid: the last axis varies fastest, so all heads and batch elements of the heaviest
+    # query tile launch first.
+    array_len = padded_seq_len(seq_len)
+    if array_len != seq_len:   # the padded keys are masked in the kernel (seq_len is the true S)
+        q, k, v = (jnp.pad(x, ((0, 0), (0, array_len - seq_len), (0, 0), (0, 0))) for x in (q, k, v))
+    out = plgpu.kernel(
+        entry,
+        out_type=jax.ShapeDtypeStruct(q.shape, dtype),
+        grid=(num_q_tiles, num_heads, batch),
+        grid_names=("q_tiles", "heads", "batch"),
+        num_threads=num_wgs + 1,
+        thread_name="wg",
+        compiler_params=_compiler_params(lowering_semantics),
+    )(q, k, v)
+    return out[:, :seq_len] if array_len != seq_len else out
