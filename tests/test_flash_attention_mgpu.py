@@ -21,19 +21,15 @@ What this file checks, on the CPU:
    kernel not to deadlock: every consumer releases each K and V block of its tile exactly once, in
    order, and passes the token the same number of times.
 
-jax's Mosaic GPU package imports absl (`absl.logging.vlog_is_on` in layout inference), which the
-CPU test environment does not install; when it is missing this file provides a stand-in whose
-`vlog_is_on` is always False, so the lowering still runs. The GPU machine has the real absl.
+jax's Mosaic GPU package imports absl (`absl.logging.vlog_is_on` in layout inference): the test extra
+installs absl-py for it, as the GPU machine has.
 """
 
 from __future__ import annotations
 
 import importlib
 import itertools
-import logging
 import re
-import sys
-import types
 
 import jax
 import jax.numpy as jnp
@@ -43,20 +39,6 @@ import pytest
 fm = importlib.import_module("ttj_jax.kernels.flash_attention_mgpu")   # the package exports a function of that name
 from ttj_jax.kernels import flash_attention_reference
 
-
-def _install_absl_logging_stand_in():
-    try:
-        import absl.logging  # noqa: F401
-    except ModuleNotFoundError:
-        absl = types.ModuleType("absl")
-        absl_logging = types.ModuleType("absl.logging")
-        absl_logging.vlog_is_on = lambda level: False
-        absl_logging.__getattr__ = lambda name: getattr(logging.getLogger("absl"), name)
-        absl.logging = absl_logging
-        sys.modules["absl"], sys.modules["absl.logging"] = absl, absl_logging
-
-
-_install_absl_logging_stand_in()
 
 Blocks = fm.MgpuBlockSizes
 

@@ -8,4 +8,4 @@ from ttj_jax.kernels.flash_attention_mgpu import MgpuBlockSizes, flash_attention
 from ttj_jax.kernels.fused_stack import FusedWeights, fused_stack_forward, stack_weights
 
 __all__ = ["BlockSizes", "flash_attention", "flash_attention_fused_qkv", "flash_attention_reference",
-           "FusedWeights", "fused_stack_forward", "stack_weights"]
+           "MgpuBlockSizes", "flash_attention_mgpu", "FusedWeights", "fused_stack_forward", "stack_weights"]
