@@ -2,6 +2,9 @@
 
 import json
 
+import pytest
+import torch
+
 from bench import cli
 
 
@@ -22,3 +25,20 @@ def test_ttj_bench_small_shape(tmp_path, capsys):
 def test_unknown_shape_is_refused(tmp_path, capsys):
     assert cli.main(["--suite", "small", "--shapes", "nope", "--out", str(tmp_path)]) == 2
     assert "unknown shape id" in capsys.readouterr().err
+
+
+def test_check_close_is_the_harness_rule_in_any_chunking(monkeypatch):
+    from bench import baseline
+    ref = torch.tensor([0.05, 0.05, 100.0, 100.0, 0.0, 5.0, 5.0, float("nan")])
+    out = torch.tensor([0.0519, 0.0521, 101.9, 102.1, -0.0015, float("inf"), 5.0, float("nan")])
+    # passes: |err| 1.9e-3 <= atol; 1.9 <= 2% of 100; 1.5e-3 <= atol; equal. fails: 2.1e-3 against
+    # max(atol, 1e-3) (ratio 1.05), 2.1 against 2 (1.05), an inf, and NaN against NaN (both must be finite)
+    expected_failed = 4
+    failed, worst = baseline.check_close(out, ref)
+    assert failed == expected_failed and worst == float("inf")
+    assert baseline.check_close(out[:5], ref[:5]) == (2, pytest.approx(1.05, rel=1e-4))
+    monkeypatch.setattr(baseline, "CHECK_CHUNK_ELEMENTS", 3)      # chunk edges anywhere: same answer
+    assert baseline.check_close(out, ref)[0] == expected_failed
+    assert baseline.check_close(out[:5], ref[:5]) == (2, pytest.approx(1.05, rel=1e-4))
+    with pytest.raises(ValueError, match="shape"):
+        baseline.check_close(out[:3], ref[:4])
