@@ -203,11 +203,14 @@ def plan(config: Config, inputs: InputFacts, device: DeviceFacts = CPU, *,
 def _stack(config: Config, inputs: InputFacts, device: DeviceFacts, policy: str, mask_mode: str,
            batch_chunk, data_parallel: int) -> tuple[str, str]:
     """The fused whole-stack kernel where it is measured faster than the XLA program (FUSED_STACK_MAX_ROWS,
-    FUSED_STACK_MAX_HEADS), for the calls it can run (any mask: it masks keys and zeroes rows itself);
-    the layer-by-layer XLA program otherwise."""
+    FUSED_STACK_MAX_HEADS), for mask-free calls (the kernel masks keys and zeroes rows itself, tested in
+    interpret mode, but that path has not run on a GPU yet: `stack="fused"` forces it); the
+    layer-by-layer XLA program otherwise."""
     from ttj_jax.kernels.fused_stack import supports   # limits of the kernel (pure)
     if not (device.is_gpu and policy == "mixed_fp16" and not batch_chunk and data_parallel == 1
             and supports(config, inputs.seq_len)):
+        return "layers", ""
+    if mask_mode != "none":   # the kernel's mask path passes in interpret mode; not yet run on a GPU
         return "layers", ""
     rows = inputs.batch_size * inputs.seq_len
     if rows > FUSED_STACK_MAX_ROWS or config.num_heads > FUSED_STACK_MAX_HEADS:
