@@ -25,6 +25,7 @@ import sys
 import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+os.environ.setdefault("TTJ_DIRECT_LAUNCH", "1")   # what this script checks (opt-in elsewhere until it passes)
 
 import torch  # noqa: E402
 

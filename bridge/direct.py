@@ -19,7 +19,8 @@ weights are the fused layout built by jax from the module's parameters once per 
 (runtime.py keeps them as torch-owned tensors). One DirectKernel holds one parameter buffer: launch it
 from one thread at a time.
 
-Availability: CUDA, jax's GPU backend and libcuda; `unavailable_reason()`
+Availability: opt-in with TTJ_DIRECT_LAUNCH=1 (until bench.direct_check has passed on a GPU: an earlier
+build crashed the CUDA context there), CUDA, jax's GPU backend and libcuda; `unavailable_reason()`
 says why not, and the bridge then runs the same kernel through jax.
 """
 
@@ -71,8 +72,9 @@ def unavailable_reason(device: torch.device) -> str | None:
     """Why the direct launch cannot run on `device`, or None when it can."""
     if device.type != "cuda":
         return f"the direct launch needs a CUDA device, x is on {device}"
-    if os.environ.get("TTJ_DIRECT_LAUNCH", "1") == "0":
-        return "disabled by TTJ_DIRECT_LAUNCH=0"
+    if os.environ.get("TTJ_DIRECT_LAUNCH", "0") != "1":
+        return ("the direct launch is opt-in (TTJ_DIRECT_LAUNCH=1) until this build of it has passed "
+                "`python -m bench.direct_check` on a GPU")
     try:
         _driver()
     except OSError as e:

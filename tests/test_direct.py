@@ -237,3 +237,11 @@ def test_gpu_images_are_cut_from_length_delimited_fields():
 
 def test_direct_launch_is_unavailable_without_cuda():
     assert "CUDA device" in direct.unavailable_reason(torch.device("cpu"))
+
+
+def test_direct_launch_is_opt_in_until_checked_on_a_gpu(monkeypatch):
+    monkeypatch.delenv("TTJ_DIRECT_LAUNCH", raising=False)
+    assert "opt-in" in direct.unavailable_reason(torch.device("cuda", 0))
+    monkeypatch.setenv("TTJ_DIRECT_LAUNCH", "1")
+    reason = direct.unavailable_reason(torch.device("cuda", 0))
+    assert reason is None or "opt-in" not in reason      # past the switch: the machine's own limits
