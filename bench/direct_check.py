@@ -151,6 +151,21 @@ def run_shape(sid: str, seeds: int, quick: bool) -> dict:
     return record
 
 
+def run_shape_in_child(sid: str, args) -> dict:
+    """run_shape in a fresh process; its record, or what went wrong (exit status, last output)."""
+    import subprocess
+    import tempfile
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "record.json")
+        command = [sys.executable, "-m", "bench.direct_check", "--shapes", sid, "--seeds", str(args.seeds),
+                   "--child-json", path] + (["--quick"] if args.quick else [])
+        done = subprocess.run(command, capture_output=True, text=True)
+        if os.path.exists(path):
+            with open(path) as f:
+                return json.load(f)
+        return {"error": f"child exited {done.returncode}: {(done.stdout + done.stderr)[-1500:]}"}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.direct_check", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -158,10 +173,22 @@ def main(argv=None) -> int:
     p.add_argument("--seeds", type=int, default=5)
     p.add_argument("--quick", action="store_true", help="two tilings per shape")
     p.add_argument("--out", default="bench/results")
+    p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=True,
+                   help="each shape in its own process (default): a bad launch that poisons the CUDA context "
+                        "then loses one shape, not the rest")
+    p.add_argument("--child-json", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench.direct_check needs a CUDA GPU", file=sys.stderr)
         return 2
+    if args.child_json:   # one shape, for a parent running with --isolate
+        try:
+            record = run_shape(args.shapes, args.seeds, args.quick)
+        except Exception as e:
+            record = {"error": describe_error(e)}
+        with open(args.child_json, "w") as f:
+            json.dump(record, f)
+        return 0
     gpu = torch.cuda.get_device_name()
     result = {"gpu": gpu, "jax": jax.__version__, "torch": torch.__version__,
               "date": datetime.date.today().isoformat(), "command": "python -m bench.direct_check " +
@@ -174,11 +201,14 @@ def main(argv=None) -> int:
         if not supports(config, config.seq_len):
             continue
         t0 = time.perf_counter()
-        try:
-            record = run_shape(sid, args.seeds, args.quick)
-        except Exception as e:
-            record = {"error": describe_error(e)}
-            bad = True
+        if args.isolate:
+            record = run_shape_in_child(sid, args)
+        else:
+            try:
+                record = run_shape(sid, args.seeds, args.quick)
+            except Exception as e:
+                record = {"error": describe_error(e)}
+        bad |= "error" in record
         record["wall_s"] = round(time.perf_counter() - t0, 1)
         result["shapes"][sid] = record
         bad |= any(a["failed_elements"] for a in record.get("accuracy", {}).values())

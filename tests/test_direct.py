@@ -245,3 +245,11 @@ def test_direct_launch_is_opt_in_until_checked_on_a_gpu(monkeypatch):
     monkeypatch.setenv("TTJ_DIRECT_LAUNCH", "1")
     reason = direct.unavailable_reason(torch.device("cuda", 0))
     assert reason is None or "opt-in" not in reason      # past the switch: the machine's own limits
+
+
+def test_direct_check_reports_a_child_that_wrote_nothing():
+    # --isolate runs each shape in its own process; one that dies (here: no CUDA) is an error record.
+    import argparse
+    from bench import direct_check
+    record = direct_check.run_shape_in_child("2", argparse.Namespace(seeds=1, quick=True))
+    assert record["error"].startswith("child exited 2") and "needs a CUDA GPU" in record["error"]
