@@ -71,13 +71,14 @@ def variants(config: T.Config, *, quick: bool) -> list[dict]:
     if config.seq_len <= 64:
         tried += [dict(DEFAULT, block_sequences=2, num_warps=4), dict(DEFAULT, block_sequences=4)]
     if not quick:
-        tried += [dict(DEFAULT, num_stages=2), dict(DEFAULT, ffn_block=128)]
+        tried += [dict(DEFAULT, num_stages=2), dict(DEFAULT, num_stages=3), dict(DEFAULT, ffn_block=128),
+                  dict(DEFAULT, unroll=True)]
     return tried
 
 
 def _variant_name(variant: dict) -> str:
     return (f"bs{variant['block_sequences']} w{variant['num_warps']} s{variant['num_stages']} "
-            f"f{variant['ffn_block']}")
+            f"f{variant['ffn_block']}" + (" unrolled" if variant.get("unroll") else ""))
 
 
 def _fused_fn(config: T.Config, variant: dict, interpret: bool):
@@ -86,9 +87,10 @@ def _fused_fn(config: T.Config, variant: dict, interpret: bool):
 
 
 def _xla_fn(config: T.Config, x):
-    """The executable `ttj_jax.forward` runs for this input without a mask (planning done once, here)."""
+    """The XLA program (`stack="layers"`: the planner would now pick the fused kernel itself here) that
+    `ttj_jax.forward` runs for this input without a mask (planning done once, here)."""
     from ttj_jax.model import plan_for
-    plan = plan_for(config, x, T.MaskKind.NONE)
+    plan = plan_for(config, x, T.MaskKind.NONE, stack="layers")
     executable = T.executable(plan, T.model_key(config), True)
     return (lambda weights, x: executable(weights, x, None)), plan.explain()
 

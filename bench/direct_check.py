@@ -44,15 +44,18 @@ SHAPES = ("2", "3", "4", "1", "7", "9", "10", "11", "12", "5", "6")
 
 def tilings(config, quick: bool) -> list[StackBlocks]:
     tried = [StackBlocks(), StackBlocks(num_warps=4)]
+    tried += [StackBlocks(unroll=True), StackBlocks(num_stages=2)]
     if not quick:
-        tried += [StackBlocks(num_warps=16), StackBlocks(ffn_block=128), StackBlocks(num_warps=4, ffn_block=128)]
+        tried += [StackBlocks(num_warps=16), StackBlocks(ffn_block=128), StackBlocks(num_warps=4, ffn_block=128),
+                  StackBlocks(num_warps=4, unroll=True)]
     if config.seq_len <= 64:
         tried += [StackBlocks(block_sequences=2, num_warps=4), StackBlocks(block_sequences=4)]
     return tried
 
 
 def name_of(blocks: StackBlocks) -> str:
-    return f"bs{blocks.block_sequences}-w{blocks.num_warps}-s{blocks.num_stages}-f{blocks.ffn_block}"
+    return (f"bs{blocks.block_sequences}-w{blocks.num_warps}-s{blocks.num_stages}-f{blocks.ffn_block}"
+            + ("-unrolled" if blocks.unroll else ""))
 
 
 def kernel_ms(launch, calls: int = 200) -> float:

@@ -342,3 +342,18 @@ def test_masked_kernel_lowers_through_triton_for_cuda(S, d, block_sequences):
     assert text.count("stablehlo.custom_call") == 1
     if S in (128, 32):
         assert set(re.findall(r"stablehlo\.(\w+)", text)) <= {"custom_call", "reshape", "return"}
+
+
+def test_unrolled_loops_compute_the_same():
+    # unroll=True (a tiling for the GPU to time) writes the head and MLP loops as straight-line code:
+    # the same operations in the same order, so the same numbers; it still lowers to one kernel.
+    _, _, weights = _model(32, 64, 4, 128, 2, True, 2)
+    x = jax.random.normal(jax.random.key(11), (2, 32, 64), jnp.float32)
+    looped = fused_stack_forward(weights, x, num_heads=4, causal=True, interpret=True)
+    unrolled = fused_stack_forward(weights, x, num_heads=4, causal=True, unroll=True, interpret=True)
+    np.testing.assert_allclose(_f32(unrolled), _f32(looped), rtol=0, atol=1e-6)
+    lowered = jax.jit(lambda w, x: fused_stack_forward(w, x, num_heads=4, causal=True, unroll=True)).trace(
+        weights, x).lower(lowering_platforms=("cuda",)).as_text()
+    assert lowered.count("stablehlo.custom_call") == 1
+    with pytest.raises(ValueError, match="unroll"):
+        StackBlocks(unroll=1)

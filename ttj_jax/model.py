@@ -147,7 +147,7 @@ def _run_fused(weights, x, mask, *, config: Config, plan: Plan):
         blocks = dataclasses.replace(blocks, block_sequences=1)
     return fused_stack_forward(weights, x, mask, num_heads=config.num_heads, causal=config.causal,
                                block_sequences=blocks.block_sequences, ffn_block=blocks.ffn_block,
-                               num_warps=blocks.num_warps, num_stages=blocks.num_stages,
+                               num_warps=blocks.num_warps, num_stages=blocks.num_stages, unroll=blocks.unroll,
                                interpret=jax.default_backend() == "cpu")
 
 

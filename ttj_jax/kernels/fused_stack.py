@@ -68,6 +68,8 @@ class StackBlocks:
     ffn_block: int = 64        # MLP hidden columns per step (clamped to the padded ffn_dim)
     num_warps: int = 8         # Triton warps per program
     num_stages: int = 1        # Triton software pipelining of the head and MLP loops (1: none)
+    unroll: bool = False       # the head and MLP loops as straight-line code (the compiler may then
+    #                            issue the next head's weight loads early), instead of scf.for loops
 
     def __post_init__(self):
         for name in ("block_sequences", "ffn_block"):
@@ -79,6 +81,8 @@ class StackBlocks:
             raise ValueError(f"StackBlocks.num_warps={self.num_warps!r} must be one of 1, 2, 4, 8, 16")
         if isinstance(self.num_stages, bool) or not isinstance(self.num_stages, int) or self.num_stages < 1:
             raise ValueError(f"StackBlocks.num_stages={self.num_stages!r} must be an int >= 1")
+        if not isinstance(self.unroll, bool):
+            raise ValueError(f"StackBlocks.unroll={self.unroll!r} must be a bool")
 
 
 # Tilings by (padded seq_len, padded d_model), from `python -m bench.direct_check` on the H200 (see the
@@ -250,15 +254,20 @@ def _layer_norm_rows(x, weight, bias, *, d_model: int):
     return centered * lax.rsqrt(variance + LAYER_NORM_EPS)[:, None] * weight[None, :] + bias[None, :]
 
 
-def _loop(count: int, body, carry):
-    # A one-step loop is just its body (no scf.for around it in the Triton program).
+def _loop(count: int, body, carry, unroll: bool = False):
+    # A one-step loop is just its body (no scf.for around it in the Triton program); unrolled, every
+    # step is (with plain int indices).
     if count == 1:
         return body(0, carry)
+    if unroll:
+        for step in range(count):
+            carry = body(step, carry)
+        return carry
     return lax.fori_loop(0, count, body, carry)
 
 
 def _fused_stack_kernel(*refs, num_layers: int, num_heads: int, d_model: int, head_dim: int, seq_len: int,
-                        padded_seq_len: int, causal: bool, ffn_block: int, masked: bool):
+                        padded_seq_len: int, causal: bool, ffn_block: int, masked: bool, unroll: bool = False):
     # refs: x, [mask], the 14 weights, y. x_ref, y_ref: (rows, Dp), rows = block_sequences *
     # padded_seq_len, sequences one after another; mask_ref: (rows,) int8, nonzero = valid token.
     # Weight refs: whole stacked arrays (FusedWeights' shapes), indexed per layer / head / ffn slice.
@@ -310,7 +319,7 @@ def _fused_stack_kernel(*refs, num_layers: int, num_heads: int, d_model: int, he
 
         # x + out_bias + sum over heads of context_h @ W_out[h]: the out-projection accumulates into
         # the residual itself, so no second (rows, Dp) accumulator is live during the head loop.
-        attended = _loop(num_heads, attention_head, x + out_b_ref[layer][None, :])
+        attended = _loop(num_heads, attention_head, x + out_b_ref[layer][None, :], unroll)
         x = attended if row_valid is None else jnp.where(row_valid, attended, x)
 
         h = _layer_norm_rows(x, norm2_w_ref[layer], norm2_b_ref[layer], d_model=d_model).astype(_GEMM_DTYPE)
@@ -323,7 +332,7 @@ def _fused_stack_kernel(*refs, num_layers: int, num_heads: int, d_model: int, he
             hidden = _gelu(_dot(h, ffn_in_w_ref[layer, :, columns]) + ffn_in_b_ref[layer, columns][None, :])
             return residual + _dot(hidden, ffn_out_w_ref[layer, columns, :])             # (rows, Dp)
 
-        x = _loop(num_ffn_blocks, mlp_slice, x + ffn_out_b_ref[layer][None, :])
+        x = _loop(num_ffn_blocks, mlp_slice, x + ffn_out_b_ref[layer][None, :], unroll)
         if row_valid is not None:
             x = jnp.where(row_valid, x, 0.0)
 
@@ -358,10 +367,10 @@ def _check_call(weights, x, num_heads, causal, blocks: StackBlocks, padded_seq_l
 
 
 @functools.partial(jax.jit, static_argnames=("num_heads", "causal", "block_sequences", "ffn_block",
-                                             "num_warps", "num_stages", "interpret"))
+                                             "num_warps", "num_stages", "unroll", "interpret"))
 def fused_stack_forward(weights: FusedWeights, x: jax.Array, valid_token_mask: jax.Array | None = None, *,
                         num_heads: int, causal: bool, block_sequences: int = 1, ffn_block: int | None = None,
-                        num_warps: int | None = None, num_stages: int | None = None,
+                        num_warps: int | None = None, num_stages: int | None = None, unroll: bool = False,
                         interpret: bool = False) -> jax.Array:
     """y = LN_final(layers(x)) per SPEC section 1, in one kernel launch.
 
@@ -376,7 +385,7 @@ def fused_stack_forward(weights: FusedWeights, x: jax.Array, valid_token_mask: j
       block_sequences: sequences per program, a power of two; block_sequences * padded S <= 256. Packing
         sequences makes every dot taller but the score tile grows as its square, so it pays only for
         short sequences.
-      ffn_block, num_warps, num_stages: tuning (`StackBlocks`); None takes the default.
+      ffn_block, num_warps, num_stages, unroll: tuning (`StackBlocks`); None takes the default.
       interpret: run the kernel in Pallas interpret mode (CPU).
 
     Returns:
@@ -390,7 +399,7 @@ def fused_stack_forward(weights: FusedWeights, x: jax.Array, valid_token_mask: j
         block_sequences=block_sequences,
         ffn_block=defaults.ffn_block if ffn_block is None else ffn_block,
         num_warps=defaults.num_warps if num_warps is None else num_warps,
-        num_stages=defaults.num_stages if num_stages is None else num_stages)
+        num_stages=defaults.num_stages if num_stages is None else num_stages, unroll=unroll)
     padded_seq_len = _padded(x.shape[1]) if x.ndim == 3 else 0
     _check_call(weights, x, num_heads, causal, blocks, padded_seq_len)
     masked = valid_token_mask is not None
@@ -425,7 +434,7 @@ def fused_stack_forward(weights: FusedWeights, x: jax.Array, valid_token_mask: j
     kernel = functools.partial(
         _fused_stack_kernel, num_layers=weights.num_layers, num_heads=num_heads, d_model=d_model,
         head_dim=weights.head_dim, seq_len=seq_len, padded_seq_len=padded_seq_len, causal=causal,
-        ffn_block=ffn_block, masked=masked)
+        ffn_block=ffn_block, masked=masked, unroll=blocks.unroll)
     y = pl.pallas_call(
         kernel,
         grid=(num_programs,),
@@ -490,7 +499,7 @@ def direct_launch(weights: FusedWeights, x_shape: tuple[int, int, int], x_dtype,
     mask = jax.ShapeDtypeStruct(tuple(x_shape[:2]), jnp.int8) if masked else None
     forward = functools.partial(fused_stack_forward, num_heads=weights.num_heads, causal=causal,
                                 block_sequences=blocks.block_sequences, ffn_block=blocks.ffn_block,
-                                num_warps=blocks.num_warps, num_stages=blocks.num_stages)
+                                num_warps=blocks.num_warps, num_stages=blocks.num_stages, unroll=blocks.unroll)
 
     def function(w, x, *mask):
         return forward(w, x, *mask)
