@@ -34,7 +34,7 @@ import jax  # noqa: E402
 import ttj_jax as T  # noqa: E402
 from bench.baseline import check_close, harness_models, make_inputs  # noqa: E402
 from bench.bridge_profile import host_us  # noqa: E402
-from bench.report import describe_error, slug  # noqa: E402
+from bench.report import describe_error, run_shapes, slug  # noqa: E402
 from bench.timing import time_contenders  # noqa: E402
 from bridge import direct, runtime  # noqa: E402
 from ttj_jax.kernels.fused_stack import FusedWeights, StackBlocks, direct_launch, supports  # noqa: E402
@@ -198,26 +198,15 @@ def main(argv=None) -> int:
               " ".join(argv if argv is not None else sys.argv[1:]), "shapes": {}}
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"direct-{result['date']}-{slug(gpu)}.json")
-    bad = False
-    for sid in args.shapes.split(","):
+    def run_one(sid):
         config = T.OFFICIAL[sid].config
         if not supports(config, config.seq_len):
-            continue
-        t0 = time.perf_counter()
-        if args.isolate:
-            record = run_shape_in_child(sid, args)
-        else:
-            try:
-                record = run_shape(sid, args.seeds, args.quick)
-            except Exception as e:
-                record = {"error": describe_error(e)}
-        bad |= "error" in record
-        record["wall_s"] = round(time.perf_counter() - t0, 1)
-        result["shapes"][sid] = record
-        bad |= any(a["failed_elements"] for a in record.get("accuracy", {}).values())
-        with open(path, "w") as f:   # rewritten after every shape: a timeout keeps what was done
-            json.dump(result, f, indent=1)
-        print(f"shape {sid} ({record['wall_s']} s): {json.dumps({k: record.get(k) for k in ('timing_ms', 'kernel_ms', 'host_us', 'accuracy', 'errors', 'fused_note', 'error')})}", flush=True)
+            return None
+        return run_shape_in_child(sid, args) if args.isolate else run_shape(sid, args.seeds, args.quick)
+
+    keys = ('timing_ms', 'kernel_ms', 'host_us', 'accuracy', 'errors', 'fused_note', 'error')
+    bad = run_shapes(result, path, args.shapes.split(","), run_one,
+                     lambda record: json.dumps({k: record.get(k) for k in keys}))
     print(f"\n{'shape':>5} {'layers ms':>10} {'fused ms':>9} {'best tiling':>20} {'kernel ms':>9} {'host us':>8} {'worst':>6}")
     for sid, r in result["shapes"].items():
         if "timing_ms" not in r:

@@ -1,6 +1,8 @@
-"""What the benchmark scripts write besides numbers: result-file names and error summaries."""
+"""What the benchmark scripts write besides numbers: result-file names, error summaries, the per-shape loop."""
 
+import json
 import re
+import time
 import traceback
 
 
@@ -16,3 +18,26 @@ def describe_error(exc: BaseException) -> str:
         text = text[:2000] + " ..."
     return text + " | at " + " <- ".join(
         f"{frame.name}:{frame.lineno}" for frame in reversed(traceback.extract_tb(exc.__traceback__)[-3:]))
+
+
+def run_shapes(result: dict, path: str, shape_ids, run_one, summary) -> bool:
+    """The per-shape loop of the GPU check scripts: for each id, `run_one(sid)` gives its record (None:
+    the script skips that shape); an exception becomes {"error": ...}; the wall time is added, the
+    record stored in result["shapes"], and the JSON at `path` rewritten (so a timeout keeps what was
+    done); `summary(record)` is printed. Returns True if any record holds an error or failed elements."""
+    bad = False
+    for sid in shape_ids:
+        start = time.perf_counter()
+        try:
+            record = run_one(sid)
+        except Exception as e:   # one shape's failure is recorded, the others still run
+            record = {"error": describe_error(e)}
+        if record is None:
+            continue
+        record["wall_s"] = round(time.perf_counter() - start, 1)
+        result["shapes"][sid] = record
+        bad |= "error" in record or any(a["failed_elements"] for a in record.get("accuracy", {}).values())
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"shape {sid} ({record['wall_s']} s): {summary(record)}", flush=True)
+    return bad

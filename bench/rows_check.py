@@ -17,7 +17,6 @@ import datetime
 import json
 import os
 import sys
-import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
@@ -28,7 +27,7 @@ import jax  # noqa: E402
 import ttj_jax as T  # noqa: E402
 from bench.baseline import check_close, harness_models, make_inputs  # noqa: E402
 from bench.jax_timing import stream_ms_per_call  # noqa: E402
-from bench.report import describe_error, slug  # noqa: E402
+from bench.report import describe_error, run_shapes, slug  # noqa: E402
 from bench.timing import time_contenders  # noqa: E402
 from bridge import runtime  # noqa: E402
 from ttj_jax.kernels import fused_stack, row_block  # noqa: E402
@@ -99,22 +98,13 @@ def main(argv=None) -> int:
               "shapes": {}}
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"rows-{result['date']}-{slug(gpu)}.json")
-    bad = False
-    for sid in args.shapes.split(","):
+    def run_one(sid):
         config = T.OFFICIAL[sid].config
         if not row_block.supports(config) or (config.batch_size * config.seq_len) % 64:
-            continue
-        t0 = time.perf_counter()
-        try:
-            record = run_shape(sid, args.seeds)
-        except Exception as e:
-            record, bad = {"error": describe_error(e)}, True
-        record["wall_s"] = round(time.perf_counter() - t0, 1)
-        result["shapes"][sid] = record
-        bad |= any(a["failed_elements"] for a in record.get("accuracy", {}).values())
-        with open(path, "w") as f:   # rewritten after every shape: a timeout keeps what was done
-            json.dump(result, f, indent=1)
-        print(f"shape {sid}: {json.dumps(record)[:600]}", flush=True)
+            return None
+        return run_shape(sid, args.seeds)
+
+    bad = run_shapes(result, path, args.shapes.split(","), run_one, lambda record: json.dumps(record)[:600])
     print(f"\n{'shape':>5} {'stack':>7} {'bridge ms':>10} {'jax ms':>8} {'failed':>7} {'worst':>6}")
     for sid, r in result["shapes"].items():
         for stack, accuracy in r.get("accuracy", {}).items():
