@@ -213,7 +213,9 @@ def _check_dtype_and_head_dim(name: str, x: jax.Array):
         raise ValueError(f"{name}.shape={x.shape} must have no empty dimension")
 
 
-def _check_qkv(q, k, v):
+def check_qkv_layout(q, k, v):
+    """q, k, v are [batch, seq_len, num_heads, head_dim] arrays of one shape and one dtype (shared with
+    the Hopper kernel, flash_attention_mgpu.py)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.ndim != 4:
             raise ValueError(f"{name}.shape={x.shape} must be [batch, seq_len, num_heads, head_dim] (rank 4)")
@@ -221,6 +223,10 @@ def _check_qkv(q, k, v):
         raise ValueError(f"q.shape={q.shape}, k.shape={k.shape} and v.shape={v.shape} must match")
     if not q.dtype == k.dtype == v.dtype:
         raise ValueError(f"q.dtype={q.dtype}, k.dtype={k.dtype} and v.dtype={v.dtype} must match")
+
+
+def _check_qkv(q, k, v):
+    check_qkv_layout(q, k, v)
     _check_dtype_and_head_dim("q", q)
 
 

@@ -72,6 +72,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from ttj_jax.kernels.flash_attention import check_qkv_layout
+
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 _SUPPORTED_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 ROWS_PER_CONSUMER = 64          # one wgmma M tile per consumer warpgroup
@@ -436,13 +438,7 @@ def _check_inputs(q, k, v, causal, sm_scale, block_sizes):
         raise ValueError(f"sm_scale={sm_scale!r} must be a Python float or None")
     if block_sizes is not None and not isinstance(block_sizes, MgpuBlockSizes):
         raise ValueError(f"block_sizes={block_sizes!r} must be an MgpuBlockSizes or None")
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.ndim != 4:
-            raise ValueError(f"{name}.shape={x.shape} must be [batch, seq_len, num_heads, head_dim] (rank 4)")
-    if not q.shape == k.shape == v.shape:
-        raise ValueError(f"q.shape={q.shape}, k.shape={k.shape} and v.shape={v.shape} must match")
-    if not q.dtype == k.dtype == v.dtype:
-        raise ValueError(f"q.dtype={q.dtype}, k.dtype={k.dtype} and v.dtype={v.dtype} must match")
+    check_qkv_layout(q, k, v)
     if jnp.dtype(q.dtype) not in _SUPPORTED_DTYPES:
         raise ValueError(f"q.dtype={jnp.dtype(q.dtype)} must be float16 or bfloat16")
     if q.shape[-1] not in SUPPORTED_HEAD_DIMS:
