@@ -42,3 +42,22 @@ def test_check_close_is_the_harness_rule_in_any_chunking(monkeypatch):
     assert baseline.check_close(out[:5], ref[:5]) == (2, pytest.approx(1.05, rel=1e-4))
     with pytest.raises(ValueError, match="shape"):
         baseline.check_close(out[:3], ref[:4])
+
+
+def test_run_shapes_records_skips_errors_and_failures(tmp_path, capsys):
+    from bench.report import run_shapes
+
+    def run_one(sid):
+        if sid == "skip":
+            return None
+        if sid == "boom":
+            raise RuntimeError("no kernel")
+        return {"accuracy": {"x": {"failed_elements": int(sid == "bad")}}}
+
+    result, path = {"shapes": {}}, tmp_path / "r.json"
+    assert run_shapes(result, str(path), ["ok"], run_one, str) is False
+    assert run_shapes(result, str(path), ["skip", "boom", "bad"], run_one, str) is True
+    written = json.loads(path.read_text())["shapes"]
+    assert set(written) == {"ok", "boom", "bad"} and "no kernel" in written["boom"]["error"]
+    assert all("wall_s" in r for r in written.values())
+    assert "shape bad (" in capsys.readouterr().out
