@@ -1,6 +1,6 @@
 """Check and time the Mosaic GPU flash-attention kernel (ttj_jax/kernels/flash_attention_mgpu.py) on an H200.
 
-    PYTHONPATH=. python3 bench/bench_attention_mgpu.py [--quick] [--check] [--out DIR] [--budget-s 420]
+    PYTHONPATH=. python3 bench/bench_attention_mgpu.py [--quick] [--check] [--sweep] [--out DIR] [--budget-s 420]
 
 In order (most important first): head_dim 64 checks, the main timing case, the other head_dim checks,
 the block-size variants (each checked, then timed at the main case), the other timing cases.
@@ -71,6 +71,17 @@ MAIN_VARIANTS = [
     dict(block_sizes=Blocks(192, 3, 2)),
 ]
 MIN_TIMING_S, TIMING_REPEATS = 0.05, 5
+# --sweep: tilings around the measured defaults (2026-11-30: three consumers won at head_dim 64), each
+# checked at S=1000 then timed at its case; then the defaults at the lengths that set MIN_SEQ_LEN.
+SWEEP = [
+    ((1, 16, LONG_SEQ_LEN, 64), [dict(block_sizes=Blocks(128, 3, 3)), dict(block_sizes=Blocks(128, 5, 3)),
+                                 dict(block_sizes=Blocks(64, 4, 3)), dict(block_sizes=Blocks(64, 8, 3)),
+                                 dict(block_sizes=Blocks(192, 3, 3)), dict(block_sizes=Blocks(256, 2, 3)),
+                                 dict(block_sizes=Blocks(128, 4, 3), lowering_semantics="lane")]),
+    ((1, 16, 16384, 128), [dict(block_sizes=Blocks(128, 2, 3)), dict(block_sizes=Blocks(64, 4, 3)),
+                           dict(block_sizes=Blocks(64, 4, 2))]),
+]
+THRESHOLD_CASES = [(64, 4, 1024, 64), (4, 16, 4096, 64), (4, 16, 8192, 64), (4, 16, 4096, 128)]
 
 
 def log(message: str):
@@ -214,7 +225,8 @@ def _contenders(seq_len, head_dim, variants, baselines: bool):
         return contenders
     contenders.append(("cudnn", lambda q, k, v: jax.nn.dot_product_attention(
         q, k, v, is_causal=True, implementation="cudnn"), {}, seq_len, None))
-    contenders.append(("ttj_generic", lambda q, k, v: flash_attention(q, k, v, causal=True), {}, seq_len, None))
+    contenders.append(("ttj_generic", lambda q, k, v: flash_attention(q, k, v, causal=True, implementation="generic"),
+                       {}, seq_len, None))
 
     def jax_mosaic(q, k, v):
         from jax.experimental.pallas.ops.gpu import attention_mgpu  # noqa: PLC0415
@@ -285,8 +297,21 @@ def _print_check_summary(run: Run):
         + (f"; FAILED: {failed}" if failed else ""))
 
 
+def sweep(run: Run) -> None:
+    """--sweep: more tilings (checked, then timed next to the default and cuDNN), then the thresholds."""
+    for case, variants in SWEEP:
+        batch, heads, seq_len, head_dim = case
+        _time_case(run, *case, variants=[{}])
+        for kwargs in variants:
+            passed = [_check(run, 2, 3, 1000, head_dim, causal, kernel_kwargs=kwargs) for causal in (True, False)]
+            if all(passed):
+                _time_case(run, *case, variants=[kwargs], baselines=False)
+    for case in THRESHOLD_CASES:
+        _time_case(run, *case, variants=[{}])
+
+
 def gpu_check_and_time(out_dir: str | None = None, *, quick: bool = False, check_only: bool = False,
-                       budget_s: float = 420.0, step_timeout_s: float = 90.0) -> int:
+                       budget_s: float = 420.0, step_timeout_s: float = 90.0, sweep_only: bool = False) -> int:
     """Checks the Mosaic kernel on the GPU, times it, writes JSON, prints a table. Returns an exit status."""
     device = jax.devices()[0]
     if device.platform != "gpu":
@@ -296,13 +321,19 @@ def gpu_check_and_time(out_dir: str | None = None, *, quick: bool = False, check
     date = datetime.date.today().isoformat()
     out = pathlib.Path(out_dir or _REPO_ROOT / "bench" / "results")
     out.mkdir(parents=True, exist_ok=True)
-    suffix = "-check" if check_only else ("-quick" if quick else "")
+    suffix = "-sweep" if sweep_only else "-check" if check_only else ("-quick" if quick else "")
     import jaxlib  # noqa: PLC0415
     header = {"gpu": gpu_name, "jax": jax.__version__, "jaxlib": jaxlib.__version__,
               "date": date, "quick": quick, "check_only": check_only, "pass_rule": f"atol {ATOL}, rtol {RTOL}"}
     run = Run(out / f"attention-mgpu-{date}-{slug(gpu_name)}{suffix}.json", header, step_timeout_s, budget_s)
     log(f"device: {gpu_name}, jax {jax.__version__}; writing {run.path}")
 
+    if sweep_only:
+        sweep(run)
+        _print_table(run)
+        run.write()
+        log(f"wrote {run.path} ({run.elapsed():.0f} s)")
+        return 1 if any(c["passed"] is False for c in run.checks) else 0
     # Most important first: the main case's kernel (head_dim 64), its timing, then the rest.
     seq_lens = CHECK_SEQ_LENS[-2:] if quick else CHECK_SEQ_LENS
     log("correctness, default block sizes, head_dim 64:")
@@ -343,9 +374,10 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None, help="folder for the JSON (default bench/results)")
     parser.add_argument("--budget-s", type=float, default=420.0, help="start no optional step after this")
     parser.add_argument("--step-timeout-s", type=float, default=90.0, help="watchdog limit per step")
+    parser.add_argument("--sweep", action="store_true", help="only the tiling sweep and the threshold cases")
     args = parser.parse_args(argv)
     return gpu_check_and_time(args.out, quick=args.quick, check_only=args.check, budget_s=args.budget_s,
-                              step_timeout_s=args.step_timeout_s)
+                              step_timeout_s=args.step_timeout_s, sweep_only=args.sweep)
 
 
 if __name__ == "__main__":

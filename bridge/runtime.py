@@ -171,13 +171,22 @@ class _ModuleState:
                     prepared, NamedSharding(mesh, PartitionSpec()))
         return prepared
 
-    def fused_jax_weights(self):
-        """The fused kernel's weights as jax arrays (FusedWeights), built once per weight version."""
+    def fused_jax_weights(self, data_parallel: int = 1):
+        """The fused kernel's weights as jax arrays (FusedWeights), built once per weight version (and
+        replicated once over the mesh of a split plan)."""
         prepared = self.weights("mixed_fp16")
-        fused = self.prepared.get("fused-jax")
+        fused = self.prepared.get(("fused-jax", data_parallel))
         if fused is None:
-            from ttj_jax.model import fused_weights
-            fused = self.prepared["fused-jax"] = fused_weights(prepared, self.model_key)
+            fused = self.prepared.get(("fused-jax", 1))
+            if fused is None:
+                from ttj_jax.model import fused_weights
+                fused = self.prepared[("fused-jax", 1)] = fused_weights(prepared, self.model_key)
+            if data_parallel > 1:
+                from jax.sharding import NamedSharding, PartitionSpec
+                from ttj_jax.parallel import batch_mesh
+                mesh = batch_mesh(data_parallel, jax.default_backend())
+                fused = self.prepared[("fused-jax", data_parallel)] = jax.device_put(
+                    fused, NamedSharding(mesh, PartitionSpec()))
         return fused
 
     def fused_tensors(self) -> list[torch.Tensor]:
@@ -238,8 +247,10 @@ class _ModuleState:
             "cpu" if x.device.type == "cpu" else None)[0], data_parallel=data_parallel, stack=stack)
         call = _Call(plan=plan, run=executable(plan, self.model_key, True), transfer=transfer,
                      passes_mask=plan.mask_mode != "none", upcast_to=upcast)
-        if plan.stack == "fused":
+        if plan.stack == "fused" and plan.data_parallel == 1:
             call.direct, call.direct_note = self._direct_kernel(call, x.shape, shape_probe.dtype, x.device)
+        elif plan.stack == "fused":
+            call.direct_note = f"the batch is split over {plan.data_parallel} devices, one kernel per device"
         return call
 
     def _direct_kernel(self, call: _Call, shape, dtype, device: torch.device):
@@ -353,7 +364,7 @@ def forward(module: torch.nn.Module, x: torch.Tensor, valid_token_mask: torch.Te
         return out if call.upcast_to is None else out.to(call.upcast_to)
 
     if call.plan.stack == "fused":   # the kernel's own layout, built once per weight version
-        weights = state.fused_jax_weights()
+        weights = state.fused_jax_weights(call.plan.data_parallel)
     else:
         weights = state.weights(call.plan.policy, call.plan.data_parallel)
     if x.requires_grad:

@@ -297,3 +297,57 @@ def test_emulated_schedule_matches_reference(causal, seq_len, blocks):
             assert released_k == list(range(tile_blocks)), (tile, wg)
             assert released_v == list(range(tile_blocks)), (tile, wg)
             assert tokens == tile_blocks + 1, (tile, wg)
+
+
+# --- 4. The dispatch rule of `flash_attention` ------------------------------------------------------------
+
+fa = importlib.import_module("ttj_jax.kernels.flash_attention")
+
+
+@pytest.fixture
+def hopper(monkeypatch):
+    """Pretend jax's backend is an sm_90 GPU (the dispatch rule reads `on_hopper()` while tracing); jit
+    caches are cleared around the test so no trace made under the other answer is reused."""
+    monkeypatch.setattr(fa, "on_hopper", lambda: True)
+    jax.clear_caches()
+    yield
+    jax.clear_caches()
+
+
+def test_no_hopper_kernel_on_the_cpu():
+    assert not fa.on_hopper()
+    assert not fa.use_mosaic_kernel(jnp.float16, 100_000, 64, masked=False, block_sizes=None, interpret=False)
+
+
+def test_dispatch_rule_on_hopper(hopper):
+    rule = lambda dtype=jnp.float16, s=fm.MIN_SEQ_LEN, hd=64, **kw: fa.use_mosaic_kernel(
+        dtype, s, hd, **{"masked": False, "block_sizes": None, "interpret": False, **kw})
+    assert rule() and rule(jnp.bfloat16, hd=128) and rule(s=100_000, hd=256)
+    assert not rule(s=fm.MIN_SEQ_LEN - 1)                      # short: the generic kernel, measured there
+    assert not rule(jnp.float32)                               # fp32 inputs: the generic kernel's fp16 path
+    assert not rule(hd=32) and not rule(hd=96)                 # head_dims the Hopper kernel lacks
+    assert not rule(masked=True)                               # no masks in the Hopper kernel
+    assert not rule(block_sizes=fa.BlockSizes(64, 64, 4, 2))   # generic tiling asked for
+    assert not rule(interpret=True)
+    assert not rule(implementation="generic")
+    assert rule(s=16, implementation="mosaic")                 # forced, where it can run
+    with pytest.raises(ValueError, match="implementation='mosaic' needs"):
+        rule(masked=True, implementation="mosaic")
+    with pytest.raises(ValueError, match="implementation="):
+        rule(implementation="cudnn")
+
+
+def _lowered_calls(fn, *shapes, dtype=jnp.float16, **kwargs) -> str:
+    specs = [jax.ShapeDtypeStruct(s, dtype) for s in shapes]
+    return jax.jit(lambda *a: fn(*a, **kwargs)).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_flash_attention_runs_the_hopper_kernel_where_the_rule_says(hopper):
+    shape = (1, fm.MIN_SEQ_LEN, 2, 64)
+    assert _custom_calls(_lowered_calls(fa.flash_attention, shape, shape, shape, causal=True)) == ["mosaic_gpu_v2"]
+    fused = (1, fm.MIN_SEQ_LEN, 3, 2, 64)
+    assert _custom_calls(_lowered_calls(fa.flash_attention_fused_qkv, fused, causal=True)) == ["mosaic_gpu_v2"]
+    short = (1, 1024, 2, 64)
+    assert "mosaic_gpu" not in _lowered_calls(fa.flash_attention, short, short, short, causal=True)
+    assert "mosaic_gpu" not in _lowered_calls(fa.flash_attention, shape, shape, shape, causal=True,
+                                              implementation="generic")

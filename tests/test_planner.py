@@ -38,6 +38,13 @@ def test_attention_choice():
     shape_13 = T.OFFICIAL["13"].config
     assert T.plan(shape_13, facts(shape_13), H200).attention == "pallas"       # S=1024, head_dim 32
     assert T.plan(SHAPE_14, facts(SHAPE_14), H200).attention == "cudnn"       # S=100000, head_dim 64
+    hopper = T.DeviceFacts(platform="gpu", device_kind="NVIDIA H200", memory_bytes=100 * 2**30,
+                           compute_capability="9.0")
+    plan = T.plan(SHAPE_14, facts(SHAPE_14), hopper)                          # our Hopper kernel there
+    assert plan.attention == "pallas" and "Hopper" in plan.explain()
+    assert T.plan(SHAPE_14, facts(SHAPE_14, MaskKind.PREFIX), hopper).attention == "pallas"
+    hd32 = T.OFFICIAL["13"].config.with_input(2, 8192)                        # no Hopper kernel at 32
+    assert T.plan(hd32, facts(hd32), hopper).attention == "cudnn"
     assert T.plan(SHAPE_14, facts(SHAPE_14, MaskKind.GENERAL), H200).attention == "pallas"   # key mask
     long_256 = T.OFFICIAL["8"].config.with_input(2, 8192)
     assert T.plan(long_256, facts(long_256), H200).attention == "pallas"       # head_dim 256
@@ -62,3 +69,22 @@ def test_invalid_plans_are_refused():
         T.Plan(policy="mixed_fp16", attention="magic", mask_mode="none")
     with pytest.raises(ValueError, match="mask_mode"):
         T.Plan(policy="mixed_fp16", attention="xla", mask_mode="some")
+
+
+def test_planner_and_kernel_dispatch_agree_on_the_long_sequence_threshold():
+    # the planner picks "pallas" on sm_90 from CUDNN_MIN_SEQ_LEN on, trusting flash_attention to run the
+    # Hopper kernel from there: a gap between the two would run our slower generic kernel instead
+    import importlib
+    flash_attention_mgpu = importlib.import_module("ttj_jax.kernels.flash_attention_mgpu")
+    from ttj_jax.planner import CUDNN_MIN_SEQ_LEN, HOPPER_KERNEL_HEAD_DIMS
+    assert CUDNN_MIN_SEQ_LEN == flash_attention_mgpu.MIN_SEQ_LEN
+    assert tuple(HOPPER_KERNEL_HEAD_DIMS) == tuple(flash_attention_mgpu.SUPPORTED_HEAD_DIMS)
+
+
+def test_device_facts_read_the_compute_capability():
+    from ttj_jax.planner import device_facts
+    import jax
+    facts_cpu = device_facts(jax.devices("cpu")[0])
+    assert facts_cpu.platform == "cpu" and not facts_cpu.is_hopper
+    assert T.DeviceFacts(platform="gpu", compute_capability="9.0").is_hopper
+    assert not T.DeviceFacts(platform="gpu", compute_capability="8.0").is_hopper

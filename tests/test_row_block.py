@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 
 import ttj_jax as T
+from ttj_jax.masks import MaskKind
+from ttj_jax.planner import CPU
 from conftest import to_torch
 from ttj_jax.kernels.row_block import rows_forward, supports
 
@@ -51,6 +53,22 @@ def test_rows_stack_matches_the_xla_program(case, harness_rule):
     exact = np.asarray(T.reference(params, x, mask, config=config))
     # no further from the exact fp32 reference than the XLA program (both round the same operands)
     assert np.abs(y - exact).max() <= 1.5 * np.abs(xla - exact).max() + 1e-5
+
+
+def test_planner_takes_the_rows_stack_between_the_fused_kernel_and_long_sequences():
+    from ttj_jax.planner import ROWS_STACK_MAX_SEQ_LEN
+    h200 = T.DeviceFacts(platform="gpu", device_kind="NVIDIA H200", memory_bytes=100 * 2**30)
+    shape_13 = T.OFFICIAL["13"].config
+    for kind in (MaskKind.ALL_TRUE, MaskKind.PREFIX, MaskKind.UNKNOWN):
+        plan = T.plan(shape_13, T.InputFacts(64, 1024, "float32", kind), h200)
+        assert plan.stack == "rows" and plan.attention == "pallas" and "row-tile" in plan.explain()
+    assert T.plan(shape_13, T.InputFacts(64, 1024, "float32"), CPU).stack == "layers"     # GPU only
+    longer = shape_13.with_input(4, 2 * ROWS_STACK_MAX_SEQ_LEN)
+    assert T.plan(longer, T.InputFacts(4, longer.seq_len, "float32"), h200).stack == "layers"  # unmeasured
+    odd = shape_13.with_input(1, 1000)                                   # 1000 rows: not a multiple of 64
+    assert T.plan(odd, T.InputFacts(1, 1000, "float32"), h200).stack == "layers"
+    assert T.plan(T.OFFICIAL["8"].config, T.InputFacts(64, 128, "float32"), h200).stack == "layers"
+    assert T.plan(shape_13, T.InputFacts(64, 1024, "float32"), h200, attention="xla").stack == "layers"
 
 
 def test_rows_stack_needs_what_it_says():

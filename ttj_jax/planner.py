@@ -17,8 +17,7 @@ ATTENTION_IMPLEMENTATIONS = ("xla", "pallas", "cudnn")
 MASK_MODES = ("none", "rows", "keys", "device")
 # "layers": the XLA program, layer by layer (model.py); "fused": the whole stack as one Pallas kernel
 # (kernels/fused_stack.py), which the torch bridge launches with no JAX dispatch (bridge/direct.py);
-# "rows": per layer our flash attention and one row-tile kernel for the rest (kernels/row_block.py),
-# planned only on request until measured on the GPU.
+# "rows": per layer our flash attention and one row-tile kernel for the rest (kernels/row_block.py).
 STACKS = ("layers", "fused", "rows")
 ROWS_BLOCK = 64   # rows per program of the "rows" stack: batch * seq_len must be a multiple
 
@@ -38,6 +37,11 @@ ACTIVATION_MEMORY_SHARE = 0.25
 CUDNN_MIN_SEQ_LEN = 4096
 # cuDNN's fused attention through jax.nn.dot_product_attention: head_dim a multiple of 8, at most 128.
 CUDNN_HEAD_DIMS = range(8, 129, 8)
+# ... except on sm_90 at the head_dims of our Hopper (Mosaic GPU) kernel, which `flash_attention` runs
+# there from S=4096 on: bench/results/attention-mgpu-2026-11-30-nvidia-h200-quick.json measured it
+# faster than cuDNN at head_dim 64, S=100000 (476 against 451 TFLOP/s) and 128, S=16384 (553 against
+# 527); at 256 cuDNN does not apply and ours ran at 577 (our generic kernel 226).
+HOPPER_KERNEL_HEAD_DIMS = (64, 128, 256)
 # The fused whole-stack kernel up to this many tokens (batch x seq_len) per call, the largest measured:
 # bench/results/direct-2026-11-30-nvidia-h200.json (the kernel run through jax, harness timing): faster
 # than the XLA program on shape 6 (B=10000: 9.94 against 13.85 ms), shape 5 (0.154 against 0.235) and
@@ -49,6 +53,13 @@ FUSED_STACK_MAX_ROWS = 10000 * 128
 # bench/results/official-2026-11-30-h200-fused.json against official-2026-11-30-h200.json); at 1, 2
 # and 4 heads it won (shapes 9, 10, 1: 0.094, 0.106, 0.133 against 0.137, 0.134, 0.135 ms).
 FUSED_STACK_MAX_HEADS = 4
+# The fused kernel's mask path (valid_token_mask: keys excluded, invalid rows zeroed) ran on the H200 with
+# zero failing elements on prefix and general masks (shape 2, bench/results/direct-2026-11-30-nvidia-h200.json
+# of this session), so masked calls, the harness's inference-mode masks among them, use it too.
+# The "rows" stack for sequences longer than the fused kernel takes, up to this length: at S=1024 (shape
+# 13) it ran 0.776 ms through the bridge against the XLA program's 1.088 (torch peer 1.037 in an earlier
+# run), zero failing elements (bench/results/rows-2026-11-30-nvidia-h200.json).
+ROWS_STACK_MAX_SEQ_LEN = 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,10 +77,15 @@ class DeviceFacts:
     device_kind: str = ""          # e.g. "NVIDIA H200"
     memory_bytes: int | None = None
     device_count: int = 1
+    compute_capability: str = ""   # e.g. "9.0" (CUDA GPUs)
 
     @property
     def is_gpu(self) -> bool:
         return self.platform == "gpu"
+
+    @property
+    def is_hopper(self) -> bool:
+        return self.is_gpu and self.compute_capability.startswith("9")
 
 
 CPU = DeviceFacts(platform="cpu")
@@ -95,8 +111,8 @@ class Plan:
             raise ValueError(f"Plan.mask_mode={self.mask_mode!r} is not one of {MASK_MODES}")
         if self.stack not in STACKS:
             raise ValueError(f"Plan.stack={self.stack!r} is not one of {STACKS}")
-        if self.stack != "layers" and (self.policy != "mixed_fp16" or self.batch_chunk or self.data_parallel != 1):
-            raise ValueError(f"Plan.stack={self.stack!r} runs mixed_fp16, unchunked, one-device plans only")
+        if self.stack != "layers" and (self.policy != "mixed_fp16" or self.batch_chunk):
+            raise ValueError(f"Plan.stack={self.stack!r} runs mixed_fp16, unchunked plans only")
         if not isinstance(self.data_parallel, int) or self.data_parallel < 1:
             raise ValueError(f"Plan.data_parallel={self.data_parallel!r} must be an int >= 1")
 
@@ -151,6 +167,12 @@ def plan(config: Config, inputs: InputFacts, device: DeviceFacts = CPU, *,
     elif policy == "exact_fp32":
         attention = "xla"
         reasons.append("exact fp32 attention through XLA at HIGHEST precision")
+    elif (inputs.seq_len >= CUDNN_MIN_SEQ_LEN and mask_mode in ("none", "rows") and device.is_hopper
+          and config.head_dim in HOPPER_KERNEL_HEAD_DIMS):
+        attention = "pallas"
+        reasons.append(f"S={inputs.seq_len} >= {CUDNN_MIN_SEQ_LEN}, head_dim {config.head_dim} on sm_90: our "
+                       "Hopper flash kernel, measured faster than cuDNN (476 against 451 TFLOP/s at "
+                       "S=100000, head_dim 64)")
     elif (inputs.seq_len >= CUDNN_MIN_SEQ_LEN and mask_mode in ("none", "rows")
           and config.head_dim in CUDNN_HEAD_DIMS):
         attention = "cudnn"
@@ -191,7 +213,7 @@ def plan(config: Config, inputs: InputFacts, device: DeviceFacts = CPU, *,
     elif attention_requested:
         stack = "layers"
     else:
-        stack, why = _stack(config, inputs, device, policy, mask_mode, batch_chunk, data_parallel)
+        stack, why = _stack(config, per_device, device, policy, mask_mode, batch_chunk)
         if why:
             reasons.append(why)
     if stack == "fused":   # the kernel computes attention itself
@@ -201,22 +223,27 @@ def plan(config: Config, inputs: InputFacts, device: DeviceFacts = CPU, *,
 
 
 def _stack(config: Config, inputs: InputFacts, device: DeviceFacts, policy: str, mask_mode: str,
-           batch_chunk, data_parallel: int) -> tuple[str, str]:
-    """The fused whole-stack kernel where it is measured faster than the XLA program (FUSED_STACK_MAX_ROWS,
-    FUSED_STACK_MAX_HEADS), for mask-free calls (the kernel masks keys and zeroes rows itself, tested in
-    interpret mode, but that path has not run on a GPU yet: `stack="fused"` forces it); the
-    layer-by-layer XLA program otherwise."""
-    from ttj_jax.kernels.fused_stack import supports   # limits of the kernel (pure)
-    if not (device.is_gpu and policy == "mixed_fp16" and not batch_chunk and data_parallel == 1
-            and supports(config, inputs.seq_len)):
-        return "layers", ""
-    if mask_mode != "none":   # the kernel's mask path passes in interpret mode; not yet run on a GPU
+           batch_chunk) -> tuple[str, str]:
+    """For one device's share of the batch (`inputs`): the fused whole-stack kernel where it is measured
+    faster than the XLA program (FUSED_STACK_MAX_ROWS, FUSED_STACK_MAX_HEADS); beyond its sequence length,
+    the "rows" stack (ROWS_STACK_MAX_SEQ_LEN); the layer-by-layer XLA program otherwise. Both kernels take
+    any mask (they mask keys and zero rows)."""
+    from ttj_jax.kernels import fused_stack, row_block   # limits of the kernels (pure)
+    if not (device.is_gpu and policy == "mixed_fp16" and not batch_chunk):
         return "layers", ""
     rows = inputs.batch_size * inputs.seq_len
-    if rows > FUSED_STACK_MAX_ROWS or config.num_heads > FUSED_STACK_MAX_HEADS:
-        return "layers", ""
-    return "fused", (f"{inputs.batch_size}x{inputs.seq_len} tokens fit the fused whole-stack kernel: one launch "
-                     f"instead of the XLA program's ~50 kernels, measured faster up to {FUSED_STACK_MAX_ROWS} tokens")
+    if fused_stack.supports(config, inputs.seq_len):
+        if rows > FUSED_STACK_MAX_ROWS or config.num_heads > FUSED_STACK_MAX_HEADS:
+            return "layers", ""
+        return "fused", (f"{inputs.batch_size}x{inputs.seq_len} tokens fit the fused whole-stack kernel: one "
+                         f"launch instead of the XLA program's ~50 kernels, measured faster up to "
+                         f"{FUSED_STACK_MAX_ROWS} tokens")
+    if (inputs.seq_len > fused_stack.MAX_SEQ_LEN and inputs.seq_len <= ROWS_STACK_MAX_SEQ_LEN
+            and row_block.supports(config) and rows % ROWS_BLOCK == 0):
+        return "rows", (f"S={inputs.seq_len}: per layer our flash kernel and one row-tile kernel for the rest "
+                        "(one pass over the fp32 residual instead of ~8), measured faster than the XLA "
+                        "program at S=1024 (0.78 against 1.09 ms)")
+    return "layers", ""
 
 
 def _data_parallel(config: Config, inputs: InputFacts, device: DeviceFacts) -> int:
@@ -264,7 +291,8 @@ def device_facts(device) -> DeviceFacts:
     except Exception:   # memory_stats is unimplemented on some backends (the CPU among them)
         memory = None
     return DeviceFacts(platform=platform, device_kind=getattr(device, "device_kind", ""),
-                       memory_bytes=memory, device_count=len(jax.devices(device.platform)))
+                       memory_bytes=memory, device_count=len(jax.devices(device.platform)),
+                       compute_capability=str(getattr(device, "compute_capability", "") or ""))
 
 
 def streaming_chunk(config: Config, inputs: InputFacts, device: DeviceFacts) -> int:

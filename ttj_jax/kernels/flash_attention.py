@@ -5,6 +5,11 @@ which is how CI checks it. Layout is `[B, S, H, head_dim]` (what a `[B, S, d]` p
 for free); `flash_attention_fused_qkv` reads q, k and v straight out of a fused `[B, S, 3, H, head_dim]`
 projection.
 
+On a Hopper GPU (sm_90) `flash_attention` and `flash_attention_fused_qkv` hand mask-free fp16/bf16 calls
+with head_dim 64, 128 or 256 and S >= `flash_attention_mgpu.MIN_SEQ_LEN` to the Mosaic GPU kernel in
+`flash_attention_mgpu.py` (wgmma, TMA, warp specialization), measured faster there; `implementation=`
+forces one kernel ("generic" or "mosaic"). Everything below describes the generic kernel.
+
 Numerics (the dtype each stage uses):
 - Both dots take fp16 operands for fp16 and fp32 inputs, bf16 operands for bf16 inputs, and accumulate
   in fp32. fp32 inputs are rounded to fp16 inside the kernel: fp16 keeps the same 10-bit mantissa as
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import math
 import numbers
 
@@ -250,6 +256,45 @@ def _check_statics(causal, sm_scale, block_sizes):
         raise ValueError(f"block_sizes={block_sizes!r} must be a BlockSizes or None")
 
 
+IMPLEMENTATIONS = ("auto", "generic", "mosaic")
+
+
+@functools.lru_cache(maxsize=None)
+def on_hopper() -> bool:
+    """Whether jax's default backend is a CUDA GPU of compute capability 9.x (read once per process)."""
+    if jax.default_backend() != "gpu":
+        return False
+    return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9")
+
+
+def use_mosaic_kernel(dtype, seq_len: int, head_dim: int, *, masked: bool, block_sizes, interpret: bool,
+                      implementation: str = "auto") -> bool:
+    """The dispatch rule between the two kernels (module docstring); raises when `implementation`
+    forces the Mosaic kernel onto a call it cannot take."""
+    # deferred (that module imports this one); by module path: the package exports a function of its name
+    mgpu = importlib.import_module("ttj_jax.kernels.flash_attention_mgpu")
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation={implementation!r} must be one of {IMPLEMENTATIONS}")
+    if implementation == "generic":
+        return False
+    applicable = (not masked and block_sizes is None and not interpret
+                  and jnp.dtype(dtype) in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
+                  and head_dim in mgpu.SUPPORTED_HEAD_DIMS)
+    if implementation == "mosaic":
+        if not applicable:
+            raise ValueError("implementation='mosaic' needs float16/bfloat16 q, k, v, head_dim in "
+                             f"{mgpu.SUPPORTED_HEAD_DIMS}, no kv_lengths or key_mask, no BlockSizes and no "
+                             f"interpret mode; got dtype={jnp.dtype(dtype)}, head_dim={head_dim}, "
+                             f"masked={masked}, block_sizes={block_sizes}, interpret={interpret}")
+        return True
+    return applicable and seq_len >= mgpu.MIN_SEQ_LEN and on_hopper()
+
+
+def _mosaic_attention(q, k, v, *, causal, sm_scale):
+    from ttj_jax.kernels.flash_attention_mgpu import flash_attention_mgpu
+    return flash_attention_mgpu(q, k, v, causal=causal, sm_scale=sm_scale)
+
+
 def _pad_seq_and_head_dim(x: jax.Array, seq_pad: int, head_dim_pad: int) -> jax.Array:
     if not (seq_pad or head_dim_pad):
         return x
@@ -332,11 +377,11 @@ def _attention_pallas_call(q_src, k_src, v_src, kv_lengths, key_mask, *, fused: 
     return out
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "sm_scale", "block_sizes", "interpret"))
+@functools.partial(jax.jit, static_argnames=("causal", "sm_scale", "block_sizes", "interpret", "implementation"))
 def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool,
                     kv_lengths: jax.Array | None = None, key_mask: jax.Array | None = None,
                     sm_scale: float | None = None, block_sizes: BlockSizes | None = None,
-                    interpret: bool = False) -> jax.Array:
+                    interpret: bool = False, implementation: str = "auto") -> jax.Array:
     """Softmax attention `softmax(q k^T * sm_scale) v` per (batch, head), fused in one kernel.
 
     Args:
@@ -350,6 +395,8 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool,
       sm_scale: Python float, default head_dim ** -0.5.
       block_sizes: BlockSizes or None for the per-shape default; blocks are clamped for a tiny S.
       interpret: run the kernel in Pallas interpret mode (CPU).
+      implementation: "auto" (the Hopper kernel where the module docstring's rule sends a call, else
+        the generic one), "generic", or "mosaic" (raises where the Hopper kernel does not apply).
 
     Returns:
       [B, S, H, head_dim] in q's dtype. A query with no allowed key gets zeros. See the module
@@ -359,14 +406,18 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool,
     _check_statics(causal, sm_scale, block_sizes)
     _check_qkv(q, k, v)
     _check_masks(kv_lengths, key_mask, q.shape[0], q.shape[1])
+    if use_mosaic_kernel(q.dtype, q.shape[1], q.shape[-1], masked=kv_lengths is not None or key_mask is not None,
+                         block_sizes=block_sizes, interpret=interpret, implementation=implementation):
+        return _mosaic_attention(q, k, v, causal=causal, sm_scale=sm_scale)
     return _attention_pallas_call(q, k, v, kv_lengths, key_mask, fused=False, causal=causal,
                                   sm_scale=sm_scale, block_sizes=block_sizes, interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "sm_scale", "block_sizes", "interpret"))
+@functools.partial(jax.jit, static_argnames=("causal", "sm_scale", "block_sizes", "interpret", "implementation"))
 def flash_attention_fused_qkv(qkv: jax.Array, *, causal: bool, kv_lengths: jax.Array | None = None,
                               key_mask: jax.Array | None = None, sm_scale: float | None = None,
-                              block_sizes: BlockSizes | None = None, interpret: bool = False) -> jax.Array:
+                              block_sizes: BlockSizes | None = None, interpret: bool = False,
+                              implementation: str = "auto") -> jax.Array:
     """`flash_attention` on q, k, v read straight out of one fused projection.
 
     Args:
@@ -374,7 +425,9 @@ def flash_attention_fused_qkv(qkv: jax.Array, *, causal: bool, kv_lengths: jax.A
         columns are ordered (q | k | v), each head-major. The kernel's BlockSpecs index slot 0, 1, 2 in
         place, so this layout costs no copy (except the padding copy described in `flash_attention`,
         made once for the whole qkv array). A `[3, B, S, H, hd]` or `[B, S, H, 3, hd]` layout would need
-        a transpose first; give those to `flash_attention` as three arrays instead.
+        a transpose first; give those to `flash_attention` as three arrays instead. The Hopper kernel
+        (where the dispatch rule picks it) reads three separate arrays: q, k and v are sliced out first,
+        one copy each (a few ms per 100,000-token batch, against seconds of attention).
       Other arguments: as in `flash_attention`.
 
     Returns:
@@ -385,6 +438,9 @@ def flash_attention_fused_qkv(qkv: jax.Array, *, causal: bool, kv_lengths: jax.A
         raise ValueError(f"qkv.shape={qkv.shape} must be [batch, seq_len, 3, num_heads, head_dim]")
     _check_dtype_and_head_dim("qkv", qkv)
     _check_masks(kv_lengths, key_mask, qkv.shape[0], qkv.shape[1])
+    if use_mosaic_kernel(qkv.dtype, qkv.shape[1], qkv.shape[-1], masked=kv_lengths is not None or key_mask is not None,
+                         block_sizes=block_sizes, interpret=interpret, implementation=implementation):
+        return _mosaic_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], causal=causal, sm_scale=sm_scale)
     return _attention_pallas_call(qkv, qkv, qkv, kv_lengths, key_mask, fused=True, causal=causal,
                                   sm_scale=sm_scale, block_sizes=block_sizes, interpret=interpret)
 

@@ -53,10 +53,10 @@ reshape of a `[B, S, d]` projection) and the output is written in the same layou
 no padding or slicing when S is a multiple of 8. A fused `[B, S, 3, H, head_dim]` QKV array would
 need its three slices copied out first (TMA copies from the fused array would avoid that; not done).
 
-What is unmeasured: everything that runs. This module lowers on a CPU (tests/test_flash_attention_mgpu.py
+Testing: this module lowers on a CPU (tests/test_flash_attention_mgpu.py
 checks that for every supported head_dim, causal or not, at several S); its numerics and speed are
-checked on the H200 by `bench/bench_attention_mgpu.py`. The default block sizes below are starting
-points from shared-memory and register budgets, not measurements.
+checked on the H200 by `bench/bench_attention_mgpu.py` (all checks passed there on 2026-11-30, and the
+default block sizes below come from its timings).
 """
 
 from __future__ import annotations
@@ -111,12 +111,22 @@ class MgpuBlockSizes:
         return ROWS_PER_CONSUMER * self.num_compute_wgs
 
 
-# Starting points per head_dim (unmeasured; bench/bench_attention_mgpu.py sweeps alternatives).
+# Default block sizes per head_dim, from bench/results/attention-mgpu-2026-11-30-nvidia-h200-quick.json
+# (H200, fp16, causal; `python bench/bench_attention_mgpu.py --quick`): at head_dim 64, S=100000, three
+# consumer warpgroups with a 4-slot ring of 128-key blocks ran at 476 TFLOP/s against 346 for two
+# consumers with softmax overlap, 415 without it and cuDNN's 451 in the same run. head_dim 128 (553
+# TFLOP/s, cuDNN 527 at S=16384) and 256 (577, cuDNN 589) keep their first settings, measured there.
 _DEFAULT_BLOCK_SIZES = {
-    64: MgpuBlockSizes(block_kv=128, num_stages=4, num_compute_wgs=2, overlap_softmax=True),
+    64: MgpuBlockSizes(block_kv=128, num_stages=4, num_compute_wgs=3),
     128: MgpuBlockSizes(block_kv=128, num_stages=2, num_compute_wgs=2),
     256: MgpuBlockSizes(block_kv=64, num_stages=2, num_compute_wgs=2),
 }
+# `ttj_jax.kernels.flash_attention` sends mask-free fp16/bf16 calls with these head_dims to this kernel on
+# sm_90 from this sequence length on. Measured against our generic (Triton) kernel in the run above:
+# faster at S=16384 (head_dim 128: 553 against 416 TFLOP/s; 256: 577 against 226) and S=100000 (head_dim
+# 64: 476 against 350); level at S=1024 (head_dim 64, B=64: 0.163 against 0.165 ms). Shorter sequences,
+# where the official shapes' timings were taken with the generic kernel, stay there.
+MIN_SEQ_LEN = 4096
 
 
 def smem_bytes(head_dim: int, itemsize: int, blocks: MgpuBlockSizes) -> int:
