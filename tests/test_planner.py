@@ -43,6 +43,13 @@ def test_attention_choice():
     plan = T.plan(SHAPE_14, facts(SHAPE_14), hopper)                          # our Hopper kernel there
     assert plan.attention == "pallas" and "Hopper" in plan.explain()
     assert T.plan(SHAPE_14, facts(SHAPE_14, MaskKind.PREFIX), hopper).attention == "pallas"
+    split = T.plan(SHAPE_14, facts(SHAPE_14), hopper, data_parallel=2)        # not in a split (yet)
+    assert split.attention == "cudnn" and split.data_parallel == 2
+    from ttj_jax.model import ATTENTION, attention_for
+    hd256 = T.plan(T.OFFICIAL["8"].config.with_input(2, 8192), facts(T.OFFICIAL["8"].config.with_input(2, 8192)),
+                   hopper, data_parallel=2)
+    assert hd256.attention == "pallas" and attention_for(hd256).keywords == {"implementation": "generic"}
+    assert attention_for(plan) is ATTENTION["pallas"]
     hd32 = T.OFFICIAL["13"].config.with_input(2, 8192)                        # no Hopper kernel at 32
     assert T.plan(hd32, facts(hd32), hopper).attention == "cudnn"
     assert T.plan(SHAPE_14, facts(SHAPE_14, MaskKind.GENERAL), H200).attention == "pallas"   # key mask

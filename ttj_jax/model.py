@@ -44,14 +44,14 @@ def xla_attention(qkv: jax.Array, key_valid: jax.Array | None, *, causal: bool,
     return policy.einsum("bhqk,bkhd->bqhd", probs, v)
 
 
-def pallas_attention(qkv, key_valid, *, causal, policy):
+def pallas_attention(qkv, key_valid, *, causal, policy, implementation="auto"):
     """Our flash kernel, reading q, k and v straight from the fused layout. Its dots take fp16 operands
     with fp32 accumulation whatever the policy (the kernel's documented choice), so the exact_fp32
     policy never plans it. On the CPU (forced, for tests) it runs interpreted."""
     from ttj_jax.kernels import flash_attention_fused_qkv   # deferred: Pallas import cost only when used
     interpret = jax.default_backend() == "cpu"
     return flash_attention_fused_qkv(qkv.astype(policy.gemm_dtype), causal=causal, key_mask=key_valid,
-                                     interpret=interpret).astype(jnp.float32)
+                                     interpret=interpret, implementation=implementation).astype(jnp.float32)
 
 
 def cudnn_attention(qkv, key_valid, *, causal, policy):
@@ -66,6 +66,14 @@ def cudnn_attention(qkv, key_valid, *, causal, policy):
 ATTENTION = {"xla": xla_attention, "pallas": pallas_attention, "cudnn": cudnn_attention}
 
 
+def attention_for(plan: Plan):
+    """The plan's attention function. A batch split over devices runs our generic kernel, never the
+    Hopper one (planner.HOPPER_KERNEL_HEAD_DIMS says why)."""
+    if plan.attention == "pallas" and plan.data_parallel > 1:
+        return functools.partial(pallas_attention, implementation="generic")
+    return ATTENTION[plan.attention]
+
+
 def _layer(w: Mapping[str, jax.Array], x, row_valid, key_valid, *, config: Config, plan: Plan,
            policy: NumericsPolicy):
     """One pre-LN block on the fp32 residual x (B, S, d)."""
@@ -73,7 +81,7 @@ def _layer(w: Mapping[str, jax.Array], x, row_valid, key_valid, *, config: Confi
     h = layer_norm(x, w["norm1_weight"], w["norm1_bias"])
     qkv = policy.matmul(h, w["qkv_weight"]) + w["qkv_bias"]                              # (B, S, 3d)
     qkv = qkv.reshape(B, S, 3, config.num_heads, config.head_dim)                        # free reshape
-    context = ATTENTION[plan.attention](qkv, key_valid, causal=config.causal, policy=policy)
+    context = attention_for(plan)(qkv, key_valid, causal=config.causal, policy=policy)
     a = policy.matmul(context.reshape(B, S, d), w["out_weight"]) + w["out_bias"]
     if row_valid is not None:
         a = jnp.where(row_valid, a, 0.0)

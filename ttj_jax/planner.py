@@ -41,6 +41,9 @@ CUDNN_HEAD_DIMS = range(8, 129, 8)
 # there from S=4096 on: bench/results/attention-mgpu-2026-11-30-nvidia-h200-quick.json measured it
 # faster than cuDNN at head_dim 64, S=100000 (476 against 451 TFLOP/s) and 128, S=16384 (553 against
 # 527); at 256 cuDNN does not apply and ours ran at 577 (our generic kernel 226).
+# One device only: in a batch split over two H200s (shard_map) shape 14's output with it differed from the
+# one-GPU output (bench/results/scale-2026-11-30-h200x2-p2p.json, while shape 6's split, without it, matched
+# exactly), so split plans keep cuDNN, or our generic kernel (model.attention_for), until that is understood.
 HOPPER_KERNEL_HEAD_DIMS = (64, 128, 256)
 # The fused whole-stack kernel up to this many tokens (batch x seq_len) per call, the largest measured:
 # bench/results/direct-2026-11-30-nvidia-h200.json (the kernel run through jax, harness timing): faster
@@ -159,6 +162,17 @@ def plan(config: Config, inputs: InputFacts, device: DeviceFacts = CPU, *,
         reasons.append(f"{inputs.mask_kind.value} mask{'' if config.causal else ' without causal'} "
                        "needs key masking")
 
+    if data_parallel is not None:
+        reasons.append(f"{data_parallel} device(s) requested")
+    else:
+        data_parallel = _data_parallel(config, inputs, device)
+        if data_parallel > 1:
+            reasons.append(f"batch split over the {data_parallel} devices x lives on (SPMD)")
+        elif device.device_count > 1:
+            reasons.append("one device: x lives on one, and moving half of it was measured slower")
+    if inputs.batch_size % data_parallel:
+        raise ValueError(f"batch {inputs.batch_size} cannot be split evenly over {data_parallel} devices")
+
     if attention is not None:
         reasons.append(f"attention {attention} requested")
     elif not device.is_gpu:
@@ -168,7 +182,7 @@ def plan(config: Config, inputs: InputFacts, device: DeviceFacts = CPU, *,
         attention = "xla"
         reasons.append("exact fp32 attention through XLA at HIGHEST precision")
     elif (inputs.seq_len >= CUDNN_MIN_SEQ_LEN and mask_mode in ("none", "rows") and device.is_hopper
-          and config.head_dim in HOPPER_KERNEL_HEAD_DIMS):
+          and config.head_dim in HOPPER_KERNEL_HEAD_DIMS and data_parallel == 1):
         attention = "pallas"
         reasons.append(f"S={inputs.seq_len} >= {CUDNN_MIN_SEQ_LEN}, head_dim {config.head_dim} on sm_90: our "
                        "Hopper flash kernel, measured faster than cuDNN (476 against 451 TFLOP/s at "
@@ -183,16 +197,6 @@ def plan(config: Config, inputs: InputFacts, device: DeviceFacts = CPU, *,
         reasons.append(f"S={inputs.seq_len}: our Pallas flash kernel, measured faster than XLA and cuDNN "
                        f"{'up to S=1024' if inputs.seq_len < CUDNN_MIN_SEQ_LEN else 'here (key mask or head_dim)'}")
 
-    if data_parallel is not None:
-        reasons.append(f"{data_parallel} device(s) requested")
-    else:
-        data_parallel = _data_parallel(config, inputs, device)
-        if data_parallel > 1:
-            reasons.append(f"batch split over the {data_parallel} devices x lives on (SPMD)")
-        elif device.device_count > 1:
-            reasons.append("one device: x lives on one, and moving half of it was measured slower")
-    if inputs.batch_size % data_parallel:
-        raise ValueError(f"batch {inputs.batch_size} cannot be split evenly over {data_parallel} devices")
 
     per_device = dataclasses.replace(inputs, batch_size=inputs.batch_size // data_parallel)
     batch_chunk = _batch_chunk(config, per_device, device, attention)
