@@ -1,6 +1,6 @@
 """Check and time the Mosaic GPU flash-attention kernel (ttj_jax/kernels/flash_attention_mgpu.py) on an H200.
 
-    PYTHONPATH=. python3 bench/bench_attention_mgpu.py [--quick] [--check] [--sweep] [--out DIR] [--budget-s 420]
+    PYTHONPATH=. python3 bench/bench_attention_mgpu.py [--quick] [--check] [--sweep | --grid] [--out DIR] [--budget-s 420]
 
 In order (most important first): head_dim 64 checks, the main timing case, the other head_dim checks,
 the block-size variants (each checked, then timed at the main case), the other timing cases.
@@ -76,11 +76,16 @@ MIN_TIMING_S, TIMING_REPEATS = 0.05, 5
 SWEEP = [
     ((1, 16, LONG_SEQ_LEN, 64), [dict(block_sizes=Blocks(128, 3, 3)), dict(block_sizes=Blocks(128, 5, 3)),
                                  dict(block_sizes=Blocks(64, 4, 3)), dict(block_sizes=Blocks(64, 8, 3)),
-                                 dict(block_sizes=Blocks(192, 3, 3)), dict(block_sizes=Blocks(256, 2, 3)),
+                                 dict(block_sizes=Blocks(192, 3, 3)),
                                  dict(block_sizes=Blocks(128, 4, 3), lowering_semantics="lane")]),
     ((1, 16, 16384, 128), [dict(block_sizes=Blocks(128, 2, 3)), dict(block_sizes=Blocks(64, 4, 3)),
                            dict(block_sizes=Blocks(64, 4, 2))]),
 ]
+# --grid: shape 14's attention call (a chunk of 8 sequences), where the default grid order made the model
+# slower than with cuDNN: both orders and the best tiling, checked, then timed next to cuDNN.
+GRID_CASE = (8, 16, LONG_SEQ_LEN, 64)
+GRID_VARIANTS = [dict(grid_order="tiles_inner"), dict(block_sizes=Blocks(128, 4, 3), lowering_semantics="lane"),
+                 dict(block_sizes=Blocks(128, 4, 3), lowering_semantics="lane", grid_order="tiles_inner")]
 THRESHOLD_CASES = [(64, 4, 1024, 64), (4, 16, 4096, 64), (4, 16, 8192, 64), (4, 16, 4096, 128)]
 
 
@@ -205,6 +210,8 @@ def _kwargs_text(kwargs) -> str:
         parts.append(f"kv{b.block_kv} s{b.num_stages} wg{b.num_compute_wgs}{' ovl' if b.overlap_softmax else ''}")
     if "lowering_semantics" in kwargs:
         parts.append(kwargs["lowering_semantics"])
+    if "grid_order" in kwargs:
+        parts.append(kwargs["grid_order"].replace("tiles_", "tiles-"))
     return " ".join(parts)
 
 
@@ -310,8 +317,21 @@ def sweep(run: Run) -> None:
         _time_case(run, *case, variants=[{}])
 
 
+def grid_orders(run: Run) -> None:
+    """--grid: each GRID_VARIANTS entry checked (S=1000, causal and not; S=100000 rows), then all timed at
+    GRID_CASE next to the default and cuDNN."""
+    passing = [{}]
+    for kwargs in GRID_VARIANTS:
+        checks = [_check(run, 2, 3, 1000, 64, causal, kernel_kwargs=kwargs) for causal in (True, False)]
+        checks.append(_check(run, 2, 2, LONG_SEQ_LEN, 64, True, kernel_kwargs=kwargs))
+        if all(checks):
+            passing.append(kwargs)
+    _time_case(run, *GRID_CASE, variants=passing)
+
+
 def gpu_check_and_time(out_dir: str | None = None, *, quick: bool = False, check_only: bool = False,
-                       budget_s: float = 420.0, step_timeout_s: float = 90.0, sweep_only: bool = False) -> int:
+                       budget_s: float = 420.0, step_timeout_s: float = 90.0, sweep_only: bool = False,
+                       grid_only: bool = False) -> int:
     """Checks the Mosaic kernel on the GPU, times it, writes JSON, prints a table. Returns an exit status."""
     device = jax.devices()[0]
     if device.platform != "gpu":
@@ -321,15 +341,15 @@ def gpu_check_and_time(out_dir: str | None = None, *, quick: bool = False, check
     date = datetime.date.today().isoformat()
     out = pathlib.Path(out_dir or _REPO_ROOT / "bench" / "results")
     out.mkdir(parents=True, exist_ok=True)
-    suffix = "-sweep" if sweep_only else "-check" if check_only else ("-quick" if quick else "")
+    suffix = "-grid" if grid_only else "-sweep" if sweep_only else "-check" if check_only else ("-quick" if quick else "")
     import jaxlib  # noqa: PLC0415
     header = {"gpu": gpu_name, "jax": jax.__version__, "jaxlib": jaxlib.__version__,
               "date": date, "quick": quick, "check_only": check_only, "pass_rule": f"atol {ATOL}, rtol {RTOL}"}
     run = Run(out / f"attention-mgpu-{date}-{slug(gpu_name)}{suffix}.json", header, step_timeout_s, budget_s)
     log(f"device: {gpu_name}, jax {jax.__version__}; writing {run.path}")
 
-    if sweep_only:
-        sweep(run)
+    if sweep_only or grid_only:
+        sweep(run) if sweep_only else grid_orders(run)
         _print_table(run)
         run.write()
         log(f"wrote {run.path} ({run.elapsed():.0f} s)")
@@ -375,9 +395,10 @@ def main(argv=None) -> int:
     parser.add_argument("--budget-s", type=float, default=420.0, help="start no optional step after this")
     parser.add_argument("--step-timeout-s", type=float, default=90.0, help="watchdog limit per step")
     parser.add_argument("--sweep", action="store_true", help="only the tiling sweep and the threshold cases")
+    parser.add_argument("--grid", action="store_true", help="only the grid orders at shape 14's attention call")
     args = parser.parse_args(argv)
     return gpu_check_and_time(args.out, quick=args.quick, check_only=args.check, budget_s=args.budget_s,
-                              step_timeout_s=args.step_timeout_s, sweep_only=args.sweep)
+                              step_timeout_s=args.step_timeout_s, sweep_only=args.sweep, grid_only=args.grid)
 
 
 if __name__ == "__main__":

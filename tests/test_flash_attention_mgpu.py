@@ -74,6 +74,16 @@ def test_lowers_at_odd_lengths(seq_len, causal):
     assert ("stablehlo.pad" in text) == needs_padding
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_lowers_in_either_grid_order(causal):
+    # and the tiling the H200 found wrong is refused
+    with pytest.raises(ValueError, match="wrong outputs on the H200"):
+        fm.check_block_sizes(64, 2, Blocks(256, 2, 3))
+    assert _custom_calls(_lower_for_cuda(1000, 64, causal, batch=2, grid_order="tiles_inner")) == ["mosaic_gpu_v2"]
+    with pytest.raises(ValueError, match="grid_order"):
+        _lower_for_cuda(1000, 64, causal, grid_order="diagonal")
+
+
 @pytest.mark.parametrize("head_dim,blocks", [
     (64, Blocks(block_kv=128, num_stages=4, num_compute_wgs=2, overlap_softmax=False)),
     (64, Blocks(block_kv=256, num_stages=2)),

@@ -37,14 +37,13 @@ ACTIVATION_MEMORY_SHARE = 0.25
 CUDNN_MIN_SEQ_LEN = 4096
 # cuDNN's fused attention through jax.nn.dot_product_attention: head_dim a multiple of 8, at most 128.
 CUDNN_HEAD_DIMS = range(8, 129, 8)
-# ... except on sm_90 at the head_dims of our Hopper (Mosaic GPU) kernel, which `flash_attention` runs
-# there from S=4096 on: bench/results/attention-mgpu-2026-11-30-nvidia-h200-quick.json measured it
-# faster than cuDNN at head_dim 64, S=100000 (476 against 451 TFLOP/s) and 128, S=16384 (553 against
-# 527); at 256 cuDNN does not apply and ours ran at 577 (our generic kernel 226).
-# One device only: in a batch split over two H200s (shard_map) shape 14's output with it differed from the
-# one-GPU output (bench/results/scale-2026-11-30-h200x2-p2p.json, while shape 6's split, without it, matched
-# exactly), so split plans keep cuDNN, or our generic kernel (model.attention_for), until that is understood.
-HOPPER_KERNEL_HEAD_DIMS = (64, 128, 256)
+# Our Hopper (Mosaic GPU) kernel, which `flash_attention` runs on sm_90 from S=4096 on, beat cuDNN at
+# one sequence (head_dim 64, S=100000: 476 against 451 TFLOP/s; 128 at S=16384: 553 against 527;
+# bench/results/attention-mgpu-2026-11-30-nvidia-h200-quick.json), but shape 14's stack ran slower with it
+# (3388 ms, bench/results/scale-2026-11-30-h200x2-p2p.json) than with cuDNN (3186 ms,
+# scale-2026-11-30-h200.json), and level at S=4096-8192 (sweep file): cuDNN keeps head_dims up to 128.
+# At head_dim 256 cuDNN does not apply and the planner's "pallas" gets the Hopper kernel (577 TFLOP/s
+# against our generic kernel's 226).
 # The fused whole-stack kernel up to this many tokens (batch x seq_len) per call, the largest measured:
 # bench/results/direct-2026-11-30-nvidia-h200.json (the kernel run through jax, harness timing): faster
 # than the XLA program on shape 6 (B=10000: 9.94 against 13.85 ms), shape 5 (0.154 against 0.235) and
@@ -181,12 +180,6 @@ def plan(config: Config, inputs: InputFacts, device: DeviceFacts = CPU, *,
     elif policy == "exact_fp32":
         attention = "xla"
         reasons.append("exact fp32 attention through XLA at HIGHEST precision")
-    elif (inputs.seq_len >= CUDNN_MIN_SEQ_LEN and mask_mode in ("none", "rows") and device.is_hopper
-          and config.head_dim in HOPPER_KERNEL_HEAD_DIMS and data_parallel == 1):
-        attention = "pallas"
-        reasons.append(f"S={inputs.seq_len} >= {CUDNN_MIN_SEQ_LEN}, head_dim {config.head_dim} on sm_90: our "
-                       "Hopper flash kernel, measured faster than cuDNN (476 against 451 TFLOP/s at "
-                       "S=100000, head_dim 64)")
     elif (inputs.seq_len >= CUDNN_MIN_SEQ_LEN and mask_mode in ("none", "rows")
           and config.head_dim in CUDNN_HEAD_DIMS):
         attention = "cudnn"

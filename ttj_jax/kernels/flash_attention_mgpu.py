@@ -146,6 +146,9 @@ def check_block_sizes(head_dim: int, itemsize: int, blocks: MgpuBlockSizes) -> N
                          f"registers: head_dim={head_dim} must be 64 and block_kv={blocks.block_kv} <= 128")
     if blocks.num_compute_wgs == 3 and head_dim > 128:
         raise ValueError(f"num_compute_wgs=3 leaves 160 registers per thread: head_dim={head_dim} must be <= 128")
+    if blocks.num_compute_wgs == 3 and blocks.block_kv > 192:
+        raise ValueError(f"block_kv={blocks.block_kv} with num_compute_wgs=3 gave wrong outputs on the H200 "
+                         "(bench/results/attention-mgpu-2026-11-30-nvidia-h200-sweep.json): at most 192")
 
 
 def default_block_sizes(head_dim: int) -> MgpuBlockSizes:
@@ -457,10 +460,14 @@ def _check_inputs(q, k, v, causal, sm_scale, block_sizes):
         raise ValueError(f"q.shape={q.shape} must have no empty dimension")
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "sm_scale", "block_sizes", "lowering_semantics"))
+GRID_ORDERS = ("tiles_outer", "tiles_inner")
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "sm_scale", "block_sizes", "lowering_semantics",
+                                             "grid_order"))
 def flash_attention_mgpu(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool,
                          sm_scale: float | None = None, block_sizes: MgpuBlockSizes | None = None,
-                         lowering_semantics: str = LOWERING_SEMANTICS) -> jax.Array:
+                         lowering_semantics: str = LOWERING_SEMANTICS, grid_order: str = "tiles_outer") -> jax.Array:
     """Softmax attention `softmax(q k^T * sm_scale) v` per (batch, head) on Hopper, in one kernel.
 
     Args:
@@ -469,6 +476,10 @@ def flash_attention_mgpu(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bo
       sm_scale: Python float, default head_dim ** -0.5.
       block_sizes: MgpuBlockSizes, or None for the per-head_dim default.
       lowering_semantics: "warpgroup" or "lane" (Mosaic GPU's two lowering modes; for benchmarks).
+      grid_order: "tiles_outer" (grid (q tiles, heads, batch): programs launched together share a query
+        tile position across heads and sequences) or "tiles_inner" (grid (batch, heads, q tiles):
+        programs launched together are tiles of one head of one sequence and read the same K/V, which
+        may then come from L2). For benchmarks; unmeasured which wins with many (batch, head) pairs.
 
     Returns:
       [B, S, H, head_dim] in q's dtype. Reads and writes in place (no copies around the kernel) when
@@ -478,6 +489,8 @@ def flash_attention_mgpu(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bo
     _check_inputs(q, k, v, causal, sm_scale, block_sizes)
     if lowering_semantics not in ("warpgroup", "lane"):
         raise ValueError(f"lowering_semantics={lowering_semantics!r} must be 'warpgroup' or 'lane'")
+    if grid_order not in GRID_ORDERS:
+        raise ValueError(f"grid_order={grid_order!r} must be one of {GRID_ORDERS}")
     plgpu = _plgpu()
     batch, seq_len, num_heads, head_dim = q.shape
     dtype = jnp.dtype(q.dtype)
@@ -513,8 +526,8 @@ def flash_attention_mgpu(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bo
     out = plgpu.kernel(
         entry,
         out_type=jax.ShapeDtypeStruct(q.shape, dtype),
-        grid=(num_q_tiles, num_heads, batch),
-        grid_names=("q_tiles", "heads", "batch"),
+        grid=(num_q_tiles, num_heads, batch) if grid_order == "tiles_outer" else (batch, num_heads, num_q_tiles),
+        grid_names=("q_tiles", "heads", "batch") if grid_order == "tiles_outer" else ("batch", "heads", "q_tiles"),
         num_threads=num_wgs + 1,
         thread_name="wg",
         compiler_params=_compiler_params(lowering_semantics),
