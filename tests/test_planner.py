@@ -40,7 +40,9 @@ def test_attention_choice():
     assert T.plan(SHAPE_14, facts(SHAPE_14), H200).attention == "cudnn"       # S=100000, head_dim 64
     hopper = T.DeviceFacts(platform="gpu", device_kind="NVIDIA H200", memory_bytes=100 * 2**30,
                            compute_capability="9.0")
-    assert T.plan(SHAPE_14, facts(SHAPE_14), hopper).attention == "cudnn"    # measured faster in the model
+    plan = T.plan(SHAPE_14, facts(SHAPE_14), hopper)                          # our Hopper kernel there
+    assert plan.attention == "pallas" and "Hopper" in plan.explain()
+    assert T.plan(SHAPE_14, facts(SHAPE_14), hopper, data_parallel=2).attention == "cudnn"   # not in a split
     from ttj_jax.model import ATTENTION, attention_for
     long_256 = T.OFFICIAL["8"].config.with_input(2, 8192)
     split = T.plan(long_256, facts(long_256), hopper, data_parallel=2)       # never the Hopper kernel in a split
