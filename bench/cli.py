@@ -59,7 +59,22 @@ def parse_args(argv=None):
     p.add_argument("--merge", action="store_true",
                    help="keep the other shapes already in the output file (runs split over several calls)")
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--report", default=None, metavar="JSON",
+                   help="run nothing: print the table of a saved result file and write its PNG beside it")
     return p.parse_args(argv)
+
+
+def report(json_path: str, *, write_plot: bool = True) -> int:
+    """--report: the table and chart of a saved run (e.g. one made on a GPU machine with --no-plot)."""
+    with open(json_path) as f:
+        document = json.load(f)
+    ordered = dict(sorted(document["shapes"].items(), key=lambda kv: (len(kv[0]), kv[0])))
+    device_name = document.get("device") or document.get("gpu") or "unknown device"
+    print_table(ordered, device_name)
+    png = json_path.removesuffix(".json") + ".png"
+    if write_plot and plot(ordered, png, f"ttj-bench: {device_name}"):
+        print(f"wrote {png}")
+    return 0
 
 
 class Progress:
@@ -259,6 +274,8 @@ def plot(results: dict, path: str, title: str) -> bool:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.report:
+        return report(args.report, write_plot=not args.no_plot)
     if args.device == "auto":
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     else:

@@ -61,3 +61,18 @@ def test_run_shapes_records_skips_errors_and_failures(tmp_path, capsys):
     assert set(written) == {"ok", "boom", "bad"} and "no kernel" in written["boom"]["error"]
     assert all("wall_s" in r for r in written.values())
     assert "shape bad (" in capsys.readouterr().out
+
+
+def test_report_renders_a_saved_run(tmp_path, capsys):
+    # a GPU run saved with --no-plot gets its table and chart back on any machine
+    shapes = {sid: {"baseline_ms": 2.0 * i, "peer_ms": 0.2, "ttj_bridge_ms": 0.1 * i, "ttj_jax_ms": 0.1,
+                    "failed_elements": 0, "worst_err_over_tol": 0.4, "ttj_jax_accuracy": {"failed_elements": 0},
+                    "speedup": {"peer": 10.0 * i, "ttj_bridge": 20.0, "ttj_jax": 20.0 * i}}
+              for i, sid in enumerate(("2", "10", "1"), start=1)}
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"device": "Some GPU", "shapes": shapes}))
+    assert cli.main(["--report", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "Some GPU" in out and "geomean speedup" in out
+    assert out.index("│     1 │") < out.index("│     2 │") < out.index("│    10 │")   # numeric order
+    assert (tmp_path / "run.png").stat().st_size > 1000
