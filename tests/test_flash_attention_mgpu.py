@@ -361,3 +361,38 @@ def test_flash_attention_runs_the_hopper_kernel_where_the_rule_says(hopper):
     assert "mosaic_gpu" not in _lowered_calls(fa.flash_attention, short, short, short, causal=True)
     assert "mosaic_gpu" not in _lowered_calls(fa.flash_attention, shape, shape, shape, causal=True,
                                               implementation="generic")
+
+
+# --- 5. Inside a batch split (shard_map) -------------------------------------------------------------------
+
+SHARD_SCRIPT = r"""
+import os, sys, re, hashlib, importlib, json
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, PartitionSpec as P
+from ttj_jax.compat import shard_map
+from ttj_jax.parallel import BATCH_AXIS
+fm = importlib.import_module("ttj_jax.kernels.flash_attention_mgpu")
+body = lambda q, k, v: fm.flash_attention_mgpu(q, k, v, causal=True)
+
+def kernel_line(text):
+    return hashlib.sha1(re.search(r"custom_call @mosaic_gpu_v2\(.*", text).group(0).encode()).hexdigest()
+
+local = jax.ShapeDtypeStruct((2, 1024, 2, 64), jnp.float16)
+plain = kernel_line(jax.jit(body).trace(local, local, local).lower(lowering_platforms=("cuda",)).as_text())
+mesh = Mesh(np.array(jax.devices()[:2]), (BATCH_AXIS,))
+split = jax.jit(shard_map(body, mesh=mesh, in_specs=(P(BATCH_AXIS),) * 3, out_specs=P(BATCH_AXIS)))
+spec = jax.ShapeDtypeStruct((4, 1024, 2, 64), jnp.float16)
+inside = kernel_line(split.trace(spec, spec, spec).lower(lowering_platforms=("cuda",)).as_text())
+print(json.dumps({"same": plain == inside}))
+"""
+
+
+def test_kernel_inside_a_batch_split_is_the_single_device_kernel():
+    # Regression: the grid's axis names once included "batch", which inside parallel.py's shard_map
+    # (mesh axis "batch") changed the lowered kernel; on two H200s the split output was wrong.
+    import json, os, subprocess, sys
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    done = subprocess.run([sys.executable, "-c", SHARD_SCRIPT], env=env, capture_output=True, text=True,
+                          timeout=300, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {"same": True}

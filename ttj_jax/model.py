@@ -69,7 +69,8 @@ ATTENTION = {"xla": xla_attention, "pallas": pallas_attention, "cudnn": cudnn_at
 def attention_for(plan: Plan):
     """The plan's attention function. A batch split over devices runs our generic kernel, never the
     Hopper one: in a split over two H200s shape 14's output with it differed from the one-GPU output
-    (bench/results/scale-2026-11-30-h200x2-p2p.json; shape 6's split, without it, matched exactly)."""
+    (bench/results/scale-2026-11-30-h200x2-p2p.json; shape 6's split, without it, matched exactly). The
+    cause found since (a grid-axis name clash with the mesh, planner.py) is fixed but not yet rerun there."""
     if plan.attention == "pallas" and plan.data_parallel > 1:
         return functools.partial(pallas_attention, implementation="generic")
     return ATTENTION[plan.attention]

@@ -37,13 +37,15 @@ ACTIVATION_MEMORY_SHARE = 0.25
 CUDNN_MIN_SEQ_LEN = 4096
 # cuDNN's fused attention through jax.nn.dot_product_attention: head_dim a multiple of 8, at most 128.
 CUDNN_HEAD_DIMS = range(8, 129, 8)
-# Our Hopper (Mosaic GPU) kernel, which `flash_attention` runs on sm_90 from S=4096 on, beat cuDNN at
-# one sequence (head_dim 64, S=100000: 476 against 451 TFLOP/s; 128 at S=16384: 553 against 527;
-# bench/results/attention-mgpu-2026-11-30-nvidia-h200-quick.json), but shape 14's stack ran slower with it
-# (3388 ms, bench/results/scale-2026-11-30-h200x2-p2p.json) than with cuDNN (3186 ms,
-# scale-2026-11-30-h200.json), and level at S=4096-8192 (sweep file): cuDNN keeps head_dims up to 128.
-# At head_dim 256 cuDNN does not apply and the planner's "pallas" gets the Hopper kernel (577 TFLOP/s
-# against our generic kernel's 226).
+# Our Hopper (Mosaic GPU) kernel, which `flash_attention` runs on sm_90 from S=4096 on, at head_dims 64 and
+# 128 on one device: shape 14 from JAX took 3020 ms with it against 3224 with cuDNN (same process,
+# bench/results/shape14-attention-2026-11-30-nvidia-h200.json), its attention call (B=8, H=16, S=100000, hd
+# 64) ran at 481 against 446 TFLOP/s (attention-mgpu-2026-11-30-nvidia-h200-grid.json). (With its first
+# grid order the stack had been slower than with cuDNN: 3388 against 3186 ms.) At S=4096-8192 the two are
+# level (sweep file). At head_dim 256 cuDNN does not apply and "pallas" gets the Hopper kernel (577 TFLOP/s
+# against our generic kernel's 226). Not in a batch split yet: the one two-GPU run with it gave a wrong
+# output (scale-2026-11-30-h200x2-p2p.json); the cause found since (the kernel's grid axis "batch" clashed
+# with the mesh axis of that name, fixed, the lowered kernel now identical) awaits a two-GPU rerun.
 # The fused whole-stack kernel up to this many tokens (batch x seq_len) per call, the largest measured:
 # bench/results/direct-2026-11-30-nvidia-h200.json (the kernel run through jax, harness timing): faster
 # than the XLA program on shape 6 (B=10000: 9.94 against 13.85 ms), shape 5 (0.154 against 0.235) and

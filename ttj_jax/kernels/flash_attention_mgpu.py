@@ -256,8 +256,8 @@ def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_
     num_wgs, block_kv, num_stages = blocks.num_compute_wgs, blocks.block_kv, blocks.num_stages
     rows = ROWS_PER_CONSUMER
     wg = lax.axis_index("wg")
-    batch, head = lax.axis_index("batch"), lax.axis_index("heads")
-    tile = lax.axis_index("q_tiles")
+    batch, head = lax.axis_index(_GRID_SEQUENCE), lax.axis_index(_GRID_HEAD)
+    tile = lax.axis_index(_GRID_Q_TILE)
     if causal:
         tile = num_q_tiles - 1 - tile   # heaviest tiles first
     tile_start = tile * blocks.block_q
@@ -461,6 +461,11 @@ def _check_inputs(q, k, v, causal, sm_scale, block_sizes):
 
 
 GRID_ORDERS = ("tiles_outer", "tiles_inner")
+# The grid's axis names live in the same namespace as the axes of an enclosing mesh: inside a shard_map
+# over a mesh axis called "batch" (ttj_jax.parallel's), `lax.axis_index("batch")` in the kernel resolved
+# to the mesh axis, not the grid's (the lowered kernel changed; tests/test_flash_attention_mgpu.py), and a
+# two-H200 split of shape 14 gave a wrong output. Names no mesh will use:
+_GRID_Q_TILE, _GRID_HEAD, _GRID_SEQUENCE = "ttj_mgpu_q_tile", "ttj_mgpu_head", "ttj_mgpu_sequence"
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "sm_scale", "block_sizes", "lowering_semantics",
@@ -529,7 +534,8 @@ def flash_attention_mgpu(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bo
         entry,
         out_type=jax.ShapeDtypeStruct(q.shape, dtype),
         grid=(num_q_tiles, num_heads, batch) if grid_order == "tiles_outer" else (batch, num_heads, num_q_tiles),
-        grid_names=("q_tiles", "heads", "batch") if grid_order == "tiles_outer" else ("batch", "heads", "q_tiles"),
+        grid_names=((_GRID_Q_TILE, _GRID_HEAD, _GRID_SEQUENCE) if grid_order == "tiles_outer"
+                    else (_GRID_SEQUENCE, _GRID_HEAD, _GRID_Q_TILE)),
         num_threads=num_wgs + 1,
         thread_name="wg",
         compiler_params=_compiler_params(lowering_semantics),
