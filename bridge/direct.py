@@ -5,8 +5,9 @@ the work on the GPU is one kernel, and what a bridge call costs on the host deci
 harness sees (SPEC section 2: host time counts wherever the GPU idles). Through jax that host time is a
 jitted call's dispatch plus a DLPack import and export (bench/results/bridge-profile-*.json). Here the
 kernel that Pallas generates from ttj_jax/kernels/fused_stack.py (`fused_stack.direct_launch`) is
-compiled once by XLA, as for the jax path (its cubin, or PTX, read from jax's serialization of that one
-executable: compat.xla_gpu_images), loaded with the CUDA driver, and each call launches it with the
+compiled once to PTX by jaxlib's own Triton compiler (the pipeline XLA builds it with for the jax path,
+compat.triton_ptx; else from jax's serialization of that executable, compat.xla_gpu_images, which held
+nothing in jax 0.11), loaded with the CUDA driver, and each call launches it with the
 torch tensors' pointers: one output allocation and one `cuLaunchKernel`. Before first use the bridge
 compares one launch with the jax path's output on the same input, and falls back to jax on a mismatch.
 
@@ -95,7 +96,6 @@ class DirectKernel:
     The bridge checks a new DirectKernel against the jax path once before using it (runtime.py)."""
 
     def __init__(self, spec: DirectLaunch, device: torch.device):
-        from ttj_jax.compat import xla_gpu_images
         index = device.index if device.index is not None else torch.cuda.current_device()
         self.spec, self.device_index = spec, index
         self.arguments = spec.argument_count
@@ -104,11 +104,10 @@ class DirectKernel:
             torch.cuda.current_stream(index)   # torch's primary context is current on this thread
             self._context = ctypes.c_void_p()
             _check(driver.cuCtxGetCurrent(ctypes.byref(self._context)), "cuCtxGetCurrent")
-            images = sorted(xla_gpu_images(spec.function, *spec.arg_structs), key=lambda i: i[0] != "cubin")
+            images, errors = kernel_images(spec, torch.cuda.get_device_capability(index))
             if not images:
-                raise RuntimeError("XLA's compiled executable holds no cubin or PTX for the kernel")
-            errors = []
-            for kind, image in images:
+                raise RuntimeError("no build of the kernel: " + "; ".join(errors))
+            for kind, image, shared_bytes in images:
                 try:
                     self._load(kind, image)
                     break
@@ -116,10 +115,10 @@ class DirectKernel:
                     errors.append(f"{kind}: {e}")
             else:
                 raise RuntimeError("no loadable kernel image: " + "; ".join(errors))
-        # Triton's shared memory is dynamic and its size is not in the image: reserve the device's opt-in
+        # Triton's shared memory is dynamic: the size its compiler reported, else the device's opt-in
         # maximum (safe for any size the compiler chose; the kernel is register-bound to one block per SM).
-        self.shared_bytes = getattr(torch.cuda.get_device_properties(index), "shared_memory_per_block_optin",
-                                    227 * 1024)
+        self.shared_bytes = shared_bytes if shared_bytes is not None else getattr(
+            torch.cuda.get_device_properties(index), "shared_memory_per_block_optin", 227 * 1024)
         if self.shared_bytes > 48 * 1024:
             _check(driver.cuFuncSetAttribute(self._function, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                              self.shared_bytes), "cuFuncSetAttribute")
@@ -172,6 +171,29 @@ class DirectKernel:
             result = self._launch(self._function, gx, gy, gz, self._block, 1, 1, self.shared_bytes,
                                   self._stream_of(self.device_index), self._params, None)
         _check(result, "cuLaunchKernel")
+
+
+def kernel_images(spec: DirectLaunch, capability: tuple[int, int]):
+    """([(kind, image, shared memory bytes or None), ...] in the order to try, [why a source failed]).
+    First jaxlib's own Triton compiler on the kernel's IR (compat.triton_ptx: XLA's pipeline, the build
+    the jax path runs), then whatever XLA's serialized executable holds (compat.xla_gpu_images; jax 0.11's
+    held nothing: bench/results/direct-2026-11-30-nvidia-h200-session3.json)."""
+    from ttj_jax.compat import triton_ptx, xla_gpu_images
+    images, errors = [], []
+    try:
+        build = triton_ptx(spec.ttir, f"{capability[0]}.{capability[1]}", num_warps=spec.num_warps,
+                           num_stages=spec.num_stages)
+        images.append(("ptx", build.ptx, build.shared_bytes))
+    except RuntimeError as e:
+        errors.append(f"jaxlib's Triton compiler: {e}")
+    try:
+        found = sorted(xla_gpu_images(spec.function, *spec.arg_structs), key=lambda i: i[0] != "cubin")
+        images.extend((kind, image, None) for kind, image in found)
+        if not found:
+            errors.append("XLA's compiled executable holds no cubin or PTX for the kernel")
+    except Exception as e:   # noqa: BLE001 - one source failing leaves the other
+        errors.append(f"XLA's executable: {type(e).__name__}: {e}")
+    return images, errors
 
 
 def _function_names(module: ctypes.c_void_p) -> list[str]:

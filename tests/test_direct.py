@@ -6,6 +6,7 @@ stream) is checked on the H200 by `python -m bench.direct_check`, against the ha
 from __future__ import annotations
 
 import re
+import types
 
 import jax
 import jax.numpy as jnp
@@ -253,3 +254,60 @@ def test_direct_check_reports_a_child_that_wrote_nothing():
     from bench import direct_check
     record = direct_check.run_shape_in_child("2", argparse.Namespace(seeds=1, quick=True))
     assert record["error"].startswith("child exited 2") and "needs a CUDA GPU" in record["error"]
+
+
+class _FakeTritonResult:
+    def __init__(self, asm, smem_bytes):
+        self.asm, self.smem_bytes = asm, smem_bytes
+
+
+def test_triton_ptx_uses_the_handler_jaxlib_registers(monkeypatch):
+    # On a GPU, jax's CUDA plugin registers XLA's Triton compiler under "CUDA" at backend start (a CPU
+    # jax has the registry but no handler); the direct launch compiles the kernel's IR with it.
+    from jax._src.lib import triton as jax_triton
+    from ttj_jax import compat
+    calls = []
+
+    def handler(module_ir, arch, num_warps, num_ctas, num_stages):
+        calls.append((module_ir, arch, num_warps, num_ctas, num_stages))
+        return _FakeTritonResult(".version 8.4\n.visible .entry k(\n)\n", 1234)
+
+    monkeypatch.setitem(jax_triton._compilation_handlers, "CUDA", handler)
+    build = compat.triton_ptx("module {}", "9.0", num_warps=8, num_stages=2)
+    assert calls == [(b"module {}", "9.0", 8, 1, 2)]
+    assert build.ptx.startswith(b".version") and build.shared_bytes == 1234
+
+    def broken(*args):
+        raise ValueError("bad IR")
+    monkeypatch.setitem(jax_triton._compilation_handlers, "CUDA", broken)
+    with pytest.raises(RuntimeError, match="rejected the kernel: ValueError: bad IR"):
+        compat.triton_ptx("module {}", "9.0", num_warps=8, num_stages=1)
+    monkeypatch.setitem(jax_triton._compilation_handlers, "CUDA", lambda *a: _FakeTritonResult("no entry", 0))
+    with pytest.raises(RuntimeError, match="no PTX entry"):
+        compat.triton_ptx("module {}", "9.0", num_warps=8, num_stages=1)
+
+
+def test_triton_ptx_without_a_handler_says_so(monkeypatch):
+    from jax._src.lib import triton as jax_triton
+    from ttj_jax import compat
+    monkeypatch.delitem(jax_triton._compilation_handlers, "CUDA", raising=False)
+    monkeypatch.setattr(jax_triton, "has_compilation_handler", lambda platform: False, raising=False)
+    with pytest.raises(RuntimeError, match="no Triton compiler"):
+        compat.triton_ptx("module {}", "9.0", num_warps=8, num_stages=1)
+
+
+def test_kernel_images_try_jaxlibs_triton_build_first(monkeypatch):
+    from ttj_jax import compat
+    spec = types.SimpleNamespace(ttir="module {}", num_warps=8, num_stages=1, function=None, arg_structs=())
+    monkeypatch.setattr(compat, "triton_ptx", lambda *a, **k: compat.TritonBuild(b".entry k(", 999))
+    monkeypatch.setattr(compat, "xla_gpu_images", lambda *a: [("ptx", b"x"), ("cubin", b"\x7fELF")])
+    images, errors = direct.kernel_images(spec, (9, 0))
+    assert images == [("ptx", b".entry k(", 999), ("cubin", b"\x7fELF", None), ("ptx", b"x", None)]
+    assert errors == []
+
+    def fails(*a, **k):
+        raise RuntimeError("none here")
+    monkeypatch.setattr(compat, "triton_ptx", fails)
+    monkeypatch.setattr(compat, "xla_gpu_images", lambda *a: [])
+    images, errors = direct.kernel_images(spec, (9, 0))
+    assert images == [] and "none here" in errors[0] and "holds no cubin" in errors[1]

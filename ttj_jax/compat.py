@@ -10,7 +10,7 @@ falls back to the public API.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 
@@ -168,6 +168,53 @@ def pallas_triton_kernels(fn, *arg_structs) -> list[TritonKernelIR]:
     finally:
         lowering.lower_jaxpr_to_triton_module = original
     return captured
+
+
+class TritonBuild(NamedTuple):
+    ptx: bytes
+    shared_bytes: int | None
+
+
+def triton_compiler():
+    """jaxlib's Triton compiler for CUDA: the handler XLA's CUDA plugin registers at backend start
+    (`cuda_plugin_extension.compile_triton_to_asm`, XLA's own Triton pipeline, the one that builds Pallas
+    kernels for the jax path), as a callable (module, arch_name, num_warps, num_ctas, num_stages) ->
+    result with `.asm` (PTX) and `.smem_bytes`. Looks where jax versions keep it: a public `compile` in
+    jax._src.lib.triton / jaxlib.triton, else their registry of handlers. None when absent (a CPU jax)."""
+    import importlib
+    for name in ("jax._src.lib.triton", "jaxlib.triton"):
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        handlers = getattr(module, "_compilation_handlers", None)
+        if isinstance(handlers, dict) and handlers.get("CUDA") is not None:
+            return handlers["CUDA"]
+        compile_fn = getattr(module, "compile", None)
+        has = getattr(module, "has_compilation_handler", None)
+        if compile_fn is not None and (has is None or has("CUDA")):
+            return lambda module_ir, arch, warps, ctas, stages: compile_fn(
+                "CUDA", module_ir, arch, num_warps=warps, num_ctas=ctas, num_stages=stages)
+    return None
+
+
+def triton_ptx(ttir: str | bytes, compute_capability: str, *, num_warps: int, num_stages: int) -> TritonBuild:
+    """PTX for one Triton IR module from jaxlib's own Triton compiler (see triton_compiler). Raises
+    RuntimeError when this jax has none or it rejects the module."""
+    compiler = triton_compiler()
+    if compiler is None:
+        raise RuntimeError(f"this jax ({jax.__version__}) exposes no Triton compiler for CUDA")
+    module_ir = ttir.encode() if isinstance(ttir, str) else ttir
+    try:
+        result = compiler(module_ir, compute_capability, num_warps, 1, num_stages)
+    except Exception as e:   # noqa: BLE001 - reported to the caller, who falls back
+        raise RuntimeError(f"jaxlib's Triton compiler rejected the kernel: {type(e).__name__}: {e}") from e
+    asm = result.asm
+    ptx = asm.encode() if isinstance(asm, str) else bytes(asm)
+    if b".entry" not in ptx:
+        raise RuntimeError("jaxlib's Triton compiler returned no PTX entry point")
+    shared = getattr(result, "smem_bytes", None)
+    return TritonBuild(ptx, int(shared) if shared is not None else None)
 
 
 def xla_gpu_images(fn, *arg_structs) -> list[tuple[str, bytes]]:
