@@ -1,6 +1,7 @@
 """Check and time the Mosaic GPU flash-attention kernel (ttj_jax/kernels/flash_attention_mgpu.py) on an H200.
 
-    PYTHONPATH=. python3 bench/bench_attention_mgpu.py [--quick] [--check] [--sweep | --grid] [--out DIR] [--budget-s 420]
+    PYTHONPATH=. python3 bench/bench_attention_mgpu.py [--quick] [--check] [--sweep | --grid] [--out DIR]
+        [--budget-s 420]
 
 In order (most important first): head_dim 64 checks, the main timing case, the other head_dim checks,
 the block-size variants (each checked, then timed at the main case), the other timing cases.
@@ -341,7 +342,8 @@ def gpu_check_and_time(out_dir: str | None = None, *, quick: bool = False, check
     date = datetime.date.today().isoformat()
     out = pathlib.Path(out_dir or _REPO_ROOT / "bench" / "results")
     out.mkdir(parents=True, exist_ok=True)
-    suffix = "-grid" if grid_only else "-sweep" if sweep_only else "-check" if check_only else ("-quick" if quick else "")
+    suffix = ("-grid" if grid_only else "-sweep" if sweep_only else "-check" if check_only
+              else "-quick" if quick else "")
     import jaxlib  # noqa: PLC0415
     header = {"gpu": gpu_name, "jax": jax.__version__, "jaxlib": jaxlib.__version__,
               "date": date, "quick": quick, "check_only": check_only, "pass_rule": f"atol {ATOL}, rtol {RTOL}"}

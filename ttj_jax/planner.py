@@ -59,7 +59,8 @@ FUSED_STACK_MAX_ROWS = 10000 * 128
 FUSED_STACK_MAX_HEADS = 4
 # The fused kernel's mask path (valid_token_mask: keys excluded, invalid rows zeroed) ran on the H200 with
 # zero failing elements on prefix and general masks (shape 2, 3 seeds each,
-# bench/results/direct-2026-11-30-nvidia-h200-session3.json), so masked calls, the harness's inference-mode masks among them, use it too.
+# bench/results/direct-2026-11-30-nvidia-h200-session3.json), and in the official run's inference-mode
+# seeds on every fused shape (official-2026-11-30-h200-session3.json), so masked calls use it too.
 # The "rows" stack for sequences longer than the fused kernel takes, up to this length: at S=1024 (shape
 # 13) it ran 0.776 ms through the bridge against the XLA program's 1.088 (torch peer 1.037 in an earlier
 # run), zero failing elements (bench/results/rows-2026-11-30-nvidia-h200.json).
