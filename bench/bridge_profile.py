@@ -61,12 +61,15 @@ def profile_shape(sid: str) -> dict:
         ours(x, mask)
         state = runtime._STATES[ours]
         call = next(iter(state.calls.values()))
-        weights = state.weights(call.plan.policy)
+        # the weights the plan's program takes: the fused kernel's own layout for a fused plan
+        weights_of = state.fused_jax_weights if call.plan.stack == "fused" else (
+            lambda: state.weights(call.plan.policy))
+        weights = weights_of()
         transfer = call.transfer
         jx = transfer.to_jax(x)
         y = call.run(weights, jx, None)
         keep = []
-        out["step_weights_check"] = host_us(lambda: state.weights(call.plan.policy))
+        out["step_weights_check"] = host_us(weights_of)
         out["step_classify_mask"] = host_us(lambda: state.classify(mask))
         out["step_import_x"] = host_us(lambda: (transfer.order_before_jax(), transfer.to_jax(x)))
         out["step_dispatch"] = host_us(lambda: call.run(weights, jx, None))
