@@ -197,3 +197,19 @@ def test_attention_implementations_through_the_model(attention, harness_rule):
             x = x.masked_fill(~mask[:, :, None], 0.0)
         y = T.forward(params, to_jax(x), to_jax(mask), config=config, attention="pallas")
         harness_rule(to_torch(y), torch_reference(base, x, mask), label=f"-{kind}")
+
+
+def test_fp16_projection_policy_is_requested_only_and_meets_the_rule(harness_rule):
+    # mixed_fp16_qkv16 writes the q/k/v projection in fp16 (bench/ablate_qkv16.py measures whether that
+    # pays on the GPU); the planner never picks it on its own
+    from ttj_jax.numerics import MIXED_FP16_QKV16
+    h = jnp.ones((2, 8), jnp.float32)
+    w = jnp.ones((8, 6), jnp.float16)
+    assert MIXED_FP16_QKV16.project_qkv(h, w, jnp.zeros(6)).dtype == jnp.float16
+    assert T.MIXED_FP16.project_qkv(h, w, jnp.zeros(6)).dtype == jnp.float32
+    config = T.Config(2, 24, 32, 2, 48, 2, True)
+    baseline, params = baseline_and_params(config)
+    x = random_input(config, seed=3)
+    y = T.forward(params, to_jax(x), config=config, policy="mixed_fp16_qkv16")
+    harness_rule(to_torch(y), baseline(x, None))
+    assert T.plan(config, T.InputFacts(2, 24, "float32")).policy == "mixed_fp16"

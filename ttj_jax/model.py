@@ -81,7 +81,7 @@ def _layer(w: Mapping[str, jax.Array], x, row_valid, key_valid, *, config: Confi
     """One pre-LN block on the fp32 residual x (B, S, d)."""
     B, S, d = x.shape
     h = layer_norm(x, w["norm1_weight"], w["norm1_bias"])
-    qkv = policy.matmul(h, w["qkv_weight"]) + w["qkv_bias"]                              # (B, S, 3d)
+    qkv = policy.project_qkv(h, w["qkv_weight"], w["qkv_bias"])                         # (B, S, 3d)
     qkv = qkv.reshape(B, S, 3, config.num_heads, config.head_dim)                        # free reshape
     context = attention_for(plan)(qkv, key_valid, causal=config.causal, policy=policy)
     a = policy.matmul(context.reshape(B, S, d), w["out_weight"]) + w["out_bias"]

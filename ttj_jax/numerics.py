@@ -28,12 +28,24 @@ class NumericsPolicy:
     accumulate_dtype: np.dtype = np.dtype(np.float32)   # matmul accumulation and outputs
     residual_dtype: np.dtype = np.dtype(np.float32)     # the residual stream between blocks
     statistics_dtype: np.dtype = np.dtype(np.float32)   # LayerNorm mean/variance and softmax
+    # The q/k/v projection's output, which only attention reads (in gemm_dtype): fp32, or gemm_dtype
+    # itself so the GEMM writes half the bytes and no separate pass rounds it (an experiment for the
+    # GEMM-bound shape 8, where that fp32 tensor is ~100 MB per layer; the bias is then added in fp16).
+    projection_dtype: np.dtype = np.dtype(np.float32)
 
     def matmul(self, x: jax.Array, w: jax.Array) -> jax.Array:
         """x @ w with this policy's operands, accumulated and returned in fp32. `w` is already in
         gemm_dtype (prepared once, see params.prepare_weights)."""
         return jnp.matmul(x.astype(self.gemm_dtype), w.astype(self.gemm_dtype),
                           precision=self.precision, preferred_element_type=self.accumulate_dtype)
+
+    def project_qkv(self, x: jax.Array, w: jax.Array, b: jax.Array) -> jax.Array:
+        """x @ w + b for the q/k/v projection, returned in projection_dtype (fp32 accumulation)."""
+        if self.projection_dtype == self.accumulate_dtype:
+            return self.matmul(x, w) + b
+        y = jnp.matmul(x.astype(self.gemm_dtype), w.astype(self.gemm_dtype), precision=self.precision,
+                       preferred_element_type=self.projection_dtype)
+        return y + b.astype(self.projection_dtype)
 
     def einsum(self, spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
         return jnp.einsum(spec, a.astype(self.gemm_dtype), b.astype(self.gemm_dtype),
@@ -44,8 +56,12 @@ MIXED_FP16 = NumericsPolicy("mixed_fp16", gemm_dtype=np.dtype(np.float16),
                             precision=jax.lax.Precision.DEFAULT)
 EXACT_FP32 = NumericsPolicy("exact_fp32", gemm_dtype=np.dtype(np.float32),
                             precision=jax.lax.Precision.HIGHEST)
+# Requested only (ttj_jax.forward(..., policy="mixed_fp16_qkv16"), bench/ablate_qkv16.py) until a GPU run
+# measures its speed and its margin under the harness rule.
+MIXED_FP16_QKV16 = NumericsPolicy("mixed_fp16_qkv16", gemm_dtype=np.dtype(np.float16),
+                                  precision=jax.lax.Precision.DEFAULT, projection_dtype=np.dtype(np.float16))
 
-POLICIES: dict[str, NumericsPolicy] = {p.name: p for p in (MIXED_FP16, EXACT_FP32)}
+POLICIES: dict[str, NumericsPolicy] = {p.name: p for p in (MIXED_FP16, EXACT_FP32, MIXED_FP16_QKV16)}
 
 
 def get_policy(policy: "str | NumericsPolicy") -> NumericsPolicy:
