@@ -1,0 +1,523 @@
+"""The whole pre-LN layer stack as ONE Mosaic GPU (Hopper, sm_90) kernel, for the launch-bound shapes.
+
+Same model as `fused_stack.py` (SPEC section 1; the generic Pallas/Triton kernel), written with Pallas'
+Mosaic GPU backend ("plgpu") so that it can also be launched on torch tensors without JAX dispatch
+(`torch_kernel`, through `plgpu.as_torch_kernel`, whose launcher ships in jaxlib).
+
+Scope: d_model = ffn_dim = 128, head_dim = 128 / num_heads with num_heads in {1, 2, 4}, seq_len in
+{32, 64, 128}, any number of layers, causal or not, fp32 x in and fp32 y out, any batch. No masks
+(mask-free calls only). Everything else belongs to `fused_stack.py` (see `supports`).
+
+Design (one CUDA block per 128-row tile; three warpgroups):
+- Tile. A block carries 128 rows: one sequence (S=128) or 128 // S whole sequences one after another
+  (S=32: 4, S=64: 2), with a block-diagonal (causal) attention mask. Grid = cdiv(B, 128 // S). For
+  S < 128 the batch must be a multiple of 128 // S inside the kernel; `fused_stack_mgpu_forward` pads
+  it (one copy, only when B is not a multiple), `torch_kernel` refuses other batches.
+- Warpgroups. Consumers 0 and 1 own rows 0-63 and 64-127 (one wgmma M=64 tile each); warpgroup 2 is
+  the producer: it streams the weights with TMA and gives its registers to the consumers.
+- Weights (`MgpuStackWeights`, built once by `stack_weights_mgpu`). Every weight matrix of a layer is
+  stored as a "chunk" of shape [H, 128, hd] fp16 (32 KB), six chunks per layer, in the order they are
+  used: Wq, Wk, Wv (per head, [in, out]), Wout^T (per head, [out, in]), W1 (in column blocks of hd,
+  [in, out]) and W2^T (in row blocks of hd, [out, in]). So every chunk has one SMEM type and the
+  producer streams `mats[L, 6, H, 128, hd]` through a ring of `NUM_SLOTS` = 2 chunk slots (ready
+  barrier: the TMA; consumed barrier: one arrival per consumer). The MLP runs over hd-wide blocks of
+  its hidden layer (hidden_j = GELU(h W1[:, j]); x += hidden_j W2[j, :]), which is why ffn_dim must
+  equal d_model here. All vectors (LayerNorm weights, biases) are one fp32 array
+  `vecs[L + 1, 10, 128]` copied to SMEM once (last entry: the final LayerNorm).
+- Residual. fp32, in SMEM (`x_smem`, 64 KB, the TMA target for x and the TMA source for y); each
+  consumer reads its 64 rows for LayerNorm 1, the out-projection and writes them back after the MLP.
+  Keeping it in SMEM instead of registers leaves registers for the attention.
+- Per layer and consumer: h = LN1(x) (fp32 row reductions in the WGMMA layout, then fp16, kept in
+  registers as the wgmma A operand); q_h = h Wq_h + bq_h (fp16, registers, every head); k_h and v_h
+  are written (fp16) to SMEM buffers [H, 128, hd] shared by both consumers, then a barrier pair
+  (kv_written, kv_free, two arrivals each) orders the writes against the other consumer's reads.
+  Per head: scores = q_h k_h^T over all 128 keys (64 x 128, fp32), mask, softmax (fp32, base 2),
+  P = softmax normalised in fp32 then rounded to fp16, ctx_h = P v_h (fp32) -> fp16. Then
+  x + bout + sum_h ctx_h Wout_h (accumulated in one wgmma accumulator, heads in order), LN2, the MLP
+  blocks (bias, GELU in fp32, fp16), x + b2 + sum_j hidden_j W2_j. Finally LN of the residual -> y.
+- SMEM: x 64 KB + k, v 64 KB + ring 64 KB + vectors 20 KB (L=4) = ~213 KB of the 227 KB.
+
+Numerics (MIXED_FP16): fp16 GEMM operands, fp32 accumulation, fp32 residual, LayerNorm (eps 1e-5,
+biased variance) and softmax in fp32, probabilities normalised before the fp16 rounding (as the XLA
+path and `fused_stack_reference` do); GELU is the erf GELU with `fused_stack._erf` (XLA's fp32 rational
+erf, within 4e-7 of the exact erf); exp2 uses `approx_math` (ex2.approx, a few fp32 ulps).
+`emulate` below is a NumPy model of exactly these rounding points and accumulation orders.
+
+Verified on a CPU (tests/test_fused_stack_mgpu.py): lowering for CUDA (one `mosaic_gpu_v2` custom call,
+Mosaic's layout inference, wgmma shape/operand checks, TMA slicing), that the torch-launchable function
+contains nothing but the kernel, argument checks, and the algorithm via `emulate` against the fp32
+reference. NOT verified until bench/fused_stack_mgpu_check.py runs on an H200: ptxas (spills),
+barrier/phase correctness (deadlocks), SMEM races, wgmma transposition conventions, real outputs, speed.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+
+from ttj_jax.kernels.fused_stack import _erf
+from ttj_jax.numerics import LAYER_NORM_EPS, MIXED_FP16
+from ttj_jax.params import PreparedWeights, prepare_weights
+
+D_MODEL = 128
+FFN_DIM = 128
+SUPPORTED_NUM_HEADS = (1, 2, 4)
+SUPPORTED_SEQ_LENS = (32, 64, 128)
+TILE_ROWS = 128              # rows per CUDA block
+WG_ROWS = 64                 # rows per consumer warpgroup (wgmma M)
+NUM_CONSUMERS = 2
+NUM_SLOTS = 2                # weight chunks in flight (ring)
+CHUNKS_PER_LAYER = 6         # Wq, Wk, Wv, Wout^T, W1, W2^T
+NUM_VECS = 10                # vecs rows per layer, in this order:
+LN1_W, LN1_B, BQ, BK, BV, BOUT, LN2_W, LN2_B, B1, B2 = range(NUM_VECS)
+SMEM_BUDGET_BYTES = 227 * 1024 - 2 * 1024
+_REGISTERS = (232, 40)       # consumer, producer (as the attention kernel: 2 * 232 + 40 <= 512 per lane)
+_LOG2_E = math.log2(math.e)
+_GEMM_DTYPE = jnp.dtype(MIXED_FP16.gemm_dtype)
+# Grid axis names share a namespace with enclosing mesh axes (see flash_attention_mgpu.py): never "batch".
+_GRID_TILE = "ttj_fsm_sequence"
+LOWERING_SEMANTICS = "warpgroup"
+
+
+def _plgpu():
+    import jax.experimental.pallas.mosaic_gpu as plgpu  # noqa: PLC0415 - imports absl; lazily
+    return plgpu
+
+
+def model_error(d_model: int, num_heads: int, ffn_dim: int) -> str | None:
+    if d_model != D_MODEL:
+        return f"d_model={d_model} must be {D_MODEL}"
+    if ffn_dim != FFN_DIM:
+        return f"ffn_dim={ffn_dim} must be {FFN_DIM}"
+    if num_heads not in SUPPORTED_NUM_HEADS:
+        return f"num_heads={num_heads} must be one of {SUPPORTED_NUM_HEADS}"
+    return None
+
+
+def supports(config: Any, seq_len: int) -> bool:
+    """Whether this kernel runs the model (anything with d_model, num_heads, ffn_dim) at seq_len.
+    Mask-free calls only: the caller must know the call has no mask."""
+    return (seq_len in SUPPORTED_SEQ_LENS
+            and model_error(config.d_model, config.num_heads, config.ffn_dim) is None)
+
+
+def smem_bytes(num_layers: int, num_slots: int = NUM_SLOTS) -> int:
+    """Shared memory of one block: residual, k, v, weight ring, vectors, barriers."""
+    chunk = D_MODEL * D_MODEL * 2
+    return (TILE_ROWS * D_MODEL * 4 + 2 * chunk + num_slots * chunk
+            + (num_layers + 1) * NUM_VECS * D_MODEL * 4 + 8 * (2 + 1 + 2 * num_slots + 2))
+
+
+@jax.tree_util.register_pytree_node_class
+class MgpuStackWeights:
+    """mats [L, 6, H, 128, hd] fp16 and vecs [L + 1, 10, 128] fp32 (module docstring)."""
+
+    def __init__(self, mats, vecs, *, num_heads: int):
+        self.mats, self.vecs, self.num_heads = mats, vecs, num_heads
+
+    def tree_flatten(self):
+        return (self.mats, self.vecs), self.num_heads
+
+    @classmethod
+    def tree_unflatten(cls, num_heads, children):
+        return cls(*children, num_heads=num_heads)
+
+    @property
+    def num_layers(self) -> int:
+        return self.mats.shape[0]
+
+    @property
+    def head_dim(self) -> int:
+        return D_MODEL // self.num_heads
+
+
+def stack_weights_mgpu(prepared: PreparedWeights | dict, num_heads: int) -> MgpuStackWeights:
+    """MgpuStackWeights from PreparedWeights (mixed_fp16) or raw params; once, outside the hot path."""
+    if not isinstance(prepared, PreparedWeights):
+        prepared = prepare_weights(prepared, MIXED_FP16)
+    if prepared.policy_name != MIXED_FP16.name:
+        raise ValueError(f"prepared.policy_name={prepared.policy_name!r} must be {MIXED_FP16.name!r}")
+    if isinstance(num_heads, bool) or not isinstance(num_heads, int):
+        raise ValueError(f"num_heads={num_heads!r} must be an int")
+    if prepared.num_layers < 1:
+        raise ValueError("prepared has no layers")
+    d_model, ffn_dim = prepared.layers[0]["ffn_in_weight"].shape
+    error = model_error(d_model, num_heads, ffn_dim)
+    if error:
+        raise ValueError(error)
+    hd = d_model // num_heads
+
+    def column_blocks(w):   # [in, out] -> [H, in, hd]: block h = w[:, h*hd:(h+1)*hd]
+        return jnp.asarray(w).reshape(w.shape[0], num_heads, hd).transpose(1, 0, 2)
+
+    def row_blocks_t(w):    # [in, out] -> [H, out, hd]: block h = w[h*hd:(h+1)*hd, :]^T
+        return jnp.asarray(w).reshape(num_heads, hd, w.shape[1]).transpose(0, 2, 1)
+
+    mats, vecs = [], []
+    for layer in prepared.layers:
+        qkv = jnp.asarray(layer["qkv_weight"])
+        bias = jnp.asarray(layer["qkv_bias"])
+        mats.append(jnp.stack([
+            column_blocks(qkv[:, :d_model]), column_blocks(qkv[:, d_model:2 * d_model]),
+            column_blocks(qkv[:, 2 * d_model:]), row_blocks_t(layer["out_weight"]),
+            column_blocks(layer["ffn_in_weight"]), row_blocks_t(layer["ffn_out_weight"])]).astype(_GEMM_DTYPE))
+        vecs.append(jnp.stack([
+            layer["norm1_weight"], layer["norm1_bias"], bias[:d_model], bias[d_model:2 * d_model],
+            bias[2 * d_model:], layer["out_bias"], layer["norm2_weight"], layer["norm2_bias"],
+            layer["ffn_in_bias"], layer["ffn_out_bias"]]).astype(jnp.float32))
+    final = jnp.zeros((NUM_VECS, d_model), jnp.float32)
+    final = final.at[0].set(prepared.final_norm["weight"]).at[1].set(prepared.final_norm["bias"])
+    return MgpuStackWeights(jnp.stack(mats), jnp.stack(vecs + [final]), num_heads=num_heads)
+
+
+# --- The kernel -------------------------------------------------------------------------------------
+
+def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, num_layers: int, num_heads: int,
+                  seq_len: int, causal: bool):
+    plgpu = _plgpu()
+    (x_smem, k_smem, v_smem, w_smem, vec_smem), barriers = scoped
+    x_ready, vec_ready, w_ready, w_consumed, kv_written, kv_free = barriers
+    hd = D_MODEL // num_heads
+    wg = lax.axis_index("wg")
+    tile = lax.axis_index(_GRID_TILE)
+    seqs_per_tile = TILE_ROWS // seq_len
+    wgmma_layout = plgpu.Layout.WGMMA
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+    col_layout = plgpu.Layout.WGMMA.reduce(0)
+
+    def x_copies(rows_smem):
+        """(gmem, smem) pairs of this consumer's 64 rows: one sequence half, or 64 // S sequences."""
+        if seq_len == TILE_ROWS:
+            return [(x_ref.at[tile, pl.ds(wg * WG_ROWS, WG_ROWS)], rows_smem)]
+        per_wg = WG_ROWS // seq_len
+        return [(x_ref.at[tile * seqs_per_tile + wg * per_wg + j], rows_smem.at[pl.ds(j * seq_len, seq_len)])
+                for j in range(per_wg)]
+
+    @pl.when(wg < NUM_CONSUMERS)
+    def _consumer():
+        plgpu.set_max_registers(_REGISTERS[0], action="increase")
+        rows_smem = x_smem.at[wg]
+        for src, dst in x_copies(rows_smem):
+            plgpu.copy_gmem_to_smem(src, dst, x_ready.at[wg])
+
+        def vec(layer, which, start=0, size=D_MODEL):
+            v = plgpu.load(vec_smem, (layer, which, pl.ds(start, size)), layout=col_layout, optimized=False)
+            return v
+
+        def row_bcast(v, shape):    # (n,) over columns -> (64, n)
+            return lax.broadcast_in_dim(v, shape, [1])
+
+        def col_bcast(v, shape):    # (64,) over rows -> (64, n)
+            return lax.broadcast_in_dim(v, shape, [0])
+
+        def layer_norm(x, layer, w_index, b_index):
+            mean = x.sum(axis=1) * (1.0 / D_MODEL)
+            centered = x - col_bcast(mean, x.shape)
+            var = (centered * centered).sum(axis=1) * (1.0 / D_MODEL)
+            scaled = centered * col_bcast(lax.rsqrt(var + LAYER_NORM_EPS), x.shape)
+            return (scaled * row_bcast(vec(layer, w_index), x.shape)
+                    + row_bcast(vec(layer, b_index), x.shape))
+
+        def zeros(shape):
+            return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), wgmma_layout)
+
+        def load_x():
+            return plgpu.load(rows_smem, (), layout=wgmma_layout, optimized=False)
+
+        def matmul(acc, a, b):
+            # acc + a @ b: a fresh zero accumulator, added in registers (so the sum over heads is
+            # rounded once per head, as fused_stack_reference adds them).
+            def body(acc_ref):
+                plgpu.wgmma(acc_ref, a, b)
+                return acc_ref[...]
+            product = pl.run_scoped(body, plgpu.ACC((a.shape[0], b.shape[1]), jnp.float32))
+            return product if acc is None else acc + product
+
+        def chunk_wait(index):
+            plgpu.barrier_wait(w_ready.at[index % NUM_SLOTS])
+            return w_smem.at[index % NUM_SLOTS]
+
+        def chunk_done(index):
+            plgpu.barrier_arrive(w_consumed.at[index % NUM_SLOTS])
+
+        # Mask of the (64 query rows, 128 keys) score tile, the same every layer and head.
+        query = wg * WG_ROWS + plgpu.broadcasted_iota(jnp.int32, (WG_ROWS, TILE_ROWS), 0, layout=wgmma_layout)
+        key = plgpu.broadcasted_iota(jnp.int32, (WG_ROWS, TILE_ROWS), 1, layout=wgmma_layout)
+        allowed = None
+        if seq_len < TILE_ROWS:
+            allowed = lax.div(query, jnp.int32(seq_len)) == lax.div(key, jnp.int32(seq_len))
+        if causal:
+            allowed = key <= query if allowed is None else allowed & (key <= query)
+        score_scale = hd ** -0.5 * _LOG2_E
+
+        plgpu.barrier_wait(vec_ready.at[0])
+        plgpu.barrier_wait(x_ready.at[wg])
+        for layer in range(num_layers):
+            base = layer * CHUNKS_PER_LAYER
+            h = layer_norm(load_x(), layer, LN1_W, LN1_B).astype(_GEMM_DTYPE)
+
+            def project(w, head, bias_index, layer=layer, h=h):
+                acc = matmul(None, h, w.at[head])
+                return (acc + row_bcast(vec(layer, bias_index, head * hd, hd), acc.shape)).astype(_GEMM_DTYPE)
+
+            w = chunk_wait(base + 0)
+            q = [project(w, head, BQ) for head in range(num_heads)]
+            chunk_done(base + 0)
+            if layer > 0:   # the other consumer has finished reading last layer's k and v
+                plgpu.barrier_wait(kv_free.at[0])
+            for slot, (bias_index, dst) in enumerate(((BK, k_smem), (BV, v_smem)), start=1):
+                w = chunk_wait(base + slot)
+                for head in range(num_heads):
+                    dst[head, pl.ds(wg * WG_ROWS, WG_ROWS), :] = project(w, head, bias_index)
+                chunk_done(base + slot)
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(kv_written.at[0])
+            plgpu.barrier_wait(kv_written.at[0])
+
+            ctx = []
+            for head in range(num_heads):
+                scores = matmul(None, q[head], k_smem.at[head].transpose((1, 0)))
+                if allowed is not None:
+                    scores = jnp.where(allowed, scores, -jnp.inf)
+                m = scores.max(axis=1) * score_scale
+                p = jnp.exp2(scores * score_scale - col_bcast(m, scores.shape))
+                p = p * col_bcast(1.0 / p.sum(axis=1), p.shape)
+                out = matmul(None, p.astype(_GEMM_DTYPE), v_smem.at[head])
+                ctx.append(out.astype(_GEMM_DTYPE))
+            plgpu.barrier_arrive(kv_free.at[0])
+
+            w = chunk_wait(base + 3)
+            x = load_x() + row_bcast(vec(layer, BOUT), (WG_ROWS, D_MODEL))
+            for head in range(num_heads):
+                x = matmul(x, ctx[head], w.at[head].transpose((1, 0)))
+            chunk_done(base + 3)
+
+            h2 = layer_norm(x, layer, LN2_W, LN2_B).astype(_GEMM_DTYPE)
+            w = chunk_wait(base + 4)
+            hidden = []
+            for block in range(num_heads):
+                pre = matmul(None, h2, w.at[block])
+                pre = pre + row_bcast(vec(layer, B1, block * hd, hd), pre.shape)
+                hidden.append((0.5 * pre * (1.0 + _erf(pre * 0.7071067811865476))).astype(_GEMM_DTYPE))
+            chunk_done(base + 4)
+            w = chunk_wait(base + 5)
+            x = x + row_bcast(vec(layer, B2), x.shape)
+            for block in range(num_heads):
+                x = matmul(x, hidden[block], w.at[block].transpose((1, 0)))
+            chunk_done(base + 5)
+            rows_smem[...] = x
+
+        y = layer_norm(load_x(), num_layers, 0, 1)
+        rows_smem[...] = y
+        plgpu.commit_smem()
+        if seq_len == TILE_ROWS:
+            plgpu.copy_smem_to_gmem(rows_smem, y_ref.at[tile, pl.ds(wg * WG_ROWS, WG_ROWS)])
+        else:
+            per_wg = WG_ROWS // seq_len
+            for j in range(per_wg):
+                plgpu.copy_smem_to_gmem(rows_smem.at[pl.ds(j * seq_len, seq_len)],
+                                        y_ref.at[tile * seqs_per_tile + wg * per_wg + j])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == NUM_CONSUMERS)
+    def _producer():
+        plgpu.set_max_registers(_REGISTERS[1], action="decrease")
+        plgpu.copy_gmem_to_smem(vecs_ref, vec_smem, vec_ready.at[0])
+        num_chunks = num_layers * CHUNKS_PER_LAYER
+
+        def load(index):
+            layer, which = divmod(index, CHUNKS_PER_LAYER)
+            slot = index % NUM_SLOTS
+            plgpu.copy_gmem_to_smem(mats_ref.at[layer, which], w_smem.at[slot], w_ready.at[slot])
+
+        for index in range(num_chunks):
+            if index >= NUM_SLOTS:
+                plgpu.barrier_wait(w_consumed.at[index % NUM_SLOTS])
+            load(index)
+
+
+def _compiler_params():
+    plgpu = _plgpu()
+    semantics = {"lane": plgpu.LoweringSemantics.Lane,
+                 "warpgroup": plgpu.LoweringSemantics.Warpgroup}[LOWERING_SEMANTICS]
+    return plgpu.CompilerParams(approx_math=True, lowering_semantics=semantics)
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_function(batch: int, seq_len: int, num_heads: int, num_layers: int, causal: bool):
+    """The bare kernel for x [batch, seq_len, 128] fp32: f(x, mats, vecs) -> y. Nothing but the Mosaic
+    GPU call (what `plgpu.as_torch_kernel` needs); batch must be a multiple of 128 // seq_len."""
+    if seq_len not in SUPPORTED_SEQ_LENS:
+        raise ValueError(f"{seq_len=} must be one of {SUPPORTED_SEQ_LENS}")
+    if num_heads not in SUPPORTED_NUM_HEADS:
+        raise ValueError(f"{num_heads=} must be one of {SUPPORTED_NUM_HEADS}")
+    seqs_per_tile = TILE_ROWS // seq_len
+    if batch < 1 or batch % seqs_per_tile:
+        raise ValueError(f"{batch=} must be a positive multiple of {seqs_per_tile} at {seq_len=}")
+    if smem_bytes(num_layers) > SMEM_BUDGET_BYTES:
+        raise ValueError(f"num_layers={num_layers} needs {smem_bytes(num_layers)} bytes of shared memory, "
+                         f"more than {SMEM_BUDGET_BYTES}")
+    plgpu = _plgpu()
+    hd = D_MODEL // num_heads
+
+    def fp16_transforms(minor: int):
+        swizzle = min(128, minor * 2)
+        return (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
+
+    kv_transforms = fp16_transforms(hd)
+    smem = (plgpu.SMEM((NUM_CONSUMERS, WG_ROWS, D_MODEL), jnp.float32),                     # residual
+            plgpu.SMEM((num_heads, TILE_ROWS, hd), _GEMM_DTYPE, transforms=kv_transforms),   # k
+            plgpu.SMEM((num_heads, TILE_ROWS, hd), _GEMM_DTYPE, transforms=kv_transforms),   # v
+            plgpu.SMEM((NUM_SLOTS, num_heads, D_MODEL, hd), _GEMM_DTYPE, transforms=kv_transforms),  # ring
+            plgpu.SMEM((num_layers + 1, NUM_VECS, D_MODEL), jnp.float32))                   # vectors
+    copies_per_wg = 1 if seq_len == TILE_ROWS else WG_ROWS // seq_len
+    barriers = (plgpu.Barrier(num_arrivals=copies_per_wg, num_barriers=NUM_CONSUMERS),   # x_ready
+                plgpu.Barrier(num_arrivals=1, num_barriers=1),                           # vec_ready
+                plgpu.Barrier(num_arrivals=1, num_barriers=NUM_SLOTS),                   # w_ready
+                plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=NUM_SLOTS),       # w_consumed
+                plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=1),               # kv_written
+                plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=1))               # kv_free
+    body = functools.partial(_stack_kernel, num_layers=num_layers, num_heads=num_heads, seq_len=seq_len,
+                             causal=causal)
+
+    def entry(x_ref, mats_ref, vecs_ref, y_ref):
+        pl.run_scoped(lambda *scoped: body(x_ref, mats_ref, vecs_ref, y_ref, scoped), smem, barriers,
+                      collective_axes="wg")
+
+    return plgpu.kernel(
+        entry,
+        out_type=jax.ShapeDtypeStruct((batch, seq_len, D_MODEL), jnp.float32),
+        grid=(batch // seqs_per_tile,),
+        grid_names=(_GRID_TILE,),
+        num_threads=NUM_CONSUMERS + 1,
+        thread_name="wg",
+        compiler_params=_compiler_params(),
+    )
+
+
+def _check_call(weights, x, num_heads, causal):
+    if not isinstance(weights, MgpuStackWeights):
+        raise ValueError(f"weights={type(weights).__name__} must be MgpuStackWeights (see stack_weights_mgpu)")
+    if not isinstance(causal, bool):
+        raise ValueError(f"causal={causal!r} must be a bool")
+    if isinstance(num_heads, bool) or num_heads != weights.num_heads:
+        raise ValueError(f"num_heads={num_heads!r} must match the weights' num_heads={weights.num_heads}")
+    if x.ndim != 3:
+        raise ValueError(f"x.shape={x.shape} must be [batch, seq_len, d_model] (rank 3)")
+    batch, seq_len, d_model = x.shape
+    if d_model != D_MODEL:
+        raise ValueError(f"x.shape={x.shape}: d_model={d_model} must be {D_MODEL}")
+    if jnp.dtype(x.dtype) != jnp.dtype(jnp.float32):
+        raise ValueError(f"x.dtype={jnp.dtype(x.dtype)} must be float32")
+    if seq_len not in SUPPORTED_SEQ_LENS:
+        raise ValueError(f"{seq_len=} must be one of {SUPPORTED_SEQ_LENS}")
+    if batch < 1:
+        raise ValueError(f"x.shape={x.shape} must have batch >= 1")
+
+
+@functools.partial(jax.jit, static_argnames=("num_heads", "causal"))
+def fused_stack_mgpu_forward(weights: MgpuStackWeights, x: jax.Array, *, num_heads: int,
+                             causal: bool = True) -> jax.Array:
+    """y = LN_final(layers(x)) (SPEC section 1, mask-free) in one Mosaic GPU kernel; fp32 [B, S, 128].
+
+    S in {32, 64, 128}; any B (for S < 128 a B that is not a multiple of 128 // S is padded: one copy
+    in, one slice out). Hopper only: no interpret mode."""
+    _check_call(weights, x, num_heads, causal)
+    batch, seq_len, _ = x.shape
+    batch_pad = -batch % (TILE_ROWS // seq_len)
+    if batch_pad:
+        x = jnp.pad(x, ((0, batch_pad), (0, 0), (0, 0)))
+    y = kernel_function(batch + batch_pad, seq_len, num_heads, weights.num_layers, causal)(
+        x, weights.mats, weights.vecs)
+    return y[:batch] if batch_pad else y
+
+
+def torch_kernel(batch: int, seq_len: int, num_heads: int, num_layers: int, causal: bool = True):
+    """`plgpu.as_torch_kernel` of the bare kernel: call it as f(x, mats, vecs) on torch CUDA tensors
+    (x fp32 [batch, seq_len, 128] contiguous, mats/vecs the MgpuStackWeights arrays as torch tensors);
+    returns y. Launches on torch's default stream. Raises AttributeError where the installed jax lacks
+    as_torch_kernel."""
+    plgpu = _plgpu()
+    if not hasattr(plgpu, "as_torch_kernel"):
+        raise AttributeError("this jax's jax.experimental.pallas.mosaic_gpu has no as_torch_kernel")
+    return plgpu.as_torch_kernel(kernel_function(batch, seq_len, num_heads, num_layers, causal))
+
+
+# --- NumPy emulation of the kernel's algorithm ------------------------------------------------------
+
+def _np_erf(x):
+    return np.asarray(_erf(jnp.asarray(x, jnp.float32)))
+
+
+def emulate(weights: MgpuStackWeights, x, *, causal: bool = True) -> np.ndarray:
+    """The kernel's algorithm in NumPy, tile by tile and warpgroup by warpgroup, with its dtypes: fp16
+    GEMM operands (rounded where the kernel rounds), fp32 accumulation, the out-projection and the
+    MLP's second GEMM accumulated head (block) by head onto x + bias, the 128-row tile's masked
+    64 x 128 score blocks, base-2 softmax normalised in fp32 before the fp16 rounding."""
+    mats = np.asarray(weights.mats).astype(np.float32)   # fp16 values, exactly representable
+    vecs = np.asarray(weights.vecs, np.float32)
+    x = np.asarray(x, np.float32)
+    batch, seq_len, d = x.shape
+    num_heads, hd = weights.num_heads, weights.head_dim
+    seqs_per_tile = TILE_ROWS // seq_len
+    batch_pad = -batch % seqs_per_tile
+    xp = np.concatenate([x, np.zeros((batch_pad, seq_len, d), np.float32)]) if batch_pad else x
+    tiles = xp.reshape(-1, TILE_ROWS, d)
+    f16 = lambda a: a.astype(np.float16).astype(np.float32)   # noqa: E731
+    dot = lambda a, b: np.matmul(a, b, dtype=np.float32)        # noqa: E731  (operands already fp16 values)
+
+    def ln(v, w, b):
+        mean = v.sum(axis=-1, keepdims=True, dtype=np.float32) * np.float32(1.0 / d)
+        c = v - mean
+        var = (c * c).sum(axis=-1, keepdims=True, dtype=np.float32) * np.float32(1.0 / d)
+        return c * (np.float32(1.0) / np.sqrt(var + np.float32(LAYER_NORM_EPS))) * w + b
+
+    rows = np.arange(TILE_ROWS)
+    allowed = np.ones((TILE_ROWS, TILE_ROWS), bool)
+    if seq_len < TILE_ROWS:
+        allowed &= (rows[:, None] // seq_len) == (rows[None, :] // seq_len)
+    if causal:
+        allowed &= rows[None, :] <= rows[:, None]
+    scale = np.float32(hd ** -0.5 * _LOG2_E)
+    out = np.empty_like(tiles)
+    for t, res in enumerate(tiles):
+        res = res.copy()
+        for layer in range(weights.num_layers):
+            wq, wk, wv, wout_t, w1, w2_t = mats[layer]
+            v_ = vecs[layer]
+            h = f16(ln(res, v_[LN1_W], v_[LN1_B]))
+            heads = [slice(i * hd, (i + 1) * hd) for i in range(num_heads)]
+            q = [f16(dot(h, wq[i]) + v_[BQ][s]) for i, s in enumerate(heads)]
+            k = [f16(dot(h, wk[i]) + v_[BK][s]) for i, s in enumerate(heads)]
+            v = [f16(dot(h, wv[i]) + v_[BV][s]) for i, s in enumerate(heads)]
+            new = np.empty_like(res)
+            for wg in range(NUM_CONSUMERS):
+                r = slice(wg * WG_ROWS, (wg + 1) * WG_ROWS)
+                ctx = []
+                for i in range(num_heads):
+                    scores = dot(q[i][r], k[i].T)
+                    scores = np.where(allowed[r], scores, -np.inf).astype(np.float32)
+                    m = scores.max(axis=1, keepdims=True) * scale
+                    p = np.exp2(scores * scale - m).astype(np.float32)
+                    p = p * (np.float32(1.0) / p.sum(axis=1, keepdims=True, dtype=np.float32))
+                    ctx.append(f16(dot(f16(p), v[i])))
+                xr = res[r] + v_[BOUT]
+                for i in range(num_heads):
+                    xr = xr + dot(ctx[i], wout_t[i].T)
+                h2 = f16(ln(xr, v_[LN2_W], v_[LN2_B]))
+                xr = xr + v_[B2]
+                for i, s in enumerate(heads):
+                    pre = dot(h2, w1[i]) + v_[B1][s]
+                    hidden = f16(np.float32(0.5) * pre * (np.float32(1.0) + _np_erf(pre * np.float32(0.7071067811865476))))
+                    xr = xr + dot(hidden, w2_t[i].T)
+                new[r] = xr
+            res = new
+        out[t] = ln(res, vecs[-1][0], vecs[-1][1])
+    return out.reshape(-1, seq_len, d)[:batch]
