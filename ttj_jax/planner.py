@@ -46,6 +46,7 @@ CUDNN_HEAD_DIMS = range(8, 129, 8)
 # against our generic kernel's 226). Not in a batch split yet: the one two-GPU run with it gave a wrong
 # output (scale-2026-11-30-h200x2-p2p.json); the cause found since (the kernel's grid axis "batch" clashed
 # with the mesh axis of that name, fixed, the lowered kernel now identical) awaits a two-GPU rerun.
+HOPPER_OVER_CUDNN_HEAD_DIMS = (64, 128)
 # The fused whole-stack kernel up to this many tokens (batch x seq_len) per call, the largest measured:
 # bench/results/direct-2026-11-30-nvidia-h200.json (the kernel run through jax, harness timing): faster
 # than the XLA program on shape 6 (B=10000: 9.94 against 13.85 ms), shape 5 (0.154 against 0.235) and
@@ -184,7 +185,7 @@ def plan(config: Config, inputs: InputFacts, device: DeviceFacts = CPU, *,
         attention = "xla"
         reasons.append("exact fp32 attention through XLA at HIGHEST precision")
     elif (inputs.seq_len >= CUDNN_MIN_SEQ_LEN and mask_mode in ("none", "rows") and device.is_hopper
-          and config.head_dim in (64, 128) and data_parallel == 1):
+          and config.head_dim in HOPPER_OVER_CUDNN_HEAD_DIMS and data_parallel == 1):
         attention = "pallas"
         reasons.append(f"S={inputs.seq_len} >= {CUDNN_MIN_SEQ_LEN}, head_dim {config.head_dim} on sm_90: our "
                        "Hopper flash kernel, measured faster than cuDNN at shape 14's attention call (481 "
