@@ -5,7 +5,8 @@ Mosaic GPU backend ("plgpu") so that it can also be launched on torch tensors wi
 (`torch_kernel`, through `plgpu.as_torch_kernel`, whose launcher ships in jaxlib).
 
 Scope: d_model = ffn_dim = 128, head_dim = 128 / num_heads with num_heads in {1, 2, 4}, seq_len in
-{32, 64, 128}, any number of layers, causal or not, fp32 x in and fp32 y out, any batch. No masks
+{32, 64, 128}, 1 to 5 layers (all layers' vectors sit in shared memory), causal or not, fp32 x in and
+fp32 y out, any batch. No masks
 (mask-free calls only). Everything else belongs to `fused_stack.py` (see `supports`).
 
 Design (one CUDA block per 128-row tile; three warpgroups):
@@ -35,7 +36,10 @@ Design (one CUDA block per 128-row tile; three warpgroups):
   P = softmax normalised in fp32 then rounded to fp16, ctx_h = P v_h (fp32) -> fp16. Then
   x + bout + sum_h ctx_h Wout_h (accumulated in one wgmma accumulator, heads in order), LN2, the MLP
   blocks (bias, GELU in fp32, fp16), x + b2 + sum_j hidden_j W2_j. Finally LN of the residual -> y.
-- SMEM: x 64 KB + k, v 64 KB + ring 64 KB + vectors 20 KB (L=4) = ~213 KB of the 227 KB.
+- SMEM: x 64 KB + k, v 64 KB + ring 64 KB + vectors 25 KB (L=4) = ~217 KiB of the 227 KiB
+  (`smem_bytes`); a third ring slot does not fit.
+- Layers run in a `pl.loop` (not unrolled): chunk j of every layer sits in ring slot j % 2, so the
+  slots and barrier indices are static; the barrier phases are tracked by Mosaic GPU.
 
 Numerics (MIXED_FP16): fp16 GEMM operands, fp32 accumulation, fp32 residual, LayerNorm (eps 1e-5,
 biased variance) and softmax in fp32, probabilities normalised before the fp16 rounding (as the XLA
@@ -102,10 +106,12 @@ def model_error(d_model: int, num_heads: int, ffn_dim: int) -> str | None:
 
 
 def supports(config: Any, seq_len: int) -> bool:
-    """Whether this kernel runs the model (anything with d_model, num_heads, ffn_dim) at seq_len.
-    Mask-free calls only: the caller must know the call has no mask."""
+    """Whether this kernel runs the model (anything with d_model, num_heads, ffn_dim and, if it has
+    one, num_layers) at seq_len. Mask-free calls only: the caller must know the call has no mask."""
+    num_layers = getattr(config, "num_layers", 1)
     return (seq_len in SUPPORTED_SEQ_LENS
-            and model_error(config.d_model, config.num_heads, config.ffn_dim) is None)
+            and model_error(config.d_model, config.num_heads, config.ffn_dim) is None
+            and smem_bytes(num_layers) <= SMEM_BUDGET_BYTES)
 
 
 def smem_bytes(num_layers: int, num_slots: int = NUM_SLOTS) -> int:
@@ -152,6 +158,12 @@ def stack_weights_mgpu(prepared: PreparedWeights | dict, num_heads: int) -> Mgpu
     error = model_error(d_model, num_heads, ffn_dim)
     if error:
         raise ValueError(error)
+    return _build_weights(prepared, num_heads)
+
+
+@functools.partial(jax.jit, static_argnums=(1,))
+def _build_weights(prepared: PreparedWeights, num_heads: int) -> MgpuStackWeights:
+    d_model = prepared.layers[0]["ffn_in_weight"].shape[0]
     hd = d_model // num_heads
 
     def column_blocks(w):   # [in, out] -> [H, in, hd]: block h = w[:, h*hd:(h+1)*hd]
@@ -240,43 +252,51 @@ def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, num_layers: int, 
             product = pl.run_scoped(body, plgpu.ACC((a.shape[0], b.shape[1]), jnp.float32))
             return product if acc is None else acc + product
 
-        def chunk_wait(index):
-            plgpu.barrier_wait(w_ready.at[index % NUM_SLOTS])
-            return w_smem.at[index % NUM_SLOTS]
+        # Chunk `which` of every layer sits in slot which % NUM_SLOTS (CHUNKS_PER_LAYER % NUM_SLOTS == 0).
+        def chunk_wait(which):
+            plgpu.barrier_wait(w_ready.at[which % NUM_SLOTS])
+            return w_smem.at[which % NUM_SLOTS]
 
-        def chunk_done(index):
-            plgpu.barrier_arrive(w_consumed.at[index % NUM_SLOTS])
+        def chunk_done(which):
+            plgpu.barrier_arrive(w_consumed.at[which % NUM_SLOTS])
 
-        # Mask of the (64 query rows, 128 keys) score tile, the same every layer and head.
-        query = wg * WG_ROWS + plgpu.broadcasted_iota(jnp.int32, (WG_ROWS, TILE_ROWS), 0, layout=wgmma_layout)
-        key = plgpu.broadcasted_iota(jnp.int32, (WG_ROWS, TILE_ROWS), 1, layout=wgmma_layout)
-        allowed = None
-        if seq_len < TILE_ROWS:
-            allowed = lax.div(query, jnp.int32(seq_len)) == lax.div(key, jnp.int32(seq_len))
-        if causal:
-            allowed = key <= query if allowed is None else allowed & (key <= query)
+        def allowed_keys():
+            # Mask of the (64 query rows, 128 keys) score tile (rebuilt per head rather than kept live).
+            query = wg * WG_ROWS + plgpu.broadcasted_iota(jnp.int32, (WG_ROWS, TILE_ROWS), 0, layout=wgmma_layout)
+            key = plgpu.broadcasted_iota(jnp.int32, (WG_ROWS, TILE_ROWS), 1, layout=wgmma_layout)
+            allowed = None
+            if seq_len < TILE_ROWS:   # packed sequences: block diagonal
+                allowed = lax.div(query, jnp.int32(seq_len)) == lax.div(key, jnp.int32(seq_len))
+            if causal:
+                allowed = key <= query if allowed is None else allowed & (key <= query)
+            return allowed
+
         score_scale = hd ** -0.5 * _LOG2_E
 
         plgpu.barrier_wait(vec_ready.at[0])
         plgpu.barrier_wait(x_ready.at[wg])
-        for layer in range(num_layers):
-            base = layer * CHUNKS_PER_LAYER
+        assert CHUNKS_PER_LAYER % NUM_SLOTS == 0
+        # Both consumers arrive once before the loop, so that every layer can start with a wait for
+        # the other consumer to be done reading the previous layer's k and v.
+        plgpu.barrier_arrive(kv_free.at[0])
+
+        @pl.loop(0, num_layers)
+        def _layer(layer):
             h = layer_norm(load_x(), layer, LN1_W, LN1_B).astype(_GEMM_DTYPE)
 
             def project(w, head, bias_index, layer=layer, h=h):
                 acc = matmul(None, h, w.at[head])
                 return (acc + row_bcast(vec(layer, bias_index, head * hd, hd), acc.shape)).astype(_GEMM_DTYPE)
 
-            w = chunk_wait(base + 0)
+            w = chunk_wait(0)
             q = [project(w, head, BQ) for head in range(num_heads)]
-            chunk_done(base + 0)
-            if layer > 0:   # the other consumer has finished reading last layer's k and v
-                plgpu.barrier_wait(kv_free.at[0])
+            chunk_done(0)
+            plgpu.barrier_wait(kv_free.at[0])   # the other consumer is done with the last k and v
             for slot, (bias_index, dst) in enumerate(((BK, k_smem), (BV, v_smem)), start=1):
-                w = chunk_wait(base + slot)
+                w = chunk_wait(slot)
                 for head in range(num_heads):
                     dst[head, pl.ds(wg * WG_ROWS, WG_ROWS), :] = project(w, head, bias_index)
-                chunk_done(base + slot)
+                chunk_done(slot)
             plgpu.commit_smem()
             plgpu.barrier_arrive(kv_written.at[0])
             plgpu.barrier_wait(kv_written.at[0])
@@ -284,7 +304,8 @@ def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, num_layers: int, 
             ctx = []
             for head in range(num_heads):
                 scores = matmul(None, q[head], k_smem.at[head].transpose((1, 0)))
-                if allowed is not None:
+                allowed = allowed_keys()
+                if allowed is not None:   # every row keeps its own key: the row max is finite
                     scores = jnp.where(allowed, scores, -jnp.inf)
                 m = scores.max(axis=1) * score_scale
                 p = jnp.exp2(scores * score_scale - col_bcast(m, scores.shape))
@@ -293,25 +314,25 @@ def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, num_layers: int, 
                 ctx.append(out.astype(_GEMM_DTYPE))
             plgpu.barrier_arrive(kv_free.at[0])
 
-            w = chunk_wait(base + 3)
+            w = chunk_wait(3)
             x = load_x() + row_bcast(vec(layer, BOUT), (WG_ROWS, D_MODEL))
             for head in range(num_heads):
                 x = matmul(x, ctx[head], w.at[head].transpose((1, 0)))
-            chunk_done(base + 3)
+            chunk_done(3)
 
             h2 = layer_norm(x, layer, LN2_W, LN2_B).astype(_GEMM_DTYPE)
-            w = chunk_wait(base + 4)
+            w = chunk_wait(4)
             hidden = []
             for block in range(num_heads):
                 pre = matmul(None, h2, w.at[block])
                 pre = pre + row_bcast(vec(layer, B1, block * hd, hd), pre.shape)
                 hidden.append((0.5 * pre * (1.0 + _erf(pre * 0.7071067811865476))).astype(_GEMM_DTYPE))
-            chunk_done(base + 4)
-            w = chunk_wait(base + 5)
+            chunk_done(4)
+            w = chunk_wait(5)
             x = x + row_bcast(vec(layer, B2), x.shape)
             for block in range(num_heads):
                 x = matmul(x, hidden[block], w.at[block].transpose((1, 0)))
-            chunk_done(base + 5)
+            chunk_done(5)
             rows_smem[...] = x
 
         y = layer_norm(load_x(), num_layers, 0, 1)
@@ -330,17 +351,24 @@ def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, num_layers: int, 
     def _producer():
         plgpu.set_max_registers(_REGISTERS[1], action="decrease")
         plgpu.copy_gmem_to_smem(vecs_ref, vec_smem, vec_ready.at[0])
-        num_chunks = num_layers * CHUNKS_PER_LAYER
+        for which in range(NUM_SLOTS):   # layer 0 fills the ring
+            plgpu.copy_gmem_to_smem(mats_ref.at[0, which], w_smem.at[which], w_ready.at[which])
 
-        def load(index):
-            layer, which = divmod(index, CHUNKS_PER_LAYER)
-            slot = index % NUM_SLOTS
-            plgpu.copy_gmem_to_smem(mats_ref.at[layer, which], w_smem.at[slot], w_ready.at[slot])
+        @pl.loop(0, num_layers)
+        def _(layer):
+            for which in range(CHUNKS_PER_LAYER):
+                # the chunk NUM_SLOTS after this one goes into this one's slot once both consumers are done
+                later_layer, later = divmod(which + NUM_SLOTS, CHUNKS_PER_LAYER)
+                slot = which % NUM_SLOTS
 
-        for index in range(num_chunks):
-            if index >= NUM_SLOTS:
-                plgpu.barrier_wait(w_consumed.at[index % NUM_SLOTS])
-            load(index)
+                def load(slot=slot, later=later, later_layer=later_layer):
+                    plgpu.barrier_wait(w_consumed.at[slot])
+                    plgpu.copy_gmem_to_smem(mats_ref.at[layer + later_layer, later], w_smem.at[slot],
+                                            w_ready.at[slot])
+                if later_layer == 0:
+                    load()
+                else:
+                    pl.when(layer + 1 < num_layers)(load)
 
 
 def _compiler_params():
@@ -452,8 +480,23 @@ def torch_kernel(batch: int, seq_len: int, num_heads: int, num_layers: int, caus
 
 # --- NumPy emulation of the kernel's algorithm ------------------------------------------------------
 
+_ERF_NUMERATOR = (-2.72614225801306e-10, 2.77068142495902e-08, -2.10102402082508e-06, -5.69250639462346e-05,
+                  -7.34990630326855e-04, -2.95459980854025e-03, -1.60960333262415e-02)
+_ERF_DENOMINATOR = (-1.45660718464996e-05, -2.13374055278905e-04, -1.68282697438203e-03,
+                    -7.37332916720468e-03, -1.42647390514189e-02)
+
+
 def _np_erf(x):
-    return np.asarray(_erf(jnp.asarray(x, jnp.float32)))
+    """fused_stack._erf in NumPy fp32 (same coefficients, same Horner order; tests pin the two)."""
+    x = np.clip(np.asarray(x, np.float32), np.float32(-4.0), np.float32(4.0))
+    x2 = x * x
+    numerator = np.full_like(x, _ERF_NUMERATOR[0])
+    for c in _ERF_NUMERATOR[1:]:
+        numerator = numerator * x2 + np.float32(c)
+    denominator = np.full_like(x, _ERF_DENOMINATOR[0])
+    for c in _ERF_DENOMINATOR[1:]:
+        denominator = denominator * x2 + np.float32(c)
+    return x * numerator / denominator
 
 
 def emulate(weights: MgpuStackWeights, x, *, causal: bool = True) -> np.ndarray:

@@ -1,0 +1,379 @@
+"""GPU check of the Mosaic GPU whole-stack kernel (`ttj_jax/kernels/fused_stack_mgpu.py`) on an H200.
+
+    PYTHONPATH=. python3 bench/fused_stack_mgpu_check.py --out bench/results [--shapes 2,1,9,10,12,5]
+    PYTHONPATH=. python3 bench/fused_stack_mgpu_check.py --out /tmp/x --smoke     # CPU: no GPU work
+
+The kernel has never run before this script: its first launch may fail to compile (ptxas), produce
+wrong numbers, or deadlock. So:
+1. Probe, in child processes with a timeout: each shape's kernel is compiled and run once; a child that
+   hangs (a barrier deadlock) is killed and that shape is marked "hung"; the next child continues
+   with the remaining shapes. Only shapes whose probe finished are run in this process afterwards.
+2. Per official shape (2, 1, 9, 10, 12, 5 by default), every step in its own try/except:
+   - correctness of `fused_stack_mgpu_forward` against the fp32 reference `ttj_jax.reference` under
+     the harness rule (|err| <= max(0.002, 0.02 |ref|)); also against `emulate` (the NumPy model of
+     the kernel's algorithm) on the first sequences, which separates kernel bugs from numerics;
+   - the same rule for the existing Triton fused kernel and the XLA program, for comparison;
+   - timing (median of TIMING_REPEATS timings of back-to-back calls, bench.jax_timing) of the Mosaic
+     kernel, the Triton fused kernel (`fused_stack_forward`) and the XLA program
+     (`ttj_jax.forward(..., stack="layers")`);
+   - the torch launch: `plgpu.as_torch_kernel` (if the installed jax has it) of the bare kernel, called
+     on torch CUDA tensors: output equal to the jax call's, host microseconds per call (perf_counter
+     around each call, median), device time per call (torch.cuda.Event around TORCH_DEVICE_CALLS
+     back-to-back calls). as_torch_kernel launches on torch's DEFAULT stream (recorded in the JSON).
+Writes <out>/fused-stack-mgpu-<date>-<gpu>.json after every shape and prints a table last. Budget:
+about 6 minutes on an H200 (a deadline skips what is left after DEADLINE_S).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+_REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
+if str(_REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(_REPO_ROOT))
+
+DEFAULT_SHAPES = ("2", "1", "9", "10", "12", "5")
+TIMING_REPEATS = 7
+MIN_TIMING_S = 0.05
+HOST_CALLS = 300
+TORCH_DEVICE_CALLS = 200
+EMULATED_SEQUENCES = 4
+ATOL, RTOL = 0.002, 0.02
+DEADLINE_S = 330.0
+PROBE_BASE_TIMEOUT_S = 60.0
+PROBE_PER_SHAPE_TIMEOUT_S = 30.0
+
+
+def _error(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}"
+    if len(text) > 1500:
+        text = text[:1500] + " ..."
+    frames = traceback.extract_tb(exc.__traceback__)[-3:]
+    return text + " | at " + " <- ".join(f"{f.name}:{f.lineno}" for f in reversed(frames))
+
+
+def _harness(out, ref) -> dict:
+    import numpy as np
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    tolerance = np.maximum(ATOL, RTOL * np.abs(ref))
+    finite = np.isfinite(out) & np.isfinite(ref)
+    ratio = np.where(finite, np.abs(out - ref) / tolerance, np.inf)
+    return {"failed_elements": int((ratio > 1).sum()), "worst_err_over_tol": float(ratio.max()),
+            "max_abs_err": float(np.max(np.where(finite, np.abs(out - ref), np.inf))),
+            "non_finite": int((~np.isfinite(out)).sum())}
+
+
+def _setup(sid: str):
+    import jax
+    import ttj_jax as T
+    from ttj_jax.kernels import fused_stack_mgpu as fsm
+    config = T.OFFICIAL[sid].config
+    params = T.init_params(jax.random.key(0), config)
+    x = jax.random.normal(jax.random.key(1), (config.batch_size, config.seq_len, config.d_model), jax.numpy.float32)
+    weights = jax.block_until_ready(fsm.stack_weights_mgpu(params, config.num_heads))
+    return config, params, x, weights
+
+
+# --- 1. Probe (child processes) -----------------------------------------------------------------------
+
+def _probe_child(shape_ids) -> None:
+    """Runs each shape's kernel once; prints 'START sid', then 'DONE sid seconds' or 'ERROR sid msg'."""
+    import jax
+    from ttj_jax.kernels import fused_stack_mgpu as fsm
+    for sid in shape_ids:
+        print(f"START {sid}", flush=True)
+        start = time.perf_counter()
+        try:
+            config, _, x, weights = _setup(sid)
+            jax.block_until_ready(fsm.fused_stack_mgpu_forward(weights, x, num_heads=config.num_heads))
+            print(f"DONE {sid} {time.perf_counter() - start:.1f}", flush=True)
+        except Exception as e:   # recorded by the parent; the next shape still runs
+            print(f"ERROR {sid} {_error(e)}".replace("\n", " "), flush=True)
+
+
+def probe(shape_ids) -> dict:
+    """{sid: {"status": "ok"|"error"|"hung", ...}} from child processes (see the module docstring)."""
+    results, remaining = {}, list(shape_ids)
+    while remaining:
+        timeout = PROBE_BASE_TIMEOUT_S + PROBE_PER_SHAPE_TIMEOUT_S * len(remaining)
+        command = [sys.executable, __file__, "--probe-child", ",".join(remaining)]
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=_REPO_ROOT)
+            stdout, hung = done.stdout, False
+            tail = (done.stderr or "")[-1500:]
+        except subprocess.TimeoutExpired as e:
+            stdout = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+            hung, tail = True, f"timed out after {timeout:.0f} s"
+        started = None
+        for line in stdout.splitlines():
+            parts = line.split(" ", 2)
+            if parts[0] == "START":
+                started = parts[1]
+            elif parts[0] == "DONE":
+                results[parts[1]] = {"status": "ok", "first_call_s": float(parts[2])}
+                started = None
+            elif parts[0] == "ERROR":
+                results[parts[1]] = {"status": "error", "error": parts[2] if len(parts) > 2 else ""}
+                started = None
+        if started is not None:   # the child stopped (killed or crashed) inside this shape
+            results[started] = {"status": "hung" if hung else "crashed", "detail": tail}
+        progressed = [s for s in remaining if s in results]
+        if not progressed:   # the child died before starting any shape
+            for s in remaining:
+                results[s] = {"status": "crashed", "detail": tail}
+            break
+        remaining = [s for s in remaining if s not in results]
+    return results
+
+
+# --- 2. Per-shape checks ------------------------------------------------------------------------------
+
+def _time_jax(fn, args) -> dict:
+    from bench.jax_timing import stream_ms_per_call
+    ms, calls = stream_ms_per_call(fn, args, min_seconds=MIN_TIMING_S, repeats=TIMING_REPEATS)
+    return {"ms_per_call": ms, "calls_per_timing": calls}
+
+
+def _torch_launch(config, x, weights, y_jax) -> dict:
+    import numpy as np
+    import torch
+    from ttj_jax.kernels import fused_stack_mgpu as fsm
+    plgpu = fsm._plgpu()
+    record = {"stream": "torch default stream (as_torch_kernel launches there)",
+              "has_as_torch_kernel": hasattr(plgpu, "as_torch_kernel")}
+    if not record["has_as_torch_kernel"]:
+        record["error"] = "jax.experimental.pallas.mosaic_gpu has no as_torch_kernel in this jax"
+        return record
+    B, S, _ = x.shape
+    function = fsm.torch_kernel(B, S, config.num_heads, weights.num_layers, True)
+    xt = torch.from_numpy(np.array(x)).cuda().contiguous()
+    mt = torch.from_numpy(np.array(weights.mats)).cuda().contiguous()
+    vt = torch.from_numpy(np.array(weights.vecs)).cuda().contiguous()
+    start = time.perf_counter()
+    yt = function(xt, mt, vt)
+    torch.cuda.synchronize()
+    record["first_call_s"] = time.perf_counter() - start
+    y_torch = yt.cpu().numpy()
+    diff = np.abs(y_torch.astype(np.float64) - np.asarray(y_jax, np.float64))
+    record["max_abs_diff_vs_jax"] = float(np.nanmax(diff)) if diff.size else 0.0
+    record["bitwise_equal_to_jax"] = bool(np.array_equal(y_torch, np.asarray(y_jax)))
+    for _ in range(20):
+        function(xt, mt, vt)
+    torch.cuda.synchronize()
+    host = []
+    for _ in range(HOST_CALLS):
+        t0 = time.perf_counter()
+        function(xt, mt, vt)
+        host.append(time.perf_counter() - t0)
+        if len(host) % 50 == 0:
+            torch.cuda.synchronize()   # keep the queue short so host timing is not blocked by a full queue
+    torch.cuda.synchronize()
+    record["host_us_per_call_median"] = statistics.median(host) * 1e6
+    record["host_us_per_call_p10"] = sorted(host)[len(host) // 10] * 1e6
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    device = []
+    for _ in range(3):
+        begin.record()
+        for _ in range(TORCH_DEVICE_CALLS):
+            function(xt, mt, vt)
+        end.record()
+        torch.cuda.synchronize()
+        device.append(begin.elapsed_time(end) / TORCH_DEVICE_CALLS * 1e3)
+    record["device_us_per_call_median"] = statistics.median(device)
+    record["device_us_per_call_runs"] = device
+    return record
+
+
+def run_shape(sid: str, probe_status: dict, deadline: float) -> dict:
+    import jax
+    import numpy as np
+    import ttj_jax as T
+    from ttj_jax.kernels import fused_stack_mgpu as fsm
+    from ttj_jax.kernels.fused_stack import fused_stack_forward, stack_weights
+
+    record: dict = {"shape": T.OFFICIAL[sid].describe(), "probe": probe_status, "accuracy": {}, "timing": {}}
+    config, params, x, weights = _setup(sid)
+    H = config.num_heads
+    ref = np.asarray(T.reference(params, x, config=config))
+    mgpu_ok = probe_status.get("status") == "ok"
+
+    def step(name, fn):
+        if time.perf_counter() > deadline:
+            record.setdefault("skipped_past_deadline", []).append(name)
+            return None
+        try:
+            return fn()
+        except Exception as e:   # one step's failure never stops the run
+            record.setdefault("errors", {})[name] = _error(e)
+            return None
+
+    mgpu = lambda w, x: fsm.fused_stack_mgpu_forward(w, x, num_heads=H)   # noqa: E731
+    y_mgpu = None
+    if mgpu_ok:
+        y_mgpu = step("mgpu_run", lambda: np.asarray(jax.block_until_ready(mgpu(weights, x))))
+        if y_mgpu is not None:
+            record["accuracy"]["mgpu"] = _harness(y_mgpu, ref)
+
+            def vs_emulation():
+                n = min(EMULATED_SEQUENCES, x.shape[0])
+                emulated = fsm.emulate(weights, np.asarray(x[:n]))
+                return {"sequences": n, **_harness(y_mgpu[:n], emulated),
+                        "emulation_vs_reference": _harness(emulated, ref[:n])}
+            record["accuracy"]["mgpu_vs_emulation"] = step("mgpu_vs_emulation", vs_emulation)
+            record["timing"]["mgpu"] = step("mgpu_timing", lambda: _time_jax(mgpu, (weights, x)))
+    else:
+        record["mgpu_skipped"] = f"probe status {probe_status.get('status')}"
+
+    fused_weights = step("triton_weights", lambda: jax.block_until_ready(
+        stack_weights(T.prepare_weights(params, T.MIXED_FP16), num_heads=H)))
+    if fused_weights is not None:
+        triton = lambda w, x: fused_stack_forward(w, x, num_heads=H, causal=True)   # noqa: E731
+        y = step("triton_run", lambda: np.asarray(jax.block_until_ready(triton(fused_weights, x))))
+        if y is not None:
+            record["accuracy"]["triton"] = _harness(y, ref)
+            record["timing"]["triton"] = step("triton_timing", lambda: _time_jax(triton, (fused_weights, x)))
+
+    prepared = step("xla_weights", lambda: jax.block_until_ready(T.prepare_weights(params, T.MIXED_FP16)))
+    if prepared is not None:
+        xla = lambda w, x: T.forward(w, x, config=config, stack="layers")   # noqa: E731
+        y = step("xla_run", lambda: np.asarray(jax.block_until_ready(xla(prepared, x))))
+        if y is not None:
+            record["accuracy"]["xla"] = _harness(y, ref)
+            record["timing"]["xla"] = step("xla_timing", lambda: _time_jax(xla, (prepared, x)))
+
+    if y_mgpu is not None:
+        record["torch_launch"] = step("torch_launch", lambda: _torch_launch(config, x, weights, y_mgpu))
+    return record
+
+
+# --- Driver -------------------------------------------------------------------------------------------
+
+def _row(sid, rec) -> str:
+    def ms(name):
+        t = (rec.get("timing") or {}).get(name)
+        return f"{t['ms_per_call'] * 1e3:8.1f}" if t else "       -"
+
+    def acc(name):
+        a = (rec.get("accuracy") or {}).get(name)
+        return ("ok" if a["failed_elements"] == 0 else f"FAIL{a['failed_elements']}") if a else "-"
+
+    torch_rec = rec.get("torch_launch") or {}
+    host = torch_rec.get("host_us_per_call_median")
+    dev = torch_rec.get("device_us_per_call_median")
+    probe_status = (rec.get("probe") or {}).get("status", "-")
+    return (f"{sid:>3} {probe_status:>7} {acc('mgpu'):>9} {acc('triton'):>7} {acc('xla'):>7} "
+            f"{ms('mgpu')} {ms('triton')} {ms('xla')} "
+            f"{(f'{host:7.1f}' if host else '      -')} {(f'{dev:7.1f}' if dev else '      -')}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=None, help="directory for the JSON result (required)")
+    parser.add_argument("--shapes", default=",".join(DEFAULT_SHAPES), help="official shape ids, comma separated")
+    parser.add_argument("--smoke", action="store_true", help="CPU: parse, plan and write the JSON; no GPU work")
+    parser.add_argument("--no-probe", action="store_true", help="skip the child-process probe (trust the kernel)")
+    parser.add_argument("--probe-child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.probe_child is not None:
+        _probe_child(args.probe_child.split(","))
+        return 0
+    if not args.out:
+        parser.error("--out is required")
+
+    started = time.perf_counter()
+    deadline = started + DEADLINE_S
+    shape_ids = [s.strip() for s in args.shapes.split(",") if s.strip()]
+    out_dir = pathlib.Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    result: dict = {"script": "bench/fused_stack_mgpu_check.py", "smoke": args.smoke,
+                    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                    "shapes_requested": shape_ids, "harness_rule": {"atol": ATOL, "rtol": RTOL},
+                    "torch_stream_note": "as_torch_kernel launches on torch's default stream",
+                    "shapes": {}}
+    try:
+        import jax
+        import ttj_jax as T
+        from ttj_jax.kernels import fused_stack_mgpu as fsm
+        result["jax_version"] = jax.__version__
+        result["devices"] = [str(d) for d in jax.devices()]
+        device_name = getattr(jax.devices()[0], "device_kind", "cpu")
+        unknown = [s for s in shape_ids if s not in T.OFFICIAL]
+        if unknown:
+            raise ValueError(f"unknown shape ids {unknown}")
+        result["supported"] = {s: fsm.supports(T.OFFICIAL[s].config, T.OFFICIAL[s].config.seq_len)
+                               for s in shape_ids}
+        result["has_as_torch_kernel"] = hasattr(fsm._plgpu(), "as_torch_kernel")
+    except Exception as e:
+        result["setup_error"] = _error(e)
+        device_name = "unknown"
+    try:
+        import torch
+        result["torch_version"] = torch.__version__
+    except Exception as e:   # torch is only needed for the torch launch
+        result["torch_version"] = f"unavailable: {_error(e)}"
+
+    stamp = datetime.date.today().isoformat()
+    slug = "".join(c if c.isalnum() else "-" for c in str(device_name).lower()).strip("-") or "unknown"
+    path = out_dir / f"fused-stack-mgpu-{stamp}-{'smoke' if args.smoke else slug}.json"
+
+    def save():
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1, default=str)
+
+    if args.smoke:
+        result["plan"] = {s: result.get("supported", {}).get(s) for s in shape_ids}
+        save()
+        print(f"smoke: wrote {path}")
+        return 0 if "setup_error" not in result else 1
+
+    probes = {}
+    if args.no_probe:
+        probes = {s: {"status": "ok", "note": "probe skipped"} for s in shape_ids}
+    else:
+        try:
+            probes = probe([s for s in shape_ids if result.get("supported", {}).get(s)])
+        except Exception as e:
+            result["probe_error"] = _error(e)
+    result["probe"] = probes
+    save()
+    for sid in shape_ids:
+        t0 = time.perf_counter()
+        try:
+            record = run_shape(sid, probes.get(sid, {"status": "not probed"}), deadline)
+        except Exception as e:
+            record = {"error": _error(e)}
+        record["wall_s"] = round(time.perf_counter() - t0, 1)
+        result["shapes"][sid] = record
+        result["total_wall_s"] = round(time.perf_counter() - started, 1)
+        save()
+        print(f"shape {sid}: {json.dumps(record, default=str)[:600]}", flush=True)
+
+    print(f"\nwrote {path}  ({result['total_wall_s']} s)")
+    print("times: us per call (jax: stream of back-to-back calls; torch host: perf_counter per call; "
+          "torch dev: cuda events / call)")
+    print(f"{'id':>3} {'probe':>7} {'mgpu':>9} {'triton':>7} {'xla':>7} {'mgpu':>8} {'triton':>8} {'xla':>8} "
+          f"{'t.host':>7} {'t.dev':>7}")
+    for sid, rec in result["shapes"].items():
+        try:
+            print(_row(sid, rec))
+        except Exception as e:
+            print(f"{sid:>3} (row failed: {e})")
+    bad = any("error" in r or r.get("errors") or (r.get("probe") or {}).get("status") != "ok"
+              or any((a or {}).get("failed_elements") for a in (r.get("accuracy") or {}).values())
+              for r in result["shapes"].values())
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,279 @@
+"""CPU checks of the Mosaic GPU whole-stack kernel, `ttj_jax/kernels/fused_stack_mgpu.py`.
+
+Mosaic GPU kernels run only on sm_90 GPUs and have no interpret mode, so the kernel itself never runs
+here. What this file checks, on the CPU:
+1. Lowering for CUDA (`jax.jit(...).trace(...).lower(lowering_platforms=("cuda",))`) succeeds with
+   exactly one `mosaic_gpu_v2` custom call for every target (num_heads 1, 2, 4; S 32 and 128, plus 64)
+   at batch 1, 3 and 64. Lowering runs Pallas -> Mosaic GPU -> NVVM: layout inference, the wgmma
+   shape/operand/swizzle checks and the TMA slicing all happen here.
+2. The bare kernel (`kernel_function`) lowers to a module holding nothing but the Mosaic GPU call, which
+   is what `plgpu.as_torch_kernel` accepts (checked with jax's own module scan, minus the GPU launch).
+3. Argument validation, `supports`, the weights builder's layout and the shared-memory accounting.
+4. The ALGORITHM: `emulate` (NumPy, the kernel's tiling, warpgroup split, fp16 rounding points, fp32
+   accumulation, per-head accumulation order, block-diagonal causal mask of packed sequences) against the
+   fp32 reference `ttj_jax.reference` under the harness rule, and against `fused_stack_reference`
+   (the Triton kernel's jnp model) to within fp16-rounding noise; plus checks that would catch a wrong
+   mask or a wrong weight layout (they make the comparison fail).
+
+Only the GPU can check (bench/fused_stack_mgpu_check.py on an H200): that ptxas accepts the kernel
+without spills, that its barriers neither deadlock nor race, that wgmma/TMA conventions match what
+`emulate` assumes, the real outputs against the reference, the torch launch, and speed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ttj_jax as T
+from conftest import baseline_and_params, random_input
+from ttj_jax.kernels.fused_stack import fused_stack_reference, stack_weights
+
+fsm = importlib.import_module("ttj_jax.kernels.fused_stack_mgpu")
+
+ATOL, RTOL = 0.002, 0.02   # the harness rule: |err| <= max(atol, rtol * |ref|)
+
+
+def _structs(num_heads, batch, seq_len, num_layers=4):
+    hd = 128 // num_heads
+    weights = fsm.MgpuStackWeights(jax.ShapeDtypeStruct((num_layers, 6, num_heads, 128, hd), jnp.float16),
+                                   jax.ShapeDtypeStruct((num_layers + 1, 10, 128), jnp.float32),
+                                   num_heads=num_heads)
+    return weights, jax.ShapeDtypeStruct((batch, seq_len, 128), jnp.float32)
+
+
+def _lower(num_heads, batch, seq_len, causal=True) -> str:
+    weights, x = _structs(num_heads, batch, seq_len)
+    call = jax.jit(lambda w, x: fsm.fused_stack_mgpu_forward(w, x, num_heads=num_heads, causal=causal))
+    return call.trace(weights, x).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _custom_calls(text: str) -> list[str]:
+    return re.findall(r"stablehlo\.custom_call @(\w+)", text)
+
+
+# --- 1. Lowering for CUDA -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("seq_len", [32, 128])
+@pytest.mark.parametrize("num_heads", [1, 2, 4])
+def test_lowers_to_one_mosaic_gpu_kernel(num_heads, seq_len):
+    text = _lower(num_heads, 64, seq_len)
+    assert _custom_calls(text) == ["mosaic_gpu_v2"]
+    assert "stablehlo.pad" not in text and "stablehlo.slice" not in text   # 64 sequences: no copies
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("seq_len", [32, 128])
+def test_lowers_at_small_batches(batch, seq_len):
+    text = _lower(4, batch, seq_len)
+    assert _custom_calls(text) == ["mosaic_gpu_v2"]
+    # S=32 packs 4 sequences per block: B=1 or 3 is padded to 4 (one pad, one slice); S=128 never pads.
+    assert ("stablehlo.pad" in text) == (seq_len == 32)
+
+
+def test_lowers_at_seq_len_64_and_non_causal():
+    assert _custom_calls(_lower(2, 2, 64)) == ["mosaic_gpu_v2"]
+    assert _custom_calls(_lower(4, 2, 128, causal=False)) == ["mosaic_gpu_v2"]
+
+
+def test_grid_axis_name_is_not_batch():
+    assert fsm._GRID_TILE != "batch" and fsm._GRID_TILE.startswith("ttj_")
+
+
+# --- 2. The torch-launchable function -----------------------------------------------------------------
+
+def test_bare_kernel_module_is_only_the_mosaic_call():
+    torch_mod = pytest.importorskip("jax._src.pallas.mosaic_gpu.torch")
+    from jax._src.lib.mlir import passmanager
+    from jax.experimental.mosaic import gpu as mgpu
+
+    weights, x = _structs(4, 8, 128)
+    function = fsm.kernel_function(8, 128, 4, 4, True)
+    module = jax.jit(function).trace(x, weights.mats, weights.vecs).lower(
+        lowering_platforms=("cuda",)).compiler_ir()
+    with module.context:
+        mgpu.dialect.register_inliner_extensions(module.context)
+        passmanager.PassManager.parse("builtin.module(inline{default-pipeline=})").run(module.operation)
+        # jax's as_torch_kernel scan: raises on anything but the kernel call, constants and the return.
+        call, prepare_args, prepare_outputs, get_outputs = torch_mod._find_mgpu_call_in_module(module)
+    assert call.call_target_name.value == "mosaic_gpu_v2"
+    assert len(list(call.operands)) == 3 and len(list(call.results)) == 1
+
+
+def test_torch_kernel_refuses_packed_batches_that_do_not_fill_a_tile():
+    with pytest.raises(ValueError, match="multiple of 4"):
+        fsm.kernel_function(3, 32, 4, 4, True)
+    with pytest.raises(ValueError, match="seq_len"):
+        fsm.kernel_function(4, 100, 4, 4, True)
+
+
+# --- 3. Validation, supports, layout, shared memory ---------------------------------------------------
+
+def test_supports():
+    def config(d=128, H=4, ffn=128):
+        return T.Config(1, 128, d, H, ffn, 4, True)
+    assert all(fsm.supports(config(H=H), S) for H in (1, 2, 4) for S in (32, 64, 128))
+    assert not fsm.supports(config(H=8), 128)
+    assert not fsm.supports(config(d=64, H=2, ffn=128), 128)
+    assert not fsm.supports(config(ffn=256), 128)
+    assert not fsm.supports(config(), 100)
+    assert not fsm.supports(config(), 256)
+
+
+def test_argument_errors():
+    weights, _ = _structs(4, 2, 128)
+    x = jnp.zeros((2, 128, 128), jnp.float32)
+    real = fsm.MgpuStackWeights(jnp.zeros(weights.mats.shape, jnp.float16),
+                                jnp.zeros(weights.vecs.shape, jnp.float32), num_heads=4)
+    with pytest.raises(ValueError, match="num_heads"):
+        fsm.fused_stack_mgpu_forward(real, x, num_heads=2)
+    with pytest.raises(ValueError, match="float32"):
+        fsm.fused_stack_mgpu_forward(real, x.astype(jnp.float16), num_heads=4)
+    with pytest.raises(ValueError, match="seq_len"):
+        fsm.fused_stack_mgpu_forward(real, jnp.zeros((2, 100, 128), jnp.float32), num_heads=4)
+    with pytest.raises(ValueError, match="d_model"):
+        fsm.fused_stack_mgpu_forward(real, jnp.zeros((2, 128, 64), jnp.float32), num_heads=4)
+    with pytest.raises(ValueError, match="rank 3"):
+        fsm.fused_stack_mgpu_forward(real, jnp.zeros((128, 128), jnp.float32), num_heads=4)
+    with pytest.raises(ValueError, match="causal"):
+        fsm.fused_stack_mgpu_forward(real, x, num_heads=4, causal=1)
+    with pytest.raises(ValueError, match="MgpuStackWeights"):
+        fsm.fused_stack_mgpu_forward({"mats": real.mats}, x, num_heads=4)
+
+
+def test_stack_weights_errors():
+    config = T.Config(1, 32, 128, 8, 128, 1, True)
+    params = T.init_params(jax.random.key(0), config)
+    with pytest.raises(ValueError, match="num_heads"):
+        fsm.stack_weights_mgpu(params, 8)
+    with pytest.raises(ValueError, match="num_heads"):
+        fsm.stack_weights_mgpu(params, True)
+    small = T.init_params(jax.random.key(0), T.Config(1, 32, 64, 2, 64, 1, True))
+    with pytest.raises(ValueError, match="d_model"):
+        fsm.stack_weights_mgpu(small, 2)
+    with pytest.raises(ValueError, match="mixed_fp16"):
+        fsm.stack_weights_mgpu(T.prepare_weights(params, T.EXACT_FP32), 4)
+
+
+@pytest.mark.parametrize("num_heads", [1, 2, 4])
+def test_weight_chunks_reassemble_the_matrices(num_heads):
+    config = T.Config(1, 32, 128, num_heads, 128, 2, True)
+    prepared = T.prepare_weights(T.init_params(jax.random.key(1), config), T.MIXED_FP16)
+    w = fsm.stack_weights_mgpu(prepared, num_heads)
+    assert w.mats.shape == (2, 6, num_heads, 128, 128 // num_heads) and w.mats.dtype == jnp.float16
+    assert w.vecs.shape == (3, 10, 128) and w.vecs.dtype == jnp.float32
+    mats = np.asarray(w.mats)
+    for i, layer in enumerate(prepared.layers):
+        qkv = np.asarray(layer["qkv_weight"])
+        columns = lambda c: np.concatenate(list(c), axis=1)   # noqa: E731  [H, in, hd] -> [in, H*hd]
+        rows_t = lambda c: np.concatenate([m.T for m in c], axis=0)   # noqa: E731  [H, out, hd] -> [H*hd, out]
+        np.testing.assert_array_equal(columns(mats[i, 0]), qkv[:, :128])
+        np.testing.assert_array_equal(columns(mats[i, 1]), qkv[:, 128:256])
+        np.testing.assert_array_equal(columns(mats[i, 2]), qkv[:, 256:])
+        np.testing.assert_array_equal(rows_t(mats[i, 3]), np.asarray(layer["out_weight"]))
+        np.testing.assert_array_equal(columns(mats[i, 4]), np.asarray(layer["ffn_in_weight"]))
+        np.testing.assert_array_equal(rows_t(mats[i, 5]), np.asarray(layer["ffn_out_weight"]))
+        np.testing.assert_array_equal(np.asarray(w.vecs[i, fsm.BK]), np.asarray(layer["qkv_bias"])[128:256])
+        np.testing.assert_array_equal(np.asarray(w.vecs[i, fsm.B2]), np.asarray(layer["ffn_out_bias"]))
+    np.testing.assert_array_equal(np.asarray(w.vecs[-1, 0]), np.asarray(prepared.final_norm["weight"]))
+
+
+def test_shared_memory_fits():
+    assert fsm.smem_bytes(4) <= fsm.SMEM_BUDGET_BYTES
+    assert fsm.smem_bytes(4) > 200 * 1024   # the accounting counts the residual, k, v and the ring
+    with pytest.raises(ValueError, match="shared memory"):
+        fsm.kernel_function(1, 128, 4, 12, True)
+
+
+# --- 4. The algorithm, emulated -----------------------------------------------------------------------
+
+def _model(num_heads, seq_len, batch, causal=True, seed=0, num_layers=4):
+    config = T.Config(batch, seq_len, 128, num_heads, 128, num_layers, causal)
+    _, params = baseline_and_params(config, seed)
+    x = jnp.asarray(random_input(config, seed + 1).numpy())
+    return config, params, x
+
+
+def _harness_failures(out, ref):
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    tolerance = np.maximum(ATOL, RTOL * np.abs(ref))
+    ratio = np.where(np.isfinite(out) & np.isfinite(ref), np.abs(out - ref) / tolerance, np.inf)
+    return int((ratio > 1).sum()), float(ratio.max())
+
+
+EMULATION_CASES = {
+    "shape2-B1-S128-H4": (4, 128, 1, True),
+    "shape9-H1": (1, 128, 2, True),
+    "shape10-H2": (2, 128, 2, True),
+    "shape12-S32-H4-B6-padded": (4, 32, 6, True),
+    "S64-H2": (2, 64, 3, True),
+    "S128-H4-noncausal": (4, 128, 1, False),
+}
+
+
+@pytest.mark.parametrize("case", sorted(EMULATION_CASES))
+def test_emulation_meets_the_harness_rule(case):
+    num_heads, seq_len, batch, causal = EMULATION_CASES[case]
+    config, params, x = _model(num_heads, seq_len, batch, causal)
+    weights = fsm.stack_weights_mgpu(params, num_heads)
+    out = fsm.emulate(weights, x, causal=causal)
+    assert out.shape == x.shape and out.dtype == np.float32
+    ref = T.reference(params, x, config=config)
+    failed, worst = _harness_failures(out, ref)
+    assert failed == 0, f"{case}: {failed} elements fail the harness rule, worst err/tol {worst:.2f}"
+    # and the same numerics as the Triton kernel's jnp model, up to fp16-rounding flips
+    fused = jax.jit(fused_stack_reference, static_argnames=("num_heads", "causal"))(
+        stack_weights(T.prepare_weights(params, T.MIXED_FP16), num_heads=num_heads), x,
+        num_heads=num_heads, causal=causal)
+    assert np.max(np.abs(out - np.asarray(fused))) < 4 * 3e-4, case
+
+
+def test_emulation_detects_a_wrong_mask_and_a_wrong_layout():
+    # The comparison can fail: the same emulation with the causal mask dropped, or with the per-head
+    # out-projection blocks in the wrong order, is far outside the harness rule.
+    config, params, x = _model(4, 128, 1, True)
+    weights = fsm.stack_weights_mgpu(params, 4)
+    ref = np.asarray(T.reference(params, x, config=config))
+    failed, _ = _harness_failures(fsm.emulate(weights, x, causal=False), ref)
+    assert failed > 1000
+    swapped = fsm.MgpuStackWeights(weights.mats.at[:, 3].set(weights.mats[:, 3, ::-1]), weights.vecs,
+                                   num_heads=4)
+    failed, _ = _harness_failures(fsm.emulate(swapped, x), ref)
+    assert failed > 1000
+
+
+def test_packed_sequences_do_not_see_each_other():
+    # S=32: 4 sequences share a tile; each output equals that sequence run alone (padded tile).
+    config, params, x = _model(2, 32, 4, True, num_layers=1)
+    weights = fsm.stack_weights_mgpu(params, 2)
+    together = fsm.emulate(weights, x)
+    alone = np.concatenate([fsm.emulate(weights, x[b:b + 1]) for b in range(4)])
+    np.testing.assert_allclose(together, alone, rtol=0, atol=1e-6)
+
+
+def test_numpy_erf_matches_the_kernels_erf():
+    from ttj_jax.kernels.fused_stack import _erf
+    x = np.linspace(-6, 6, 10001, dtype=np.float32)
+    np.testing.assert_allclose(fsm._np_erf(x), np.asarray(_erf(jnp.asarray(x))), rtol=0, atol=2e-7)
+
+
+def test_gpu_check_script_smoke(tmp_path):
+    # bench/fused_stack_mgpu_check.py imports on a CPU and writes its JSON in --smoke mode.
+    import json
+    import pathlib
+    import subprocess
+    import sys
+    root = pathlib.Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, str(root / "bench" / "fused_stack_mgpu_check.py"), "--out",
+                           str(tmp_path), "--smoke", "--shapes", "2,12"], capture_output=True, text=True,
+                          cwd=root, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    [path] = tmp_path.glob("fused-stack-mgpu-*-smoke.json")
+    result = json.loads(path.read_text())
+    assert result["smoke"] is True and result["supported"] == {"2": True, "12": True}
+    assert "default stream" in result["torch_stream_note"]
