@@ -192,9 +192,9 @@ def _build_weights(prepared: PreparedWeights, num_heads: int) -> MgpuStackWeight
 # --- The kernel -------------------------------------------------------------------------------------
 
 def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, num_layers: int, num_heads: int,
-                  seq_len: int, causal: bool):
+                  seq_len: int, causal: bool, interpret: bool = False):
     plgpu = _plgpu()
-    (x_smem, k_smem, v_smem, w_smem, vec_smem), barriers = scoped
+    (x_smem, k_smem, v_smem, w_smem, vec_smem, *stages), barriers = scoped
     x_ready, vec_ready, w_ready, w_consumed, kv_written, kv_free = barriers
     hd = D_MODEL // num_heads
     wg = lax.axis_index("wg")
@@ -203,6 +203,13 @@ def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, num_layers: int, 
     wgmma_layout = plgpu.Layout.WGMMA
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     col_layout = plgpu.Layout.WGMMA.reduce(0)
+
+    def cast(value, layout):   # layout hints for Mosaic GPU; GPU interpret mode has no layout_cast
+        return value if interpret else plgpu.layout_cast(value, layout)
+
+    def iota(shape, dimension):
+        return lax.broadcasted_iota(jnp.int32, shape, dimension) if interpret else plgpu.broadcasted_iota(
+            jnp.int32, shape, dimension, layout=wgmma_layout)
 
     def x_copies(rows_smem):
         """(gmem, smem) pairs of this consumer's 64 rows: one sequence half, or 64 // S sequences."""
@@ -220,8 +227,7 @@ def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, num_layers: int, 
             plgpu.copy_gmem_to_smem(src, dst, x_ready.at[wg])
 
         def vec(layer, which, start=0, size=D_MODEL):
-            v = plgpu.load(vec_smem, (layer, which, pl.ds(start, size)), layout=col_layout, optimized=False)
-            return v
+            return cast(vec_smem[layer, which, pl.ds(start, size)], col_layout)
 
         def row_bcast(v, shape):    # (n,) over columns -> (64, n)
             return lax.broadcast_in_dim(v, shape, [1])
@@ -237,19 +243,30 @@ def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, num_layers: int, 
             return (scaled * row_bcast(vec(layer, w_index), x.shape)
                     + row_bcast(vec(layer, b_index), x.shape))
 
-        def zeros(shape):
-            return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), wgmma_layout)
-
         def load_x():
-            return plgpu.load(rows_smem, (), layout=wgmma_layout, optimized=False)
+            return cast(rows_smem[...], wgmma_layout)
 
-        def matmul(acc, a, b):
-            # acc + a @ b: a fresh zero accumulator, added in registers (so the sum over heads is
-            # rounded once per head, as fused_stack_reference adds them).
+        def matmul(acc, a, b, transpose_b=False):
+            # acc + a @ b (b: an SMEM ref; transpose_b: a @ b^T): a fresh zero accumulator, added in
+            # registers (so the sum over heads is rounded once per head, as fused_stack_reference adds).
             def body(acc_ref):
-                plgpu.wgmma(acc_ref, a, b)
+                if interpret:
+                    # GPU interpret mode's wgmma takes A from SMEM only and no transposed SMEM views:
+                    # stage A, and B^T, in (untiled) SMEM buffers of this warpgroup.
+                    a_stage, bt_stage = stages[0].at[wg], stages[1].at[wg]
+                    a_stage = a_stage if a.shape[1] == D_MODEL else stages[2].at[wg]
+                    a_stage[...] = a
+                    if transpose_b:
+                        bt_stage[...] = b[...].T
+                        b_operand = bt_stage
+                    else:
+                        b_operand = b
+                    plgpu.wgmma(acc_ref, a_stage, b_operand)
+                else:
+                    plgpu.wgmma(acc_ref, a, b.transpose((1, 0)) if transpose_b else b)
                 return acc_ref[...]
-            product = pl.run_scoped(body, plgpu.ACC((a.shape[0], b.shape[1]), jnp.float32))
+            out_cols = b.shape[0] if transpose_b else b.shape[1]
+            product = pl.run_scoped(body, plgpu.ACC((a.shape[0], out_cols), jnp.float32))
             return product if acc is None else acc + product
 
         # Chunk `which` of every layer sits in slot which % NUM_SLOTS (CHUNKS_PER_LAYER % NUM_SLOTS == 0).
@@ -262,8 +279,8 @@ def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, num_layers: int, 
 
         def allowed_keys():
             # Mask of the (64 query rows, 128 keys) score tile (rebuilt per head rather than kept live).
-            query = wg * WG_ROWS + plgpu.broadcasted_iota(jnp.int32, (WG_ROWS, TILE_ROWS), 0, layout=wgmma_layout)
-            key = plgpu.broadcasted_iota(jnp.int32, (WG_ROWS, TILE_ROWS), 1, layout=wgmma_layout)
+            query = wg * WG_ROWS + iota((WG_ROWS, TILE_ROWS), 0)
+            key = iota((WG_ROWS, TILE_ROWS), 1)
             allowed = None
             if seq_len < TILE_ROWS:   # packed sequences: block diagonal
                 allowed = lax.div(query, jnp.int32(seq_len)) == lax.div(key, jnp.int32(seq_len))
@@ -303,7 +320,7 @@ def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, num_layers: int, 
 
             ctx = []
             for head in range(num_heads):
-                scores = matmul(None, q[head], k_smem.at[head].transpose((1, 0)))
+                scores = matmul(None, q[head], k_smem.at[head], transpose_b=True)
                 allowed = allowed_keys()
                 if allowed is not None:   # every row keeps its own key: the row max is finite
                     scores = jnp.where(allowed, scores, -jnp.inf)
@@ -317,7 +334,7 @@ def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, num_layers: int, 
             w = chunk_wait(3)
             x = load_x() + row_bcast(vec(layer, BOUT), (WG_ROWS, D_MODEL))
             for head in range(num_heads):
-                x = matmul(x, ctx[head], w.at[head].transpose((1, 0)))
+                x = matmul(x, ctx[head], w.at[head], transpose_b=True)
             chunk_done(3)
 
             h2 = layer_norm(x, layer, LN2_W, LN2_B).astype(_GEMM_DTYPE)
@@ -331,10 +348,13 @@ def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, num_layers: int, 
             w = chunk_wait(5)
             x = x + row_bcast(vec(layer, B2), x.shape)
             for block in range(num_heads):
-                x = matmul(x, hidden[block], w.at[block].transpose((1, 0)))
+                x = matmul(x, hidden[block], w.at[block], transpose_b=True)
             chunk_done(5)
             rows_smem[...] = x
 
+        # Observe the last kv_free phase too (a no-op on the GPU, but every phase of a barrier should be
+        # waited by the threads that wait on it: GPU interpret mode checks that).
+        plgpu.barrier_wait(kv_free.at[0])
         y = layer_norm(load_x(), num_layers, 0, 1)
         rows_smem[...] = y
         plgpu.commit_smem()
@@ -370,6 +390,9 @@ def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, num_layers: int, 
                 else:
                     pl.when(layer + 1 < num_layers)(load)
 
+        for which in range(CHUNKS_PER_LAYER - NUM_SLOTS, CHUNKS_PER_LAYER):   # drain: observe the last releases
+            plgpu.barrier_wait(w_consumed.at[which % NUM_SLOTS])
+
 
 def _compiler_params():
     plgpu = _plgpu()
@@ -379,9 +402,12 @@ def _compiler_params():
 
 
 @functools.lru_cache(maxsize=None)
-def kernel_function(batch: int, seq_len: int, num_heads: int, num_layers: int, causal: bool):
+def kernel_function(batch: int, seq_len: int, num_heads: int, num_layers: int, causal: bool,
+                    interpret: bool = False):
     """The bare kernel for x [batch, seq_len, 128] fp32: f(x, mats, vecs) -> y. Nothing but the Mosaic
-    GPU call (what `plgpu.as_torch_kernel` needs); batch must be a multiple of 128 // seq_len."""
+    GPU call (what `plgpu.as_torch_kernel` needs); batch must be a multiple of 128 // seq_len.
+    interpret: False (the GPU kernel), True or "detect_races" (Mosaic GPU's interpret mode on a CPU,
+    the latter with its happens-before race detector)."""
     if seq_len not in SUPPORTED_SEQ_LENS:
         raise ValueError(f"{seq_len=} must be one of {SUPPORTED_SEQ_LENS}")
     if num_heads not in SUPPORTED_NUM_HEADS:
@@ -405,6 +431,10 @@ def kernel_function(batch: int, seq_len: int, num_heads: int, num_layers: int, c
             plgpu.SMEM((num_heads, TILE_ROWS, hd), _GEMM_DTYPE, transforms=kv_transforms),   # v
             plgpu.SMEM((NUM_SLOTS, num_heads, D_MODEL, hd), _GEMM_DTYPE, transforms=kv_transforms),  # ring
             plgpu.SMEM((num_layers + 1, NUM_VECS, D_MODEL), jnp.float32))                   # vectors
+    if interpret:   # wgmma operand staging for GPU interpret mode (see _stack_kernel's matmul)
+        smem += (plgpu.SMEM((NUM_CONSUMERS, WG_ROWS, D_MODEL), _GEMM_DTYPE),     # A, 128 wide
+                 plgpu.SMEM((NUM_CONSUMERS, hd, D_MODEL), _GEMM_DTYPE),          # B^T
+                 plgpu.SMEM((NUM_CONSUMERS, WG_ROWS, hd), _GEMM_DTYPE))          # A, hd wide
     copies_per_wg = 1 if seq_len == TILE_ROWS else WG_ROWS // seq_len
     barriers = (plgpu.Barrier(num_arrivals=copies_per_wg, num_barriers=NUM_CONSUMERS),   # x_ready
                 plgpu.Barrier(num_arrivals=1, num_barriers=1),                           # vec_ready
@@ -413,7 +443,7 @@ def kernel_function(batch: int, seq_len: int, num_heads: int, num_layers: int, c
                 plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=1),               # kv_written
                 plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=1))               # kv_free
     body = functools.partial(_stack_kernel, num_layers=num_layers, num_heads=num_heads, seq_len=seq_len,
-                             causal=causal)
+                             causal=causal, interpret=interpret)
 
     def entry(x_ref, mats_ref, vecs_ref, y_ref):
         pl.run_scoped(lambda *scoped: body(x_ref, mats_ref, vecs_ref, y_ref, scoped), smem, barriers,
@@ -427,7 +457,13 @@ def kernel_function(batch: int, seq_len: int, num_heads: int, num_layers: int, c
         num_threads=NUM_CONSUMERS + 1,
         thread_name="wg",
         compiler_params=_compiler_params(),
+        interpret=_interpret_params(detect_races=interpret == "detect_races") if interpret else None,
     )
+
+
+def _interpret_params(detect_races: bool = False):
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # noqa: PLC0415
+    return InterpretGPUParams(detect_races=detect_races)
 
 
 def _check_call(weights, x, num_heads, causal):
@@ -450,19 +486,20 @@ def _check_call(weights, x, num_heads, causal):
         raise ValueError(f"x.shape={x.shape} must have batch >= 1")
 
 
-@functools.partial(jax.jit, static_argnames=("num_heads", "causal"))
+@functools.partial(jax.jit, static_argnames=("num_heads", "causal", "interpret"))
 def fused_stack_mgpu_forward(weights: MgpuStackWeights, x: jax.Array, *, num_heads: int,
-                             causal: bool = True) -> jax.Array:
+                             causal: bool = True, interpret: bool = False) -> jax.Array:
     """y = LN_final(layers(x)) (SPEC section 1, mask-free) in one Mosaic GPU kernel; fp32 [B, S, 128].
 
     S in {32, 64, 128}; any B (for S < 128 a B that is not a multiple of 128 // S is padded: one copy
-    in, one slice out). Hopper only: no interpret mode."""
+    in, one slice out). Runs on Hopper; `interpret=True` runs the kernel body in Mosaic GPU's interpret
+    mode on a CPU (slow; wgmma operands staged through SMEM there, see `_stack_kernel`)."""
     _check_call(weights, x, num_heads, causal)
     batch, seq_len, _ = x.shape
     batch_pad = -batch % (TILE_ROWS // seq_len)
     if batch_pad:
         x = jnp.pad(x, ((0, batch_pad), (0, 0), (0, 0)))
-    y = kernel_function(batch + batch_pad, seq_len, num_heads, weights.num_layers, causal)(
+    y = kernel_function(batch + batch_pad, seq_len, num_heads, weights.num_layers, causal, interpret)(
         x, weights.mats, weights.vecs)
     return y[:batch] if batch_pad else y
 
