@@ -6,8 +6,8 @@ Mosaic GPU backend ("plgpu") so that it can also be launched on torch tensors wi
 
 Scope: d_model = ffn_dim = 128, head_dim = 128 / num_heads with num_heads in {1, 2, 4}, seq_len in
 {32, 64, 128}, 1 to 5 layers (all layers' vectors sit in shared memory), causal or not, fp32 x in and
-fp32 y out, any batch. No masks
-(mask-free calls only). Everything else belongs to `fused_stack.py` (see `supports`).
+fp32 y out, any batch. No masks (mask-free calls only). Everything else belongs to `fused_stack.py`
+(see `supports`).
 
 Design (one CUDA block per 128-row tile; three warpgroups):
 - Tile. A block carries 128 rows: one sequence (S=128) or 128 // S whole sequences one after another
@@ -34,8 +34,12 @@ Design (one CUDA block per 128-row tile; three warpgroups):
   (kv_written, kv_free, two arrivals each) orders the writes against the other consumer's reads.
   Per head: scores = q_h k_h^T over all 128 keys (64 x 128, fp32), mask, softmax (fp32, base 2),
   P = softmax normalised in fp32 then rounded to fp16, ctx_h = P v_h (fp32) -> fp16. Then
-  x + bout + sum_h ctx_h Wout_h (accumulated in one wgmma accumulator, heads in order), LN2, the MLP
-  blocks (bias, GELU in fp32, fp16), x + b2 + sum_j hidden_j W2_j. Finally LN of the residual -> y.
+  x + bout + sum_h ctx_h Wout_h (each head's product in a fresh fp32 wgmma accumulator, added to the
+  residual in registers, heads in order, as `fused_stack_reference` adds them), LN2, the MLP blocks
+  (bias, GELU in fp32, fp16), x + b2 + sum_j hidden_j W2_j (same way). Finally LN of the residual -> y.
+- Simple first version: every wgmma is waited for at once (no overlap inside a warpgroup; the two
+  consumers overlap each other), and consumer 0 computes all 128 score columns although causality
+  needs only its first 64 (masked; it keeps both consumers' code identical).
 - SMEM: x 64 KB + k, v 64 KB + ring 64 KB + vectors 25 KB (L=4) = ~217 KiB of the 227 KiB
   (`smem_bytes`); a third ring slot does not fit.
 - Layers run in a `pl.loop` (not unrolled): chunk j of every layer sits in ring slot j % 2, so the
@@ -47,11 +51,18 @@ path and `fused_stack_reference` do); GELU is the erf GELU with `fused_stack._er
 erf, within 4e-7 of the exact erf); exp2 uses `approx_math` (ex2.approx, a few fp32 ulps).
 `emulate` below is a NumPy model of exactly these rounding points and accumulation orders.
 
-Verified on a CPU (tests/test_fused_stack_mgpu.py): lowering for CUDA (one `mosaic_gpu_v2` custom call,
-Mosaic's layout inference, wgmma shape/operand checks, TMA slicing), that the torch-launchable function
-contains nothing but the kernel, argument checks, and the algorithm via `emulate` against the fp32
-reference. NOT verified until bench/fused_stack_mgpu_check.py runs on an H200: ptxas (spills),
-barrier/phase correctness (deadlocks), SMEM races, wgmma transposition conventions, real outputs, speed.
+Verified on a CPU (tests/test_fused_stack_mgpu.py): lowering for CUDA (one `mosaic_gpu_v2` custom call;
+Pallas -> Mosaic GPU -> NVVM, so layout inference, wgmma shape/operand/swizzle checks and TMA slicing
+ran), that the torch-launchable function holds nothing but the kernel, argument checks, the weights
+layout, the algorithm via `emulate` against the fp32 reference, and the kernel body itself in jax's
+Mosaic GPU interpret mode (simulated warpgroups, SMEM with the transforms, TMA, barriers with strict
+phase checks, the race detector): its output matches `emulate` and the harness rule. In interpret mode
+wgmma's A operand and the transposed B operands are staged through SMEM (the interpreter takes neither
+registers nor transposed views) and layout casts are skipped, so the register-A and transposed-view
+wgmma paths of the GPU build are checked only by lowering.
+NOT verified until bench/fused_stack_mgpu_check.py runs on an H200: ptxas (register spills), the real
+wgmma/TMA/barrier behaviour (a hang, a race the interpreter's schedule did not expose), real outputs,
+the torch launch, and speed.
 """
 
 from __future__ import annotations
