@@ -1,7 +1,8 @@
 """CPU checks of the Mosaic GPU whole-stack kernel, `ttj_jax/kernels/fused_stack_mgpu.py`.
 
-Mosaic GPU kernels run only on sm_90 GPUs and have no interpret mode, so the kernel itself never runs
-here. What this file checks, on the CPU:
+Mosaic GPU kernels compile only for sm_90 GPUs; on the CPU the kernel body runs only in jax's Mosaic
+GPU interpret mode (section 5), which stages two wgmma operand paths through shared memory where the
+GPU build reads registers or transposed views. What this file checks, on the CPU:
 1. Lowering for CUDA (`jax.jit(...).trace(...).lower(lowering_platforms=("cuda",))`) succeeds with
    exactly one `mosaic_gpu_v2` custom call for every target (num_heads 1, 2, 4; S 32 and 128, plus 64)
    at batch 1, 3 and 64. Lowering runs Pallas -> Mosaic GPU -> NVVM: layout inference, the wgmma
