@@ -1,7 +1,7 @@
 """CPU checks of the Mosaic GPU (Hopper) flash-attention kernel, `ttj_jax/kernels/flash_attention_mgpu.py`.
 
-The kernel cannot run on a CPU: Mosaic GPU kernels execute only on sm_90 GPUs and have no interpret
-mode. Its numerical check against `flash_attention_reference` (the same cases as below, small S) and
+Mosaic GPU kernels execute only on sm_90 GPUs; on the CPU the kernel body runs only in jax's Mosaic GPU
+interpret mode (section 6, with the substitutes listed at the end of the kernel's module). Its numerical check against `flash_attention_reference` (the same cases as below, small S) and
 its timing run on the H200:
 
     PYTHONPATH=. python3 bench/bench_attention_mgpu.py
@@ -20,6 +20,10 @@ What this file checks, on the CPU:
    reads past S), compared with the reference; and the barrier bookkeeping that must hold for the
    kernel not to deadlock: every consumer releases each K and V block of its tile exactly once, in
    order, and passes the token the same number of times.
+
+6. The kernel body itself in jax's Mosaic GPU interpret mode (`interpret=True`, on the CPU) against the
+   reference at small sizes, one case with its race detector; and the lowered GPU kernel pinned by hash
+   (the interpret-mode changes must leave the H200-verified build unchanged).
 
 jax's Mosaic GPU package imports absl (`absl.logging.vlog_is_on` in layout inference): the test extra
 installs absl-py for it, as the GPU machine has.
@@ -396,3 +400,115 @@ def test_kernel_inside_a_batch_split_is_the_single_device_kernel():
                           timeout=300, cwd=os.path.dirname(os.path.dirname(__file__)))
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout.strip().splitlines()[-1]) == {"same": True}
+
+
+# --- 6. Mosaic GPU interpret mode, and the pinned GPU kernel ----------------------------------------------
+
+# (batch, seq_len, num_heads, head_dim, causal, blocks): small, the interpreter is slow. head_dim 64 runs
+# with two consumers (with and without overlap_softmax): its default three-consumer tiling hung now and
+# then in the interpreter on this CPU (three consumer threads waiting on barriers, the fourth inside XLA's
+# execution of the interpreter's jaxpr, no kernel frame), so it is checked only by lowering and on the H200.
+INTERPRET_CASES = {
+    "hd128-S64-causal": (1, 64, 1, 128, True, None),
+    "hd128-S113-B2": (2, 113, 1, 128, False, None),
+    "hd128-S200-H2-causal": (1, 200, 2, 128, True, None),
+    "hd64-S320-causal-3tiles-5blocks": (1, 320, 1, 64, True, Blocks(block_kv=64, num_stages=3)),
+    "hd64-S200-overlap": (1, 200, 1, 64, False, Blocks(block_kv=128, num_stages=2, overlap_softmax=True)),
+    "hd64-S113-overlap-causal": (1, 113, 1, 64, True, Blocks(block_kv=64, num_stages=2, overlap_softmax=True)),
+}
+
+
+def _interpret_case(batch, seq_len, num_heads, head_dim, causal, blocks, interpret):
+    rng = np.random.default_rng(seq_len * head_dim)
+    q, k, v = (jnp.asarray(rng.standard_normal((batch, seq_len, num_heads, head_dim)).astype(np.float16))
+               for _ in range(3))
+    out = fm.flash_attention_mgpu(q, k, v, causal=causal, block_sizes=blocks, interpret=interpret)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    out = np.asarray(out.astype(jnp.float32))
+    ref = np.asarray(flash_attention_reference(q, k, v, causal=causal).astype(jnp.float32))
+    err, tol = np.abs(out - ref), 2e-3 + 2e-2 * np.abs(ref)   # the harness rule
+    assert (err <= tol).all(), f"{int((err > tol).sum())} elements fail, worst err/tol {float((err / tol).max()):.2f}"
+
+
+@pytest.mark.parametrize("case", sorted(INTERPRET_CASES))
+def test_kernel_in_gpu_interpret_mode(case):
+    # The kernel body runs on the CPU: warpgroups as threads, SMEM with the tiling/swizzle transforms,
+    # TMA copies, barriers (phase checks), wgmma. Its substitutes there (P and K^T staged through SMEM,
+    # no layouts, run_state as run_scoped, arrays padded to whole query tiles, the last barrier phases
+    # observed) are listed at the end of ttj_jax/kernels/flash_attention_mgpu.py.
+    _interpret_case(*INTERPRET_CASES[case], interpret=True)
+
+
+def test_kernel_in_gpu_interpret_mode_has_no_races():
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+    _interpret_case(1, 200, 1, 128, True, None, interpret="detect_races")
+    assert not gpu_callbacks.get_races().races_found
+
+
+def test_interpret_argument_is_checked():
+    with pytest.raises(ValueError, match="interpret="):
+        _lower_for_cuda(64, 64, True, interpret="yes")
+
+
+# SHA-1 of the lowered `mosaic_gpu_v2` custom-call line (the whole text line: the serialized Mosaic GPU
+# module, its kernel hash and attributes), recorded with jax 0.10.2 from the H200-verified build (commit
+# e294d07) before interpret mode was added: this pins that the GPU kernel is still byte for byte the one
+# verified on the H200. The module carries source locations (file, line, column of the kernel's code),
+# so the file name is canonicalized to `ttj_jax/...` (JAX_HLO_SOURCE_FILE_CANONICALIZATION_REGEX) to be
+# independent of the checkout's path; moving a line of the kernel's code changes the hashes too. Other
+# jax versions lower differently (the H200 runs 0.11.2): there the test only checks that each lowers.
+PINNED_JAX_VERSION = "0.10.2"
+PINNED_KERNEL_HASHES = {
+    "hd64_causalTrue_s128": "13465e2b61f96ad408532dad3e41b4281bda915f",
+    "hd64_causalTrue_s1000": "970b9a145f89acea49830eb13591cdf514fd9771",
+    "hd64_causalFalse_s128": "c1a447a5c10c9ccd3b7120c147f93a9f8c38d536",
+    "hd64_causalFalse_s1000": "8f0452b839b061c421bd332eb3bda4f011370257",
+    "hd128_causalTrue_s128": "d0fd205f2bf7d756d52186daa78aa464afcf57fd",
+    "hd128_causalTrue_s1000": "533f957d0effd4b33539b7b94d3db94541bb91f7",
+    "hd128_causalFalse_s128": "acf0cc2957d9a55302cb9409331163f518b9b0b2",
+    "hd128_causalFalse_s1000": "5cdec731ddbf6e09d8e7ce241436dd024f0a0b09",
+    "hd256_causalTrue_s128": "4127e58ea90923f1bba596fb5ef4c9058e3893e4",
+    "hd256_causalTrue_s1000": "afdd0c273edcccc4e0127ff6e770b25520d85ac7",
+    "hd256_causalFalse_s128": "ff501bcd31a79fd8fd5276ac648154b7f2c15ba9",
+    "hd256_causalFalse_s1000": "f1def98615bd88a45844f5a27b113e157f3bed46",
+    "hd64_causalTrue_s1000_tiles_outer": "711ea91f2f2885863d432f38a5e1d851d7337b18",
+    "hd64_causalFalse_s1000_tiles_outer": "fb0a7d2c25f4569505e4da5ccf549192c646327e",
+    "hd64_causalTrue_s1000_lane": "f7b5f095b3369325a3505ae32b76d667d34b1be1",
+    "hd64_causalFalse_s1000_lane": "d8c3bd03a75a9954935d147868ca20f14cf290f6",
+}
+
+PIN_SCRIPT = r"""
+import hashlib, importlib, json, re
+import jax, jax.numpy as jnp
+fm = importlib.import_module("ttj_jax.kernels.flash_attention_mgpu")
+
+def kernel_hash(seq_len, head_dim, causal, **kwargs):
+    spec = jax.ShapeDtypeStruct((1, seq_len, 2, head_dim), jnp.float16)
+    call = jax.jit(lambda q, k, v: fm.flash_attention_mgpu(q, k, v, causal=causal, **kwargs))
+    text = call.trace(spec, spec, spec).lower(lowering_platforms=("cuda",)).as_text()
+    lines = [line for line in text.splitlines() if "stablehlo.custom_call @mosaic_gpu_v2" in line]
+    assert len(lines) == 1
+    return hashlib.sha1(lines[0].encode()).hexdigest()
+
+out = {}
+for head_dim in (64, 128, 256):
+    for causal in (True, False):
+        for seq_len in (128, 1000):
+            out[f"hd{head_dim}_causal{causal}_s{seq_len}"] = kernel_hash(seq_len, head_dim, causal)
+for causal in (True, False):
+    out[f"hd64_causal{causal}_s1000_tiles_outer"] = kernel_hash(1000, 64, causal, grid_order="tiles_outer")
+    out[f"hd64_causal{causal}_s1000_lane"] = kernel_hash(1000, 64, causal, lowering_semantics="lane")
+print(json.dumps({"jax": jax.__version__, "hashes": out}))
+"""
+
+
+def test_gpu_kernel_is_the_pinned_h200_build():
+    import json, os, subprocess, sys
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_HLO_SOURCE_FILE_CANONICALIZATION_REGEX=r".*/(?=ttj_jax/)")
+    done = subprocess.run([sys.executable, "-c", PIN_SCRIPT], env=env, capture_output=True, text=True,
+                          timeout=300, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert set(result["hashes"]) == set(PINNED_KERNEL_HASHES)
+    if result["jax"] == PINNED_JAX_VERSION:
+        assert result["hashes"] == PINNED_KERNEL_HASHES

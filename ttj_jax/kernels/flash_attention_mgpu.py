@@ -3,8 +3,8 @@
 The generic kernel in `flash_attention.py` lowers through Triton and runs everywhere, interpret mode
 included. This one is the H200 path for head_dim 64, 128 and 256: tensor-core `wgmma`, TMA bulk copies
 into a ring of shared-memory stages, and warp specialization in the FlashAttention-3 style. It has no
-interpret mode and no masks: a dispatcher must send calls with `kv_lengths` or `key_mask`, other head
-sizes, float32 inputs, or non-Hopper devices to the generic kernel.
+masks: a dispatcher must send calls with `kv_lengths` or `key_mask`, other head sizes, float32 inputs,
+or non-Hopper devices to the generic kernel (`interpret=True` runs it in Mosaic GPU's CPU interpreter).
 
 Design (one CUDA block per (query tile, head, batch element)):
 - Warpgroups. `num_compute_wgs` consumer warpgroups (2 or 3) each own 64 consecutive query rows, so a
@@ -53,10 +53,10 @@ reshape of a `[B, S, d]` projection) and the output is written in the same layou
 no padding or slicing when S is a multiple of 8. A fused `[B, S, 3, H, head_dim]` QKV array would
 need its three slices copied out first (TMA copies from the fused array would avoid that; not done).
 
-Testing: this module lowers on a CPU (tests/test_flash_attention_mgpu.py
-checks that for every supported head_dim, causal or not, at several S); its numerics and speed are
-checked on the H200 by `bench/bench_attention_mgpu.py` (all checks passed there on 2026-11-30, and the
-default block sizes below come from its timings).
+Testing: tests/test_flash_attention_mgpu.py lowers it on a CPU (every head_dim, causal or not, several
+S) and runs it in Mosaic GPU's interpret mode (`interpret=`; the substitutes: `_InterpretPlgpu` below);
+its numerics and speed are checked on the H200 by `bench/bench_attention_mgpu.py` (all checks passed
+there on 2026-11-30, and the default block sizes below come from its timings).
 """
 
 from __future__ import annotations
@@ -249,10 +249,10 @@ def _compiler_params(lowering_semantics: str):
 
 
 def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_scale: float,
-                      seq_len: int, num_q_tiles: int, head_dim: int, blocks: MgpuBlockSizes, dtype):
+                      seq_len: int, num_q_tiles: int, head_dim: int, blocks: MgpuBlockSizes, dtype, interpret=False):
     # Refs: q, k, v, out [B, S, H, hd] in GMEM. scoped: shared memory and barriers for all warpgroups.
-    plgpu = _plgpu()
-    (q_smem, k_smem, v_smem), (q_ready, k_ready, v_ready, k_consumed, v_consumed, tokens) = scoped
+    plgpu, pl = (_InterpretPlgpu(scoped), _InterpretPallas()) if interpret else (_plgpu(), _PALLAS)
+    (q_smem, k_smem, v_smem, *_), (q_ready, k_ready, v_ready, k_consumed, v_consumed, tokens) = scoped
     num_wgs, block_kv, num_stages = blocks.num_compute_wgs, blocks.block_kv, blocks.num_stages
     rows = ROWS_PER_CONSUMER
     wg = lax.axis_index("wg")
@@ -469,8 +469,8 @@ _GRID_Q_TILE, _GRID_HEAD, _GRID_SEQUENCE = "ttj_mgpu_q_tile", "ttj_mgpu_head", "
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "sm_scale", "block_sizes", "lowering_semantics",
-                                             "grid_order"))
-def flash_attention_mgpu(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool,
+                                             "grid_order", "interpret"))
+def flash_attention_mgpu(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, interpret: bool | str = False,
                          sm_scale: float | None = None, block_sizes: MgpuBlockSizes | None = None,
                          lowering_semantics: str = LOWERING_SEMANTICS, grid_order: str = "tiles_inner") -> jax.Array:
     """Softmax attention `softmax(q k^T * sm_scale) v` per (batch, head) on Hopper, in one kernel.
@@ -487,11 +487,11 @@ def flash_attention_mgpu(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bo
         may then come from L2). tiles_inner, the default, ran shape 14's attention call (B=8, H=16,
         S=100000, head_dim 64) at 481 TFLOP/s against 405 for tiles_outer and cuDNN's 446
         (bench/results/attention-mgpu-2026-11-30-nvidia-h200-grid.json).
+      interpret: True or "detect_races" (with its race detector): Mosaic GPU's interpret mode on a CPU.
 
     Returns:
-      [B, S, H, head_dim] in q's dtype. Reads and writes in place (no copies around the kernel) when
-      S is a multiple of 8; otherwise q, k, v are padded to one (`padded_seq_len`).
-      No masks: use `ttj_jax.kernels.flash_attention` for kv_lengths / key_mask.
+      [B, S, H, head_dim] in q's dtype. Read and written in place when S is a multiple of 8; otherwise
+      q, k, v are padded to one (`padded_seq_len`). No masks: see `ttj_jax.kernels.flash_attention`.
     """
     _check_inputs(q, k, v, causal, sm_scale, block_sizes)
     if lowering_semantics not in ("warpgroup", "lane"):
@@ -506,19 +506,19 @@ def flash_attention_mgpu(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bo
     num_q_tiles = pl.cdiv(seq_len, blocks.block_q)
     num_wgs, num_stages = blocks.num_compute_wgs, blocks.num_stages
 
-    # Tiles of (8 rows, 128 bytes) with the 128-byte swizzle: the layout wgmma reads without bank
-    # conflicts and TMA writes directly.
+    # Tiles of (8 rows, 128 bytes), 128-byte swizzle: wgmma reads them without bank conflicts, TMA writes them.
     transforms = (plgpu.TilingTransform((8, 128 // dtype.itemsize)), plgpu.SwizzleTransform(128))
     smem = (plgpu.SMEM((num_wgs, ROWS_PER_CONSUMER, head_dim), dtype, transforms=transforms),
             plgpu.SMEM((num_stages, blocks.block_kv, head_dim), dtype, transforms=transforms),
-            plgpu.SMEM((num_stages, blocks.block_kv, head_dim), dtype, transforms=transforms))
+            plgpu.SMEM((num_stages, blocks.block_kv, head_dim), dtype, transforms=transforms)) \
+        + _interpret_smem(interpret, num_wgs, head_dim, blocks.block_kv, dtype)   # () for the GPU kernel
     barriers = (plgpu.Barrier(num_arrivals=1, num_barriers=num_wgs),             # q_ready
                 plgpu.Barrier(num_arrivals=1, num_barriers=num_stages),          # k_ready
                 plgpu.Barrier(num_arrivals=1, num_barriers=num_stages),          # v_ready
                 plgpu.Barrier(num_arrivals=num_wgs, num_barriers=num_stages),    # k_consumed
                 plgpu.Barrier(num_arrivals=num_wgs, num_barriers=num_stages),    # v_consumed
                 plgpu.Barrier(num_arrivals=1, num_barriers=num_wgs))             # tokens
-    kernel = functools.partial(_attention_kernel, causal=causal, sm_scale=sm_scale, seq_len=seq_len,
+    kernel = functools.partial(_kernel_body(interpret), causal=causal, sm_scale=sm_scale, seq_len=seq_len,
                                num_q_tiles=num_q_tiles, head_dim=head_dim, blocks=blocks, dtype=dtype)
 
     def entry(q_ref, k_ref, v_ref, out_ref):
@@ -527,7 +527,7 @@ def flash_attention_mgpu(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bo
 
     # Row-major grid: the last axis varies fastest, so all heads and batch elements of the heaviest
     # query tile launch first.
-    array_len = padded_seq_len(seq_len)
+    array_len = num_q_tiles * blocks.block_q if interpret else padded_seq_len(seq_len)   # see _interpret_params
     if array_len != seq_len:   # the padded keys are masked in the kernel (seq_len is the true S)
         q, k, v = (jnp.pad(x, ((0, 0), (0, array_len - seq_len), (0, 0), (0, 0))) for x in (q, k, v))
     out = plgpu.kernel(
@@ -538,6 +538,149 @@ def flash_attention_mgpu(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bo
                     else (_GRID_SEQUENCE, _GRID_HEAD, _GRID_Q_TILE)),
         num_threads=num_wgs + 1,
         thread_name="wg",
-        compiler_params=_compiler_params(lowering_semantics),
+        compiler_params=_compiler_params(lowering_semantics), interpret=_interpret_params(interpret),
     )(q, k, v)
     return out[:, :seq_len] if array_len != seq_len else out
+
+
+# --- Mosaic GPU interpret mode (`interpret=True` / "detect_races") ---------------------------------------
+# jax's GPU interpret mode (0.10.2) runs the kernel body on a CPU: warpgroups as threads, SMEM with the
+# tiling/swizzle transforms, TMA copies, barriers with phase checks, and synchronous wgmma. Where it lacks
+# what the kernel uses, `_attention_kernel` takes stand-ins for `plgpu` and `pl`, selected by `interpret`
+# at trace time, so the GPU kernel's code, and its lowering, are untouched (tests/test_flash_attention_mgpu.py
+# pins the lowered kernel by hash; the kernel's source lines were kept in place because the module
+# records them):
+# - `layout_cast`: no layouts in the interpreter; the value is returned as is.
+# - `broadcasted_iota(..., layout=)`: `lax.broadcasted_iota`.
+# - wgmma operands: A must be an SMEM ref (the kernel's P is in registers) and B cannot be a transposed
+#   view (the kernel's K^T): both are staged in untiled SMEM buffers of the warpgroup first.
+# - `pl.run_state` with accumulator initial values: a zero accumulator (run_scoped) whose result is added
+#   to the initial value in registers (the same fp32 sum: init + (0 + P @ V)).
+# - TMA: zero fill past the array and partial out-of-bounds writes (see `_interpret_params`).
+# - Barrier phases the GPU kernel leaves unobserved at its end (see `_interpret_kernel`).
+# What this leaves unverified by interpret mode, and checked only by lowering and on the H200: the
+# register-A and transposed-view wgmma paths, layouts, asynchronous wgmma (the interpreter's is
+# synchronous, so `wgmma_accumulator_load(wait_n=1)` orders nothing there), register allocation. The
+# default head_dim 64 tiling (three consumers) hung now and then in the interpreter here (three threads
+# in barrier waits, the fourth inside XLA running the interpreter's jaxpr); the tests use two consumers.
+_PALLAS = pl
+
+
+class _InterpretPlgpu:
+    """`plgpu` for the kernel body in interpret mode: the real module, but for the substitutes above."""
+
+    def __init__(self, scoped):
+        (_, _, _, self._p_stage, self._kt_stage), _ = scoped   # see `_interpret_smem`
+        self._plgpu = _plgpu()
+
+    def __getattr__(self, name):
+        return getattr(self._plgpu, name)
+
+    @staticmethod
+    def layout_cast(value, layout):
+        del layout
+        return value
+
+    @staticmethod
+    def broadcasted_iota(dtype, shape, dimension, *, layout=None):
+        del layout
+        return lax.broadcasted_iota(dtype, shape, dimension)
+
+    def wgmma(self, acc, a, b):
+        from jax._src.state.types import TransformedRef, TransposeTransform  # noqa: PLC0415
+        wg = lax.axis_index("wg")
+        if not isinstance(a, TransformedRef):   # P, in registers
+            a_stage = self._p_stage.at[wg]
+            a_stage[...] = a
+            a = a_stage
+        if isinstance(b, TransformedRef) and b.transforms and isinstance(b.transforms[-1], TransposeTransform):
+            bt_stage = self._kt_stage.at[wg]     # K^T, a transposed view of a K slot
+            bt_stage[...] = TransformedRef(b.ref, b.transforms[:-1])[...].T
+            b = bt_stage
+        self._plgpu.wgmma(acc, a, b)
+
+
+class _InterpretPallas:
+    """`pl` for the kernel body in interpret mode: the real module, but for `run_state` (see above)."""
+
+    def __getattr__(self, name):
+        return getattr(pl, name)
+
+    @staticmethod
+    def run_state(body):
+        def run(inits):
+            single = not isinstance(inits, tuple)
+            inits = (inits,) if single else inits
+
+            def scoped(*refs):
+                body(refs[0] if single else refs)
+                return tuple(ref[...] for ref in refs)
+            accs = pl.run_scoped(scoped, *(_plgpu().ACC(init.shape, init.dtype) for init in inits))
+            outs = tuple(init._init + acc for init, acc in zip(inits, accs))
+            return outs[0] if single else outs
+        return run
+
+
+def _interpret_smem(interpret, num_wgs: int, head_dim: int, block_kv: int, dtype) -> tuple:
+    """The SMEM the interpret-mode wgmma staging adds (P and K^T per consumer warpgroup); none on the GPU."""
+    if interpret not in (False, True, "detect_races"):
+        raise ValueError(f"interpret={interpret!r} must be False, True or 'detect_races'")
+    if interpret:
+        plgpu = _plgpu()
+        return (plgpu.SMEM((num_wgs, ROWS_PER_CONSUMER, block_kv), dtype),
+                plgpu.SMEM((num_wgs, head_dim, block_kv), dtype))
+    return ()
+
+
+def _interpret_params(interpret):
+    if interpret:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # noqa: PLC0415
+        # TMA's zero fill past the array (OOBFillMode.ZEROS, which the kernel relies on) is the
+        # interpreter's out-of-bounds read returning "uninitialized" memory set to zero. That also
+        # zero-fills fresh SMEM (no NaN poisoning of a read before a write, which the kernel has not).
+        # The interpreter drops a TMA write that is partly out of bounds (the GPU writes the part in
+        # bounds), so in interpret mode the arrays are padded to whole query tiles (flash_attention_mgpu).
+        return InterpretGPUParams(detect_races=interpret == "detect_races", out_of_bounds_reads="uninitialized",
+                                  uninitialized_memory="zero")
+    return None
+
+
+def _kernel_body(interpret):
+    if interpret:
+        return _interpret_kernel
+    return _attention_kernel
+
+
+def _interpret_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, seq_len: int, num_q_tiles: int,
+                      blocks: MgpuBlockSizes, **kwargs):
+    """The kernel body in interpret mode, then waits for the barrier phases that it leaves unobserved.
+
+    The interpreter raises when a barrier is freed before every thread that waits on it has observed
+    all its phases. On the GPU the kernel ends without waiting for the last token pass to consumer 0
+    (the token goes round tile_blocks + 1 times and consumer 0 holds it first) nor for the releases of
+    the last blocks of the ring (the producer has nothing left to load): both harmless there.
+    """
+    _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, causal=causal, seq_len=seq_len,
+                      num_q_tiles=num_q_tiles, blocks=blocks, interpret=True, **kwargs)
+    plgpu = _plgpu()
+    _, (_, _, _, k_consumed, v_consumed, tokens) = scoped
+    num_wgs, num_stages = blocks.num_compute_wgs, blocks.num_stages
+    wg = lax.axis_index("wg")
+    tile = lax.axis_index(_GRID_Q_TILE)
+    if causal:
+        tile = num_q_tiles - 1 - tile
+    _, tile_blocks = kv_block_range(tile * blocks.block_q, blocks.block_q, seq_len, blocks.block_kv, causal)
+
+    @pl.when(wg == 0)
+    def _():
+        plgpu.barrier_wait(tokens.at[0])
+
+    @pl.when(wg == num_wgs)
+    def _():
+        def drain(block, _):
+            slot = lax.rem(block, jnp.int32(num_stages))
+            plgpu.barrier_wait(k_consumed.at[slot])
+            plgpu.barrier_wait(v_consumed.at[slot])
+        first = max(tile_blocks - num_stages, 0) if isinstance(tile_blocks, int) else jnp.maximum(
+            tile_blocks - num_stages, 0)
+        lax.fori_loop(first, tile_blocks, drain, None)
