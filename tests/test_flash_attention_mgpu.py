@@ -1,8 +1,9 @@
 """CPU checks of the Mosaic GPU (Hopper) flash-attention kernel, `ttj_jax/kernels/flash_attention_mgpu.py`.
 
 Mosaic GPU kernels execute only on sm_90 GPUs; on the CPU the kernel body runs only in jax's Mosaic GPU
-interpret mode (section 6, with the substitutes listed at the end of the kernel's module). Its numerical check against `flash_attention_reference` (the same cases as below, small S) and
-its timing run on the H200:
+interpret mode (section 6, with the substitutes listed at the end of the kernel's module). Its numerical
+check against `flash_attention_reference` (the same cases as below, small S) and its timing run on the
+H200:
 
     PYTHONPATH=. python3 bench/bench_attention_mgpu.py
 
