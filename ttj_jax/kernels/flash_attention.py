@@ -247,11 +247,16 @@ def _check_masks(kv_lengths, key_mask, batch: int, seq_len: int):
                              f"must be bool [batch, seq_len]=({batch}, {seq_len})")
 
 
-def _check_statics(causal, sm_scale, block_sizes):
+def check_causal_and_scale(causal, sm_scale):
+    """The static arguments both attention kernels share (also used by flash_attention_mgpu.py)."""
     if not isinstance(causal, bool):
         raise ValueError(f"causal={causal!r} must be a bool")
     if sm_scale is not None and (isinstance(sm_scale, bool) or not isinstance(sm_scale, numbers.Real)):
         raise ValueError(f"sm_scale={sm_scale!r} must be a Python float or None")
+
+
+def _check_statics(causal, sm_scale, block_sizes):
+    check_causal_and_scale(causal, sm_scale)
     if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
         raise ValueError(f"block_sizes={block_sizes!r} must be a BlockSizes or None")
 

@@ -64,7 +64,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import numbers
 from typing import Any, NamedTuple
 
 import jax
@@ -72,7 +71,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from ttj_jax.kernels.flash_attention import check_qkv_layout
+from ttj_jax.kernels.flash_attention import check_causal_and_scale, check_qkv_layout
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 _SUPPORTED_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
@@ -445,10 +444,7 @@ def _fori_loop(lower, upper, body, carry):
 
 
 def _check_inputs(q, k, v, causal, sm_scale, block_sizes):
-    if not isinstance(causal, bool):
-        raise ValueError(f"causal={causal!r} must be a bool")
-    if sm_scale is not None and (isinstance(sm_scale, bool) or not isinstance(sm_scale, numbers.Real)):
-        raise ValueError(f"sm_scale={sm_scale!r} must be a Python float or None")
+    check_causal_and_scale(causal, sm_scale)
     if block_sizes is not None and not isinstance(block_sizes, MgpuBlockSizes):
         raise ValueError(f"block_sizes={block_sizes!r} must be an MgpuBlockSizes or None")
     check_qkv_layout(q, k, v)
