@@ -159,24 +159,32 @@ class FusedWeights:
         return self.d_model // self.num_heads
 
 
-def stack_weights(prepared: PreparedWeights | dict, *, num_heads: int) -> FusedWeights:
-    """FusedWeights from PreparedWeights (mixed_fp16 policy) or raw params; run once, outside the hot path.
-
-    num_heads is needed here because each head's q/k/v columns and out-projection rows get their own
-    zero-padded slot."""
+def checked_prepared(prepared: PreparedWeights | dict, num_heads, limits_error):
+    """(PreparedWeights, d_model, ffn_dim) for a whole-stack kernel's weight builder (this one and
+    fused_stack_mgpu's): raw params prepared with the mixed fp16 policy, the policy, num_heads and the
+    kernel's width limits (`limits_error(d_model, num_heads, ffn_dim) -> str | None`) checked."""
     if not isinstance(prepared, PreparedWeights):
         prepared = prepare_weights(prepared, MIXED_FP16)
     if prepared.policy_name != MIXED_FP16.name:
         raise ValueError(f"prepared.policy_name={prepared.policy_name!r} must be {MIXED_FP16.name!r}: "
-                         "the fused kernel runs the mixed fp16 policy only")
+                         "the fused kernels run the mixed fp16 policy only")
     if isinstance(num_heads, bool) or not isinstance(num_heads, int):
         raise ValueError(f"num_heads={num_heads!r} must be an int")
     if prepared.num_layers < 1:
         raise ValueError("prepared has no layers")
     d_model, ffn_dim = prepared.layers[0]["ffn_in_weight"].shape
-    error = model_limits_error(d_model, num_heads, ffn_dim)
+    error = limits_error(d_model, num_heads, ffn_dim)
     if error:
         raise ValueError(error)
+    return prepared, d_model, ffn_dim
+
+
+def stack_weights(prepared: PreparedWeights | dict, *, num_heads: int) -> FusedWeights:
+    """FusedWeights from PreparedWeights (mixed_fp16 policy) or raw params; run once, outside the hot path.
+
+    num_heads is needed here because each head's q/k/v columns and out-projection rows get their own
+    zero-padded slot."""
+    prepared, d_model, ffn_dim = checked_prepared(prepared, num_heads, model_limits_error)
     head_dim = d_model // num_heads
     d_pad, ffn_pad, hd_pad = _padded(d_model) - d_model, _padded(ffn_dim) - ffn_dim, _padded(head_dim) - head_dim
 

@@ -77,9 +77,9 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from ttj_jax.kernels.fused_stack import _erf
+from ttj_jax.kernels.fused_stack import _erf, checked_prepared
 from ttj_jax.numerics import LAYER_NORM_EPS, MIXED_FP16
-from ttj_jax.params import PreparedWeights, prepare_weights
+from ttj_jax.params import PreparedWeights
 
 D_MODEL = 128
 FFN_DIM = 128
@@ -157,18 +157,7 @@ class MgpuStackWeights:
 
 def stack_weights_mgpu(prepared: PreparedWeights | dict, num_heads: int) -> MgpuStackWeights:
     """MgpuStackWeights from PreparedWeights (mixed_fp16) or raw params; once, outside the hot path."""
-    if not isinstance(prepared, PreparedWeights):
-        prepared = prepare_weights(prepared, MIXED_FP16)
-    if prepared.policy_name != MIXED_FP16.name:
-        raise ValueError(f"prepared.policy_name={prepared.policy_name!r} must be {MIXED_FP16.name!r}")
-    if isinstance(num_heads, bool) or not isinstance(num_heads, int):
-        raise ValueError(f"num_heads={num_heads!r} must be an int")
-    if prepared.num_layers < 1:
-        raise ValueError("prepared has no layers")
-    d_model, ffn_dim = prepared.layers[0]["ffn_in_weight"].shape
-    error = model_error(d_model, num_heads, ffn_dim)
-    if error:
-        raise ValueError(error)
+    prepared, _, _ = checked_prepared(prepared, num_heads, model_error)
     return _build_weights(prepared, num_heads)
 
 
