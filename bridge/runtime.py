@@ -28,7 +28,7 @@ import jax
 from ttj_jax.compat import dlpack_exporter, dlpack_importer
 from ttj_jax.config import Config
 from ttj_jax.masks import MaskKind, classify_mask
-from ttj_jax.model import executable, model_key, plan_for, validate_inputs
+from ttj_jax.model import executable, fused_weights, model_key, plan_for, validate_inputs
 from ttj_jax.numerics import get_policy
 from ttj_jax.params import expected_shapes, params_from_state_dict, prepare_weights
 from ttj_jax.planner import Plan
@@ -158,36 +158,30 @@ class _ModuleState:
             self.prepared.clear()
             self.views = {}
             self.weights_key = key
-        prepared = self.prepared.get((policy_name, data_parallel))
-        if prepared is None:
-            prepared = self.prepared.get((policy_name, 1))
-            if prepared is None:
-                prepared = self.prepared[(policy_name, 1)] = self._prepare(policy_name)
-            if data_parallel > 1:   # replicated over the mesh once, not on every call
-                from jax.sharding import NamedSharding, PartitionSpec
-                from ttj_jax.parallel import batch_mesh
-                mesh = batch_mesh(data_parallel, jax.default_backend())
-                prepared = self.prepared[(policy_name, data_parallel)] = jax.device_put(
-                    prepared, NamedSharding(mesh, PartitionSpec()))
-        return prepared
+        return self._derived(policy_name, data_parallel, lambda: self._prepare(policy_name))
 
     def fused_jax_weights(self, data_parallel: int = 1):
         """The fused kernel's weights as jax arrays (FusedWeights), built once per weight version (and
         replicated once over the mesh of a split plan)."""
         prepared = self.weights("mixed_fp16")
-        fused = self.prepared.get(("fused-jax", data_parallel))
-        if fused is None:
-            fused = self.prepared.get(("fused-jax", 1))
-            if fused is None:
-                from ttj_jax.model import fused_weights
-                fused = self.prepared[("fused-jax", 1)] = fused_weights(prepared, self.model_key)
+        return self._derived("fused-jax", data_parallel, lambda: fused_weights(prepared, self.model_key))
+
+    def _derived(self, name: str, data_parallel: int, build: Callable):
+        """self.prepared[(name, n)]: built by build() once per weight version (weights() clears the cache
+        when a parameter changes) and, for a split over n > 1 devices, replicated over the mesh once, not
+        on every call."""
+        value = self.prepared.get((name, data_parallel))
+        if value is None:
+            value = self.prepared.get((name, 1))
+            if value is None:
+                value = self.prepared[(name, 1)] = build()
             if data_parallel > 1:
                 from jax.sharding import NamedSharding, PartitionSpec
                 from ttj_jax.parallel import batch_mesh
                 mesh = batch_mesh(data_parallel, jax.default_backend())
-                fused = self.prepared[("fused-jax", data_parallel)] = jax.device_put(
-                    fused, NamedSharding(mesh, PartitionSpec()))
-        return fused
+                value = self.prepared[(name, data_parallel)] = jax.device_put(
+                    value, NamedSharding(mesh, PartitionSpec()))
+        return value
 
     def fused_tensors(self) -> list[torch.Tensor]:
         """The fused kernel's weights (FusedWeights.FIELDS order) as torch tensors on the weights' device,
