@@ -29,11 +29,11 @@ import torch  # noqa: E402
 
 import ttj_jax as T  # noqa: E402
 from bench.baseline import BaselineTransformer, TransformerConfig, check_close, make_inputs  # noqa: E402
+from bench.cli import HARNESS_SEEDS  # noqa: E402
 from bench.jax_timing import stream_ms_per_call  # noqa: E402
 from bench.report import describe_error, slug  # noqa: E402
 
 POLICIES = ("mixed_fp16", "mixed_fp16_qkv16")
-HARNESS_SEEDS = (1234, 1235, 1236, 1237, 1238)
 
 
 def run_shape(sid: str, seeds: int, device: str) -> dict:

@@ -68,13 +68,24 @@ def report(json_path: str, *, write_plot: bool = True) -> int:
     """--report: the table and chart of a saved run (e.g. one made on a GPU machine with --no-plot)."""
     with open(json_path) as f:
         document = json.load(f)
-    ordered = dict(sorted(document["shapes"].items(), key=lambda kv: (len(kv[0]), kv[0])))
+    ordered = _by_shape_id(document["shapes"])
     device_name = document.get("device") or document.get("gpu") or "unknown device"
     print_table(ordered, device_name)
-    png = json_path.removesuffix(".json") + ".png"
-    if write_plot and plot(ordered, png, f"ttj-bench: {device_name}"):
-        print(f"wrote {png}")
+    if write_plot:
+        _plot_beside(ordered, json_path, device_name)
     return 0
+
+
+def _by_shape_id(shapes: dict) -> dict:
+    """Results in shape order (1, 2, ..., 10, not 1, 10, 2)."""
+    return dict(sorted(shapes.items(), key=lambda kv: (len(kv[0]), kv[0])))
+
+
+def _plot_beside(ordered: dict, json_path: str, device_name: str) -> None:
+    """The speedup chart as a PNG next to the run's JSON (nothing without matplotlib)."""
+    png = json_path.removesuffix(".json") + ".png"
+    if plot(ordered, png, f"ttj-bench: {device_name}"):
+        print(f"wrote {png}")
 
 
 class Progress:
@@ -327,14 +338,14 @@ def main(argv=None) -> int:
                 torch.cuda.empty_cache()
     finally:
         progress.close()
-    ordered = dict(sorted(document["shapes"].items(), key=lambda kv: (len(kv[0]), kv[0])))
+    ordered = _by_shape_id(document["shapes"])
     geo = print_table(ordered, device_name)
     document["geomean_speedup"] = geo
     with open(json_path, "w") as f:
         json.dump(document, f, indent=1)
     print(f"wrote {json_path}")
-    if not args.no_plot and plot(ordered, json_path.removesuffix(".json") + ".png", f"ttj-bench: {device_name}"):
-        print(f"wrote {json_path.removesuffix('.json')}.png")
+    if not args.no_plot:
+        _plot_beside(ordered, json_path, device_name)
     failed = sum(r["failed_elements"] + r["ttj_jax_accuracy"]["failed_elements"] for r in ordered.values())
     return 1 if failed else 0
 
