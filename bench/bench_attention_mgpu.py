@@ -308,7 +308,7 @@ def _print_check_summary(run: Run):
 def sweep(run: Run) -> None:
     """--sweep: more tilings (checked, then timed next to the default and cuDNN), then the thresholds."""
     for case, variants in SWEEP:
-        batch, heads, seq_len, head_dim = case
+        head_dim = case[3]
         _time_case(run, *case, variants=[{}])
         for kwargs in variants:
             passed = [_check(run, 2, 3, 1000, head_dim, causal, kernel_kwargs=kwargs) for causal in (True, False)]
@@ -398,7 +398,7 @@ def main(argv=None) -> int:
     parser.add_argument("--budget-s", type=float, default=420.0, help="start no optional step after this")
     parser.add_argument("--step-timeout-s", type=float, default=90.0, help="watchdog limit per step")
     parser.add_argument("--sweep", action="store_true", help="only the tiling sweep and the threshold cases")
-    parser.add_argument("--grid", action="store_true", help="only the grid orders at shape 14's attention call")
+    parser.add_argument("--grid", action="store_true", help="only the grid orders and the lane lowering, at shape 14's attention call and the main case")
     args = parser.parse_args(argv)
     return gpu_check_and_time(args.out, quick=args.quick, check_only=args.check, budget_s=args.budget_s,
                               step_timeout_s=args.step_timeout_s, sweep_only=args.sweep, grid_only=args.grid)
