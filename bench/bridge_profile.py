@@ -62,8 +62,8 @@ def profile_shape(sid: str) -> dict:
         state = runtime._STATES[ours]
         call = next(iter(state.calls.values()))
         # the weights the plan's program takes: the fused kernel's own layout for a fused plan
-        weights_of = state.fused_jax_weights if call.plan.stack == "fused" else (
-            lambda: state.weights(call.plan.policy))
+        weights_of = (lambda: state.kernel_jax_weights(call.plan.stack)) if call.plan.stack in (
+            "fused", "fused_mgpu") else (lambda: state.weights(call.plan.policy))
         weights = weights_of()
         transfer = call.transfer
         jx = transfer.to_jax(x)

@@ -118,8 +118,8 @@ def _ttj_jax_contender(module, config: T.Config, x: torch.Tensor):
     jx = jax.dlpack.from_dlpack(x.detach().clone())
     plan = T.model.plan_for(config, jx, T.MaskKind.ALL_TRUE)
     prepared = jax.block_until_ready(T.prepare_weights(params, T.get_policy(plan.policy)))
-    if plan.stack == "fused":   # the kernel's own weight layout, built once (as T.forward does)
-        prepared = jax.block_until_ready(T.model.fused_weights(prepared, T.model_key(config)))
+    # a whole-stack kernel's own weight layout, built once (as T.forward does)
+    prepared = jax.block_until_ready(T.model.kernel_weights(prepared, T.model_key(config), plan.stack))
     run = T.executable(plan, T.model_key(config))
     return (lambda: run(prepared, jx, None)), plan
 

@@ -90,7 +90,7 @@ def run_shape(sid: str, seeds: int, quick: bool) -> dict:
         record["fused_direct"] = bool(direct_calls and direct_calls[0].direct is not None)
         record["fused_note"] = direct_calls[0].direct_note if direct_calls else "no fused call"
 
-        tensors = state.fused_tensors()
+        tensors = state.kernel_tensors("fused")
         structs = FusedWeights({n: jax.ShapeDtypeStruct(tuple(t.shape), str(t.dtype).removeprefix("torch."))
                                 for n, t in zip(FusedWeights.FIELDS, tensors)},
                                d_model=config.d_model, num_heads=config.num_heads, ffn_dim=config.ffn_dim)

@@ -28,7 +28,7 @@ import jax
 from ttj_jax.compat import dlpack_exporter, dlpack_importer
 from ttj_jax.config import Config
 from ttj_jax.masks import MaskKind, classify_mask
-from ttj_jax.model import executable, fused_weights, model_key, plan_for, validate_inputs
+from ttj_jax.model import executable, kernel_weights, model_key, plan_for, validate_inputs
 from ttj_jax.numerics import get_policy
 from ttj_jax.params import expected_shapes, params_from_state_dict, prepare_weights
 from ttj_jax.planner import Plan
@@ -119,8 +119,11 @@ class _Call:
     transfer: _Transfer
     passes_mask: bool
     upcast_to: torch.dtype | None   # float64 inputs compute in float32 and are cast back
-    direct: Any = None              # a bridge.direct.DirectKernel: the fused plan launched on torch tensors
-    direct_note: str = ""           # why the fused plan runs through jax instead, when it does
+    # The plan's whole-stack kernel launched on torch tensors, no JAX dispatch: direct(x, mask, weights)
+    # -> y, weights the kernel's layout as torch tensors (_ModuleState.kernel_tensors). Mosaic GPU
+    # kernels through bridge/mosaic_launch.py, the Triton one through bridge/direct.py.
+    direct: Callable | None = None
+    direct_note: str = ""           # why a whole-stack plan runs through jax instead, when it does
 
 
 class _ModuleState:
@@ -160,11 +163,13 @@ class _ModuleState:
             self.weights_key = key
         return self._derived(policy_name, data_parallel, lambda: self._prepare(policy_name))
 
-    def fused_jax_weights(self, data_parallel: int = 1):
-        """The fused kernel's weights as jax arrays (FusedWeights), built once per weight version (and
-        replicated once over the mesh of a split plan)."""
+    def kernel_jax_weights(self, stack: str, data_parallel: int = 1):
+        """A whole-stack kernel's weights as jax arrays ("fused": FusedWeights, "fused_mgpu":
+        MgpuStackWeights), built once per weight version (and replicated once over the mesh of a split
+        plan)."""
         prepared = self.weights("mixed_fp16")
-        return self._derived("fused-jax", data_parallel, lambda: fused_weights(prepared, self.model_key))
+        return self._derived(f"{stack}-jax", data_parallel,
+                             lambda: kernel_weights(prepared, self.model_key, stack))
 
     def _derived(self, name: str, data_parallel: int, build: Callable):
         """self.prepared[(name, n)]: built by build() once per weight version (weights() clears the cache
@@ -183,18 +188,23 @@ class _ModuleState:
                     value, NamedSharding(mesh, PartitionSpec()))
         return value
 
-    def fused_tensors(self) -> list[torch.Tensor]:
-        """The fused kernel's weights (FusedWeights.FIELDS order) as torch tensors on the weights' device,
-        built by jax from the current parameters once per weight version. They are torch-owned copies,
-        so torch's allocator orders their reuse after the kernels that read them on torch's stream."""
+    def kernel_tensors(self, stack: str) -> list[torch.Tensor]:
+        """A whole-stack kernel's weights as torch tensors on the weights' device, in the order its launch
+        takes them ("fused": FusedWeights.FIELDS, "fused_mgpu": mats, vecs), built by jax from the
+        current parameters once per weight version. They are torch-owned copies, so torch's allocator
+        orders their reuse after the kernels that read them on torch's stream."""
         self.weights("mixed_fp16")   # drops every derived array when a parameter changed
-        tensors = self.prepared.get("fused-torch")
+        tensors = self.prepared.get(f"{stack}-torch")
         if tensors is None:
-            from ttj_jax.kernels.fused_stack import FusedWeights
-            fused = self.fused_jax_weights()
+            weights = self.kernel_jax_weights(stack)
+            if stack == "fused":
+                from ttj_jax.kernels.fused_stack import FusedWeights
+                arrays = [weights.arrays[name] for name in FusedWeights.FIELDS]
+            else:
+                arrays = [weights.mats, weights.vecs]
             transfer = _transfer(self.params[0].device)
-            tensors = [transfer.to_torch(fused.arrays[name]).clone() for name in FusedWeights.FIELDS]
-            self.prepared["fused-torch"] = tensors
+            tensors = [transfer.to_torch(a).clone() for a in arrays]
+            self.prepared[f"{stack}-torch"] = tensors
         return tensors
 
     def _prepare(self, policy_name: str):
@@ -238,14 +248,35 @@ class _ModuleState:
         jax_device = transfer.importer.device
         shape_probe = jax.ShapeDtypeStruct(tuple(x.shape), "float32" if upcast else _torch_dtype_name(x.dtype))
         plan = plan_for(self.config, shape_probe, kind, device=jax_device or jax.devices(
-            "cpu" if x.device.type == "cpu" else None)[0], data_parallel=data_parallel, stack=stack)
+            "cpu" if x.device.type == "cpu" else None)[0], caller="torch", data_parallel=data_parallel,
+            stack=stack)
         call = _Call(plan=plan, run=executable(plan, self.model_key, True), transfer=transfer,
                      passes_mask=plan.mask_mode != "none", upcast_to=upcast)
-        if plan.stack == "fused" and plan.data_parallel == 1:
-            call.direct, call.direct_note = self._direct_kernel(call, x.shape, shape_probe.dtype, x.device)
-        elif plan.stack == "fused":
+        if plan.stack in ("fused", "fused_mgpu") and plan.data_parallel > 1:
             call.direct_note = f"the batch is split over {plan.data_parallel} devices, one kernel per device"
+        elif plan.stack == "fused":
+            call.direct, call.direct_note = self._direct_kernel(call, x.shape, shape_probe.dtype, x.device)
+        elif plan.stack == "fused_mgpu":
+            call.direct, call.direct_note = self._mosaic_kernel(call, x.shape, x.device)
         return call
+
+    def _mosaic_kernel(self, call: _Call, shape, device: torch.device):
+        """(launch, "") for the Mosaic GPU stack on this input (bridge/mosaic_launch.py), or (None, why it
+        runs through jax)."""
+        from bridge import mosaic_launch
+        from ttj_jax.kernels.fused_stack_mgpu import TILE_ROWS
+        why = mosaic_launch.unavailable_reason(device)
+        if why is None and shape[0] % (TILE_ROWS // shape[1]):
+            why = f"x.shape={tuple(shape)}: the batch needs padding to fill the kernel's {TILE_ROWS}-row tiles"
+        if why is not None:
+            return None, why
+        try:
+            kernel = mosaic_launch.MosaicStackLaunch(self.config, shape[0], shape[1], device)
+        except (RuntimeError, ValueError, OSError) as e:
+            return None, f"the Mosaic GPU launch is unavailable: {type(e).__name__}: {e}"
+        run = lambda x, mask, tensors: kernel(x, *tensors)   # noqa: E731 - mask-free plans only
+        disagreement = self._compare_with_jax(run, call, shape, torch.float32, device)
+        return (None, disagreement) if disagreement is not None else (run, "")
 
     def _direct_kernel(self, call: _Call, shape, dtype, device: torch.device):
         """(DirectKernel, "") for the fused plan on this input, or (None, why it runs through jax)."""
@@ -262,7 +293,7 @@ class _ModuleState:
                    "cost is negligible, and XLA launches it with its exact shared memory")
         if why is not None:
             return None, why
-        fused = self.fused_tensors()   # also builds the weights the launch will read
+        fused = self.kernel_tensors("fused")   # also builds the weights the launch will read
         from ttj_jax.kernels.fused_stack import FusedWeights
         structs = FusedWeights({n: jax.ShapeDtypeStruct(tuple(t.shape), _torch_dtype_name(t.dtype))
                                 for n, t in zip(FusedWeights.FIELDS, fused)},
@@ -274,27 +305,31 @@ class _ModuleState:
             kernel = direct.DirectKernel(spec, device)
         except (RuntimeError, OSError) as e:
             return None, f"direct launch unavailable: {e}"
-        disagreement = self._compare_with_jax(kernel, call, shape, dtype, device)
-        if disagreement is not None:
-            return None, disagreement
-        return kernel, ""
+
+        def run(x, mask, tensors, masked=call.passes_mask):
+            out = torch.empty_like(x)
+            kernel(x, *([mask] if masked else []), *tensors, out)
+            return out
+        disagreement = self._compare_with_jax(run, call, shape, dtype, device)
+        return (None, disagreement) if disagreement is not None else (run, "")
 
     # The direct launch runs the binary the jax path runs: its output must match to rounding noise.
     DIRECT_CHECK_ATOL = 1e-4
 
-    def _compare_with_jax(self, kernel, call: _Call, shape, dtype, device) -> str | None:
-        """Launches `kernel` once on a random input and compares it with the jax path (the same plan
-        through jax). Returns why it cannot be used, or None. One host sync, once per input signature."""
+    def _compare_with_jax(self, run, call: _Call, shape, dtype, device) -> str | None:
+        """Runs `run(x, mask, weights)` (a direct launch) once on a random input and compares it with the
+        jax path (the same plan through jax). Returns why it cannot be used, or None. One host sync, once
+        per input signature."""
         generator = torch.Generator(device=device).manual_seed(0)
         x = torch.randn(tuple(shape), generator=generator, device=device).to(getattr(torch, str(dtype)))
         mask = None
         if call.passes_mask:   # a general mask (a fully invalid sequence included) exercises every path
             mask = torch.rand(tuple(shape[:2]), generator=generator, device=device) < 0.7
             mask[0] = False
-        direct_out = torch.empty_like(x)
-        kernel(x, *([mask] if mask is not None else []), *self.fused_tensors(), direct_out)
+        stack = call.plan.stack
+        direct_out = run(x, mask, self.kernel_tensors(stack))
         call.transfer.order_before_jax()
-        jax_out = call.transfer.to_torch(call.run(self.fused_jax_weights(), call.transfer.to_jax(x),
+        jax_out = call.transfer.to_torch(call.run(self.kernel_jax_weights(stack), call.transfer.to_jax(x),
                                                   None if mask is None else call.transfer.to_jax(mask)))
         difference = float((direct_out.float() - jax_out.float()).abs().max())
         if not difference <= self.DIRECT_CHECK_ATOL:   # also catches NaN
@@ -323,8 +358,9 @@ def forward(module: torch.nn.Module, x: torch.Tensor, valid_token_mask: torch.Te
             config=None, data_parallel: int | None = None, stack: str | None = None) -> torch.Tensor:
     """Runs ttj-jax on `module`'s own parameters (any module with the harness's parameter names).
     Returns a new tensor with x's shape, dtype and device; never modifies its inputs. Inference only.
-    stack: force "layers" (the XLA program), "fused" (the whole-stack kernel) or "rows" (row-tile
-    kernels around attention) instead of the planner's choice (ablations, benchmarks).
+    stack: force "layers" (the XLA program), "fused" (the whole-stack kernel), "fused_mgpu" (the same as
+    one Mosaic GPU kernel, Hopper) or "rows" (row-tile kernels around attention) instead of the planner's
+    choice (ablations, benchmarks).
     data_parallel: split the batch over that many devices (default: the planner's choice; the output
     is gathered back to x's device)."""
     state = _state(module, config)
@@ -345,20 +381,18 @@ def forward(module: torch.nn.Module, x: torch.Tensor, valid_token_mask: torch.Te
     if call is None:
         call = state.calls[key] = state.build_call(x, kind, data_parallel, stack)
 
-    if call.direct is not None:   # one kernel launch on torch's stream (bridge/direct.py)
-        tensors = state.fused_tensors()
+    if call.direct is not None:   # one kernel launch on torch's current stream, no JAX dispatch
+        tensors = state.kernel_tensors(call.plan.stack)
         if call.upcast_to is not None:
             x = x.float()
         x = x if x.is_contiguous() else x.contiguous()
-        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        if call.passes_mask:
-            call.direct(x, mask if mask.is_contiguous() else mask.contiguous(), *tensors, out)
-        else:
-            call.direct(x, *tensors, out)
+        if call.passes_mask and not mask.is_contiguous():
+            mask = mask.contiguous()
+        out = call.direct(x, mask, tensors)
         return out if call.upcast_to is None else out.to(call.upcast_to)
 
-    if call.plan.stack == "fused":   # the kernel's own layout, built once per weight version
-        weights = state.fused_jax_weights(call.plan.data_parallel)
+    if call.plan.stack in ("fused", "fused_mgpu"):   # the kernel's own layout, once per weight version
+        weights = state.kernel_jax_weights(call.plan.stack, call.plan.data_parallel)
     else:
         weights = state.weights(call.plan.policy, call.plan.data_parallel)
     if x.requires_grad:
@@ -433,8 +467,8 @@ def explain(module: torch.nn.Module, x: torch.Tensor, valid_token_mask=None, *, 
     if call is None:
         call = state.calls[key] = state.build_call(x, kind)
     text = call.plan.explain()
-    if call.plan.stack == "fused":
-        text += ("; launched directly on torch's stream (no JAX dispatch)" if call.direct is not None
+    if call.plan.stack in ("fused", "fused_mgpu"):
+        text += ("; launched directly on torch's current stream (no JAX dispatch)" if call.direct is not None
                  else f"; run through jax: {call.direct_note}")
     return text
 

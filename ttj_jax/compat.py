@@ -271,3 +271,101 @@ def find_gpu_images(blob: bytes) -> list[tuple[str, bytes]]:
                 images.append(("ptx", text))
                 break
     return images
+
+
+def mosaic_gpu_module(fn, *arg_structs) -> bytes:
+    """The serialized Mosaic GPU module of `fn(*arg_structs)`, a function that is one Mosaic GPU kernel
+    call and nothing else (as `plgpu.as_torch_kernel` requires), lowered for CUDA (no GPU needed).
+    Checks what the launch in MosaicLauncher assumes: the kernel's operands are the function's
+    arguments in order and its results are returned in order (no buffers, constants or reshapes
+    around the call). Raises ValueError otherwise, RuntimeError where this jax lowers differently."""
+    try:
+        from jax._src.lib.mlir import passmanager
+        from jax._src.lib.mlir.dialects import func, hlo
+        from jax.experimental.mosaic import gpu as mgpu
+    except ImportError as e:   # pragma: no cover - depends on the installed jax
+        raise RuntimeError(f"this jax ({jax.__version__}) lacks Mosaic GPU's lowering: {e}") from e
+    module = jax.jit(lambda *a: fn(*a)).trace(*arg_structs).lower(lowering_platforms=("cuda",)).compiler_ir()
+    with module.context:
+        mgpu.dialect.register_inliner_extensions(module.context)   # jit outlines bodies: inline them
+        passmanager.PassManager.parse("builtin.module(inline{default-pipeline=})").run(module.operation)
+        mains = [op for op in module.body.operations
+                 if isinstance(op, func.FuncOp) and op.name.value == "main"]
+        if len(mains) != 1:
+            raise ValueError("expected one main function in the lowered module")
+        [body] = mains[0].body.blocks
+        operations = list(body.operations)
+        if len(operations) != 2:
+            raise ValueError(f"expected the kernel call and a return, found {len(operations)} operations: "
+                             + ", ".join(op.operation.name for op in operations))
+        call, ret = operations
+        if not (isinstance(call, hlo.CustomCallOp) and call.call_target_name.value == "mosaic_gpu_v2"):
+            raise ValueError(f"expected a mosaic_gpu_v2 custom call, found {call.operation.name}")
+        if list(call.operands) != list(body.arguments):
+            raise ValueError("the kernel's operands are not the function's arguments in order")
+        if list(ret.operands) != list(call.results):
+            raise ValueError("the function does not return the kernel's results in order")
+        if call.output_operand_aliases is not None and len(call.output_operand_aliases):
+            raise ValueError("the kernel aliases an input to an output")
+        try:
+            return bytes(call.attributes["mhlo.backend_config"]["module"].value_bytes)
+        except (KeyError, AttributeError) as e:
+            raise RuntimeError(f"this jax ({jax.__version__}) stores the Mosaic GPU module elsewhere: {e}") from e
+
+
+class MosaicLauncher:
+    """A Mosaic GPU module compiled and loaded once (by the compiler jaxlib ships for
+    `plgpu.as_torch_kernel`: `MosaicGpuCompile` in the CUDA plugin's library), launched on any CUDA
+    stream with raw device pointers: `launch(pointers, stream)` where pointers are the kernel's inputs
+    then its outputs (ints), stream a `cudaStream_t` as an int (0: the legacy default stream).
+    jax's own as_torch_kernel does the same per call with more Python around it and on torch's default
+    stream only; this one keeps the ctypes argument blocks and lets the caller pick the stream.
+    Not thread-safe (one argument block). Raises RuntimeError where the compiler is missing or fails."""
+
+    def __init__(self, module_asm: bytes, num_buffers: int):
+        import ctypes
+        library = None
+        for plugin in ("jax_plugins.xla_cuda13", "jax_plugins.xla_cuda12"):
+            try:
+                import importlib
+                library = ctypes.CDLL(importlib.import_module(plugin)._get_library_path())
+                break
+            except (ImportError, OSError, AttributeError):
+                continue
+        if library is None:
+            library = ctypes.CDLL(None)
+        try:
+            compile_fn, unload_fn = library.MosaicGpuCompile, library.MosaicGpuUnload
+        except AttributeError as e:
+            raise RuntimeError("no Mosaic GPU compiler (MosaicGpuCompile) in this jaxlib's CUDA plugin") from e
+        compile_fn.argtypes = [ctypes.c_void_p, ctypes.c_int]
+        compile_fn.restype = ctypes.POINTER(ctypes.c_void_p)
+        unload_fn.argtypes = [compile_fn.restype]
+        unload_fn.restype = None
+        self._asm = ctypes.c_char_p(module_asm)   # kept alive with the compiled module
+        compiled = compile_fn(self._asm, len(module_asm))
+        if not compiled:
+            raise RuntimeError("MosaicGpuCompile failed on the module")
+        self._compiled, self._unload = compiled, unload_fn
+        self._ctx = ctypes.c_void_p(compiled[0])
+        self._entry = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(compiled[1])
+        # The host entry's calling convention (as XLA's custom call): void* args[] = {&ctx, &stream,
+        # &buffers}, buffers a void*[] of the kernel's inputs then outputs.
+        self.buffers = (ctypes.c_void_p * num_buffers)()
+        self._stream = ctypes.c_void_p(0)
+        self._buffers_ptr = ctypes.pointer(self.buffers)
+        self._args = (ctypes.c_void_p * 3)(ctypes.addressof(self._ctx), ctypes.addressof(self._stream),
+                                           ctypes.addressof(self._buffers_ptr))
+        self._num_buffers = num_buffers
+
+    def launch(self, pointers, stream: int) -> None:
+        if len(pointers) != self._num_buffers:
+            raise ValueError(f"{len(pointers)} pointers, the kernel takes {self._num_buffers}")
+        self.buffers[:] = pointers
+        self._stream.value = stream
+        self._entry(self._args)
+
+    def __del__(self):
+        compiled, self._compiled = getattr(self, "_compiled", None), None
+        if compiled:
+            self._unload(compiled)

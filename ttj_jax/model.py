@@ -67,12 +67,7 @@ ATTENTION = {"xla": xla_attention, "pallas": pallas_attention, "cudnn": cudnn_at
 
 
 def attention_for(plan: Plan):
-    """The plan's attention function. A batch split over devices runs our generic kernel, never the
-    Hopper one: in a split over two H200s shape 14's output with it differed from the one-GPU output
-    (bench/results/scale-2026-11-30-h200x2-p2p.json; shape 6's split, without it, matched exactly). The
-    cause found since (a grid-axis name clash with the mesh, planner.py) is fixed but not yet rerun there."""
-    if plan.attention == "pallas" and plan.data_parallel > 1:
-        return functools.partial(pallas_attention, implementation="generic")
+    """The plan's attention function."""
     return ATTENTION[plan.attention]
 
 
@@ -161,6 +156,18 @@ def _run_fused(weights, x, mask, *, config: Config, plan: Plan):
                                interpret=jax.default_backend() == "cpu")
 
 
+def _run_fused_mgpu(weights, x, mask, *, config: Config, plan: Plan):
+    """The whole stack as one Mosaic GPU kernel (plan.stack == "fused_mgpu"; mask-free plans only).
+    weights: MgpuStackWeights (the fast path, see kernel_weights), PreparedWeights or raw params."""
+    from ttj_jax.kernels.fused_stack_mgpu import MgpuStackWeights, fused_stack_mgpu_forward, stack_weights_mgpu
+    if not isinstance(weights, MgpuStackWeights):
+        if not isinstance(weights, PreparedWeights):
+            weights = prepare_weights(weights, get_policy(plan.policy))
+        weights = stack_weights_mgpu(weights, config.num_heads)
+    return fused_stack_mgpu_forward(weights, x, num_heads=config.num_heads, causal=config.causal,
+                                    interpret=jax.default_backend() == "cpu")
+
+
 def _run_rows(weights, x, mask, *, config: Config, plan: Plan):
     """Per layer our flash attention and one row-tile kernel for everything else (plan.stack == "rows")."""
     from ttj_jax.kernels.row_block import rows_forward
@@ -173,25 +180,37 @@ def _run_rows(weights, x, mask, *, config: Config, plan: Plan):
                         block_rows=ROWS_BLOCK, interpret=jax.default_backend() == "cpu")
 
 
-_FUSED_WEIGHTS: "weakref.WeakKeyDictionary[PreparedWeights, Any]" = weakref.WeakKeyDictionary()
+_KERNEL_WEIGHTS: "weakref.WeakKeyDictionary[PreparedWeights, dict]" = weakref.WeakKeyDictionary()
+
+
+def kernel_weights(prepared: PreparedWeights, config: Config, stack: str):
+    """What the plan's executable takes for `prepared`: the whole-stack kernels' own weight layouts
+    ("fused": FusedWeights, "fused_mgpu": MgpuStackWeights), built once per PreparedWeights object (they
+    are immutable) and kept as long as it lives; `prepared` itself for the other stacks."""
+    if stack not in ("fused", "fused_mgpu"):
+        return prepared
+    cached = _KERNEL_WEIGHTS.setdefault(prepared, {})
+    if stack not in cached:
+        if stack == "fused":
+            from ttj_jax.kernels.fused_stack import stack_weights
+            cached[stack] = jax.jit(functools.partial(stack_weights, num_heads=config.num_heads))(prepared)
+        else:
+            from ttj_jax.kernels.fused_stack_mgpu import stack_weights_mgpu   # jitted inside
+            cached[stack] = stack_weights_mgpu(prepared, config.num_heads)
+    return cached[stack]
 
 
 def fused_weights(prepared: PreparedWeights, config: Config):
-    """The fused kernel's weight layout for `prepared`, built once per PreparedWeights object (they are
-    immutable) and kept as long as it lives."""
-    from ttj_jax.kernels.fused_stack import stack_weights
-    cached = _FUSED_WEIGHTS.get(prepared)
-    if cached is None:
-        cached = _FUSED_WEIGHTS[prepared] = jax.jit(
-            functools.partial(stack_weights, num_heads=config.num_heads))(prepared)
-    return cached
+    """The fused (Triton) kernel's weight layout for `prepared` (kernel_weights' "fused")."""
+    return kernel_weights(prepared, config, "fused")
 
 
 @functools.lru_cache(maxsize=None)
 def executable(plan: Plan, config: Config, prepared: bool = True):
     """The jitted forward for one plan and model: f(weights, x, mask_or_None) -> y. Pass
     `model_key(config)` so that one executable serves every input shape of a model."""
-    run = {"fused": _run_fused, "rows": _run_rows}.get(plan.stack, _run_prepared if prepared else _run_raw)
+    run = {"fused": _run_fused, "rows": _run_rows, "fused_mgpu": _run_fused_mgpu}.get(
+        plan.stack, _run_prepared if prepared else _run_raw)
     body = functools.partial(run, config=config, plan=plan)
     if plan.data_parallel > 1:
         from ttj_jax.parallel import batch_mesh, data_parallel
@@ -229,12 +248,12 @@ def validate_inputs(x_shape, x_dtype: str, mask_shape, mask_dtype: str | None, c
             raise TypeError(f"valid_token_mask must be bool; got dtype {mask_dtype}")
 
 
-def plan_for(config: Config, x, mask_kind: MaskKind, device=None, **overrides) -> Plan:
+def plan_for(config: Config, x, mask_kind: MaskKind, device=None, caller: str = "jax", **overrides) -> Plan:
     device = device if device is not None else next(iter(x.devices())) if hasattr(x, "devices") \
         else jax.devices()[0]
     devices = x.devices() if hasattr(x, "devices") and callable(x.devices) else ()
     facts = InputFacts(batch_size=int(x.shape[0]), seq_len=int(x.shape[1]), dtype=str(jnp.dtype(x.dtype)),
-                       mask_kind=mask_kind, input_devices=max(1, len(devices)))
+                       mask_kind=mask_kind, input_devices=max(1, len(devices)), caller=caller)
     return make_plan(config, facts, device_facts(device), **overrides)
 
 
@@ -284,6 +303,6 @@ def forward(params: Any, x, valid_token_mask=None, *, config, mask_kind: MaskKin
                       stack=stack)
     mask = mask if chosen.mask_mode != "none" else None
     prepared = isinstance(params, PreparedWeights)
-    if chosen.stack == "fused" and prepared:
-        params = fused_weights(params, model_key(config))
+    if prepared:
+        params = kernel_weights(params, model_key(config), chosen.stack)
     return executable(chosen, model_key(config), prepared)(params, x, mask)

@@ -17,8 +17,11 @@ ATTENTION_IMPLEMENTATIONS = ("xla", "pallas", "cudnn")
 MASK_MODES = ("none", "rows", "keys", "device")
 # "layers": the XLA program, layer by layer (model.py); "fused": the whole stack as one Pallas kernel
 # (kernels/fused_stack.py), which the torch bridge launches with no JAX dispatch (bridge/direct.py);
-# "rows": per layer our flash attention and one row-tile kernel for the rest (kernels/row_block.py).
-STACKS = ("layers", "fused", "rows")
+# "rows": per layer our flash attention and one row-tile kernel for the rest (kernels/row_block.py);
+# "fused_mgpu": the whole stack as one Mosaic GPU kernel (kernels/fused_stack_mgpu.py, Hopper, mask-free),
+# which the torch bridge launches on torch's stream with no JAX dispatch (bridge/mosaic_launch.py).
+STACKS = ("layers", "fused", "rows", "fused_mgpu")
+CALLERS = ("jax", "torch")
 ROWS_BLOCK = 64   # rows per program of the "rows" stack: batch * seq_len must be a multiple
 
 # Split the batch over several devices only when x already lives on them (a batch-sharded jax array)
@@ -43,9 +46,10 @@ CUDNN_HEAD_DIMS = range(8, 129, 8)
 # 64) ran at 481 against 446 TFLOP/s (attention-mgpu-2026-11-30-nvidia-h200-grid.json). (With its first
 # grid order the stack had been slower than with cuDNN: 3388 against 3186 ms.) At S=4096-8192 the two are
 # level (sweep file). At head_dim 256 cuDNN does not apply and "pallas" gets the Hopper kernel (577 TFLOP/s
-# against our generic kernel's 226). Not in a batch split yet: the one two-GPU run with it gave a wrong
-# output (scale-2026-11-30-h200x2-p2p.json); the cause found since (the kernel's grid axis "batch" clashed
-# with the mesh axis of that name, fixed, the lowered kernel now identical) awaits a two-GPU rerun.
+# against our generic kernel's 226). In a batch split too: the first two-GPU run with it gave a wrong
+# output (scale-2026-11-30-h200x2-p2p.json) because the kernel's grid axis "batch" clashed with the mesh
+# axis of that name; renamed, the kernel inside a split lowers identically to the one-device kernel
+# (tests/test_flash_attention_mgpu.py), and the two-GPU rerun is in scale-2026-11-30-h200x2-session4.json.
 HOPPER_OVER_CUDNN_HEAD_DIMS = (64, 128)
 # The fused whole-stack kernel up to this many tokens (batch x seq_len) per call, the largest measured:
 # bench/results/direct-2026-11-30-nvidia-h200.json (the kernel run through jax, harness timing): faster
@@ -66,6 +70,13 @@ FUSED_STACK_MAX_HEADS = 4
 # 13) it ran 0.776 ms through the bridge against the XLA program's 1.088 (torch peer 1.037 in an earlier
 # run), zero failing elements (bench/results/rows-2026-11-30-nvidia-h200.json).
 ROWS_STACK_MAX_SEQ_LEN = 1024
+# The Mosaic GPU whole-stack kernel (Hopper, d_model = ffn_dim = 128, 1/2/4 heads, S 32/64/128, fp32 x,
+# mask-free) against the Triton one, both through jax (bench/results/fused-stack-mgpu-2026-11-30-nvidia-
+# h200.json, us per call): shape 2 87.8 against 125.8, 1 88.9/128.4, 9 57.2/92.1, 10 68.3/104.3, 5
+# 98.1/129.8; zero failing elements on all of them. At S=32 (shape 12) it is slower (122.0 against
+# 74.1): there only a torch caller gets it, because the bridge launches it with ~25 us of host time where
+# the Triton kernel through jax costs the bridge ~0.2 ms per call (official-2026-11-30-h200-session3).
+MGPU_STACK_JAX_MIN_SEQ_LEN = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +86,11 @@ class InputFacts:
     dtype: str                     # numpy name of x's dtype: "float32", "float16", "bfloat16"
     mask_kind: MaskKind = MaskKind.NONE
     input_devices: int = 1         # devices x is spread over (a sharded jax array); 1 for a torch tensor
+    caller: str = "jax"            # "torch": the bridge, which launches Mosaic GPU kernels itself
+
+    def __post_init__(self):
+        if self.caller not in CALLERS:
+            raise ValueError(f"InputFacts.caller={self.caller!r} is not one of {CALLERS}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,6 +142,8 @@ class Plan:
     def name(self) -> str:
         if self.stack == "fused":
             return f"fused-stack/{self.policy}/mask-{self.mask_mode}"
+        if self.stack == "fused_mgpu":
+            return f"fused-stack-mosaic/{self.policy}/mask-{self.mask_mode}"
         if self.stack == "rows":
             return f"row-kernels/{self.attention}-attention/{self.policy}/mask-{self.mask_mode}"
         chunk = f"/chunk{self.batch_chunk}" if self.batch_chunk else ""
@@ -185,7 +203,7 @@ def plan(config: Config, inputs: InputFacts, device: DeviceFacts = CPU, *,
         attention = "xla"
         reasons.append("exact fp32 attention through XLA at HIGHEST precision")
     elif (inputs.seq_len >= CUDNN_MIN_SEQ_LEN and mask_mode in ("none", "rows") and device.is_hopper
-          and config.head_dim in HOPPER_OVER_CUDNN_HEAD_DIMS and data_parallel == 1):
+          and config.head_dim in HOPPER_OVER_CUDNN_HEAD_DIMS):
         attention = "pallas"
         reasons.append(f"S={inputs.seq_len} >= {CUDNN_MIN_SEQ_LEN}, head_dim {config.head_dim} on sm_90: our "
                        "Hopper flash kernel, measured faster than cuDNN at shape 14's attention call (481 "
@@ -223,7 +241,14 @@ def plan(config: Config, inputs: InputFacts, device: DeviceFacts = CPU, *,
         stack, why = _stack(config, per_device, device, policy, mask_mode, batch_chunk)
         if why:
             reasons.append(why)
-    if stack == "fused":   # the kernel computes attention itself
+    if stack == "fused_mgpu":
+        from ttj_jax.kernels import fused_stack_mgpu
+        if not fused_stack_mgpu.supports(config, inputs.seq_len) or mask_mode != "none" \
+                or inputs.dtype != "float32":
+            raise ValueError(f"stack 'fused_mgpu' needs d_model = ffn_dim = 128, 1/2/4 heads, seq_len in "
+                             f"{fused_stack_mgpu.SUPPORTED_SEQ_LENS}, float32 x and no mask work; got {config}, "
+                             f"S={inputs.seq_len}, {inputs.dtype}, mask mode {mask_mode}")
+    if stack in ("fused", "fused_mgpu"):   # the kernel computes attention itself
         attention = "pallas"
     return Plan(policy=policy, attention=attention, mask_mode=mask_mode, batch_chunk=batch_chunk,
                 data_parallel=data_parallel, reason="; ".join(reasons), stack=stack)
@@ -231,14 +256,26 @@ def plan(config: Config, inputs: InputFacts, device: DeviceFacts = CPU, *,
 
 def _stack(config: Config, inputs: InputFacts, device: DeviceFacts, policy: str, mask_mode: str,
            batch_chunk) -> tuple[str, str]:
-    """For one device's share of the batch (`inputs`): the fused whole-stack kernel where it is measured
-    faster than the XLA program (FUSED_STACK_MAX_ROWS, FUSED_STACK_MAX_HEADS); beyond its sequence length,
-    the "rows" stack (ROWS_STACK_MAX_SEQ_LEN); the layer-by-layer XLA program otherwise. Both kernels take
-    any mask (they mask keys and zero rows)."""
-    from ttj_jax.kernels import fused_stack, row_block   # limits of the kernels (pure)
+    """For one device's share of the batch (`inputs`): on Hopper, for mask-free fp32 calls it takes, the
+    Mosaic GPU whole-stack kernel (MGPU_STACK_JAX_MIN_SEQ_LEN); else the fused whole-stack kernel where it
+    is measured faster than the XLA program (FUSED_STACK_MAX_ROWS, FUSED_STACK_MAX_HEADS); beyond its
+    sequence length, the "rows" stack (ROWS_STACK_MAX_SEQ_LEN); the layer-by-layer XLA program otherwise.
+    The last two kernels take any mask (they mask keys and zero rows)."""
+    from ttj_jax.kernels import fused_stack, fused_stack_mgpu, row_block   # limits of the kernels (pure)
     if not (device.is_gpu and policy == "mixed_fp16" and not batch_chunk):
         return "layers", ""
     rows = inputs.batch_size * inputs.seq_len
+    if (device.is_hopper and mask_mode == "none" and inputs.dtype == "float32" and rows <= FUSED_STACK_MAX_ROWS
+            and fused_stack_mgpu.supports(config, inputs.seq_len)):
+        if inputs.seq_len >= MGPU_STACK_JAX_MIN_SEQ_LEN:
+            return "fused_mgpu", (f"{inputs.batch_size}x{inputs.seq_len} tokens, no mask, on sm_90: the whole "
+                                  "stack as one Mosaic GPU kernel, measured faster than the Triton one (88 "
+                                  "against 126 us at shape 2)")
+        if inputs.caller == "torch":
+            return "fused_mgpu", (f"S={inputs.seq_len}, no mask, on sm_90, called from torch: the Mosaic GPU "
+                                  "whole-stack kernel launched by the bridge without JAX dispatch (slower "
+                                  "than the Triton kernel on the GPU at S=32, 122 against 74 us, but that "
+                                  "one pays the jax call's host time)")
     if fused_stack.supports(config, inputs.seq_len):
         if rows > FUSED_STACK_MAX_ROWS or config.num_heads > FUSED_STACK_MAX_HEADS:
             return "layers", ""

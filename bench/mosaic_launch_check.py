@@ -1,0 +1,136 @@
+"""GPU check of the bridge's own launch of the Mosaic GPU whole-stack kernel (bridge/mosaic_launch.py).
+
+    PYTHONPATH=. python3 bench/mosaic_launch_check.py --out bench/results [--shapes 2,1,3,4,5,9,10,12,6]
+
+Per official shape, through the bridge module as the harness calls it (all-True mask, fp32 x on cuda):
+- the plan and whether the bridge launches the kernel itself (explain()); its one-time comparison with
+  the jax path must have passed, else the call runs through jax and the note says why;
+- accuracy on the 5 harness seeds against the eager baseline (harness rule);
+- stream order: x produced on a side stream behind ~50 ms of queued matmuls, the bridge called on that
+  stream; its output must equal the default-stream output bitwise (a launch on another stream would read
+  x before it is written);
+- host us per call (perf_counter, no sync) and the harness timing (CUDA events per call, 3 x 100 calls)
+  of the bridge with the launch, and of the same module forced to the Triton kernel through jax.
+Writes <out>/mosaic-launch-<date>-<gpu>.json and prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import torch  # noqa: E402
+
+import bridge  # noqa: E402
+import jax  # noqa: E402
+import ttj_jax as T  # noqa: E402
+from bench.baseline import TransformerConfig, check_close, harness_models, make_inputs  # noqa: E402
+from bench.cli import HARNESS_SEEDS, TIMING_SEED_OFFSET  # noqa: E402
+from bench.timing import time_contenders  # noqa: E402
+from bridge import runtime  # noqa: E402
+
+DEFAULT_SHAPES = "2,1,3,4,5,9,10,12,6"
+
+
+def _host_us(fn, calls=300):
+    for _ in range(30):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(samples)
+
+
+def check_shape(sid: str, device: torch.device) -> dict:
+    config = T.OFFICIAL[sid].config
+    harness_config = TransformerConfig(**vars(config))
+    baseline, ours = harness_models(harness_config, bridge.TTJTransformer, device=device)
+    record: dict = {"shape": T.OFFICIAL[sid].describe()}
+    with torch.inference_mode():
+        x, mask = make_inputs(harness_config, HARNESS_SEEDS[0] + TIMING_SEED_OFFSET, device=device)
+        t0 = time.perf_counter()
+        y = ours(x, mask)
+        torch.cuda.synchronize()
+        record["first_call_s"] = time.perf_counter() - t0
+        record["plan"] = bridge.explain(ours, x, mask)
+        [call] = [c for k, c in runtime._STATES[ours].calls.items() if k[-1] is None and k[-2] is None]
+        record["stack"] = call.plan.stack
+        record["launched_by_bridge"] = call.direct is not None
+        record["note"] = call.direct_note
+
+        failed, worst = 0, 0.0
+        for seed in HARNESS_SEEDS:
+            xs, ms = make_inputs(harness_config, seed, device=device)
+            f, w = check_close(ours(xs, ms), baseline(xs, ms))
+            failed, worst = failed + f, max(worst, w)
+        record["accuracy"] = {"seeds": len(HARNESS_SEEDS), "failed_elements": failed, "worst_err_over_tol": worst}
+
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            big = torch.randn(8192, 8192, device=device)
+            for _ in range(8):
+                big = torch.tanh(big @ big * 1e-4)
+            x_side = x + big[0, 0] * 0.0          # written only after the matmuls, on the side stream
+            y_side = ours(x_side, mask)
+        side.synchronize()
+        record["side_stream_equal"] = bool(torch.equal(y_side, y))
+
+        record["host_us_bridge"] = _host_us(lambda: ours(x, mask))
+        triton = lambda: runtime.forward(ours, x, mask, stack="fused")   # noqa: E731
+        triton()
+        timings = time_contenders({"bridge": lambda: ours(x, mask), "bridge_triton_via_jax": triton},
+                                  warmup=20, rounds=3, calls=100, device=device)
+        record["harness_ms"] = {k: v["median_ms"] for k, v in timings.items()}
+    return record
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--shapes", default=DEFAULT_SHAPES)
+    args = parser.parse_args(argv)
+    device = torch.device("cuda")
+    name = torch.cuda.get_device_name(device)
+    path = os.path.join(args.out, f"mosaic-launch-{datetime.date.today()}-{name.split()[-1].lower()}.json")
+    result = {"gpu": name, "jax": jax.__version__, "torch": torch.__version__,
+              "date": str(datetime.date.today()), "command": " ".join(sys.argv), "shapes": {}}
+    for sid in args.shapes.split(","):
+        t0 = time.perf_counter()
+        try:
+            record = check_shape(sid, device)
+        except Exception as e:   # noqa: BLE001 - one shape's failure is recorded, the rest still run
+            record = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-2000:]}
+        record["wall_s"] = time.perf_counter() - t0
+        result["shapes"][sid] = record
+        print(f"shape {sid}: {json.dumps(record)[:600]}", flush=True)
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+    print(f"\n{'id':>3} {'stack':>11} {'bridge?':>7} {'failed':>6} {'worst':>6} {'stream':>6} "
+          f"{'host us':>8} {'bridge ms':>9} {'triton ms':>9}")
+    for sid, r in result["shapes"].items():
+        if "error" in r:
+            print(f"{sid:>3} ERROR {r['error'][:100]}")
+            continue
+        acc, ms = r["accuracy"], r["harness_ms"]
+        print(f"{sid:>3} {r['stack']:>11} {str(r['launched_by_bridge']):>7} {acc['failed_elements']:>6} "
+              f"{acc['worst_err_over_tol']:>6.3f} {str(r['side_stream_equal']):>6} {r['host_us_bridge']:>8.1f} "
+              f"{ms['bridge']:>9.4f} {ms['bridge_triton_via_jax']:>9.4f}")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

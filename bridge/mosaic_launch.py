@@ -1,0 +1,79 @@
+"""The bridge's launch of the Mosaic GPU whole-stack kernel on torch tensors: no JAX dispatch, no DLPack.
+
+For calls the planner gives to `Plan.stack == "fused_mgpu"` (Hopper, mask-free, fp32, the shapes
+kernels/fused_stack_mgpu.py takes), the GPU work is one kernel of ~60-120 us, and a call through jax
+costs the bridge more host time than that (bench/results/official-2026-11-30-h200-session3.json). So the
+bridge compiles the kernel once, with the compiler jaxlib ships for `plgpu.as_torch_kernel`
+(compat.mosaic_gpu_module + compat.MosaicLauncher), and each call is: one output allocation and one
+launch with the tensors' pointers on torch's CURRENT stream. (jax's own as_torch_kernel launches on
+torch's default stream and costs ~66 us of Python per call on the H200 host: fused-stack-mgpu-2026-11-30-
+nvidia-h200.json.)
+
+Stream order is torch's own: the kernel runs after whatever the caller queued on its current stream
+(x's producers) and before whatever it queues next; no event, no host sync. The weights are the
+kernel's layout built by jax from the module's parameters once per weight version, kept as torch-owned
+tensors (runtime.py), so torch's allocator orders their reuse after the kernels that read them.
+Before first use the bridge compares one launch with the jax path's output on the same input.
+
+Switch off with TTJ_MOSAIC_LAUNCH=0 (the bridge then runs the same kernel through jax).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ttj_jax.config import Config
+
+
+def unavailable_reason(device: torch.device) -> str | None:
+    """Why the bridge cannot launch Mosaic GPU kernels itself on `device`, or None."""
+    if os.environ.get("TTJ_MOSAIC_LAUNCH", "1") == "0":
+        return "TTJ_MOSAIC_LAUNCH=0"
+    if device.type != "cuda":
+        return f"x is on {device}, not a CUDA device"
+    major, _ = torch.cuda.get_device_capability(device)
+    if major != 9:
+        return f"{torch.cuda.get_device_name(device)} is not sm_90 (Hopper)"
+    return None
+
+
+def _current_stream_getter(device: torch.device):
+    """A zero-argument callable returning the raw cudaStream_t of torch's current stream on `device`."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)   # what torch's own generated code calls
+    if raw is not None:
+        return lambda: raw(index)
+    return lambda: torch.cuda.current_stream(index).cuda_stream
+
+
+class MosaicStackLaunch:
+    """The Mosaic GPU whole-stack kernel for x [batch, seq_len, 128] fp32 on one CUDA device:
+    `launch(x, mats, vecs)` returns a new y. x must be contiguous fp32 on the device; mats and vecs are
+    the MgpuStackWeights arrays as torch tensors (contiguous, on the device). Compiles on construction
+    (seconds); raises RuntimeError / ValueError when this jax cannot build it."""
+
+    def __init__(self, config: Config, batch: int, seq_len: int, device: torch.device):
+        import jax
+        import jax.numpy as jnp
+        from ttj_jax.compat import MosaicLauncher, mosaic_gpu_module
+        from ttj_jax.kernels import fused_stack_mgpu as fsm
+        hd = config.d_model // config.num_heads
+        function = fsm.kernel_function(batch, seq_len, config.num_heads, config.num_layers, config.causal)
+        structs = (jax.ShapeDtypeStruct((batch, seq_len, fsm.D_MODEL), jnp.float32),
+                   jax.ShapeDtypeStruct((config.num_layers, fsm.CHUNKS_PER_LAYER, config.num_heads,
+                                         fsm.D_MODEL, hd), fsm._GEMM_DTYPE),
+                   jax.ShapeDtypeStruct((config.num_layers + 1, fsm.NUM_VECS, fsm.D_MODEL), jnp.float32))
+        self.shape = (batch, seq_len, fsm.D_MODEL)
+        self.weight_shapes = (structs[1].shape, structs[2].shape)
+        self.device = device
+        with torch.cuda.device(device):   # the module loads into the current CUDA context
+            self._launcher = MosaicLauncher(mosaic_gpu_module(function, *structs), num_buffers=4)
+        self._stream = _current_stream_getter(device)
+        self._launch = self._launcher.launch
+
+    def __call__(self, x: torch.Tensor, mats: torch.Tensor, vecs: torch.Tensor) -> torch.Tensor:
+        y = torch.empty(self.shape, dtype=torch.float32, device=x.device)
+        self._launch((x.data_ptr(), mats.data_ptr(), vecs.data_ptr(), y.data_ptr()), self._stream())
+        return y

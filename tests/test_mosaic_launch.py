@@ -1,0 +1,168 @@
+"""The Mosaic GPU whole-stack kernel in the product: the planner's "fused_mgpu" rule, the model's
+executable for it, and the bridge's own launch of it (bridge/mosaic_launch.py, compat.MosaicLauncher).
+
+What runs where: the launch itself (MosaicGpuCompile, the kernel on torch's current stream) needs an
+sm_90 GPU; bench/mosaic_launch_check.py runs it on the H200 (correctness against the harness rule, the
+stream it lands on, host and device time). On the CPU this file checks everything around it: the module
+extraction the launch compiles (the same bytes jax's own as_torch_kernel would hand the compiler), its
+refusal of functions that are more than the kernel, the planner's rule, the model running the plan (the
+kernel body in Mosaic GPU's interpret mode) against the reference, and the bridge's fallback to jax with
+its reason.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import ttj_jax as T
+from conftest import baseline_and_params, random_input
+from ttj_jax.compat import MosaicLauncher, mosaic_gpu_module
+from ttj_jax.masks import MaskKind
+
+fsm = importlib.import_module("ttj_jax.kernels.fused_stack_mgpu")
+
+HOPPER = T.DeviceFacts(platform="gpu", device_kind="NVIDIA H200", memory_bytes=100 * 2**30,
+                       compute_capability="9.0")
+AMPERE = T.DeviceFacts(platform="gpu", device_kind="NVIDIA A100", memory_bytes=40 * 2**30,
+                       compute_capability="8.0")
+
+
+def _facts(config, kind=MaskKind.ALL_TRUE, dtype="float32", caller="jax", batch=None):
+    return T.InputFacts(batch or config.batch_size, config.seq_len, dtype, kind, caller=caller)
+
+
+def _structs(batch, seq_len, num_heads, num_layers):
+    hd = 128 // num_heads
+    return (jax.ShapeDtypeStruct((batch, seq_len, 128), jnp.float32),
+            jax.ShapeDtypeStruct((num_layers, 6, num_heads, 128, hd), jnp.float16),
+            jax.ShapeDtypeStruct((num_layers + 1, 10, 128), jnp.float32))
+
+
+# --- the planner's rule ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape_id", ["1", "2", "3", "4", "5", "9", "10"])
+def test_hopper_mask_free_calls_get_the_mosaic_stack(shape_id):
+    config = T.OFFICIAL[shape_id].config
+    for caller in ("jax", "torch"):
+        plan = T.plan(config, _facts(config, caller=caller), HOPPER)
+        assert plan.stack == "fused_mgpu" and plan.attention == "pallas", plan.explain()
+        assert plan.name.startswith("fused-stack-mosaic/") and "Mosaic GPU" in plan.explain()
+
+
+def test_the_mosaic_stack_rule_keeps_to_what_it_measured():
+    shape_12 = T.OFFICIAL["12"].config                                    # S=32: slower on the GPU ...
+    assert T.plan(shape_12, _facts(shape_12), HOPPER).stack == "fused"
+    bridge = T.plan(shape_12, _facts(shape_12, caller="torch"), HOPPER)   # ... but launched by the bridge
+    assert bridge.stack == "fused_mgpu" and "torch" in bridge.explain()
+    shape_2 = T.OFFICIAL["2"].config
+    for kind in (MaskKind.PREFIX, MaskKind.GENERAL, MaskKind.UNKNOWN):   # masked calls: the Triton kernel
+        assert T.plan(shape_2, _facts(shape_2, kind), HOPPER).stack == "fused"
+    for dtype in ("float16", "bfloat16"):                                  # the kernel takes fp32 x
+        assert T.plan(shape_2, _facts(shape_2, dtype=dtype), HOPPER).stack == "fused"
+    assert T.plan(shape_2, _facts(shape_2), AMPERE).stack == "fused"       # Hopper only
+    assert T.plan(shape_2, _facts(shape_2), T.planner.CPU).stack == "layers"
+    for other in ("7", "8", "11", "13"):                                  # dims or S it does not take
+        config = T.OFFICIAL[other].config
+        assert T.plan(config, _facts(config), HOPPER).stack != "fused_mgpu"
+    too_many = T.planner.FUSED_STACK_MAX_ROWS // 128 + 1
+    assert T.plan(shape_2, _facts(shape_2, batch=too_many), HOPPER).stack == "layers"
+
+
+def test_forcing_the_mosaic_stack_is_checked():
+    shape_2 = T.OFFICIAL["2"].config
+    assert T.plan(shape_2, _facts(shape_2), T.planner.CPU, stack="fused_mgpu").stack == "fused_mgpu"
+    with pytest.raises(ValueError, match="fused_mgpu"):
+        T.plan(shape_2, _facts(shape_2, MaskKind.GENERAL), HOPPER, stack="fused_mgpu")
+    with pytest.raises(ValueError, match="fused_mgpu"):
+        T.plan(T.OFFICIAL["7"].config, _facts(T.OFFICIAL["7"].config), HOPPER, stack="fused_mgpu")
+    with pytest.raises(ValueError, match="caller"):
+        _facts(shape_2, caller="numpy")
+
+
+# --- the model runs the plan (kernel body in Mosaic GPU's interpret mode on the CPU) -------------------
+
+def test_model_forward_with_the_mosaic_stack_meets_the_harness_rule():
+    config = T.Config(2, 64, 128, 2, 128, 1, True)
+    _, params = baseline_and_params(config, 3)
+    x = jnp.asarray(random_input(config, 4).numpy())
+    prepared = T.prepare_weights(params, T.get_policy("mixed_fp16"))
+    y = np.asarray(T.forward(prepared, x, config=config, stack="fused_mgpu"))
+    ref = np.asarray(T.reference(params, x, config=config), np.float64)
+    tolerance = np.maximum(0.002, 0.02 * np.abs(ref))
+    assert y.shape == x.shape and np.all(np.abs(y - ref) <= tolerance)
+    weights = T.model.kernel_weights(prepared, T.model_key(config), "fused_mgpu")
+    assert isinstance(weights, fsm.MgpuStackWeights)
+    assert T.model.kernel_weights(prepared, T.model_key(config), "fused_mgpu") is weights   # built once
+    assert T.model.kernel_weights(prepared, T.model_key(config), "layers") is prepared
+
+
+# --- the module the launch compiles ------------------------------------------------------------------
+
+def test_module_is_what_jax_as_torch_kernel_would_compile():
+    torch_mod = pytest.importorskip("jax._src.pallas.mosaic_gpu.torch")
+    from jax._src.lib.mlir import passmanager
+    from jax.experimental.mosaic import gpu as mgpu
+    function = fsm.kernel_function(4, 128, 4, 4, True)
+    structs = _structs(4, 128, 4, 4)
+    asm = mosaic_gpu_module(function, *structs)
+    assert isinstance(asm, bytes) and len(asm) > 1000
+    module = jax.jit(function).trace(*structs).lower(lowering_platforms=("cuda",)).compiler_ir()
+    with module.context:
+        mgpu.dialect.register_inliner_extensions(module.context)
+        passmanager.PassManager.parse("builtin.module(inline{default-pipeline=})").run(module.operation)
+        call, *_ = torch_mod._find_mgpu_call_in_module(module)
+        assert bytes(call.attributes["mhlo.backend_config"]["module"].value_bytes) == asm
+    other = mosaic_gpu_module(fsm.kernel_function(4, 128, 2, 4, True), *_structs(4, 128, 2, 4))
+    assert other != asm   # a different kernel is a different module
+
+
+def test_module_refuses_more_than_the_kernel():
+    function = fsm.kernel_function(1, 128, 4, 2, True)
+    structs = _structs(1, 128, 4, 2)
+    with pytest.raises(ValueError, match="expected the kernel call and a return"):
+        mosaic_gpu_module(lambda x, m, v: function(x * 2.0, m, v), *structs)
+    with pytest.raises(ValueError, match="operands"):
+        mosaic_gpu_module(lambda v, m, x: function(x, m, v), structs[2], structs[1], structs[0])
+    with pytest.raises(ValueError):
+        mosaic_gpu_module(lambda x: x + 1.0, structs[0])
+
+
+def test_launcher_without_a_gpu_compiler_says_so():
+    if jax.default_backend() == "gpu":
+        pytest.skip("a GPU jax has the compiler; bench/mosaic_launch_check.py runs the launch there")
+    with pytest.raises(RuntimeError, match="MosaicGpuCompile"):
+        MosaicLauncher(b"not a module", num_buffers=4)
+
+
+# --- the bridge ---------------------------------------------------------------------------------------
+
+def test_bridge_runs_the_mosaic_plan_through_jax_on_the_cpu_and_says_why():
+    import bridge
+    from bridge import mosaic_launch, runtime
+    config = T.Config(2, 64, 128, 2, 128, 1, True)
+    baseline, _ = baseline_and_params(config, 5)
+    ours = bridge.TTJTransformer(config)
+    ours.load_state_dict(baseline.state_dict())
+    x = random_input(config, 6)
+    x_before = x.clone()
+    with torch.inference_mode():
+        y = runtime.forward(ours, x, stack="fused_mgpu")
+        ref = baseline(x)
+    assert torch.equal(x, x_before)
+    tolerance = torch.clamp(0.02 * ref.abs(), min=0.002)
+    assert ((y - ref).abs() <= tolerance).all()
+    [call] = [c for k, c in runtime._STATES[ours].calls.items() if k[-1] == "fused_mgpu"]
+    assert call.direct is None and "not a CUDA device" in call.direct_note
+    assert mosaic_launch.unavailable_reason(torch.device("cpu")) is not None
+
+
+def test_mosaic_launch_can_be_switched_off(monkeypatch):
+    from bridge import mosaic_launch
+    monkeypatch.setenv("TTJ_MOSAIC_LAUNCH", "0")
+    assert mosaic_launch.unavailable_reason(torch.device("cuda", 0)) == "TTJ_MOSAIC_LAUNCH=0"
