@@ -275,7 +275,7 @@ class _ModuleState:
         except (RuntimeError, ValueError, OSError) as e:
             return None, f"the Mosaic GPU launch is unavailable: {type(e).__name__}: {e}"
         run = lambda x, mask, tensors: kernel(x, *tensors)   # noqa: E731 - mask-free plans only
-        disagreement = self._compare_with_jax(run, call, shape, torch.float32, device)
+        disagreement = self._compare_with_jax(run, call, shape, "float32", device)
         return (None, disagreement) if disagreement is not None else (run, "")
 
     def _direct_kernel(self, call: _Call, shape, dtype, device: torch.device):

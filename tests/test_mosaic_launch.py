@@ -166,3 +166,49 @@ def test_mosaic_launch_can_be_switched_off(monkeypatch):
     from bridge import mosaic_launch
     monkeypatch.setenv("TTJ_MOSAIC_LAUNCH", "0")
     assert mosaic_launch.unavailable_reason(torch.device("cuda", 0)) == "TTJ_MOSAIC_LAUNCH=0"
+
+
+class _LaunchThroughJax:
+    """Stands in for MosaicStackLaunch on the CPU: the same kernel (interpret mode) on the torch tensors
+    the bridge hands the launch, plus `offset` (a wrong launch when non-zero)."""
+    offset = 0.0
+    launches = 0
+
+    def __init__(self, config, batch, seq_len, device):
+        self.config = config
+        assert (batch, seq_len) == (config.batch_size, config.seq_len) and device.type == "cpu"
+
+    def __call__(self, x, mats, vecs):
+        type(self).launches += 1
+        weights = fsm.MgpuStackWeights(jnp.asarray(mats.numpy()), jnp.asarray(vecs.numpy()),
+                                       num_heads=self.config.num_heads)
+        y = fsm.fused_stack_mgpu_forward(weights, jnp.asarray(x.numpy()), num_heads=self.config.num_heads,
+                                         causal=self.config.causal, interpret=True)
+        return torch.from_numpy(np.array(y)) + self.offset
+
+
+@pytest.mark.parametrize("offset", [0.0, 0.01])
+def test_bridge_launches_the_kernel_itself_only_after_it_agreed_with_jax(monkeypatch, offset):
+    import bridge
+    from bridge import mosaic_launch, runtime
+    config = T.Config(2, 64, 128, 2, 128, 1, True)
+    baseline, _ = baseline_and_params(config, 7)
+    ours = bridge.TTJTransformer(config)
+    ours.load_state_dict(baseline.state_dict())
+    launch = type("Launch", (_LaunchThroughJax,), {"offset": offset, "launches": 0})
+    monkeypatch.setattr(mosaic_launch, "unavailable_reason", lambda device: None)
+    monkeypatch.setattr(mosaic_launch, "MosaicStackLaunch", launch)
+    x = random_input(config, 8)
+    with torch.inference_mode():
+        y = runtime.forward(ours, x, stack="fused_mgpu")
+        ref = baseline(x)
+    [call] = [c for k, c in runtime._STATES[ours].calls.items() if k[-1] == "fused_mgpu"]
+    assert ((y - ref).abs() <= torch.clamp(0.02 * ref.abs(), min=0.002)).all()
+    if offset:   # the one-time comparison caught it: the call runs through jax, and says why
+        assert call.direct is None and "differed from the jax path" in call.direct_note
+        assert launch.launches == 1
+    else:        # the comparison's launch, then this call's
+        assert call.direct is not None and launch.launches == 2
+        with torch.inference_mode():
+            again = runtime.forward(ours, x, stack="fused_mgpu")
+        assert launch.launches == 3 and torch.equal(again, y)
