@@ -273,6 +273,39 @@ def find_gpu_images(blob: bytes) -> list[tuple[str, bytes]]:
     return images
 
 
+def mosaic_gpu_module_by_jax(fn, *arg_structs) -> bytes:
+    """mosaic_gpu_module's bytes found the way jax's own as_torch_kernel finds them (its private module
+    scan, default lowering platform); for comparing the two on a GPU."""
+    from jax._src.lib.mlir import passmanager
+    from jax._src.pallas.mosaic_gpu import torch as mgpu_torch
+    from jax.experimental.mosaic import gpu as mgpu
+    module = jax.jit(fn).trace(*arg_structs).lower().compiler_ir()
+    with module.context:
+        mgpu.dialect.register_inliner_extensions(module.context)
+        passmanager.PassManager.parse("builtin.module(inline{default-pipeline=})").run(module.operation)
+        call, *_ = mgpu_torch._find_mgpu_call_in_module(module)
+        return bytes(call.attributes["mhlo.backend_config"]["module"].value_bytes)
+
+
+class JaxMosaicLauncher:
+    """MosaicLauncher's interface over jax's own launcher (`_compile_as_torch_gpu_kernel`, what
+    as_torch_kernel uses), which launches on torch's DEFAULT stream only: `launch` ignores `stream`,
+    and the caller must order the default stream against its own (see bridge/mosaic_launch.py)."""
+    default_stream_only = True
+
+    def __init__(self, module_asm: bytes, num_buffers: int):
+        import ctypes
+        import torch
+        from jax.experimental.mosaic.gpu import core as mgpu_core
+        self._launch, self._unload = mgpu_core._compile_as_torch_gpu_kernel(module_asm)
+        self.buffers = (ctypes.c_void_p * num_buffers)()
+        self._device = torch.device("cuda", torch.cuda.current_device())
+
+    def launch(self, pointers, stream: int) -> None:
+        self.buffers[:] = pointers
+        self._launch(self.buffers, self._device)
+
+
 def mosaic_gpu_module(fn, *arg_structs) -> bytes:
     """The serialized Mosaic GPU module of `fn(*arg_structs)`, a function that is one Mosaic GPU kernel
     call and nothing else (as `plgpu.as_torch_kernel` requires), lowered for CUDA (no GPU needed).
@@ -321,6 +354,7 @@ class MosaicLauncher:
     jax's own as_torch_kernel does the same per call with more Python around it and on torch's default
     stream only; this one keeps the ctypes argument blocks and lets the caller pick the stream.
     Not thread-safe (one argument block). Raises RuntimeError where the compiler is missing or fails."""
+    default_stream_only = False
 
     def __init__(self, module_asm: bytes, num_buffers: int):
         import ctypes
