@@ -65,36 +65,25 @@ class MosaicStackLaunch:
                    jax.ShapeDtypeStruct((config.num_layers, fsm.CHUNKS_PER_LAYER, config.num_heads,
                                          fsm.D_MODEL, hd), fsm._GEMM_DTYPE),
                    jax.ShapeDtypeStruct((config.num_layers + 1, fsm.NUM_VECS, fsm.D_MODEL), jnp.float32))
-        from ttj_jax.compat import JaxMosaicLauncher, mosaic_gpu_module_by_jax
         self.shape = (batch, seq_len, fsm.D_MODEL)
-        self.weight_shapes = (structs[1].shape, structs[2].shape)
         self.device = device
-        # TTJ_MOSAIC_VARIANT=<module>-<launcher>: which module scan ("ours": compat.mosaic_gpu_module,
-        # "jax": jax's own) and which launcher ("ours": compat.MosaicLauncher on the current stream,
-        # "jax": jax's, default stream only, ordered by events). Default ours-ours.
-        module_source, launcher = os.environ.get("TTJ_MOSAIC_VARIANT", "ours-ours").split("-")
-        self.variant = f"{module_source}-{launcher}"
-        module_of = {"ours": mosaic_gpu_module, "jax": mosaic_gpu_module_by_jax}[module_source]
-        launcher_class = {"ours": MosaicLauncher, "jax": JaxMosaicLauncher}[launcher]
-        with torch.cuda.device(device):   # the module loads into the current CUDA context
-            self._launcher = launcher_class(module_of(function, *structs), num_buffers=4)
+        with torch.cuda.device(device):   # the module loads into this device's CUDA context
+            self._launch = MosaicLauncher(mosaic_gpu_module(function, *structs), num_buffers=4).launch
         self._stream = _current_stream_getter(device)
-        self._launch = self._launcher.launch
-        self._default_only = self._launcher.default_stream_only
-        if self._default_only:
-            self._ready, self._done = torch.cuda.Event(), torch.cuda.Event()
+        self._default = torch.cuda.default_stream(device)
+        self._ready, self._done = torch.cuda.Event(), torch.cuda.Event()
 
     def __call__(self, x: torch.Tensor, mats: torch.Tensor, vecs: torch.Tensor) -> torch.Tensor:
         y = torch.empty(self.shape, dtype=torch.float32, device=x.device)
-        stream = self._stream()
-        if self._default_only and stream != 0:   # order torch's default stream between the caller's
-            current = torch.cuda.current_stream(self.device)
-            default = torch.cuda.default_stream(self.device)
-            self._ready.record(current)
-            default.wait_event(self._ready)
-            self._launch((x.data_ptr(), mats.data_ptr(), vecs.data_ptr(), y.data_ptr()), 0)
-            self._done.record(default)
-            current.wait_event(self._done)
+        if self._stream() == 0:   # the caller is on the default stream: the launch's own stream
+            self._launch((x.data_ptr(), mats.data_ptr(), vecs.data_ptr(), y.data_ptr()))
             return y
-        self._launch((x.data_ptr(), mats.data_ptr(), vecs.data_ptr(), y.data_ptr()), stream)
+        # Another stream: the default stream waits for the caller's queued work (x's producers), the
+        # caller's stream for the kernel (y's consumers, and any reuse of x's memory).
+        current = torch.cuda.current_stream(self.device)
+        self._ready.record(current)
+        self._default.wait_event(self._ready)
+        self._launch((x.data_ptr(), mats.data_ptr(), vecs.data_ptr(), y.data_ptr()))
+        self._done.record(self._default)
+        current.wait_event(self._done)
         return y

@@ -273,35 +273,35 @@ def find_gpu_images(blob: bytes) -> list[tuple[str, bytes]]:
     return images
 
 
-def mosaic_gpu_module_by_jax(fn, *arg_structs) -> bytes:
-    """mosaic_gpu_module's bytes found the way jax's own as_torch_kernel finds them (its private module
-    scan, default lowering platform); for comparing the two on a GPU."""
-    from jax._src.lib.mlir import passmanager
-    from jax._src.pallas.mosaic_gpu import torch as mgpu_torch
-    from jax.experimental.mosaic import gpu as mgpu
-    module = jax.jit(fn).trace(*arg_structs).lower().compiler_ir()
-    with module.context:
-        mgpu.dialect.register_inliner_extensions(module.context)
-        passmanager.PassManager.parse("builtin.module(inline{default-pipeline=})").run(module.operation)
-        call, *_ = mgpu_torch._find_mgpu_call_in_module(module)
-        return bytes(call.attributes["mhlo.backend_config"]["module"].value_bytes)
-
-
-class JaxMosaicLauncher:
-    """MosaicLauncher's interface over jax's own launcher (`_compile_as_torch_gpu_kernel`, what
-    as_torch_kernel uses), which launches on torch's DEFAULT stream only: `launch` ignores `stream`,
-    and the caller must order the default stream against its own (see bridge/mosaic_launch.py)."""
-    default_stream_only = True
+class MosaicLauncher:
+    """A Mosaic GPU module (mosaic_gpu_module) compiled and loaded once by jax's own launcher for torch
+    (`_compile_as_torch_gpu_kernel`, what `plgpu.as_torch_kernel` uses: jaxlib's MosaicGpuCompile), and
+    launched with raw device pointers: `launch(pointers)`, the kernel's inputs then its outputs (ints).
+    It launches on torch's DEFAULT stream of the device current at construction; the caller orders
+    that stream against its own (bridge/mosaic_launch.py). Skips as_torch_kernel's per-call tracing
+    lookup, pytree and dtype checks (~66 us per call on the H200 host; this: ~16 us).
+    (A launcher of our own calling the compiled host entry with the caller's stream aborted on the H200
+    with "cuTensorMapEncodeTiled failed: invalid argument", cause not found:
+    bench/results/mosaic-launch-debug-2026-11-30-h200.log.)"""
 
     def __init__(self, module_asm: bytes, num_buffers: int):
         import ctypes
         import torch
-        from jax.experimental.mosaic.gpu import core as mgpu_core
-        self._launch, self._unload = mgpu_core._compile_as_torch_gpu_kernel(module_asm)
+        try:
+            from jax.experimental.mosaic.gpu import core as mgpu_core
+            compile_for_torch = mgpu_core._compile_as_torch_gpu_kernel
+        except (ImportError, AttributeError) as e:
+            raise RuntimeError(f"this jax ({jax.__version__}) has no Mosaic GPU launcher for torch: {e}") from e
+        if not torch.cuda.is_available():
+            raise RuntimeError("MosaicLauncher needs a CUDA device (torch sees none)")
+        self._launch, self._unload = compile_for_torch(module_asm)   # loaded for the process's lifetime
         self.buffers = (ctypes.c_void_p * num_buffers)()
+        self._num_buffers = num_buffers
         self._device = torch.device("cuda", torch.cuda.current_device())
 
-    def launch(self, pointers, stream: int) -> None:
+    def launch(self, pointers) -> None:
+        if len(pointers) != self._num_buffers:
+            raise ValueError(f"{len(pointers)} pointers, the kernel takes {self._num_buffers}")
         self.buffers[:] = pointers
         self._launch(self.buffers, self._device)
 
@@ -344,62 +344,3 @@ def mosaic_gpu_module(fn, *arg_structs) -> bytes:
             return bytes(call.attributes["mhlo.backend_config"]["module"].value_bytes)
         except (KeyError, AttributeError) as e:
             raise RuntimeError(f"this jax ({jax.__version__}) stores the Mosaic GPU module elsewhere: {e}") from e
-
-
-class MosaicLauncher:
-    """A Mosaic GPU module compiled and loaded once (by the compiler jaxlib ships for
-    `plgpu.as_torch_kernel`: `MosaicGpuCompile` in the CUDA plugin's library), launched on any CUDA
-    stream with raw device pointers: `launch(pointers, stream)` where pointers are the kernel's inputs
-    then its outputs (ints), stream a `cudaStream_t` as an int (0: the legacy default stream).
-    jax's own as_torch_kernel does the same per call with more Python around it and on torch's default
-    stream only; this one keeps the ctypes argument blocks and lets the caller pick the stream.
-    Not thread-safe (one argument block). Raises RuntimeError where the compiler is missing or fails."""
-    default_stream_only = False
-
-    def __init__(self, module_asm: bytes, num_buffers: int):
-        import ctypes
-        library = None
-        for plugin in ("jax_plugins.xla_cuda13", "jax_plugins.xla_cuda12"):
-            try:
-                import importlib
-                library = ctypes.CDLL(importlib.import_module(plugin)._get_library_path())
-                break
-            except (ImportError, OSError, AttributeError):
-                continue
-        if library is None:
-            library = ctypes.CDLL(None)
-        try:
-            compile_fn, unload_fn = library.MosaicGpuCompile, library.MosaicGpuUnload
-        except AttributeError as e:
-            raise RuntimeError("no Mosaic GPU compiler (MosaicGpuCompile) in this jaxlib's CUDA plugin") from e
-        compile_fn.argtypes = [ctypes.c_void_p, ctypes.c_int]
-        compile_fn.restype = ctypes.POINTER(ctypes.c_void_p)
-        unload_fn.argtypes = [compile_fn.restype]
-        unload_fn.restype = None
-        self._asm = ctypes.c_char_p(module_asm)   # kept alive with the compiled module
-        compiled = compile_fn(self._asm, len(module_asm))
-        if not compiled:
-            raise RuntimeError("MosaicGpuCompile failed on the module")
-        self._compiled, self._unload = compiled, unload_fn
-        self._ctx = ctypes.c_void_p(compiled[0])
-        self._entry = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(compiled[1])
-        # The host entry's calling convention (as XLA's custom call): void* args[] = {&ctx, &stream,
-        # &buffers}, buffers a void*[] of the kernel's inputs then outputs.
-        self.buffers = (ctypes.c_void_p * num_buffers)()
-        self._stream = ctypes.c_void_p(0)
-        self._buffers_ptr = ctypes.pointer(self.buffers)
-        self._args = (ctypes.c_void_p * 3)(ctypes.addressof(self._ctx), ctypes.addressof(self._stream),
-                                           ctypes.addressof(self._buffers_ptr))
-        self._num_buffers = num_buffers
-
-    def launch(self, pointers, stream: int) -> None:
-        if len(pointers) != self._num_buffers:
-            raise ValueError(f"{len(pointers)} pointers, the kernel takes {self._num_buffers}")
-        self.buffers[:] = pointers
-        self._stream.value = stream
-        self._entry(self._args)
-
-    def __del__(self):
-        compiled, self._compiled = getattr(self, "_compiled", None), None
-        if compiled:
-            self._unload(compiled)

@@ -73,9 +73,11 @@ ROWS_STACK_MAX_SEQ_LEN = 1024
 # The Mosaic GPU whole-stack kernel (Hopper, d_model = ffn_dim = 128, 1/2/4 heads, S 32/64/128, fp32 x,
 # mask-free) against the Triton one, both through jax (bench/results/fused-stack-mgpu-2026-11-30-nvidia-
 # h200.json, us per call): shape 2 87.8 against 125.8, 1 88.9/128.4, 9 57.2/92.1, 10 68.3/104.3, 5
-# 98.1/129.8; zero failing elements on all of them. At S=32 (shape 12) it is slower (122.0 against
-# 74.1): there only a torch caller gets it, because the bridge launches it with ~25 us of host time where
-# the Triton kernel through jax costs the bridge ~0.2 ms per call (official-2026-11-30-h200-session3).
+# 98.1/129.8; zero failing elements on all of them. In the official run with it (official-2026-11-30-
+# h200-session4.json, 25 seeds, zero failures) shape 6 (B=10000) took 7.59 ms through the bridge against
+# the Triton kernel's 10.05 (session 3) and the torch peer's 13.47. At S=32 (shape 12) it is slower
+# (122.0 against 74.1): there only a torch caller gets it, because the bridge launches it with ~40 us of
+# host time (0.122 ms per call, peer 0.124) where the Triton kernel through jax costs the bridge ~0.2 ms.
 MGPU_STACK_JAX_MIN_SEQ_LEN = 64
 
 
