@@ -20,7 +20,6 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -33,24 +32,12 @@ import bridge  # noqa: E402
 import jax  # noqa: E402
 import ttj_jax as T  # noqa: E402
 from bench.baseline import TransformerConfig, check_close, harness_models, make_inputs  # noqa: E402
+from bench.bridge_profile import host_us  # noqa: E402
 from bench.cli import HARNESS_SEEDS, TIMING_SEED_OFFSET  # noqa: E402
 from bench.timing import time_contenders  # noqa: E402
 from bridge import runtime  # noqa: E402
 
 DEFAULT_SHAPES = "2,1,3,4,5,9,10,12,6"
-
-
-def _host_us(fn, calls=300):
-    for _ in range(30):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - t0) * 1e6)
-    torch.cuda.synchronize()
-    return statistics.median(samples)
 
 
 def check_shape(sid: str, device: torch.device) -> dict:
@@ -90,7 +77,7 @@ def check_shape(sid: str, device: torch.device) -> dict:
         side.synchronize()
         record["side_stream_equal"] = bool(torch.equal(y_side, y))
 
-        record["host_us_bridge"] = _host_us(lambda: ours(x, mask))
+        record["host_us_bridge"] = host_us(lambda: ours(x, mask))["median_us"]
         triton = lambda: runtime.forward(ours, x, mask, stack="fused")   # noqa: E731
         triton()
         timings = time_contenders({"bridge": lambda: ours(x, mask), "bridge_triton_via_jax": triton},

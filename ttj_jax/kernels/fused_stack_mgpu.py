@@ -60,9 +60,11 @@ phase checks, the race detector): its output matches `emulate` and the harness r
 wgmma's A operand and the transposed B operands are staged through SMEM (the interpreter takes neither
 registers nor transposed views) and layout casts are skipped, so the register-A and transposed-view
 wgmma paths of the GPU build are checked only by lowering.
-NOT verified until bench/fused_stack_mgpu_check.py runs on an H200: ptxas (register spills), the real
-wgmma/TMA/barrier behaviour (a hang, a race the interpreter's schedule did not expose), real outputs,
-the torch launch, and speed.
+On the H200 (bench/fused_stack_mgpu_check.py, bench/results/fused-stack-mgpu-2026-11-30-nvidia-h200.json):
+its first run compiled, ran and met the harness rule on shapes 1, 2, 5, 9, 10, 12 (worst err/tol 0.51),
+equal to `emulate` within 0.25 of the tolerance, faster than the Triton kernel except at S=32; in the
+official run (official-2026-11-30-h200-session4.json) it served shapes 1-6, 9, 10, 12 with zero failing
+elements over 25 seeds each. Scope and the planner's rule: planner.py (MGPU_STACK_JAX_MIN_SEQ_LEN).
 """
 
 from __future__ import annotations
