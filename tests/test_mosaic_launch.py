@@ -212,3 +212,35 @@ def test_bridge_launches_the_kernel_itself_only_after_it_agreed_with_jax(monkeyp
         with torch.inference_mode():
             again = runtime.forward(ours, x, stack="fused_mgpu")
         assert launch.launches == 3 and torch.equal(again, y)
+
+
+def test_bridge_builds_one_launch_per_input_signature_and_follows_weight_changes(monkeypatch):
+    import bridge
+    from bridge import mosaic_launch, runtime
+    config = T.Config(2, 64, 128, 2, 128, 1, True)
+    first, _ = baseline_and_params(config, 11)
+    second, _ = baseline_and_params(config, 12)
+    ours = bridge.TTJTransformer(config)
+    ours.load_state_dict(first.state_dict())
+    built = []
+
+    class Counting(_LaunchThroughJax):
+        def __init__(self, *args):
+            built.append(args[:3])
+            super().__init__(*args)
+    monkeypatch.setattr(mosaic_launch, "unavailable_reason", lambda device: None)
+    monkeypatch.setattr(mosaic_launch, "MosaicStackLaunch", Counting)
+    x = random_input(config, 13)
+
+    def check(reference):
+        with torch.inference_mode():
+            y = runtime.forward(ours, x, stack="fused_mgpu")
+            ref = reference(x)
+        assert ((y - ref).abs() <= torch.clamp(0.02 * ref.abs(), min=0.002)).all()
+
+    check(first)
+    check(first)
+    assert len(built) == 1                         # compiled once for this signature, reused
+    ours.load_state_dict(second.state_dict())      # new weights: the kernel's tensors are rebuilt ...
+    check(second)
+    assert len(built) == 1                         # ... the compiled launch is not (weights are arguments)
