@@ -64,6 +64,9 @@ def parse_args(argv=None):
     p.add_argument("--multi-second", default="6",
                    help="with several devices: the second config split over them (shape id or B,S,d,H,ffn,L)")
     p.add_argument("--no-multi", action="store_true", help="skip the several-devices section")
+    p.add_argument("--split-chunks", default="1,4",
+                   help="with several devices: chunk counts to time the split with (bridge.forward's "
+                        "split_chunks: copies between GPUs overlapped with compute); comma separated")
     p.add_argument("--stream", action="store_true",
                    help="keep x in host memory and stream it through the device (bridge.stream_forward); "
                         "with XLA_PYTHON_CLIENT_MEM_FRACTION capping jax below the input's size")
@@ -304,23 +307,35 @@ def multi_device(ours, x, mask, args, device, progress) -> dict | None:
     # Both device counts are timed explicitly: with several devices visible the planner's default call
     # (the one time_bridge timed) is already split over them, so it is no one-device figure. Shape 6's calls
     # take ~14 ms: at least 20 of them.
+    chunk_counts = [int(c) for c in args.split_chunks.split(",")]
     for name, model, xs, ms, calls in (("shape14", ours, x, mask, args.timing_calls),
                                        ("shape6", second_model, x2, mask2, max(args.timing_calls, 20))):
         with torch.inference_mode():
             one_ms, _, single = timed_calls(lambda: bridge.forward(model, xs, ms, data_parallel=1),
                                             calls, device, progress, f"{name} on 1 device")
-            many_ms, _, many = timed_calls(lambda: bridge.forward(model, xs, ms, data_parallel=n),
-                                           calls, device, progress, f"{name} on {n} devices")
         result[f"{name}_ms_one"] = statistics.median(one_ms)
-        result[f"{name}_ms_many"] = statistics.median(many_ms)
+        result[f"{name}_timing_ms_one"] = one_ms
+        for chunks in chunk_counts:
+            if xs.shape[0] % (n * chunks):
+                continue
+            with torch.inference_mode():
+                many_ms, _, many = timed_calls(
+                    lambda: bridge.forward(model, xs, ms, data_parallel=n, split_chunks=chunks),
+                    calls, device, progress, f"{name} on {n} devices, {chunks} chunk(s)")
+            result[f"{name}_ms_many_chunks{chunks}"] = statistics.median(many_ms)
+            result[f"{name}_timing_ms_many_chunks{chunks}"] = many_ms
+            diffs.append(float(max((single[:, i:i + CHECK_ROWS] - many[:, i:i + CHECK_ROWS]).abs().max()
+                                   for i in range(0, single.shape[1], CHECK_ROWS))))
+            f, w = check_close(many, single)
+            failed += f
+            result[f"{name}_max_abs_diff_chunks{chunks}"] = diffs[-1]
+            result[f"{name}_worst_err_over_tol_vs_one_chunks{chunks}"] = w
+            if f"{name}_ms_many" not in result or result[f"{name}_ms_many"] > result[f"{name}_ms_many_chunks{chunks}"]:
+                result[f"{name}_ms_many"] = result[f"{name}_ms_many_chunks{chunks}"]
+                result[f"{name}_split_chunks"] = chunks
+            del many
         result[f"{name}_speedup"] = result[f"{name}_ms_one"] / result[f"{name}_ms_many"]
-        result[f"{name}_timing_ms_one"], result[f"{name}_timing_ms_many"] = one_ms, many_ms
-        diffs.append(float(max((single[:, i:i + CHECK_ROWS] - many[:, i:i + CHECK_ROWS]).abs().max()
-                               for i in range(0, single.shape[1], CHECK_ROWS))))
-        f, w = check_close(many, single)
-        failed += f
-        result[f"{name}_max_abs_diff"], result[f"{name}_worst_err_over_tol_vs_one"] = diffs[-1], w
-        del many, single
+        del single
     result["max_abs_diff_vs_one_gpu"] = max(diffs)
     result["harness_failed_vs_one_gpu"] = failed
     return result

@@ -355,15 +355,20 @@ def _config_of(module: torch.nn.Module):
 
 
 def forward(module: torch.nn.Module, x: torch.Tensor, valid_token_mask: torch.Tensor | None = None, *,
-            config=None, data_parallel: int | None = None, stack: str | None = None) -> torch.Tensor:
+            config=None, data_parallel: int | None = None, stack: str | None = None,
+            split_chunks: int = 1) -> torch.Tensor:
     """Runs ttj-jax on `module`'s own parameters (any module with the harness's parameter names).
     Returns a new tensor with x's shape, dtype and device; never modifies its inputs. Inference only.
     stack: force "layers" (the XLA program), "fused" (the whole-stack kernel), "fused_mgpu" (the same as
     one Mosaic GPU kernel, Hopper) or "rows" (row-tile kernels around attention) instead of the planner's
     choice (ablations, benchmarks).
     data_parallel: split the batch over that many devices (default: the planner's choice; the output
-    is gathered back to x's device)."""
+    is gathered back to x's device). split_chunks: a split call goes through in this many consecutive
+    chunks, so that its copies between GPUs overlap compute (see _run_split); the batch must divide
+    into data_parallel * split_chunks."""
     state = _state(module, config)
+    if isinstance(split_chunks, bool) or not isinstance(split_chunks, int) or split_chunks < 1:
+        raise ValueError(f"split_chunks must be an int >= 1; got {split_chunks!r}")
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor [batch, seq_len, d_model]; got {type(x).__name__}")
     mask = valid_token_mask
@@ -402,7 +407,7 @@ def forward(module: torch.nn.Module, x: torch.Tensor, valid_token_mask: torch.Te
     x = x if x.is_contiguous() else x.contiguous()
     mask = mask if not call.passes_mask or mask.is_contiguous() else mask.contiguous()
     if call.plan.data_parallel > 1:
-        out = _run_split(call, weights, x, mask if call.passes_mask else None)
+        out = _run_split(call, weights, x, mask if call.passes_mask else None, split_chunks)
     else:
         transfer = call.transfer
         transfer.order_before_jax()
@@ -412,49 +417,113 @@ def forward(module: torch.nn.Module, x: torch.Tensor, valid_token_mask: torch.Te
     return out if call.upcast_to is None else out.to(call.upcast_to)
 
 
-def _run_split(call: _Call, weights, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """The batch split over the plan's devices. Each device's slice of x (and mask) is moved by torch
-    (a peer-to-peer copy between GPUs, stream-ordered on both) and imported on its device; the pieces
-    form one batch-sharded jax array, so jax's program moves nothing; each output shard comes back to
-    torch on its device and torch copies it into the output on x's device. Moving the slices with jax
-    instead went through host memory on two H200s (~2 GB/s: bench/results/scale-2026-11-30-h200x2.json).
-    On the CPU (tests, several host devices) jax places the pieces."""
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """One cached side stream per GPU for a split's copies."""
+    stream = _SIDE_STREAMS.get(device.index)
+    if stream is None:
+        stream = _SIDE_STREAMS[device.index] = torch.cuda.Stream(device)
+    return stream
+
+
+def _run_split(call: _Call, weights, x: torch.Tensor, mask: torch.Tensor | None, chunks: int = 1) -> torch.Tensor:
+    """The batch split over the plan's devices, in `chunks` consecutive SPMD calls (each one split over
+    the devices like the whole; chunks=1: one call). Each device's slice of a chunk is moved by torch
+    (a peer-to-peer copy between GPUs) and imported on its device; the slices form one batch-sharded
+    jax array, so jax's program moves nothing; each output shard comes back to torch on its device and
+    torch copies it into the output on x's device. Moving the slices with jax instead went through host
+    memory on two H200s (~2 GB/s: bench/results/scale-2026-11-30-h200x2.json).
+
+    On CUDA, the copies run on one side stream per GPU, ordered by events, never on the caller's stream:
+    all chunks' copies out of x are queued first (on x's GPU's side stream, after x's producers), each
+    chunk's program waits only for its own slices (one event per chunk and device), and each output
+    shard of another GPU is copied back on that GPU's side stream as soon as its chunk is done. So with
+    chunks > 1 the copies in both directions overlap the other chunks' compute. The caller's stream
+    waits for every copy into the output; jax's streams wait for the copies out of its output buffers
+    before they can be reused. On the CPU (tests, several host devices) jax places the slices."""
     from jax.sharding import NamedSharding, PartitionSpec
     from ttj_jax.parallel import BATCH_AXIS, batch_mesh
     n = call.plan.data_parallel
+    if chunks < 1 or x.shape[0] % (n * chunks):
+        raise ValueError(f"batch {x.shape[0]} cannot be split into {chunks} chunk(s) over {n} devices evenly")
     mesh = batch_mesh(n, jax.default_backend())
     devices = list(mesh.devices.flat)
-    per_device = x.shape[0] // n
-    on_cuda = x.device.type == "cuda"
-    keep_alive, x_parts, mask_parts = [], [], []
-    for k, device in enumerate(devices):
-        rows = slice(k * per_device, (k + 1) * per_device)
-        pieces = [x[rows]] + ([mask[rows]] if mask is not None else [])
-        if on_cuda:
-            target = torch.device("cuda", device.local_hardware_id)
-            pieces = [p if p.device == target else p.to(target, non_blocking=True) for p in pieces]
-            transfer = _transfer(target)
-            transfer.order_before_jax()
-            arrays = [transfer.to_jax(p) for p in pieces]
-        else:
-            arrays = [jax.device_put(call.transfer.to_jax(p.contiguous()), device) for p in pieces]
-        keep_alive.append(pieces)
-        x_parts.append(arrays[0])
-        if mask is not None:
-            mask_parts.append(arrays[1])
     sharding = NamedSharding(mesh, PartitionSpec(BATCH_AXIS))
-    jx = jax.make_array_from_single_device_arrays(tuple(x.shape), sharding, x_parts)
-    jmask = (jax.make_array_from_single_device_arrays(tuple(mask.shape), sharding, mask_parts)
-             if mask is not None else None)
-    y = call.run(weights, jx, jmask)
+    tensors = [x] + ([mask] if mask is not None else [])
+    rows_per_chunk = x.shape[0] // chunks
+    per_device = rows_per_chunk // n
+
+    def rows(c: int, k: int) -> slice:
+        start = c * rows_per_chunk + k * per_device
+        return slice(start, start + per_device)
+
+    def run_chunk(parts):   # parts[k]: the jax arrays (x, and mask) of device k's slice
+        arrays = [jax.make_array_from_single_device_arrays((rows_per_chunk,) + tuple(t.shape[1:]), sharding,
+                                                           [p[i] for p in parts]) for i, t in enumerate(tensors)]
+        return call.run(weights, arrays[0], arrays[1] if mask is not None else None)
+
     out = torch.empty(tuple(x.shape), dtype=x.dtype, device=x.device)
-    for shard in y.addressable_shards:
-        k = devices.index(shard.device)
-        source = torch.device("cuda", shard.device.local_hardware_id) if on_cuda else x.device
-        out[k * per_device:(k + 1) * per_device].copy_(_transfer(source).to_torch(shard.data), non_blocking=True)
-    # The imported slices may be freed only now: each output copy above is queued after jax's work on
-    # its device, so torch's allocator reuses their memory after jax has read them.
-    del keep_alive
+    if x.device.type != "cuda":
+        for c in range(chunks):
+            y = run_chunk([[jax.device_put(call.transfer.to_jax(t[rows(c, k)].contiguous()), device)
+                            for t in tensors] for k, device in enumerate(devices)])
+            for shard in y.addressable_shards:
+                k = devices.index(shard.device)
+                out[rows(c, k)].copy_(call.transfer.to_torch(shard.data))
+        return out
+
+    home = x.device
+    home_transfer = _transfer(home)
+    home_transfer.order_before_jax()   # jax on x's GPU reads x's slices in place: after x's producers
+    targets = [torch.device("cuda", d.local_hardware_id) for d in devices]
+    for target in targets:
+        if target != home:
+            _transfer(target)
+    copy_out_of_x = _side_stream(home)
+    copy_out_of_x.wait_stream(torch.cuda.current_stream(home))
+    moved, ready = [], []   # per chunk, per device: the slices there, and the event after their copy
+    with torch.cuda.stream(copy_out_of_x):
+        for c in range(chunks):
+            moved.append([]), ready.append([])
+            for k, target in enumerate(targets):
+                pieces = [t[rows(c, k)] for t in tensors]
+                event = None
+                if target != home:
+                    with torch.cuda.stream(_side_stream(target)):   # torch copies on the source's stream
+                        pieces = [p.to(target, non_blocking=True) for p in pieces]
+                        event = torch.cuda.Event()
+                        event.record(_side_stream(target))
+                moved[c].append(pieces)
+                ready[c].append(event)
+    results = []
+    for c in range(chunks):
+        parts = []
+        for k, target in enumerate(targets):
+            transfer = _transfer(target)
+            if ready[c][k] is not None:
+                transfer.jax_stream.wait_event(ready[c][k])
+            parts.append([transfer.to_jax(p) for p in moved[c][k]])
+        results.append(run_chunk(parts))
+    for c, y in enumerate(results):
+        for shard in sorted(y.addressable_shards, key=lambda s: devices.index(s.device)):
+            k = devices.index(shard.device)
+            if targets[k] == home:   # on the caller's stream, after jax's chunk (DLPack protocol)
+                out[rows(c, k)].copy_(home_transfer.to_torch(shard.data), non_blocking=True)
+            else:                    # on that GPU's side stream; the caller's stream waits for it
+                with torch.cuda.stream(_side_stream(targets[k])):
+                    out[rows(c, k)].copy_(_transfer(targets[k]).to_torch(shard.data), non_blocking=True)
+    # jax may reuse its output buffers (freed below) only after torch has copied out of them.
+    home_transfer.order_before_jax()
+    for target in targets:
+        if target != home:
+            done = torch.cuda.Event()
+            done.record(_side_stream(target))
+            _transfer(target).jax_stream.wait_event(done)
+    # The moved slices (allocated on the side streams) are freed only now: every later use of those
+    # streams' memory is queued after the copies above, which wait for the programs that read them.
+    del moved, results
     return out
 
 
