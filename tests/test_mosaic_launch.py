@@ -60,6 +60,8 @@ def test_the_mosaic_stack_rule_keeps_to_what_it_measured():
     assert T.plan(shape_12, _facts(shape_12), HOPPER).stack == "fused"
     bridge = T.plan(shape_12, _facts(shape_12, caller="torch"), HOPPER)   # ... but launched by the bridge
     assert bridge.stack == "fused_mgpu" and "torch" in bridge.explain()
+    odd = T.plan(shape_12, _facts(shape_12, caller="torch", batch=63), HOPPER)   # would need padding
+    assert odd.stack == "fused"
     shape_2 = T.OFFICIAL["2"].config
     for kind in (MaskKind.PREFIX, MaskKind.GENERAL, MaskKind.UNKNOWN):   # masked calls: the Triton kernel
         assert T.plan(shape_2, _facts(shape_2, kind), HOPPER).stack == "fused"

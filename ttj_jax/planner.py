@@ -273,7 +273,9 @@ def _stack(config: Config, inputs: InputFacts, device: DeviceFacts, policy: str,
             return "fused_mgpu", (f"{inputs.batch_size}x{inputs.seq_len} tokens, no mask, on sm_90: the whole "
                                   "stack as one Mosaic GPU kernel, measured faster than the Triton one (88 "
                                   "against 126 us at shape 2)")
-        if inputs.caller == "torch":
+        if inputs.caller == "torch" and inputs.batch_size % (fused_stack_mgpu.TILE_ROWS // inputs.seq_len) == 0:
+            # (a batch that does not fill the kernel's 128-row tiles is padded by the jax path, which the
+            # bridge would then have to take: the Triton kernel is faster there)
             return "fused_mgpu", (f"S={inputs.seq_len}, no mask, on sm_90, called from torch: the Mosaic GPU "
                                   "whole-stack kernel launched by the bridge without JAX dispatch (slower "
                                   "than the Triton kernel on the GPU at S=32, 122 against 74 us, but that "
