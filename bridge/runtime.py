@@ -279,7 +279,8 @@ class _ModuleState:
         return (None, disagreement) if disagreement is not None else (run, "")
 
     def _direct_kernel(self, call: _Call, shape, dtype, device: torch.device):
-        """(DirectKernel, "") for the fused plan on this input, or (None, why it runs through jax)."""
+        """(launch, "") for the fused (Triton) plan on this input through bridge/direct.py, or (None, why it
+        runs through jax)."""
         from bridge import direct
         from ttj_jax.kernels.fused_stack import blocks_for, copy_free, direct_launch
         blocks = blocks_for(shape[1], self.config.d_model)
