@@ -22,6 +22,12 @@ wrong numbers, or deadlock. So:
      on torch CUDA tensors: output equal to the jax call's, host microseconds per call (perf_counter
      around each call, median), device time per call (torch.cuda.Event around TORCH_DEVICE_CALLS
      back-to-back calls). as_torch_kernel launches on torch's DEFAULT stream (recorded in the JSON).
+3. The overlap variant (`overlap=True`: each weight chunk's per-head wgmmas issued together, same
+   arithmetic) for the shapes whose default passed: probed the same way (OVERLAP_PROBE_BUDGET_S), then
+   its accuracy, bitwise equality with the default's output, and its time ("mgpu_overlap"); --no-overlap
+   skips it. Prediction before its first run: the default waits on ~32 small wgmmas per layer one by
+   one; with 4 in flight the 4-head shapes should gain ~10-25% (shape 2 ~88 -> ~70 us), 1-head shapes
+   (9) nothing.
 Writes <out>/fused-stack-mgpu-<date>-<gpu>.json after every shape and prints a table last. Budget:
 about 6 minutes on an H200 (a deadline skips what is left after DEADLINE_S).
 """
@@ -56,6 +62,7 @@ DEADLINE_S = 330.0
 PROBE_FIRST_SHAPE_S = 90.0    # jax start-up and the first compile in a child
 PROBE_PER_SHAPE_S = 45.0
 PROBE_BUDGET_S = 200.0
+OVERLAP_PROBE_BUDGET_S = 120.0   # the overlap variant's probe, for the shapes whose default passed
 
 
 def _error(exc: BaseException) -> str:
@@ -90,7 +97,7 @@ def _setup(sid: str):
 
 # --- 1. Probe (child processes) -----------------------------------------------------------------------
 
-def _probe_child(shape_ids) -> None:
+def _probe_child(shape_ids, overlap: bool = False) -> None:
     """Runs each shape's kernel once; prints 'START sid', then 'DONE sid seconds' or 'ERROR sid msg'."""
     import jax
     from ttj_jax.kernels import fused_stack_mgpu as fsm
@@ -99,13 +106,14 @@ def _probe_child(shape_ids) -> None:
         start = time.perf_counter()
         try:
             config, _, x, weights = _setup(sid)
-            jax.block_until_ready(fsm.fused_stack_mgpu_forward(weights, x, num_heads=config.num_heads))
+            jax.block_until_ready(fsm.fused_stack_mgpu_forward(weights, x, num_heads=config.num_heads,
+                                                               overlap=overlap))
             print(f"DONE {sid} {time.perf_counter() - start:.1f}", flush=True)
         except Exception as e:   # recorded by the parent; the next shape still runs
             print(f"ERROR {sid} {_error(e)}".replace("\n", " "), flush=True)
 
 
-def probe(shape_ids, budget_s: float = PROBE_BUDGET_S) -> dict:
+def probe(shape_ids, budget_s: float = PROBE_BUDGET_S, overlap: bool = False) -> dict:
     """{sid: {"status": "ok"|"error"|"hung"|"crashed"|"not probed", ...}} from child processes (module
     docstring). A child gets PROBE_FIRST_SHAPE_S for its first shape (jax start-up, compile) and
     PROBE_PER_SHAPE_S for each later one; a shape that overruns is "hung", its child is killed, and a
@@ -115,7 +123,8 @@ def probe(shape_ids, budget_s: float = PROBE_BUDGET_S) -> dict:
     results, remaining = {}, list(shape_ids)
     probe_end = time.perf_counter() + budget_s
     while remaining and time.perf_counter() < probe_end:
-        command = [sys.executable, os.path.abspath(__file__), "--probe-child", ",".join(remaining)]
+        command = [sys.executable, os.path.abspath(__file__), "--probe-child", ",".join(remaining)] + (
+            ["--probe-overlap"] if overlap else [])
         child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                  cwd=_REPO_ROOT)
         lines: queue.Queue = queue.Queue()
@@ -219,7 +228,7 @@ def _torch_launch(config, x, weights, y_jax) -> dict:
     return record
 
 
-def run_shape(sid: str, probe_status: dict, deadline: float) -> dict:
+def run_shape(sid: str, probe_status: dict, deadline: float, overlap_status: dict | None = None) -> dict:
     import jax
     import numpy as np
     import ttj_jax as T
@@ -256,6 +265,14 @@ def run_shape(sid: str, probe_status: dict, deadline: float) -> dict:
                         "emulation_vs_reference": _harness(emulated, ref[:n])}
             record["accuracy"]["mgpu_vs_emulation"] = step("mgpu_vs_emulation", vs_emulation)
             record["timing"]["mgpu"] = step("mgpu_timing", lambda: _time_jax(mgpu, (weights, x)))
+        if (overlap_status or {}).get("status") == "ok":   # the variant issuing each chunk's wgmmas together
+            overlap = lambda w, x: fsm.fused_stack_mgpu_forward(w, x, num_heads=H, overlap=True)   # noqa: E731
+            y = step("mgpu_overlap_run", lambda: np.asarray(jax.block_until_ready(overlap(weights, x))))
+            if y is not None:
+                record["accuracy"]["mgpu_overlap"] = _harness(y, ref)
+                record["overlap_bitwise_equal_to_default"] = bool(np.array_equal(y, y_mgpu))
+                record["timing"]["mgpu_overlap"] = step("mgpu_overlap_timing", lambda: _time_jax(overlap, (weights, x)))
+        record["overlap_probe"] = overlap_status
     else:
         record["mgpu_skipped"] = f"probe status {probe_status.get('status')}"
 
@@ -296,8 +313,8 @@ def _row(sid, rec) -> str:
     host = torch_rec.get("host_us_per_call_median")
     dev = torch_rec.get("device_us_per_call_median")
     probe_status = (rec.get("probe") or {}).get("status", "-")
-    return (f"{sid:>3} {probe_status:>7} {acc('mgpu'):>9} {acc('triton'):>7} {acc('xla'):>7} "
-            f"{ms('mgpu')} {ms('triton')} {ms('xla')} "
+    return (f"{sid:>3} {probe_status:>7} {acc('mgpu'):>9} {acc('mgpu_overlap'):>7} {acc('triton'):>7} "
+            f"{acc('xla'):>7} {ms('mgpu')} {ms('mgpu_overlap')} {ms('triton')} {ms('xla')} "
             f"{(f'{host:7.1f}' if host else '      -')} {(f'{dev:7.1f}' if dev else '      -')}")
 
 
@@ -307,10 +324,12 @@ def main(argv=None) -> int:
     parser.add_argument("--shapes", default=",".join(DEFAULT_SHAPES), help="official shape ids, comma separated")
     parser.add_argument("--smoke", action="store_true", help="CPU: parse, plan and write the JSON; no GPU work")
     parser.add_argument("--no-probe", action="store_true", help="skip the child-process probe (trust the kernel)")
+    parser.add_argument("--no-overlap", action="store_true", help="skip the overlap variant")
     parser.add_argument("--probe-child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--probe-overlap", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.probe_child is not None:
-        _probe_child(args.probe_child.split(","))
+        _probe_child(args.probe_child.split(","), overlap=args.probe_overlap)
         return 0
     if not args.out:
         parser.error("--out is required")
@@ -370,11 +389,22 @@ def main(argv=None) -> int:
         except Exception as e:
             result["probe_error"] = _error(e)
     result["probe"] = probes
+    overlap_probes = {}
+    ok = [s for s in shape_ids if probes.get(s, {}).get("status") == "ok"]
+    if ok and not args.no_overlap:
+        if args.no_probe:
+            overlap_probes = {s: {"status": "ok", "note": "probe skipped"} for s in ok}
+        else:
+            try:
+                overlap_probes = probe(ok, OVERLAP_PROBE_BUDGET_S, overlap=True)
+            except Exception as e:
+                result["overlap_probe_error"] = _error(e)
+    result["overlap_probe"] = overlap_probes
     save()
     for sid in shape_ids:
         t0 = time.perf_counter()
         try:
-            record = run_shape(sid, probes.get(sid, {"status": "not probed"}), deadline)
+            record = run_shape(sid, probes.get(sid, {"status": "not probed"}), deadline, overlap_probes.get(sid))
         except Exception as e:
             record = {"error": _error(e)}
         record["wall_s"] = round(time.perf_counter() - t0, 1)
@@ -386,8 +416,8 @@ def main(argv=None) -> int:
     print(f"\nwrote {path}  ({result['total_wall_s']} s)")
     print("times: us per call (jax: stream of back-to-back calls; torch host: perf_counter per call; "
           "torch dev: cuda events / call)")
-    print(f"{'id':>3} {'probe':>7} {'mgpu':>9} {'triton':>7} {'xla':>7} {'mgpu':>8} {'triton':>8} {'xla':>8} "
-          f"{'t.host':>7} {'t.dev':>7}")
+    print(f"{'id':>3} {'probe':>7} {'mgpu':>9} {'overlap':>7} {'triton':>7} {'xla':>7} {'mgpu':>8} {'overlap':>8} "
+          f"{'triton':>8} {'xla':>8} {'t.host':>7} {'t.dev':>7}")
     for sid, rec in result["shapes"].items():
         try:
             print(_row(sid, rec))

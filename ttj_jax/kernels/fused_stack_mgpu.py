@@ -194,7 +194,7 @@ def _build_weights(prepared: PreparedWeights, num_heads: int) -> MgpuStackWeight
 # --- The kernel -------------------------------------------------------------------------------------
 
 def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, num_layers: int, num_heads: int,
-                  seq_len: int, causal: bool, interpret: bool = False):
+                  seq_len: int, causal: bool, interpret: bool = False, overlap: bool = False):
     plgpu = _plgpu()
     (x_smem, k_smem, v_smem, w_smem, vec_smem, *stages), barriers = scoped
     x_ready, vec_ready, w_ready, w_consumed, kv_written, kv_free = barriers
@@ -271,6 +271,25 @@ def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, num_layers: int, 
             product = pl.run_scoped(body, plgpu.ACC((a.shape[0], out_cols), jnp.float32))
             return product if acc is None else acc + product
 
+        def matmuls(a, bs, then):
+            """[then(i, a @ bs[i]) for each i] (bs: SMEM refs of one shape). overlap=False: one wgmma at a
+            time, each waited for and finished by `then` before the next (matmul); overlap=True: all
+            issued before the first is read, so the tensor core has len(bs) independent products in
+            flight, then `then` on each. Same products, same rounding either way."""
+            if not overlap:
+                return [then(i, matmul(None, a, b)) for i, b in enumerate(bs)]
+
+            def body(*acc_refs):
+                a_operand = a
+                if interpret:   # as in matmul: A staged in SMEM for GPU interpret mode's wgmma
+                    a_operand = stages[0].at[wg] if a.shape[1] == D_MODEL else stages[2].at[wg]
+                    a_operand[...] = a
+                for acc_ref, b in zip(acc_refs, bs):
+                    plgpu.wgmma(acc_ref, a_operand, b)
+                return [acc_ref[...] for acc_ref in acc_refs]
+            products = pl.run_scoped(body, *[plgpu.ACC((a.shape[0], b.shape[1]), jnp.float32) for b in bs])
+            return [then(i, product) for i, product in enumerate(products)]
+
         # Chunk `which` of every layer sits in slot which % NUM_SLOTS (CHUNKS_PER_LAYER % NUM_SLOTS == 0).
         def chunk_wait(which):
             plgpu.barrier_wait(w_ready.at[which % NUM_SLOTS])
@@ -303,18 +322,23 @@ def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, num_layers: int, 
         def _layer(layer):
             h = layer_norm(load_x(), layer, LN1_W, LN1_B).astype(_GEMM_DTYPE)
 
-            def project(w, head, bias_index, layer=layer, h=h):
-                acc = matmul(None, h, w.at[head])
-                return (acc + row_bcast(vec(layer, bias_index, head * hd, hd), acc.shape)).astype(_GEMM_DTYPE)
+            def project(w, bias_index, store=None, layer=layer, h=h):
+                """Every head's h @ W_head + b_head in fp16: returned, or handed to store(head, value)."""
+                def finish(head, acc):
+                    value = (acc + row_bcast(vec(layer, bias_index, head * hd, hd), acc.shape)).astype(_GEMM_DTYPE)
+                    return value if store is None else store(head, value)
+                return matmuls(h, [w.at[head] for head in range(num_heads)], finish)
 
             w = chunk_wait(0)
-            q = [project(w, head, BQ) for head in range(num_heads)]
+            q = project(w, BQ)
             chunk_done(0)
             plgpu.barrier_wait(kv_free.at[0])   # the other consumer is done with the last k and v
             for slot, (bias_index, dst) in enumerate(((BK, k_smem), (BV, v_smem)), start=1):
                 w = chunk_wait(slot)
-                for head in range(num_heads):
-                    dst[head, pl.ds(wg * WG_ROWS, WG_ROWS), :] = project(w, head, bias_index)
+
+                def store(head, value, dst=dst):
+                    dst[head, pl.ds(wg * WG_ROWS, WG_ROWS), :] = value
+                project(w, bias_index, store)
                 chunk_done(slot)
             plgpu.commit_smem()
             plgpu.barrier_arrive(kv_written.at[0])
@@ -341,11 +365,10 @@ def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, num_layers: int, 
 
             h2 = layer_norm(x, layer, LN2_W, LN2_B).astype(_GEMM_DTYPE)
             w = chunk_wait(4)
-            hidden = []
-            for block in range(num_heads):
-                pre = matmul(None, h2, w.at[block])
+            def gelu_block(block, pre, layer=layer):
                 pre = pre + row_bcast(vec(layer, B1, block * hd, hd), pre.shape)
-                hidden.append((0.5 * pre * (1.0 + _erf(pre * 0.7071067811865476))).astype(_GEMM_DTYPE))
+                return (0.5 * pre * (1.0 + _erf(pre * 0.7071067811865476))).astype(_GEMM_DTYPE)
+            hidden = matmuls(h2, [w.at[block] for block in range(num_heads)], gelu_block)
             chunk_done(4)
             w = chunk_wait(5)
             x = x + row_bcast(vec(layer, B2), x.shape)
@@ -405,11 +428,14 @@ def _compiler_params():
 
 @functools.lru_cache(maxsize=None)
 def kernel_function(batch: int, seq_len: int, num_heads: int, num_layers: int, causal: bool,
-                    interpret: bool = False):
+                    interpret: bool = False, overlap: bool = False):
     """The bare kernel for x [batch, seq_len, 128] fp32: f(x, mats, vecs) -> y. Nothing but the Mosaic
     GPU call (what `plgpu.as_torch_kernel` needs); batch must be a multiple of 128 // seq_len.
     interpret: False (the GPU kernel), True or "detect_races" (Mosaic GPU's interpret mode on a CPU,
-    the latter with its happens-before race detector)."""
+    the latter with its happens-before race detector).
+    overlap: issue each layer's per-head q/k/v projections and MLP-in blocks together (one chunk's H
+    wgmmas in flight) instead of one at a time. Same arithmetic; an experiment until the H200 has timed
+    it (bench/fused_stack_mgpu_check.py's "mgpu_overlap")."""
     if seq_len not in SUPPORTED_SEQ_LENS:
         raise ValueError(f"{seq_len=} must be one of {SUPPORTED_SEQ_LENS}")
     if num_heads not in SUPPORTED_NUM_HEADS:
@@ -445,7 +471,7 @@ def kernel_function(batch: int, seq_len: int, num_heads: int, num_layers: int, c
                 plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=1),               # kv_written
                 plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=1))               # kv_free
     body = functools.partial(_stack_kernel, num_layers=num_layers, num_heads=num_heads, seq_len=seq_len,
-                             causal=causal, interpret=interpret)
+                             causal=causal, interpret=interpret, overlap=overlap)
 
     def entry(x_ref, mats_ref, vecs_ref, y_ref):
         pl.run_scoped(lambda *scoped: body(x_ref, mats_ref, vecs_ref, y_ref, scoped), smem, barriers,
@@ -488,9 +514,9 @@ def _check_call(weights, x, num_heads, causal):
         raise ValueError(f"x.shape={x.shape} must have batch >= 1")
 
 
-@functools.partial(jax.jit, static_argnames=("num_heads", "causal", "interpret"))
+@functools.partial(jax.jit, static_argnames=("num_heads", "causal", "interpret", "overlap"))
 def fused_stack_mgpu_forward(weights: MgpuStackWeights, x: jax.Array, *, num_heads: int,
-                             causal: bool = True, interpret: bool = False) -> jax.Array:
+                             causal: bool = True, interpret: bool = False, overlap: bool = False) -> jax.Array:
     """y = LN_final(layers(x)) (SPEC section 1, mask-free) in one Mosaic GPU kernel; fp32 [B, S, 128].
 
     S in {32, 64, 128}; any B (for S < 128 a B that is not a multiple of 128 // S is padded: one copy
@@ -501,8 +527,8 @@ def fused_stack_mgpu_forward(weights: MgpuStackWeights, x: jax.Array, *, num_hea
     batch_pad = -batch % (TILE_ROWS // seq_len)
     if batch_pad:
         x = jnp.pad(x, ((0, batch_pad), (0, 0), (0, 0)))
-    y = kernel_function(batch + batch_pad, seq_len, num_heads, weights.num_layers, causal, interpret)(
-        x, weights.mats, weights.vecs)
+    y = kernel_function(batch + batch_pad, seq_len, num_heads, weights.num_layers, causal, interpret,
+                        overlap)(x, weights.mats, weights.vecs)
     return y[:batch] if batch_pad else y
 
 
