@@ -290,6 +290,28 @@ def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, num_layers: int, 
             products = pl.run_scoped(body, *[plgpu.ACC((a.shape[0], b.shape[1]), jnp.float32) for b in bs])
             return [then(i, product) for i, product in enumerate(products)]
 
+        def add_products(x, pairs):
+            """x + sum_i a_i @ b_i^T (pairs of a register value and an SMEM ref). overlap=False: one product
+            at a time in a fresh accumulator, added to x in registers in order (as fused_stack_reference
+            adds them); overlap=True: every product chained into one zero-initialised wgmma accumulator
+            (no wait in between), added to x once: the same fp32 sums in another order."""
+            if not overlap:
+                for a, b in pairs:
+                    x = matmul(x, a, b, transpose_b=True)
+                return x
+
+            def body(acc_ref):
+                for a, b in pairs:
+                    if interpret:   # as in matmul: A and B^T staged in SMEM for GPU interpret mode
+                        a_stage = stages[0].at[wg] if a.shape[1] == D_MODEL else stages[2].at[wg]
+                        a_stage[...] = a
+                        stages[1].at[wg][...] = b[...].T
+                        plgpu.wgmma(acc_ref, a_stage, stages[1].at[wg])
+                    else:
+                        plgpu.wgmma(acc_ref, a, b.transpose((1, 0)))
+                return acc_ref[...]
+            return x + pl.run_scoped(body, plgpu.ACC(x.shape, jnp.float32))
+
         # Chunk `which` of every layer sits in slot which % NUM_SLOTS (CHUNKS_PER_LAYER % NUM_SLOTS == 0).
         def chunk_wait(which):
             plgpu.barrier_wait(w_ready.at[which % NUM_SLOTS])
@@ -359,8 +381,7 @@ def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, num_layers: int, 
 
             w = chunk_wait(3)
             x = load_x() + row_bcast(vec(layer, BOUT), (WG_ROWS, D_MODEL))
-            for head in range(num_heads):
-                x = matmul(x, ctx[head], w.at[head], transpose_b=True)
+            x = add_products(x, [(ctx[head], w.at[head]) for head in range(num_heads)])
             chunk_done(3)
 
             h2 = layer_norm(x, layer, LN2_W, LN2_B).astype(_GEMM_DTYPE)
@@ -372,8 +393,7 @@ def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, num_layers: int, 
             chunk_done(4)
             w = chunk_wait(5)
             x = x + row_bcast(vec(layer, B2), x.shape)
-            for block in range(num_heads):
-                x = matmul(x, hidden[block], w.at[block], transpose_b=True)
+            x = add_products(x, [(hidden[block], w.at[block]) for block in range(num_heads)])
             chunk_done(5)
             rows_smem[...] = x
 
@@ -434,8 +454,9 @@ def kernel_function(batch: int, seq_len: int, num_heads: int, num_layers: int, c
     interpret: False (the GPU kernel), True or "detect_races" (Mosaic GPU's interpret mode on a CPU,
     the latter with its happens-before race detector).
     overlap: issue each layer's per-head q/k/v projections and MLP-in blocks together (one chunk's H
-    wgmmas in flight) instead of one at a time. Same arithmetic; an experiment until the H200 has timed
-    it (bench/fused_stack_mgpu_check.py's "mgpu_overlap")."""
+    wgmmas in flight) instead of one at a time, and chain the per-head out-projection and MLP-out
+    products in one accumulator (fp32 sums in another order: within ~1e-6 relative, not bitwise). An
+    experiment until the H200 has timed it (bench/fused_stack_mgpu_check.py's "mgpu_overlap")."""
     if seq_len not in SUPPORTED_SEQ_LENS:
         raise ValueError(f"{seq_len=} must be one of {SUPPORTED_SEQ_LENS}")
     if num_heads not in SUPPORTED_NUM_HEADS:
