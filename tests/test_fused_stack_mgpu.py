@@ -350,9 +350,6 @@ def test_kernel_in_gpu_interpret_mode(case):
     assert y.shape == x.shape
     # The same algorithm as the emulation (up to fp32 summation order and the fp16 flips it causes) ...
     assert np.max(np.abs(y - fsm.emulate(weights, x))) < 2e-3
-    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
-    fsm.kernel_function(batch, seq_len, num_heads, num_layers, True, "detect_races", True)(x, weights.mats, weights.vecs)
-    assert not gpu_callbacks.get_races().races_found
     # ... and within the harness rule of the fp32 reference.
     failed, worst = _harness_failures(y, T.reference(params, x, config=config))
     assert failed == 0, f"{case}: {failed} elements fail, worst err/tol {worst:.2f}"
