@@ -3,17 +3,20 @@
 For calls the planner gives to `Plan.stack == "fused_mgpu"` (Hopper, mask-free, fp32, the shapes
 kernels/fused_stack_mgpu.py takes), the GPU work is one kernel of ~60-120 us, and a call through jax
 costs the bridge more host time than that (bench/results/official-2026-11-30-h200-session3.json). So the
-bridge compiles the kernel once, with the compiler jaxlib ships for `plgpu.as_torch_kernel`
-(compat.mosaic_gpu_module + compat.MosaicLauncher), and each call is: one output allocation and one
-launch with the tensors' pointers on torch's CURRENT stream. (jax's own as_torch_kernel launches on
-torch's default stream and costs ~66 us of Python per call on the H200 host: fused-stack-mgpu-2026-11-30-
-nvidia-h200.json.)
+bridge compiles the kernel once, with the compiler and launcher jaxlib ships for `plgpu.as_torch_kernel`
+(compat.mosaic_gpu_module + compat.MosaicLauncher), and each call is one output allocation and one launch
+with the tensors' pointers: ~16 us of host time on the H200 host, where as_torch_kernel itself costs ~66
+us per call (bench/results/mosaic-launch-debug-2026-11-30-h200.log, fused-stack-mgpu-2026-11-30-nvidia-
+h200.json). Through the bridge's whole forward: ~40 us (official-2026-11-30-h200-session4.json).
 
-Stream order is torch's own: the kernel runs after whatever the caller queued on its current stream
-(x's producers) and before whatever it queues next; no event, no host sync. The weights are the
-kernel's layout built by jax from the module's parameters once per weight version, kept as torch-owned
-tensors (runtime.py), so torch's allocator orders their reuse after the kernels that read them.
-Before first use the bridge compares one launch with the jax path's output on the same input.
+Stream order: the launcher launches on torch's default stream. A caller on the default stream (the
+harness) gets torch's own ordering: no event, no host sync. A caller on another stream gets two cached
+events per call: the default stream waits for the caller's queued work, the caller's stream for the
+kernel (checked on the H200 with x written on a side stream behind ~50 ms of matmuls, output equal to
+the default stream's: bench/results/mosaic-launch-2026-11-30-h200.json, shapes 2 and 12). The weights are the kernel's layout built
+by jax from the module's parameters once per weight version, kept as torch-owned tensors (runtime.py), so
+torch's allocator orders their reuse after the kernels that read them. Before first use the bridge
+compares one launch with the jax path's output on the same input.
 
 Switch off with TTJ_MOSAIC_LAUNCH=0 (the bridge then runs the same kernel through jax).
 """
