@@ -7,7 +7,7 @@ bridge compiles the kernel once, with the compiler and launcher jaxlib ships for
 (compat.mosaic_gpu_module + compat.MosaicLauncher), and each call is one output allocation and one launch
 with the tensors' pointers: ~16 us of host time on the H200 host, where as_torch_kernel itself costs ~66
 us per call (bench/results/mosaic-launch-debug-2026-11-30-h200.log, fused-stack-mgpu-2026-11-30-nvidia-
-h200.json). Through the bridge's whole forward: ~40 us (official-2026-11-30-h200-session4.json).
+h200.json). Through the bridge's whole forward: 38-71 us, median 40 (official-2026-11-30-h200-session4.json).
 
 Stream order: the launcher launches on torch's default stream. A caller on the default stream (the
 harness) gets torch's own ordering: no event, no host sync. A caller on another stream gets two cached
@@ -78,15 +78,16 @@ class MosaicStackLaunch:
 
     def __call__(self, x: torch.Tensor, mats: torch.Tensor, vecs: torch.Tensor) -> torch.Tensor:
         y = torch.empty(self.shape, dtype=torch.float32, device=x.device)
+        pointers = (x.data_ptr(), mats.data_ptr(), vecs.data_ptr(), y.data_ptr())
         if self._stream() == 0:   # the caller is on the default stream: the launch's own stream
-            self._launch((x.data_ptr(), mats.data_ptr(), vecs.data_ptr(), y.data_ptr()))
+            self._launch(pointers)
             return y
         # Another stream: the default stream waits for the caller's queued work (x's producers), the
         # caller's stream for the kernel (y's consumers, and any reuse of x's memory).
         current = torch.cuda.current_stream(self.device)
         self._ready.record(current)
         self._default.wait_event(self._ready)
-        self._launch((x.data_ptr(), mats.data_ptr(), vecs.data_ptr(), y.data_ptr()))
+        self._launch(pointers)
         self._done.record(self._default)
         current.wait_event(self._done)
         return y

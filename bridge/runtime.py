@@ -479,9 +479,6 @@ def _run_split(call: _Call, weights, x: torch.Tensor, mask: torch.Tensor | None,
     home_transfer = _transfer(home)
     home_transfer.order_before_jax()   # jax on x's GPU reads x's slices in place: after x's producers
     targets = [torch.device("cuda", d.local_hardware_id) for d in devices]
-    for target in targets:
-        if target != home:
-            _transfer(target)
     copy_out_of_x = _side_stream(home)
     copy_out_of_x.wait_stream(torch.cuda.current_stream(home))
     moved, ready = [], []   # per chunk, per device: the slices there, and the event after their copy

@@ -294,7 +294,7 @@ class MosaicLauncher:
             raise RuntimeError(f"this jax ({jax.__version__}) has no Mosaic GPU launcher for torch: {e}") from e
         if not torch.cuda.is_available():
             raise RuntimeError("MosaicLauncher needs a CUDA device (torch sees none)")
-        self._launch, self._unload = compile_for_torch(module_asm)   # loaded for the process's lifetime
+        self._launch, _ = compile_for_torch(module_asm)   # (launch, unload): loaded for the process's lifetime
         self.buffers = (ctypes.c_void_p * num_buffers)()
         self._num_buffers = num_buffers
         self._device = torch.device("cuda", torch.cuda.current_device())
