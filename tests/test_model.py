@@ -200,7 +200,7 @@ def test_attention_implementations_through_the_model(attention, harness_rule):
 
 
 def test_fp16_projection_policy_is_requested_only_and_meets_the_rule(harness_rule):
-    # mixed_fp16_qkv16 writes the q/k/v projection in fp16 (bench/ablate_qkv16.py measures whether that
+    # mixed_fp16_qkv16 writes the q/k/v projection in fp16 (bench/ablate.py measures whether that
     # pays on the GPU); the planner never picks it on its own
     from ttj_jax.numerics import MIXED_FP16_QKV16
     h = jnp.ones((2, 8), jnp.float32)

@@ -56,7 +56,7 @@ MIXED_FP16 = NumericsPolicy("mixed_fp16", gemm_dtype=np.dtype(np.float16),
                             precision=jax.lax.Precision.DEFAULT)
 EXACT_FP32 = NumericsPolicy("exact_fp32", gemm_dtype=np.dtype(np.float32),
                             precision=jax.lax.Precision.HIGHEST)
-# Requested only (ttj_jax.forward(..., policy="mixed_fp16_qkv16"), bench/ablate_qkv16.py) until a GPU run
+# Requested only (ttj_jax.forward(..., policy="mixed_fp16_qkv16"), bench/ablate.py) until a GPU run
 # measures its speed and its margin under the harness rule.
 MIXED_FP16_QKV16 = NumericsPolicy("mixed_fp16_qkv16", gemm_dtype=np.dtype(np.float16),
                                   precision=jax.lax.Precision.DEFAULT, projection_dtype=np.dtype(np.float16))
