@@ -82,11 +82,14 @@ SWEEP = [
     ((1, 16, 16384, 128), [dict(block_sizes=Blocks(128, 2, 3)), dict(block_sizes=Blocks(64, 4, 3)),
                            dict(block_sizes=Blocks(64, 4, 2))]),
 ]
-# --grid: shape 14's attention call (a chunk of 8 sequences) and the main case, where the first grid
-# order made the model slower than with cuDNN (2026-11-30, then the default): the default (tiles_inner
-# since) against the other order and the lane lowering, checked, then timed next to cuDNN at both cases.
+# --grid: shape 14's attention call (a chunk of 8 sequences) and the main case: the default against the
+# lane lowering, alone and with the stage counts around the default, checked, then timed next to cuDNN at
+# both cases. (The other grid order, tiles_outer, lost at both in two runs: 478 and 407 against 492 and
+# 486 TFLOP/s, attention-mgpu-2026-11-30-nvidia-h200-grid-session4.json; the lane lowering won by 0.5-1%.)
 GRID_CASES = [(8, 16, LONG_SEQ_LEN, 64), MAIN_CASE]
-GRID_VARIANTS = [dict(grid_order="tiles_outer"), dict(lowering_semantics="lane")]
+GRID_VARIANTS = [dict(lowering_semantics="lane"),
+                 dict(lowering_semantics="lane", block_sizes=Blocks(128, 3, 3)),
+                 dict(lowering_semantics="lane", block_sizes=Blocks(128, 5, 3))]
 THRESHOLD_CASES = [(64, 4, 1024, 64), (4, 16, 4096, 64), (4, 16, 8192, 64), (4, 16, 4096, 128)]
 
 
