@@ -51,3 +51,23 @@ def test_state_dict_errors_name_what_is_wrong():
     ints = dict(state, **{"final_norm.bias": torch.zeros(64, dtype=torch.int32)})
     with pytest.raises(ValueError, match="floating dtype"):
         T.params_from_state_dict(ints, CONFIG)
+
+
+def test_host_arrays_go_to_the_default_device(monkeypatch):
+    """On a GPU machine a numpy or CPU-torch state_dict must land on the GPU: imported zero-copy as it is,
+    it stays CPU-committed and drags the forward onto the CPU (it did on the H200). Here the default
+    backend is made to look like a GPU and the move is recorded."""
+    import jax
+    import numpy as np
+    import torch
+    from ttj_jax.params import to_jax_array
+    moved = []
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(jax, "device_put", lambda a, d: moved.append(d) or a)
+    for value in (np.arange(6, dtype=np.float32), torch.arange(6, dtype=torch.bfloat16),
+                  torch.ones(6, requires_grad=True)):
+        out = to_jax_array(value)
+        assert out.shape == (6,)
+    assert len(moved) == 3
+    monkeypatch.undo()
+    assert to_jax_array(np.ones(3, np.float32)).devices() == {jax.devices()[0]}   # the CPU here: no copy needed

@@ -64,18 +64,29 @@ def init_params(key: jax.Array, config: Config, dtype=jnp.float32) -> dict:
     return _unflatten(flat, config.num_layers)
 
 
+_DLPACK_CPU = 1   # DLPack's kDLCPU
+
+
 def to_jax_array(value: Any) -> jax.Array:
-    """Any array that speaks DLPack (zero-copy where the producer allows) or numpy."""
+    """Any array that speaks DLPack or numpy, as a jax array on jax's default device: zero-copy where the
+    producer allows and already lives there. A host array (numpy, a CPU torch tensor) on a machine whose
+    default backend is a GPU is copied to the GPU: imported as it is, it would be a CPU-committed array
+    that pulls every computation using it onto the CPU (bench/ablate.py ran on the CPU of the H200 so)."""
     if isinstance(value, jax.Array):
         return value
+    if getattr(value, "requires_grad", False):   # a framework tensor that tracks gradients
+        value = value.detach()
+    array = None
     if hasattr(value, "__dlpack__"):
-        if getattr(value, "requires_grad", False):   # a framework tensor that tracks gradients
-            value = value.detach()
         try:
-            return jax.dlpack.from_dlpack(value)
+            array = jax.dlpack.from_dlpack(value)
         except (TypeError, ValueError, RuntimeError, BufferError):
             pass   # e.g. an unaligned CPU buffer: fall through to a copy
-    return jnp.asarray(np.asarray(value))
+    if array is None:
+        return jnp.asarray(np.asarray(value))
+    if next(iter(array.devices())).platform == "cpu" and jax.default_backend() != "cpu":   # host: to the default device
+        return jax.device_put(array, jax.devices()[0])
+    return array
 
 
 def params_from_state_dict(state_dict: Mapping[str, Any], config: Config | None = None) -> dict:
