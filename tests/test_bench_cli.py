@@ -76,3 +76,28 @@ def test_report_renders_a_saved_run(tmp_path, capsys):
     assert "Some GPU" in out and "geomean speedup" in out
     assert out.index("│     1 │") < out.index("│     2 │") < out.index("│    10 │")   # numeric order
     assert (tmp_path / "run.png").stat().st_size > 1000
+
+
+def test_profile_trace_summary():
+    """bench/fused_stack_mgpu_profile.py's reading of a Mosaic GPU profiler trace: per role and phase the
+    inclusive time per tile, nested regions counted in full, a block's span over its warpgroups."""
+    from bench.fused_stack_mgpu_profile import summarize_trace
+
+    def region(tid, name, start, end):
+        return [{"name": name, "ph": "B", "ts": start, "tid": tid}, {"name": name, "ph": "E", "ts": end, "tid": tid}]
+    events = []
+    for block, offset in ((0, 0.0), (1, 100.0)):
+        c0, c1, producer = 1 + 3 * block, 2 + 3 * block, 3 + 3 * block
+        events += [{"name": "mlp_in", "ph": "B", "ts": offset + 10, "tid": c0},
+                   *region(c0, "wait_weights", offset + 11, offset + 13),
+                   {"name": "mlp_in", "ph": "E", "ts": offset + 20, "tid": c0}]
+        events += region(c1, "mlp_in", offset + 5, offset + 9 + block)
+        events += region(producer, "producer_wait_consumed", offset + 0, offset + 30)
+    summary = summarize_trace({"traceEvents": events})
+    assert summary["tiles"] == 2
+    assert summary["span_us"] == pytest.approx(30.0)
+    assert summary["phases"]["consumer0"] == {"mlp_in": pytest.approx(10.0), "wait_weights": pytest.approx(2.0)}
+    assert summary["phases"]["consumer1"]["mlp_in"] == pytest.approx(4.5)
+    assert summary["calls"]["producer"]["producer_wait_consumed"] == 1
+    with pytest.raises(ValueError, match="unbalanced"):
+        summarize_trace({"traceEvents": events[:-1]})

@@ -421,3 +421,20 @@ def test_default_kernel_is_the_h200_verified_build():
     if jax.__version__ != PINNED_JAX_VERSION:
         pytest.skip(f"hashes pinned with jax {PINNED_JAX_VERSION}; this is {jax.__version__} (lowering checked)")
     assert hashes == {f"{H},{S},{B}": h for (H, S, B), h in PINNED_STACK_HASHES.items()}
+
+
+def test_profiled_build_fits_and_leaves_the_default_alone():
+    """kernel_function(profile_dir=...) adds Mosaic GPU profiler regions: its kernel must still fit in
+    shared memory (the profiler buffers events there) and lower; on a CPU-only jax the lowering then stops
+    only at the trace's host callback, which needs a CUDA backend. The default build's lowering is pinned
+    by test_default_kernel_is_the_h200_verified_build."""
+    H, S, B = 4, 128, 1
+    structs = (jax.ShapeDtypeStruct((B, S, 128), jnp.float32),
+               jax.ShapeDtypeStruct((4, 6, H, 128, 128 // H), jnp.float16),
+               jax.ShapeDtypeStruct((5, 10, 128), jnp.float32))
+    traced = jax.jit(fsm.kernel_function(B, S, H, 4, True, profile_dir="/nonexistent")).trace(*structs)
+    if jax.default_backend() == "gpu":
+        traced.lower(lowering_platforms=("cuda",))
+        return
+    with pytest.raises(ValueError, match="different from the lowering platform cuda"):
+        traced.lower(lowering_platforms=("cuda",))

@@ -69,6 +69,7 @@ elements over 25 seeds each. Scope and the planner's rule: planner.py (MGPU_STAC
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from typing import Any
@@ -194,8 +195,15 @@ def _build_weights(prepared: PreparedWeights, num_heads: int) -> MgpuStackWeight
 # --- The kernel -------------------------------------------------------------------------------------
 
 def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, num_layers: int, num_heads: int,
-                  seq_len: int, causal: bool, interpret: bool = False, overlap: bool = False):
+                  seq_len: int, causal: bool, interpret: bool = False, overlap: bool = False,
+                  profile: bool = False):
     plgpu = _plgpu()
+
+    def phase(name):
+        """A named region for Mosaic GPU's profiler (profile=True); nothing at all otherwise, so the
+        default build lowers byte for byte as before (tests pin it)."""
+        return jax.named_scope(name) if profile else contextlib.nullcontext()
+
     (x_smem, k_smem, v_smem, w_smem, vec_smem, *stages), barriers = scoped
     x_ready, vec_ready, w_ready, w_consumed, kv_written, kv_free = barriers
     hd = D_MODEL // num_heads
@@ -314,7 +322,8 @@ def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, num_layers: int, 
 
         # Chunk `which` of every layer sits in slot which % NUM_SLOTS (CHUNKS_PER_LAYER % NUM_SLOTS == 0).
         def chunk_wait(which):
-            plgpu.barrier_wait(w_ready.at[which % NUM_SLOTS])
+            with phase("wait_weights"):
+                plgpu.barrier_wait(w_ready.at[which % NUM_SLOTS])
             return w_smem.at[which % NUM_SLOTS]
 
         def chunk_done(which):
@@ -333,17 +342,15 @@ def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, num_layers: int, 
 
         score_scale = hd ** -0.5 * _LOG2_E
 
-        plgpu.barrier_wait(vec_ready.at[0])
-        plgpu.barrier_wait(x_ready.at[wg])
+        with phase("wait_inputs"):
+            plgpu.barrier_wait(vec_ready.at[0])
+            plgpu.barrier_wait(x_ready.at[wg])
         assert CHUNKS_PER_LAYER % NUM_SLOTS == 0
         # Both consumers arrive once before the loop, so that every layer can start with a wait for
         # the other consumer to be done reading the previous layer's k and v.
         plgpu.barrier_arrive(kv_free.at[0])
 
-        @pl.loop(0, num_layers)
-        def _layer(layer):
-            h = layer_norm(load_x(), layer, LN1_W, LN1_B).astype(_GEMM_DTYPE)
-
+        def _layer_body(layer, h):
             def project(w, bias_index, store=None, layer=layer, h=h):
                 """Every head's h @ W_head + b_head in fp16: returned, or handed to store(head, value)."""
                 def finish(head, acc):
@@ -351,21 +358,50 @@ def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, num_layers: int, 
                     return value if store is None else store(head, value)
                 return matmuls(h, [w.at[head] for head in range(num_heads)], finish)
 
-            w = chunk_wait(0)
-            q = project(w, BQ)
-            chunk_done(0)
-            plgpu.barrier_wait(kv_free.at[0])   # the other consumer is done with the last k and v
+            with phase("q_proj"):
+                w = chunk_wait(0)
+                q = project(w, BQ)
+                chunk_done(0)
+            with phase("wait_kv_free"):
+                plgpu.barrier_wait(kv_free.at[0])   # the other consumer is done with the last k and v
             for slot, (bias_index, dst) in enumerate(((BK, k_smem), (BV, v_smem)), start=1):
-                w = chunk_wait(slot)
+                with phase("kv_proj"):
+                    w = chunk_wait(slot)
 
-                def store(head, value, dst=dst):
-                    dst[head, pl.ds(wg * WG_ROWS, WG_ROWS), :] = value
-                project(w, bias_index, store)
-                chunk_done(slot)
+                    def store(head, value, dst=dst):
+                        dst[head, pl.ds(wg * WG_ROWS, WG_ROWS), :] = value
+                    project(w, bias_index, store)
+                    chunk_done(slot)
             plgpu.commit_smem()
             plgpu.barrier_arrive(kv_written.at[0])
-            plgpu.barrier_wait(kv_written.at[0])
+            with phase("wait_kv_written"):
+                plgpu.barrier_wait(kv_written.at[0])
+            with phase("attention"):
+                ctx = _attention(q)
+            plgpu.barrier_arrive(kv_free.at[0])
+            with phase("out_proj"):
+                w = chunk_wait(3)
+                x = load_x() + row_bcast(vec(layer, BOUT), (WG_ROWS, D_MODEL))
+                x = add_products(x, [(ctx[head], w.at[head]) for head in range(num_heads)])
+                chunk_done(3)
+            with phase("ln2"):
+                h2 = layer_norm(x, layer, LN2_W, LN2_B).astype(_GEMM_DTYPE)
+            with phase("mlp_in"):
+                w = chunk_wait(4)
 
+                def gelu_block(block, pre, layer=layer):
+                    pre = pre + row_bcast(vec(layer, B1, block * hd, hd), pre.shape)
+                    return (0.5 * pre * (1.0 + _erf(pre * 0.7071067811865476))).astype(_GEMM_DTYPE)
+                hidden = matmuls(h2, [w.at[block] for block in range(num_heads)], gelu_block)
+                chunk_done(4)
+            with phase("mlp_out"):
+                w = chunk_wait(5)
+                x = x + row_bcast(vec(layer, B2), x.shape)
+                x = add_products(x, [(hidden[block], w.at[block]) for block in range(num_heads)])
+                chunk_done(5)
+                rows_smem[...] = x
+
+        def _attention(q):
             ctx = []
             for head in range(num_heads):
                 scores = matmul(None, q[head], k_smem.at[head], transpose_b=True)
@@ -377,31 +413,20 @@ def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, num_layers: int, 
                 p = p * col_bcast(1.0 / p.sum(axis=1), p.shape)
                 out = matmul(None, p.astype(_GEMM_DTYPE), v_smem.at[head])
                 ctx.append(out.astype(_GEMM_DTYPE))
-            plgpu.barrier_arrive(kv_free.at[0])
+            return ctx
 
-            w = chunk_wait(3)
-            x = load_x() + row_bcast(vec(layer, BOUT), (WG_ROWS, D_MODEL))
-            x = add_products(x, [(ctx[head], w.at[head]) for head in range(num_heads)])
-            chunk_done(3)
-
-            h2 = layer_norm(x, layer, LN2_W, LN2_B).astype(_GEMM_DTYPE)
-            w = chunk_wait(4)
-            def gelu_block(block, pre, layer=layer):
-                pre = pre + row_bcast(vec(layer, B1, block * hd, hd), pre.shape)
-                return (0.5 * pre * (1.0 + _erf(pre * 0.7071067811865476))).astype(_GEMM_DTYPE)
-            hidden = matmuls(h2, [w.at[block] for block in range(num_heads)], gelu_block)
-            chunk_done(4)
-            w = chunk_wait(5)
-            x = x + row_bcast(vec(layer, B2), x.shape)
-            x = add_products(x, [(hidden[block], w.at[block]) for block in range(num_heads)])
-            chunk_done(5)
-            rows_smem[...] = x
+        @pl.loop(0, num_layers)
+        def _layer(layer):
+            with phase("ln1"):
+                h = layer_norm(load_x(), layer, LN1_W, LN1_B).astype(_GEMM_DTYPE)
+            _layer_body(layer, h)
 
         # Observe the last kv_free phase too (a no-op on the GPU, but every phase of a barrier should be
         # waited by the threads that wait on it: GPU interpret mode checks that).
         plgpu.barrier_wait(kv_free.at[0])
-        y = layer_norm(load_x(), num_layers, 0, 1)
-        rows_smem[...] = y
+        with phase("final_ln"):
+            y = layer_norm(load_x(), num_layers, 0, 1)
+            rows_smem[...] = y
         plgpu.commit_smem()
         if seq_len == TILE_ROWS:
             plgpu.copy_smem_to_gmem(rows_smem, y_ref.at[tile, pl.ds(wg * WG_ROWS, WG_ROWS)])
@@ -427,7 +452,8 @@ def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, num_layers: int, 
                 slot = which % NUM_SLOTS
 
                 def load(slot=slot, later=later, later_layer=later_layer):
-                    plgpu.barrier_wait(w_consumed.at[slot])
+                    with phase("producer_wait_consumed"):
+                        plgpu.barrier_wait(w_consumed.at[slot])
                     plgpu.copy_gmem_to_smem(mats_ref.at[layer + later_layer, later], w_smem.at[slot],
                                             w_ready.at[slot])
                 if later_layer == 0:
@@ -439,16 +465,25 @@ def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, num_layers: int, 
             plgpu.barrier_wait(w_consumed.at[which % NUM_SLOTS])
 
 
-def _compiler_params():
+# Profiler regions per warpgroup (profile_dir builds). Mosaic GPU buffers them in shared memory (16 bytes
+# per region and warpgroup), and the kernel leaves ~8 KB of it: 160 regions. A consumer records 17
+# regions per layer plus 2: room for 9 layers.
+PROFILE_SPACE = 160
+
+
+def _compiler_params(profile_dir: str | None = None):
     plgpu = _plgpu()
     semantics = {"lane": plgpu.LoweringSemantics.Lane,
                  "warpgroup": plgpu.LoweringSemantics.Warpgroup}[LOWERING_SEMANTICS]
+    if profile_dir:
+        return plgpu.CompilerParams(approx_math=True, lowering_semantics=semantics,
+                                    profile_space=PROFILE_SPACE, profile_dir=profile_dir)
     return plgpu.CompilerParams(approx_math=True, lowering_semantics=semantics)
 
 
 @functools.lru_cache(maxsize=None)
 def kernel_function(batch: int, seq_len: int, num_heads: int, num_layers: int, causal: bool,
-                    interpret: bool = False, overlap: bool = False):
+                    interpret: bool = False, overlap: bool = False, profile_dir: str | None = None):
     """The bare kernel for x [batch, seq_len, 128] fp32: f(x, mats, vecs) -> y. Nothing but the Mosaic
     GPU call (what `plgpu.as_torch_kernel` needs); batch must be a multiple of 128 // seq_len.
     interpret: False (the GPU kernel), True or "detect_races" (Mosaic GPU's interpret mode on a CPU,
@@ -456,7 +491,12 @@ def kernel_function(batch: int, seq_len: int, num_heads: int, num_layers: int, c
     overlap: issue each layer's per-head q/k/v projections and MLP-in blocks together (one chunk's H
     wgmmas in flight) instead of one at a time, and chain the per-head out-projection and MLP-out
     products in one accumulator (fp32 sums in another order: within ~1e-6 relative, not bitwise). An
-    experiment until the H200 has timed it (bench/fused_stack_mgpu_check.py's "mgpu_overlap")."""
+    experiment: on the H200 it was no faster (shape 2: 90.4 against 87.6 us, bench/results/fused-stack-
+    mgpu-2026-11-30-nvidia-h200-session5.json), so the waits are not where the tile's time goes.
+    profile_dir: a build instrumented for Mosaic GPU's profiler: each layer phase (ln1, q_proj, kv_proj,
+    attention, out_proj, ln2, mlp_in, mlp_out, and the waits for weights and for the other consumer) is a
+    named region per warpgroup, and every call writes a Perfetto trace (JSON) into that folder
+    (bench/fused_stack_mgpu_profile.py reads it). GPU only; the default build is untouched."""
     if seq_len not in SUPPORTED_SEQ_LENS:
         raise ValueError(f"{seq_len=} must be one of {SUPPORTED_SEQ_LENS}")
     if num_heads not in SUPPORTED_NUM_HEADS:
@@ -492,7 +532,7 @@ def kernel_function(batch: int, seq_len: int, num_heads: int, num_layers: int, c
                 plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=1),               # kv_written
                 plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=1))               # kv_free
     body = functools.partial(_stack_kernel, num_layers=num_layers, num_heads=num_heads, seq_len=seq_len,
-                             causal=causal, interpret=interpret, overlap=overlap)
+                             causal=causal, interpret=interpret, overlap=overlap, profile=bool(profile_dir))
 
     def entry(x_ref, mats_ref, vecs_ref, y_ref):
         pl.run_scoped(lambda *scoped: body(x_ref, mats_ref, vecs_ref, y_ref, scoped), smem, barriers,
@@ -505,7 +545,7 @@ def kernel_function(batch: int, seq_len: int, num_heads: int, num_layers: int, c
         grid_names=(_GRID_TILE,),
         num_threads=NUM_CONSUMERS + 1,
         thread_name="wg",
-        compiler_params=_compiler_params(),
+        compiler_params=_compiler_params(profile_dir),
         interpret=_interpret_params(detect_races=interpret == "detect_races") if interpret else None,
     )
 
