@@ -48,6 +48,13 @@ class _Transfer:
     once per call with cached objects, instead of per tensor inside torch's `__dlpack__`.
     CUDA, jax -> torch: jax makes torch's current stream wait for the result (DLPack protocol).
     Elsewhere (the CPU) both directions use the plain protocol.
+    The ordering rides on the import itself: the event wait is put on jax's stream for external ready
+    events, and the import records the new array's definition event on that stream, which the program
+    waits for before reading the array. So x is imported anew on every call, even when it is the same
+    tensor: an array imported earlier carries an old, completed definition event, and a program reading
+    it would no longer wait for torch's writes. (A per-call import cache tried on 2026-11-30 broke the
+    harness timing of shape 13, 0.0013 ms, and slowed shapes 7 and 11: bench/results/official-2026-11-30-
+    h200-session5-cachebug.json; reverted.)
     """
 
     def __init__(self, device: torch.device):
