@@ -101,3 +101,22 @@ def test_profile_trace_summary():
     assert summary["calls"]["producer"]["producer_wait_consumed"] == 1
     with pytest.raises(ValueError, match="unbalanced"):
         summarize_trace({"traceEvents": events[:-1]})
+
+
+def test_ablate_variants_end_to_end(tmp_path):
+    """bench/ablate.py: variant parsing, a refused variant recorded (the run goes on), and a real one
+    checked against the baseline and timed on a CPU twin."""
+    from bench import ablate
+    assert ablate.parse_variant("mixed_fp16") == {"policy": "mixed_fp16", "stack": None, "attention": None}
+    assert ablate.parse_variant("mixed_fp16/-/xla") == {"policy": "mixed_fp16", "stack": None, "attention": "xla"}
+    with pytest.raises(ValueError):
+        ablate.parse_variant("a/b/c/d")
+    with pytest.raises(ValueError, match="unknown numerics policy"):
+        ablate.main(["--shapes", "cpu-1", "--variants", "nonsense", "--device", "cpu", "--out", str(tmp_path)])
+    status = ablate.main(["--shapes", "cpu-1", "--variants", "mixed_fp16/layers/xla,mixed_fp16/fused",
+                          "--seeds", "1", "--device", "cpu", "--out", str(tmp_path), "--tag", "t"])
+    document = json.loads((tmp_path / "t.json").read_text())
+    shape = document["shapes"]["cpu-1"]
+    assert status == 0 and shape["accuracy"]["mixed_fp16/layers/xla"]["failed_elements"] == 0
+    assert shape["jax_ms"]["mixed_fp16/layers/xla"] > 0 and "mixed_fp16/layers/xla" in shape["plans"]
+    assert "mixed_fp16/fused" in shape["errors"] or "mixed_fp16/fused" in shape["jax_ms"]
