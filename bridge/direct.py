@@ -22,7 +22,9 @@ from one thread at a time.
 
 Availability: opt-in with TTJ_DIRECT_LAUNCH=1 (until bench.direct_check has passed on a GPU: an earlier
 build crashed the CUDA context there), CUDA, jax's GPU backend and libcuda; `unavailable_reason()`
-says why not, and the bridge then runs the same kernel through jax.
+says why not, and the bridge then runs the same kernel through jax. With jax 0.11.2 (the H200 machine's)
+no build is found at all: its jaxlib exposes no Triton compiler and XLA's executable holds no cubin or PTX
+for the kernel (bench/results/direct-2026-11-30-nvidia-h200-session5.json).
 """
 
 from __future__ import annotations
