@@ -33,12 +33,17 @@ from bench.timing import time_contenders  # noqa: E402
 from bridge import runtime  # noqa: E402
 
 
-def host_us(fn, calls=300, warmup=30):
+def host_us(fn, calls=300, warmup=30, drained=False):
+    """Host microseconds per call of fn (perf_counter, no sync inside the span). Back to back (default),
+    a GPU-bound call's host time shows the GPU's pace once jax's queue is full; drained=True syncs the
+    GPU before each sample, so each call is timed from an idle GPU (the official run's bridge_host_us)."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     samples = []
     for _ in range(calls):
+        if drained:
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
         fn()
         samples.append((time.perf_counter() - t0) * 1e6)
@@ -84,6 +89,15 @@ def profile_shape(sid: str) -> dict:
         out["step_export_public_and_free"] = host_us(lambda: torch.from_dlpack(call.run(weights, jx, None)))
         out["step_import_protocol"] = host_us(lambda: transfer.importer(x))
         out["donation_into_torch_buffer"] = donation_probe(x, transfer)
+        # The same steps from an idle GPU: where the bridge's extra host time goes on GPU-bound shapes
+        # (8, 13: +151 us over the JAX call in official-2026-11-30-h200-session5.json), which the
+        # back-to-back numbers above cannot show.
+        drained = {"import_x": lambda: (transfer.order_before_jax(), transfer.to_jax(x)),
+                   "dispatch": lambda: call.run(weights, jx, None),
+                   "dispatch_export_free": lambda: transfer.to_torch(call.run(weights, jx, None)),
+                   "bridge_call": lambda: ours(x, mask)}
+        for name, fn in drained.items():
+            out[f"drained_{name}"] = host_us(fn, calls=100, warmup=10, drained=True)
         out["bridge_call_host"] = host_us(lambda: ours(x, mask))
         out["bridge_call_no_mask_host"] = host_us(lambda: ours(x, None))
         out["torch_add_host"] = host_us(lambda: x + 1)
