@@ -53,7 +53,7 @@ _REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 if str(_REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(_REPO_ROOT))
 
-DEFAULT_SHAPES = ("2", "1", "9", "10", "12", "5")
+DEFAULT_SHAPES = ("2", "1", "9", "10", "12", "5", "7")   # 7: d_model 32, not run on a GPU before
 TIMING_REPEATS = 7
 MIN_TIMING_S = 0.05
 HOST_CALLS = 300
@@ -190,8 +190,8 @@ def _torch_launch(config, x, weights, y_jax) -> dict:
     if not record["has_as_torch_kernel"]:
         record["error"] = "jax.experimental.pallas.mosaic_gpu has no as_torch_kernel in this jax"
         return record
-    B, S, _ = x.shape
-    function = fsm.torch_kernel(B, S, config.num_heads, weights.num_layers, True)
+    B, S, d = x.shape
+    function = fsm.torch_kernel(B, S, config.num_heads, weights.num_layers, True, d_model=d)
     xt = torch.from_numpy(np.array(x)).cuda().contiguous()
     mt = torch.from_numpy(np.array(weights.mats)).cuda().contiguous()
     vt = torch.from_numpy(np.array(weights.vecs)).cuda().contiguous()

@@ -1,6 +1,10 @@
 """GPU check of the bridge's own launch of the Mosaic GPU whole-stack kernel (bridge/mosaic_launch.py).
 
     PYTHONPATH=. python3 bench/mosaic_launch_check.py --out bench/results [--shapes 2,1,3,4,5,9,10,12,6]
+    PYTHONPATH=. python3 bench/mosaic_launch_check.py --out bench/results --shapes 7 --stack fused_mgpu
+
+--stack forces a stack through `bridge.forward(..., stack=...)` instead of the module's own call (the
+planner's choice): how a build the planner does not pick yet (shape 7's d_model 32) is checked.
 
 Per official shape, through the bridge module as the harness calls it (all-True mask, fp32 x on cuda):
 - the plan and whether the bridge launches the kernel itself (explain()); its one-time comparison with
@@ -40,11 +44,12 @@ from bridge import runtime  # noqa: E402
 DEFAULT_SHAPES = "2,1,3,4,5,9,10,12,6"
 
 
-def check_shape(sid: str, device: torch.device) -> dict:
+def check_shape(sid: str, device: torch.device, stack: str | None = None) -> dict:
     config = T.OFFICIAL[sid].config
     harness_config = TransformerConfig(**vars(config))
-    baseline, ours = harness_models(harness_config, bridge.TTJTransformer, device=device)
-    record: dict = {"shape": T.OFFICIAL[sid].describe()}
+    baseline, module = harness_models(harness_config, bridge.TTJTransformer, device=device)
+    record: dict = {"shape": T.OFFICIAL[sid].describe(), "stack_forced": stack}
+    ours = module if stack is None else (lambda x, mask: runtime.forward(module, x, mask, stack=stack))
     # Made outside inference mode, as the harness's timing input: the bridge classifies such a mask once
     # (all True: no mask work). An inference tensor's mask is decided on the device (the Triton kernel).
     x, mask = make_inputs(harness_config, HARNESS_SEEDS[0] + TIMING_SEED_OFFSET, device=device)
@@ -54,8 +59,8 @@ def check_shape(sid: str, device: torch.device) -> dict:
         y = ours(x, mask)
         torch.cuda.synchronize()
         record["first_call_s"] = time.perf_counter() - t0
-        record["plan"] = bridge.explain(ours, x, mask)
-        [call] = [c for k, c in runtime._STATES[ours].calls.items() if k[-1] is None and k[-2] is None]
+        [call] = [c for k, c in runtime._STATES[module].calls.items() if k[-1] == stack and k[-2] is None]
+        record["plan"] = call.plan.explain()
         record["stack"] = call.plan.stack
         record["launched_by_bridge"] = call.direct is not None
         record["note"] = call.direct_note
@@ -78,7 +83,7 @@ def check_shape(sid: str, device: torch.device) -> dict:
         record["side_stream_equal"] = bool(torch.equal(y_side, y))
 
         record["host_us_bridge"] = host_us(lambda: ours(x, mask))["median_us"]
-        triton = lambda: runtime.forward(ours, x, mask, stack="fused")   # noqa: E731
+        triton = lambda: runtime.forward(module, x, mask, stack="fused")   # noqa: E731
         triton()
         timings = time_contenders({"bridge": lambda: ours(x, mask), "bridge_triton_via_jax": triton},
                                   warmup=20, rounds=3, calls=100, device=device)
@@ -90,16 +95,19 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--shapes", default=DEFAULT_SHAPES)
+    parser.add_argument("--stack", default=None, choices=("fused_mgpu",),
+                        help="force this stack instead of the planner's choice (e.g. shape 7's d_model 32)")
     args = parser.parse_args(argv)
     device = torch.device("cuda")
     name = torch.cuda.get_device_name(device)
-    path = os.path.join(args.out, f"mosaic-launch-{datetime.date.today()}-{name.split()[-1].lower()}.json")
+    suffix = "" if args.stack is None else f"-{args.stack}"
+    path = os.path.join(args.out, f"mosaic-launch-{datetime.date.today()}-{name.split()[-1].lower()}{suffix}.json")
     result = {"gpu": name, "jax": jax.__version__, "torch": torch.__version__,
               "date": str(datetime.date.today()), "command": " ".join(sys.argv), "shapes": {}}
     for sid in args.shapes.split(","):
         t0 = time.perf_counter()
         try:
-            record = check_shape(sid, device)
+            record = check_shape(sid, device, args.stack)
         except Exception as e:   # noqa: BLE001 - one shape's failure is recorded, the rest still run
             record = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-2000:]}
         record["wall_s"] = time.perf_counter() - t0

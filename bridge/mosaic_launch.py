@@ -51,24 +51,33 @@ def _current_stream_getter(device: torch.device):
     return lambda: torch.cuda.current_stream(index).cuda_stream
 
 
+def launch_structs(config: Config, batch: int, seq_len: int) -> tuple:
+    """(x, mats, vecs) as jax.ShapeDtypeStructs: the kernel's arguments, laid out as
+    fused_stack_mgpu.stack_weights_mgpu builds the weights (tests compare the two)."""
+    import jax
+    import jax.numpy as jnp
+    from ttj_jax.kernels import fused_stack_mgpu as fsm
+    d = config.d_model
+    _, width, vec_len = fsm.widths(d, config.num_heads)
+    return (jax.ShapeDtypeStruct((batch, seq_len, d), jnp.float32),
+            jax.ShapeDtypeStruct((config.num_layers, fsm.CHUNKS_PER_LAYER, config.num_heads, d, width),
+                                 fsm._GEMM_DTYPE),
+            jax.ShapeDtypeStruct((config.num_layers + 1, fsm.NUM_VECS, vec_len), jnp.float32))
+
+
 class MosaicStackLaunch:
-    """The Mosaic GPU whole-stack kernel for x [batch, seq_len, 128] fp32 on one CUDA device:
+    """The Mosaic GPU whole-stack kernel for x [batch, seq_len, d_model] fp32 on one CUDA device:
     `launch(x, mats, vecs)` returns a new y. x must be contiguous fp32 on the device; mats and vecs are
     the MgpuStackWeights arrays as torch tensors (contiguous, on the device). Compiles on construction
     (seconds); raises RuntimeError / ValueError when this jax cannot build it."""
 
     def __init__(self, config: Config, batch: int, seq_len: int, device: torch.device):
-        import jax
-        import jax.numpy as jnp
         from ttj_jax.compat import MosaicLauncher, mosaic_gpu_module
         from ttj_jax.kernels import fused_stack_mgpu as fsm
-        hd = config.d_model // config.num_heads
-        function = fsm.kernel_function(batch, seq_len, config.num_heads, config.num_layers, config.causal)
-        structs = (jax.ShapeDtypeStruct((batch, seq_len, fsm.D_MODEL), jnp.float32),
-                   jax.ShapeDtypeStruct((config.num_layers, fsm.CHUNKS_PER_LAYER, config.num_heads,
-                                         fsm.D_MODEL, hd), fsm._GEMM_DTYPE),
-                   jax.ShapeDtypeStruct((config.num_layers + 1, fsm.NUM_VECS, fsm.D_MODEL), jnp.float32))
-        self.shape = (batch, seq_len, fsm.D_MODEL)
+        function = fsm.kernel_function(batch, seq_len, config.num_heads, config.num_layers, config.causal,
+                                       d_model=config.d_model)
+        structs = launch_structs(config, batch, seq_len)
+        self.shape = structs[0].shape
         self.device = device
         with torch.cuda.device(device):   # the module loads into this device's CUDA context
             self._launch = MosaicLauncher(mosaic_gpu_module(function, *structs), num_buffers=4).launch

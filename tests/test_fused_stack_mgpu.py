@@ -40,16 +40,16 @@ fsm = importlib.import_module("ttj_jax.kernels.fused_stack_mgpu")
 ATOL, RTOL = 0.002, 0.02   # the harness rule: |err| <= max(atol, rtol * |ref|)
 
 
-def _structs(num_heads, batch, seq_len, num_layers=4):
-    hd = 128 // num_heads
-    weights = fsm.MgpuStackWeights(jax.ShapeDtypeStruct((num_layers, 6, num_heads, 128, hd), jnp.float16),
-                                   jax.ShapeDtypeStruct((num_layers + 1, 10, 128), jnp.float32),
+def _structs(num_heads, batch, seq_len, num_layers=4, d_model=128):
+    _, width, vec_len = fsm.widths(d_model, num_heads)
+    weights = fsm.MgpuStackWeights(jax.ShapeDtypeStruct((num_layers, 6, num_heads, d_model, width), jnp.float16),
+                                   jax.ShapeDtypeStruct((num_layers + 1, 10, vec_len), jnp.float32),
                                    num_heads=num_heads)
-    return weights, jax.ShapeDtypeStruct((batch, seq_len, 128), jnp.float32)
+    return weights, jax.ShapeDtypeStruct((batch, seq_len, d_model), jnp.float32)
 
 
-def _lower(num_heads, batch, seq_len, causal=True) -> str:
-    weights, x = _structs(num_heads, batch, seq_len)
+def _lower(num_heads, batch, seq_len, causal=True, d_model=128) -> str:
+    weights, x = _structs(num_heads, batch, seq_len, d_model=d_model)
     call = jax.jit(lambda w, x: fsm.fused_stack_mgpu_forward(w, x, num_heads=num_heads, causal=causal))
     return call.trace(weights, x).lower(lowering_platforms=("cuda",)).as_text()
 
@@ -75,6 +75,14 @@ def test_lowers_at_small_batches(batch, seq_len):
     assert _custom_calls(text) == ["mosaic_gpu_v2"]
     # S=32 packs 4 sequences per block: B=1 or 3 is padded to 4 (one pad, one slice); S=128 never pads.
     assert ("stablehlo.pad" in text) == (seq_len == 32)
+
+
+@pytest.mark.parametrize("num_heads", [1, 2, 4])
+def test_lowers_at_d_model_32(num_heads):
+    # shape 7's width: at 4 heads the head_dim 8 is zero-padded to MIN_BLOCK (32)
+    text = _lower(num_heads, 64, 128, d_model=32)
+    assert _custom_calls(text) == ["mosaic_gpu_v2"]
+    assert "stablehlo.pad" not in text
 
 
 def test_lowers_at_seq_len_64_and_non_causal():
@@ -121,6 +129,9 @@ def test_supports():
     assert all(fsm.supports(config(H=H), S) for H in (1, 2, 4) for S in (32, 64, 128))
     assert not fsm.supports(config(H=8), 128)
     assert not fsm.supports(config(d=64, H=2, ffn=128), 128)
+    assert all(fsm.supports(config(d=32, H=H, ffn=32), 128) for H in (1, 2, 4))   # shape 7's widths
+    assert not fsm.supports(config(d=32, H=4, ffn=64), 128)                       # ffn must equal d
+    assert not fsm.supports(config(d=64, H=4, ffn=64), 128)
     assert not fsm.supports(config(ffn=256), 128)
     assert not fsm.supports(config(), 100)
     assert not fsm.supports(config(), 256)
@@ -184,6 +195,27 @@ def test_weight_chunks_reassemble_the_matrices(num_heads):
     np.testing.assert_array_equal(np.asarray(w.vecs[-1, 0]), np.asarray(prepared.final_norm["weight"]))
 
 
+def test_padded_head_blocks_at_d_model_32():
+    """d=32, 4 heads of 8: every per-head block is zero-padded to MIN_BLOCK = 32 columns (weights and
+    biases), so q.k, P.v and the projections are unchanged; the real columns reassemble the matrices."""
+    config = T.Config(1, 32, 32, 4, 32, 2, True)
+    prepared = T.prepare_weights(T.init_params(jax.random.key(2), config), T.MIXED_FP16)
+    w = fsm.stack_weights_mgpu(prepared, 4)
+    width = fsm.MIN_BLOCK
+    assert w.mats.shape == (2, 6, 4, 32, width) and w.vecs.shape == (3, 10, 4 * width)
+    assert w.d_model == 32 and w.head_dim == 8
+    mats, vecs = np.asarray(w.mats), np.asarray(w.vecs)
+    per_head = vecs[:, [fsm.BQ, fsm.BK, fsm.BV, fsm.B1]].reshape(3, 4, 4, width)
+    assert not mats[..., 8:].any() and not per_head[..., 8:].any() and per_head[..., :8].any()
+    assert not vecs[:, [fsm.LN1_W, fsm.BOUT, fsm.B2], 32:].any()
+    for i, layer in enumerate(prepared.layers):
+        qkv = np.asarray(layer["qkv_weight"])
+        np.testing.assert_array_equal(np.concatenate(list(mats[i, 1, :, :, :8]), axis=1), qkv[:, 32:64])
+        np.testing.assert_array_equal(np.concatenate([m[:, :8].T for m in mats[i, 5]], axis=0),
+                                      np.asarray(layer["ffn_out_weight"]))
+        np.testing.assert_array_equal(vecs[i, fsm.BV].reshape(4, width)[:, :8].reshape(-1), np.asarray(layer["qkv_bias"])[64:])
+
+
 def test_shared_memory_fits():
     assert fsm.smem_bytes(4) <= fsm.SMEM_BUDGET_BYTES
     assert fsm.smem_bytes(4) > 200 * 1024   # the accounting counts the residual, k, v and the ring
@@ -193,8 +225,8 @@ def test_shared_memory_fits():
 
 # --- 4. The algorithm, emulated -----------------------------------------------------------------------
 
-def _model(num_heads, seq_len, batch, causal=True, seed=0, num_layers=4):
-    config = T.Config(batch, seq_len, 128, num_heads, 128, num_layers, causal)
+def _model(num_heads, seq_len, batch, causal=True, seed=0, num_layers=4, d_model=128):
+    config = T.Config(batch, seq_len, d_model, num_heads, d_model, num_layers, causal)
     _, params = baseline_and_params(config, seed)
     x = jnp.asarray(random_input(config, seed + 1).numpy())
     return config, params, x
@@ -212,13 +244,15 @@ EMULATION_CASES = {
     "shape9-H1": (1, 128, 2, True),
     "shape12-S32-H4-B6-padded": (4, 32, 6, True),
     "S128-H4-noncausal": (4, 128, 1, False),
+    "shape7-d32-H4": (4, 128, 2, True, 32),
+    "d32-H2-S32-B4": (2, 32, 4, True, 32),
 }
 
 
 @pytest.mark.parametrize("case", sorted(EMULATION_CASES))
 def test_emulation_meets_the_harness_rule(case):
-    num_heads, seq_len, batch, causal = EMULATION_CASES[case]
-    config, params, x = _model(num_heads, seq_len, batch, causal)
+    num_heads, seq_len, batch, causal, *d_model = EMULATION_CASES[case]
+    config, params, x = _model(num_heads, seq_len, batch, causal, d_model=d_model[0] if d_model else 128)
     weights = fsm.stack_weights_mgpu(params, num_heads)
     out = fsm.emulate(weights, x, causal=causal)
     assert out.shape == x.shape and out.dtype == np.float32
@@ -319,10 +353,11 @@ def test_kernel_inside_a_batch_split_is_the_single_device_kernel():
 
 # --- 5. The kernel itself, in Mosaic GPU's interpret mode ---------------------------------------------
 
-INTERPRET_CASES = {   # (num_heads, seq_len, batch, num_layers): small, the interpreter is slow
+INTERPRET_CASES = {   # (num_heads, seq_len, batch, num_layers[, d_model]): small, the interpreter is slow
     "S128-H4-B1-L2-races": (4, 128, 1, 2),
     "S32-H2-B6-L1-padded": (2, 32, 6, 1),
     "S64-H1-B2-L1": (1, 64, 2, 1),
+    "d32-S128-H4-B1-L2-races": (4, 128, 1, 2, 32),   # shape 7's widths, head_dim 8 padded to 32
 }
 
 
@@ -334,14 +369,15 @@ def test_kernel_in_gpu_interpret_mode(case):
     # transposed B operands are staged through SMEM (the interpreter takes neither registers nor
     # transposed views), and layout casts are skipped. The "races" case adds its race detector.
     from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
-    num_heads, seq_len, batch, num_layers = INTERPRET_CASES[case]
-    config, params, x = _model(num_heads, seq_len, batch, True, num_layers=num_layers)
+    num_heads, seq_len, batch, num_layers, *d_model = INTERPRET_CASES[case]
+    d_model = d_model[0] if d_model else 128
+    config, params, x = _model(num_heads, seq_len, batch, True, num_layers=num_layers, d_model=d_model)
     weights = fsm.stack_weights_mgpu(params, num_heads)
     races = case.endswith("races")
     if races:
         padded = batch + (-batch % (128 // seq_len))
         assert padded == batch
-        y = fsm.kernel_function(batch, seq_len, num_heads, num_layers, True, "detect_races")(
+        y = fsm.kernel_function(batch, seq_len, num_heads, num_layers, True, "detect_races", d_model=d_model)(
             x, weights.mats, weights.vecs)
         y = np.asarray(y)
         assert not gpu_callbacks.get_races().races_found

@@ -23,6 +23,7 @@ import torch
 import ttj_jax as T
 from conftest import baseline_and_params, random_input
 from ttj_jax.compat import MosaicLauncher, mosaic_gpu_module
+from ttj_jax.kernels import fused_stack_mgpu as fsm
 from ttj_jax.masks import MaskKind
 
 fsm = importlib.import_module("ttj_jax.kernels.fused_stack_mgpu")
@@ -82,7 +83,13 @@ def test_forcing_the_mosaic_stack_is_checked():
     with pytest.raises(ValueError, match="fused_mgpu"):
         T.plan(shape_2, _facts(shape_2, MaskKind.GENERAL), HOPPER, stack="fused_mgpu")
     with pytest.raises(ValueError, match="fused_mgpu"):
-        T.plan(T.OFFICIAL["7"].config, _facts(T.OFFICIAL["7"].config), HOPPER, stack="fused_mgpu")
+        T.plan(T.OFFICIAL["11"].config, _facts(T.OFFICIAL["11"].config), HOPPER, stack="fused_mgpu")
+    # shape 7 (d_model 32): the kernel builds for it and can be requested, but the planner picks it only
+    # at the widths it has run on a GPU with (MGPU_STACK_GPU_VERIFIED_D_MODELS)
+    shape_7 = T.OFFICIAL["7"].config
+    assert T.plan(shape_7, _facts(shape_7), HOPPER, stack="fused_mgpu").stack == "fused_mgpu"
+    assert T.plan(shape_7, _facts(shape_7), HOPPER).stack != "fused_mgpu"
+    assert 32 not in T.planner.MGPU_STACK_GPU_VERIFIED_D_MODELS
     with pytest.raises(ValueError, match="caller"):
         _facts(shape_2, caller="numpy")
 
@@ -246,3 +253,17 @@ def test_bridge_builds_one_launch_per_input_signature_and_follows_weight_changes
     ours.load_state_dict(second.state_dict())      # new weights: the kernel's tensors are rebuilt ...
     check(second)
     assert len(built) == 1                         # ... the compiled launch is not (weights are arguments)
+
+
+@pytest.mark.parametrize("sid", ["2", "9", "12", "7"])
+def test_launch_structs_match_the_weights_built(sid):
+    """The bridge's launch declares the kernel's arguments itself (bridge/mosaic_launch.launch_structs):
+    they must be what stack_weights_mgpu builds, at d_model 128 and at shape 7's 32 (padded heads)."""
+    from bridge.mosaic_launch import launch_structs
+    config = T.OFFICIAL[sid].config
+    x, mats, vecs = launch_structs(config, config.batch_size, config.seq_len)
+    built = jax.eval_shape(lambda p: fsm.stack_weights_mgpu(p, config.num_heads),
+                           T.init_params(jax.random.key(0), config))
+    assert (mats.shape, mats.dtype) == (built.mats.shape, built.mats.dtype)
+    assert (vecs.shape, vecs.dtype) == (built.vecs.shape, built.vecs.dtype)
+    assert x.shape == (config.batch_size, config.seq_len, config.d_model)

@@ -71,6 +71,12 @@ FUSED_STACK_MAX_HEADS = 4
 # 13) it ran 0.776 ms through the bridge against the XLA program's 1.088 (torch peer 1.037 in an earlier
 # run), zero failing elements (bench/results/rows-2026-11-30-nvidia-h200.json).
 ROWS_STACK_MAX_SEQ_LEN = 1024
+# The Mosaic GPU stack kernel is planned only at the widths it has run on a GPU with: d_model 128 (every
+# number below). It also builds for d_model 32 (shape 7: head_dim 8 zero-padded to 32), checked only on a
+# CPU (lowering for CUDA, GPU interpret mode, the NumPy emulation); `stack="fused_mgpu"` requests it there.
+# Add 32 once `python3 bench/fused_stack_mgpu_check.py --shapes 7` and `bench/mosaic_launch_check.py
+# --shapes 7 --stack fused_mgpu` have passed on the H200.
+MGPU_STACK_GPU_VERIFIED_D_MODELS = (128,)
 # The Mosaic GPU whole-stack kernel (Hopper, d_model = ffn_dim = 128, 1/2/4 heads, S 32/64/128, fp32 x,
 # mask-free) against the Triton one, both through jax (bench/results/fused-stack-mgpu-2026-11-30-nvidia-
 # h200.json, us per call): shape 2 87.8 against 125.8, 1 88.9/128.4, 9 57.2/92.1, 10 68.3/104.3, 5
@@ -248,7 +254,8 @@ def plan(config: Config, inputs: InputFacts, device: DeviceFacts = CPU, *,
         from ttj_jax.kernels import fused_stack_mgpu
         if not fused_stack_mgpu.supports(config, inputs.seq_len) or mask_mode != "none" \
                 or inputs.dtype != "float32":
-            raise ValueError(f"stack 'fused_mgpu' needs d_model = ffn_dim = 128, 1/2/4 heads, seq_len in "
+            raise ValueError(f"stack 'fused_mgpu' needs d_model = ffn_dim in {fused_stack_mgpu.SUPPORTED_D_MODELS}, "
+                             f"1/2/4 heads, seq_len in "
                              f"{fused_stack_mgpu.SUPPORTED_SEQ_LENS}, float32 x and no mask work; got {config}, "
                              f"S={inputs.seq_len}, {inputs.dtype}, mask mode {mask_mode}")
     if stack in ("fused", "fused_mgpu"):   # the kernel computes attention itself
@@ -269,7 +276,7 @@ def _stack(config: Config, inputs: InputFacts, device: DeviceFacts, policy: str,
         return "layers", ""
     rows = inputs.batch_size * inputs.seq_len
     if (device.is_hopper and mask_mode == "none" and inputs.dtype == "float32" and rows <= FUSED_STACK_MAX_ROWS
-            and fused_stack_mgpu.supports(config, inputs.seq_len)):
+            and config.d_model in MGPU_STACK_GPU_VERIFIED_D_MODELS and fused_stack_mgpu.supports(config, inputs.seq_len)):
         if inputs.seq_len >= MGPU_STACK_JAX_MIN_SEQ_LEN:
             return "fused_mgpu", (f"{inputs.batch_size}x{inputs.seq_len} tokens, no mask, on sm_90: the whole "
                                   "stack as one Mosaic GPU kernel, measured faster than the Triton one (88 "

@@ -4,10 +4,15 @@ Same model as `fused_stack.py` (SPEC section 1; the generic Pallas/Triton kernel
 Mosaic GPU backend ("plgpu") so that it can also be launched on torch tensors without JAX dispatch
 (`torch_kernel`, through `plgpu.as_torch_kernel`, whose launcher ships in jaxlib).
 
-Scope: d_model = ffn_dim = 128, head_dim = 128 / num_heads with num_heads in {1, 2, 4}, seq_len in
-{32, 64, 128}, 1 to 5 layers (all layers' vectors sit in shared memory), causal or not, fp32 x in and
-fp32 y out, any batch. No masks (mask-free calls only). Everything else belongs to `fused_stack.py`
-(see `supports`).
+Scope: d_model = ffn_dim = 128 (or 32: shape 7), head_dim = d_model / num_heads with num_heads in
+{1, 2, 4}, seq_len in {32, 64, 128}, 1 to 5 layers (all layers' vectors sit in shared memory), causal or
+not, fp32 x in and fp32 y out, any batch. No masks (mask-free calls only). Everything else belongs to
+`fused_stack.py` (see `supports`). Below, "128" in a weight or vector shape is d_model, and "hd" is the
+per-head block width: head_dim, zero-padded to MIN_BLOCK (32) when smaller (d_model 32 at 2 or 4
+heads): padded q/k columns add 0 to every score, padded v columns give context columns of 0, which meet
+zero rows of the out-projection, and padded MLP columns get GELU(0 + 0) = 0 against zero rows of W2.
+At d_model 128 with 1/2/4 heads nothing is padded and the kernel is the one verified on the H200 (its
+lowering is pinned); d_model 32 has run only on a CPU (lowering, interpret mode, `emulate`).
 
 Design (one CUDA block per 128-row tile; three warpgroups):
 - Tile. A block carries 128 rows: one sequence (S=128) or 128 // S whole sequences one after another
@@ -84,9 +89,14 @@ from ttj_jax.kernels.fused_stack import _erf, checked_prepared
 from ttj_jax.numerics import LAYER_NORM_EPS, MIXED_FP16
 from ttj_jax.params import PreparedWeights
 
-D_MODEL = 128
-FFN_DIM = 128
+D_MODEL = 128               # the default width (shapes 1-6, 9, 10, 12)
+SUPPORTED_D_MODELS = (32, 128)   # d_model = ffn_dim; 32 is shape 7's (see MIN_BLOCK)
 SUPPORTED_NUM_HEADS = (1, 2, 4)
+# Per-head (and MLP block) widths below this (shape 7's head_dim 8, or 16 at 2 heads) are zero-padded to
+# it in the weights, so q.k, P.v and the projections see exact zeros there. wgmma would take 16 (its
+# fp16 contraction depth), but 16-wide blocks (32-byte swizzle) hung the kernel in GPU interpret mode,
+# and 32 is the width of the build verified on the H200 at 4 heads of 32 (64-byte swizzle).
+MIN_BLOCK = 32
 SUPPORTED_SEQ_LENS = (32, 64, 128)
 TILE_ROWS = 128              # rows per CUDA block
 WG_ROWS = 64                 # rows per consumer warpgroup (wgmma M)
@@ -110,13 +120,23 @@ def _plgpu():
 
 
 def model_error(d_model: int, num_heads: int, ffn_dim: int) -> str | None:
-    if d_model != D_MODEL:
-        return f"d_model={d_model} must be {D_MODEL}"
-    if ffn_dim != FFN_DIM:
-        return f"ffn_dim={ffn_dim} must be {FFN_DIM}"
+    if d_model not in SUPPORTED_D_MODELS:
+        return f"d_model={d_model} must be one of {SUPPORTED_D_MODELS}"
+    if ffn_dim != d_model:
+        return f"ffn_dim={ffn_dim} must equal d_model={d_model} (the MLP runs in num_heads blocks)"
     if num_heads not in SUPPORTED_NUM_HEADS:
         return f"num_heads={num_heads} must be one of {SUPPORTED_NUM_HEADS}"
+    if (d_model // num_heads) % 8:
+        return f"head_dim={d_model // num_heads} must be a multiple of 8"
     return None
+
+
+def widths(d_model: int, num_heads: int) -> tuple[int, int, int]:
+    """(head_dim, the per-head width in the weights and SMEM, the vectors' row length): the head width
+    is head_dim zero-padded to MIN_BLOCK; per-head biases sit at head * width in the vectors."""
+    head_dim = d_model // num_heads
+    width = max(head_dim, MIN_BLOCK)
+    return head_dim, width, max(d_model, num_heads * width)
 
 
 def supports(config: Any, seq_len: int) -> bool:
@@ -125,19 +145,22 @@ def supports(config: Any, seq_len: int) -> bool:
     num_layers = getattr(config, "num_layers", 1)
     return (seq_len in SUPPORTED_SEQ_LENS
             and model_error(config.d_model, config.num_heads, config.ffn_dim) is None
-            and smem_bytes(num_layers) <= SMEM_BUDGET_BYTES)
+            and smem_bytes(num_layers, d_model=config.d_model, num_heads=config.num_heads) <= SMEM_BUDGET_BYTES)
 
 
-def smem_bytes(num_layers: int, num_slots: int = NUM_SLOTS) -> int:
+def smem_bytes(num_layers: int, num_slots: int = NUM_SLOTS, *, d_model: int = D_MODEL, num_heads: int = 4) -> int:
     """Shared memory of one block: residual, k, v, weight ring, vectors, barriers."""
-    chunk = D_MODEL * D_MODEL * 2
-    return (TILE_ROWS * D_MODEL * 4 + 2 * chunk + num_slots * chunk
-            + (num_layers + 1) * NUM_VECS * D_MODEL * 4 + 8 * (2 + 1 + 2 * num_slots + 2))
+    _, width, vec_len = widths(d_model, num_heads)
+    chunk = num_heads * d_model * width * 2
+    kv = 2 * num_heads * TILE_ROWS * width * 2
+    return (TILE_ROWS * d_model * 4 + kv + num_slots * chunk
+            + (num_layers + 1) * NUM_VECS * vec_len * 4 + 8 * (2 + 1 + 2 * num_slots + 2))
 
 
 @jax.tree_util.register_pytree_node_class
 class MgpuStackWeights:
-    """mats [L, 6, H, 128, hd] fp16 and vecs [L + 1, 10, 128] fp32 (module docstring)."""
+    """mats [L, 6, H, d, w] fp16 and vecs [L + 1, 10, max(d, H w)] fp32, w = max(head_dim, MIN_BLOCK)
+    (module docstring; for d = 128 and 1/2/4 heads w = head_dim and the vectors are 128 long)."""
 
     def __init__(self, mats, vecs, *, num_heads: int):
         self.mats, self.vecs, self.num_heads = mats, vecs, num_heads
@@ -154,8 +177,12 @@ class MgpuStackWeights:
         return self.mats.shape[0]
 
     @property
+    def d_model(self) -> int:
+        return self.mats.shape[3]
+
+    @property
     def head_dim(self) -> int:
-        return D_MODEL // self.num_heads
+        return self.d_model // self.num_heads
 
 
 def stack_weights_mgpu(prepared: PreparedWeights | dict, num_heads: int) -> MgpuStackWeights:
@@ -167,13 +194,22 @@ def stack_weights_mgpu(prepared: PreparedWeights | dict, num_heads: int) -> Mgpu
 @functools.partial(jax.jit, static_argnums=(1,))
 def _build_weights(prepared: PreparedWeights, num_heads: int) -> MgpuStackWeights:
     d_model = prepared.layers[0]["ffn_in_weight"].shape[0]
-    hd = d_model // num_heads
+    hd, width, vec_len = widths(d_model, num_heads)
 
-    def column_blocks(w):   # [in, out] -> [H, in, hd]: block h = w[:, h*hd:(h+1)*hd]
-        return jnp.asarray(w).reshape(w.shape[0], num_heads, hd).transpose(1, 0, 2)
+    def pad_last(a, size):
+        return jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, size - a.shape[-1])]) if a.shape[-1] < size else a
 
-    def row_blocks_t(w):    # [in, out] -> [H, out, hd]: block h = w[h*hd:(h+1)*hd, :]^T
-        return jnp.asarray(w).reshape(num_heads, hd, w.shape[1]).transpose(0, 2, 1)
+    def column_blocks(w):   # [in, out] -> [H, in, width]: block h = w[:, h*hd:(h+1)*hd], zero-padded
+        return pad_last(jnp.asarray(w).reshape(w.shape[0], num_heads, hd).transpose(1, 0, 2), width)
+
+    def row_blocks_t(w):    # [in, out] -> [H, out, width]: block h = w[h*hd:(h+1)*hd, :]^T, zero-padded
+        return pad_last(jnp.asarray(w).reshape(num_heads, hd, w.shape[1]).transpose(0, 2, 1), width)
+
+    def per_head(b):        # [H hd] -> [vec_len]: head h at h * width, zeros after it
+        return pad_last(pad_last(jnp.asarray(b).reshape(num_heads, hd), width).reshape(-1), vec_len)
+
+    def whole(v):           # [d] -> [vec_len]
+        return pad_last(jnp.asarray(v), vec_len)
 
     mats, vecs = [], []
     for layer in prepared.layers:
@@ -184,11 +220,12 @@ def _build_weights(prepared: PreparedWeights, num_heads: int) -> MgpuStackWeight
             column_blocks(qkv[:, 2 * d_model:]), row_blocks_t(layer["out_weight"]),
             column_blocks(layer["ffn_in_weight"]), row_blocks_t(layer["ffn_out_weight"])]).astype(_GEMM_DTYPE))
         vecs.append(jnp.stack([
-            layer["norm1_weight"], layer["norm1_bias"], bias[:d_model], bias[d_model:2 * d_model],
-            bias[2 * d_model:], layer["out_bias"], layer["norm2_weight"], layer["norm2_bias"],
-            layer["ffn_in_bias"], layer["ffn_out_bias"]]).astype(jnp.float32))
-    final = jnp.zeros((NUM_VECS, d_model), jnp.float32)
-    final = final.at[0].set(prepared.final_norm["weight"]).at[1].set(prepared.final_norm["bias"])
+            whole(layer["norm1_weight"]), whole(layer["norm1_bias"]), per_head(bias[:d_model]),
+            per_head(bias[d_model:2 * d_model]), per_head(bias[2 * d_model:]), whole(layer["out_bias"]),
+            whole(layer["norm2_weight"]), whole(layer["norm2_bias"]), per_head(layer["ffn_in_bias"]),
+            whole(layer["ffn_out_bias"])]).astype(jnp.float32))
+    final = jnp.zeros((NUM_VECS, vec_len), jnp.float32)
+    final = final.at[0].set(whole(prepared.final_norm["weight"])).at[1].set(whole(prepared.final_norm["bias"]))
     return MgpuStackWeights(jnp.stack(mats), jnp.stack(vecs + [final]), num_heads=num_heads)
 
 
@@ -196,7 +233,7 @@ def _build_weights(prepared: PreparedWeights, num_heads: int) -> MgpuStackWeight
 
 def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, num_layers: int, num_heads: int,
                   seq_len: int, causal: bool, interpret: bool = False, overlap: bool = False,
-                  profile: bool = False):
+                  profile: bool = False, d_model: int = D_MODEL):
     plgpu = _plgpu()
 
     def phase(name):
@@ -206,7 +243,7 @@ def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, num_layers: int, 
 
     (x_smem, k_smem, v_smem, w_smem, vec_smem, *stages), barriers = scoped
     x_ready, vec_ready, w_ready, w_consumed, kv_written, kv_free = barriers
-    hd = D_MODEL // num_heads
+    hd, width, _ = widths(d_model, num_heads)   # per-head blocks are `width` wide (hd zero-padded)
     wg = lax.axis_index("wg")
     tile = lax.axis_index(_GRID_TILE)
     seqs_per_tile = TILE_ROWS // seq_len
@@ -229,6 +266,9 @@ def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, num_layers: int, 
         return [(x_ref.at[tile * seqs_per_tile + wg * per_wg + j], rows_smem.at[pl.ds(j * seq_len, seq_len)])
                 for j in range(per_wg)]
 
+    def stage(shape):   # GPU interpret mode only: this warpgroup's staging buffer of that shape
+        return stages[_staging_shapes(d_model, width).index(tuple(shape))].at[wg]
+
     @pl.when(wg < NUM_CONSUMERS)
     def _consumer():
         plgpu.set_max_registers(_REGISTERS[0], action="increase")
@@ -236,8 +276,8 @@ def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, num_layers: int, 
         for src, dst in x_copies(rows_smem):
             plgpu.copy_gmem_to_smem(src, dst, x_ready.at[wg])
 
-        def vec(layer, which, start=0, size=D_MODEL):
-            return cast(vec_smem[layer, which, pl.ds(start, size)], col_layout)
+        def vec(layer, which, start=0, size=None):
+            return cast(vec_smem[layer, which, pl.ds(start, d_model if size is None else size)], col_layout)
 
         def row_bcast(v, shape):    # (n,) over columns -> (64, n)
             return lax.broadcast_in_dim(v, shape, [1])
@@ -246,9 +286,9 @@ def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, num_layers: int, 
             return lax.broadcast_in_dim(v, shape, [0])
 
         def layer_norm(x, layer, w_index, b_index):
-            mean = x.sum(axis=1) * (1.0 / D_MODEL)
+            mean = x.sum(axis=1) * (1.0 / d_model)
             centered = x - col_bcast(mean, x.shape)
-            var = (centered * centered).sum(axis=1) * (1.0 / D_MODEL)
+            var = (centered * centered).sum(axis=1) * (1.0 / d_model)
             scaled = centered * col_bcast(lax.rsqrt(var + LAYER_NORM_EPS), x.shape)
             return (scaled * row_bcast(vec(layer, w_index), x.shape)
                     + row_bcast(vec(layer, b_index), x.shape))
@@ -263,10 +303,10 @@ def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, num_layers: int, 
                 if interpret:
                     # GPU interpret mode's wgmma takes A from SMEM only and no transposed SMEM views:
                     # stage A, and B^T, in (untiled) SMEM buffers of this warpgroup.
-                    a_stage, bt_stage = stages[0].at[wg], stages[1].at[wg]
-                    a_stage = a_stage if a.shape[1] == D_MODEL else stages[2].at[wg]
+                    a_stage = stage(a.shape)
                     a_stage[...] = a
                     if transpose_b:
+                        bt_stage = stage((b.shape[1], b.shape[0]))
                         bt_stage[...] = b[...].T
                         b_operand = bt_stage
                     else:
@@ -290,7 +330,7 @@ def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, num_layers: int, 
             def body(*acc_refs):
                 a_operand = a
                 if interpret:   # as in matmul: A staged in SMEM for GPU interpret mode's wgmma
-                    a_operand = stages[0].at[wg] if a.shape[1] == D_MODEL else stages[2].at[wg]
+                    a_operand = stage(a.shape)
                     a_operand[...] = a
                 for acc_ref, b in zip(acc_refs, bs):
                     plgpu.wgmma(acc_ref, a_operand, b)
@@ -311,10 +351,10 @@ def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, num_layers: int, 
             def body(acc_ref):
                 for a, b in pairs:
                     if interpret:   # as in matmul: A and B^T staged in SMEM for GPU interpret mode
-                        a_stage = stages[0].at[wg] if a.shape[1] == D_MODEL else stages[2].at[wg]
+                        a_stage, bt_stage = stage(a.shape), stage((b.shape[1], b.shape[0]))
                         a_stage[...] = a
-                        stages[1].at[wg][...] = b[...].T
-                        plgpu.wgmma(acc_ref, a_stage, stages[1].at[wg])
+                        bt_stage[...] = b[...].T
+                        plgpu.wgmma(acc_ref, a_stage, bt_stage)
                     else:
                         plgpu.wgmma(acc_ref, a, b.transpose((1, 0)))
                 return acc_ref[...]
@@ -354,7 +394,7 @@ def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, num_layers: int, 
             def project(w, bias_index, store=None, layer=layer, h=h):
                 """Every head's h @ W_head + b_head in fp16: returned, or handed to store(head, value)."""
                 def finish(head, acc):
-                    value = (acc + row_bcast(vec(layer, bias_index, head * hd, hd), acc.shape)).astype(_GEMM_DTYPE)
+                    value = (acc + row_bcast(vec(layer, bias_index, head * width, width), acc.shape)).astype(_GEMM_DTYPE)
                     return value if store is None else store(head, value)
                 return matmuls(h, [w.at[head] for head in range(num_heads)], finish)
 
@@ -381,7 +421,7 @@ def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, num_layers: int, 
             plgpu.barrier_arrive(kv_free.at[0])
             with phase("out_proj"):
                 w = chunk_wait(3)
-                x = load_x() + row_bcast(vec(layer, BOUT), (WG_ROWS, D_MODEL))
+                x = load_x() + row_bcast(vec(layer, BOUT), (WG_ROWS, d_model))
                 x = add_products(x, [(ctx[head], w.at[head]) for head in range(num_heads)])
                 chunk_done(3)
             with phase("ln2"):
@@ -390,7 +430,7 @@ def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, num_layers: int, 
                 w = chunk_wait(4)
 
                 def gelu_block(block, pre, layer=layer):
-                    pre = pre + row_bcast(vec(layer, B1, block * hd, hd), pre.shape)
+                    pre = pre + row_bcast(vec(layer, B1, block * width, width), pre.shape)
                     return (0.5 * pre * (1.0 + _erf(pre * 0.7071067811865476))).astype(_GEMM_DTYPE)
                 hidden = matmuls(h2, [w.at[block] for block in range(num_heads)], gelu_block)
                 chunk_done(4)
@@ -482,9 +522,18 @@ def _compiler_params(profile_dir: str | None = None):
 
 
 @functools.lru_cache(maxsize=None)
+def _staging_shapes(d_model: int, width: int) -> list[tuple[int, int]]:
+    """The wgmma operand shapes GPU interpret mode stages through SMEM (per warpgroup): A as h or h2
+    (64 x d), q, ctx or hidden (64 x width), P (64 x 128); B^T as k^T (width x 128) or a transposed
+    out-projection / MLP-out block (width x d). Distinct shapes, in a fixed order."""
+    shapes = [(WG_ROWS, d_model), (WG_ROWS, width), (WG_ROWS, TILE_ROWS), (width, TILE_ROWS), (width, d_model)]
+    return sorted(set(shapes))
+
+
 def kernel_function(batch: int, seq_len: int, num_heads: int, num_layers: int, causal: bool,
-                    interpret: bool = False, overlap: bool = False, profile_dir: str | None = None):
-    """The bare kernel for x [batch, seq_len, 128] fp32: f(x, mats, vecs) -> y. Nothing but the Mosaic
+                    interpret: bool = False, overlap: bool = False, profile_dir: str | None = None,
+                    d_model: int = D_MODEL):
+    """The bare kernel for x [batch, seq_len, d_model] fp32: f(x, mats, vecs) -> y. Nothing but the Mosaic
     GPU call (what `plgpu.as_torch_kernel` needs); batch must be a multiple of 128 // seq_len.
     interpret: False (the GPU kernel), True or "detect_races" (Mosaic GPU's interpret mode on a CPU,
     the latter with its happens-before race detector).
@@ -499,31 +548,32 @@ def kernel_function(batch: int, seq_len: int, num_heads: int, num_layers: int, c
     (bench/fused_stack_mgpu_profile.py reads it). GPU only; the default build is untouched."""
     if seq_len not in SUPPORTED_SEQ_LENS:
         raise ValueError(f"{seq_len=} must be one of {SUPPORTED_SEQ_LENS}")
-    if num_heads not in SUPPORTED_NUM_HEADS:
-        raise ValueError(f"{num_heads=} must be one of {SUPPORTED_NUM_HEADS}")
+    error = model_error(d_model, num_heads, d_model)
+    if error:
+        raise ValueError(error)
     seqs_per_tile = TILE_ROWS // seq_len
     if batch < 1 or batch % seqs_per_tile:
         raise ValueError(f"{batch=} must be a positive multiple of {seqs_per_tile} at {seq_len=}")
-    if smem_bytes(num_layers) > SMEM_BUDGET_BYTES:
-        raise ValueError(f"num_layers={num_layers} needs {smem_bytes(num_layers)} bytes of shared memory, "
+    needed = smem_bytes(num_layers, d_model=d_model, num_heads=num_heads)
+    if needed > SMEM_BUDGET_BYTES:
+        raise ValueError(f"num_layers={num_layers} needs {needed} bytes of shared memory, "
                          f"more than {SMEM_BUDGET_BYTES}")
     plgpu = _plgpu()
-    hd = D_MODEL // num_heads
+    _, width, vec_len = widths(d_model, num_heads)
 
     def fp16_transforms(minor: int):
         swizzle = min(128, minor * 2)
         return (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
 
-    kv_transforms = fp16_transforms(hd)
-    smem = (plgpu.SMEM((NUM_CONSUMERS, WG_ROWS, D_MODEL), jnp.float32),                     # residual
-            plgpu.SMEM((num_heads, TILE_ROWS, hd), _GEMM_DTYPE, transforms=kv_transforms),   # k
-            plgpu.SMEM((num_heads, TILE_ROWS, hd), _GEMM_DTYPE, transforms=kv_transforms),   # v
-            plgpu.SMEM((NUM_SLOTS, num_heads, D_MODEL, hd), _GEMM_DTYPE, transforms=kv_transforms),  # ring
-            plgpu.SMEM((num_layers + 1, NUM_VECS, D_MODEL), jnp.float32))                   # vectors
+    kv_transforms = fp16_transforms(width)
+    smem = (plgpu.SMEM((NUM_CONSUMERS, WG_ROWS, d_model), jnp.float32),                     # residual
+            plgpu.SMEM((num_heads, TILE_ROWS, width), _GEMM_DTYPE, transforms=kv_transforms),   # k
+            plgpu.SMEM((num_heads, TILE_ROWS, width), _GEMM_DTYPE, transforms=kv_transforms),   # v
+            plgpu.SMEM((NUM_SLOTS, num_heads, d_model, width), _GEMM_DTYPE, transforms=kv_transforms),  # ring
+            plgpu.SMEM((num_layers + 1, NUM_VECS, vec_len), jnp.float32))                   # vectors
     if interpret:   # wgmma operand staging for GPU interpret mode (see _stack_kernel's matmul)
-        smem += (plgpu.SMEM((NUM_CONSUMERS, WG_ROWS, D_MODEL), _GEMM_DTYPE),     # A, 128 wide
-                 plgpu.SMEM((NUM_CONSUMERS, hd, D_MODEL), _GEMM_DTYPE),          # B^T
-                 plgpu.SMEM((NUM_CONSUMERS, WG_ROWS, hd), _GEMM_DTYPE))          # A, hd wide
+        smem += tuple(plgpu.SMEM((NUM_CONSUMERS,) + shape, _GEMM_DTYPE)
+                      for shape in _staging_shapes(d_model, width))
     copies_per_wg = 1 if seq_len == TILE_ROWS else WG_ROWS // seq_len
     barriers = (plgpu.Barrier(num_arrivals=copies_per_wg, num_barriers=NUM_CONSUMERS),   # x_ready
                 plgpu.Barrier(num_arrivals=1, num_barriers=1),                           # vec_ready
@@ -532,7 +582,8 @@ def kernel_function(batch: int, seq_len: int, num_heads: int, num_layers: int, c
                 plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=1),               # kv_written
                 plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=1))               # kv_free
     body = functools.partial(_stack_kernel, num_layers=num_layers, num_heads=num_heads, seq_len=seq_len,
-                             causal=causal, interpret=interpret, overlap=overlap, profile=bool(profile_dir))
+                             causal=causal, interpret=interpret, overlap=overlap, profile=bool(profile_dir),
+                             d_model=d_model)
 
     def entry(x_ref, mats_ref, vecs_ref, y_ref):
         pl.run_scoped(lambda *scoped: body(x_ref, mats_ref, vecs_ref, y_ref, scoped), smem, barriers,
@@ -540,7 +591,7 @@ def kernel_function(batch: int, seq_len: int, num_heads: int, num_layers: int, c
 
     return plgpu.kernel(
         entry,
-        out_type=jax.ShapeDtypeStruct((batch, seq_len, D_MODEL), jnp.float32),
+        out_type=jax.ShapeDtypeStruct((batch, seq_len, d_model), jnp.float32),
         grid=(batch // seqs_per_tile,),
         grid_names=(_GRID_TILE,),
         num_threads=NUM_CONSUMERS + 1,
@@ -565,8 +616,8 @@ def _check_call(weights, x, num_heads, causal):
     if x.ndim != 3:
         raise ValueError(f"x.shape={x.shape} must be [batch, seq_len, d_model] (rank 3)")
     batch, seq_len, d_model = x.shape
-    if d_model != D_MODEL:
-        raise ValueError(f"x.shape={x.shape}: d_model={d_model} must be {D_MODEL}")
+    if d_model != weights.d_model:
+        raise ValueError(f"x.shape={x.shape}: d_model={d_model} must be the weights' {weights.d_model}")
     if jnp.dtype(x.dtype) != jnp.dtype(jnp.float32):
         raise ValueError(f"x.dtype={jnp.dtype(x.dtype)} must be float32")
     if seq_len not in SUPPORTED_SEQ_LENS:
@@ -578,7 +629,7 @@ def _check_call(weights, x, num_heads, causal):
 @functools.partial(jax.jit, static_argnames=("num_heads", "causal", "interpret", "overlap"))
 def fused_stack_mgpu_forward(weights: MgpuStackWeights, x: jax.Array, *, num_heads: int,
                              causal: bool = True, interpret: bool = False, overlap: bool = False) -> jax.Array:
-    """y = LN_final(layers(x)) (SPEC section 1, mask-free) in one Mosaic GPU kernel; fp32 [B, S, 128].
+    """y = LN_final(layers(x)) (SPEC section 1, mask-free) in one Mosaic GPU kernel; fp32 [B, S, d].
 
     S in {32, 64, 128}; any B (for S < 128 a B that is not a multiple of 128 // S is padded: one copy
     in, one slice out). Runs on Hopper; `interpret=True` runs the kernel body in Mosaic GPU's interpret
@@ -589,19 +640,21 @@ def fused_stack_mgpu_forward(weights: MgpuStackWeights, x: jax.Array, *, num_hea
     if batch_pad:
         x = jnp.pad(x, ((0, batch_pad), (0, 0), (0, 0)))
     y = kernel_function(batch + batch_pad, seq_len, num_heads, weights.num_layers, causal, interpret,
-                        overlap)(x, weights.mats, weights.vecs)
+                        overlap, d_model=weights.d_model)(x, weights.mats, weights.vecs)
     return y[:batch] if batch_pad else y
 
 
-def torch_kernel(batch: int, seq_len: int, num_heads: int, num_layers: int, causal: bool = True):
+def torch_kernel(batch: int, seq_len: int, num_heads: int, num_layers: int, causal: bool = True,
+                 d_model: int = D_MODEL):
     """`plgpu.as_torch_kernel` of the bare kernel: call it as f(x, mats, vecs) on torch CUDA tensors
-    (x fp32 [batch, seq_len, 128] contiguous, mats/vecs the MgpuStackWeights arrays as torch tensors);
+    (x fp32 [batch, seq_len, d_model] contiguous, mats/vecs the MgpuStackWeights arrays as torch tensors);
     returns y. Launches on torch's default stream. Raises AttributeError where the installed jax lacks
     as_torch_kernel."""
     plgpu = _plgpu()
     if not hasattr(plgpu, "as_torch_kernel"):
         raise AttributeError("this jax's jax.experimental.pallas.mosaic_gpu has no as_torch_kernel")
-    return plgpu.as_torch_kernel(kernel_function(batch, seq_len, num_heads, num_layers, causal))
+    return plgpu.as_torch_kernel(kernel_function(batch, seq_len, num_heads, num_layers, causal,
+                                                 d_model=d_model))
 
 
 # --- NumPy emulation of the kernel's algorithm ------------------------------------------------------
@@ -635,6 +688,8 @@ def emulate(weights: MgpuStackWeights, x, *, causal: bool = True) -> np.ndarray:
     x = np.asarray(x, np.float32)
     batch, seq_len, d = x.shape
     num_heads, hd = weights.num_heads, weights.head_dim
+    width = mats.shape[-1]                              # hd zero-padded to MIN_BLOCK
+    vecs = vecs[..., :max(d, num_heads * width)]
     seqs_per_tile = TILE_ROWS // seq_len
     batch_pad = -batch % seqs_per_tile
     xp = np.concatenate([x, np.zeros((batch_pad, seq_len, d), np.float32)]) if batch_pad else x
@@ -661,8 +716,9 @@ def emulate(weights: MgpuStackWeights, x, *, causal: bool = True) -> np.ndarray:
         for layer in range(weights.num_layers):
             wq, wk, wv, wout_t, w1, w2_t = mats[layer]
             v_ = vecs[layer]
-            h = f16(ln(res, v_[LN1_W], v_[LN1_B]))
-            heads = [slice(i * hd, (i + 1) * hd) for i in range(num_heads)]
+            whole = v_[:, :d]                           # the d-long vectors (LayerNorms, BOUT, B2)
+            h = f16(ln(res, whole[LN1_W], whole[LN1_B]))
+            heads = [slice(i * width, (i + 1) * width) for i in range(num_heads)]
             q = [f16(dot(h, wq[i]) + v_[BQ][s]) for i, s in enumerate(heads)]
             k = [f16(dot(h, wk[i]) + v_[BK][s]) for i, s in enumerate(heads)]
             v = [f16(dot(h, wv[i]) + v_[BV][s]) for i, s in enumerate(heads)]
@@ -677,16 +733,16 @@ def emulate(weights: MgpuStackWeights, x, *, causal: bool = True) -> np.ndarray:
                     p = np.exp2(scores * scale - m).astype(np.float32)
                     p = p * (np.float32(1.0) / p.sum(axis=1, keepdims=True, dtype=np.float32))
                     ctx.append(f16(dot(f16(p), v[i])))
-                xr = res[r] + v_[BOUT]
+                xr = res[r] + whole[BOUT]
                 for i in range(num_heads):
                     xr = xr + dot(ctx[i], wout_t[i].T)
-                h2 = f16(ln(xr, v_[LN2_W], v_[LN2_B]))
-                xr = xr + v_[B2]
+                h2 = f16(ln(xr, whole[LN2_W], whole[LN2_B]))
+                xr = xr + whole[B2]
                 for i, s in enumerate(heads):
                     pre = dot(h2, w1[i]) + v_[B1][s]
                     hidden = f16(np.float32(0.5) * pre * (np.float32(1.0) + _np_erf(pre * np.float32(0.7071067811865476))))
                     xr = xr + dot(hidden, w2_t[i].T)
                 new[r] = xr
             res = new
-        out[t] = ln(res, vecs[-1][0], vecs[-1][1])
+        out[t] = ln(res, vecs[-1][0][:d], vecs[-1][1][:d])
     return out.reshape(-1, seq_len, d)[:batch]
