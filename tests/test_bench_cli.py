@@ -120,3 +120,28 @@ def test_ablate_variants_end_to_end(tmp_path):
     assert status == 0 and shape["accuracy"]["mixed_fp16/layers/xla"]["failed_elements"] == 0
     assert shape["jax_ms"]["mixed_fp16/layers/xla"] > 0 and "mixed_fp16/layers/xla" in shape["plans"]
     assert "mixed_fp16/fused" in shape["errors"] or "mixed_fp16/fused" in shape["jax_ms"]
+
+
+def test_split_timeline_summary():
+    """bench/split_timeline.py's reading of a torch.profiler trace: per GPU the kernels' and copies' busy
+    time (unions), the copy time that overlaps kernels, and spans; CPU events are ignored."""
+    from bench.split_timeline import summarize_activity
+
+    def gpu(cat, device, stream, ts_us, dur_us):
+        return {"ph": "X", "cat": cat, "name": cat, "pid": device, "tid": stream, "ts": ts_us, "dur": dur_us,
+                "args": {"device": device, "stream": stream}}
+    trace = {"traceEvents": [
+        gpu("kernel", 0, 7, 0, 1000), gpu("kernel", 0, 7, 500, 1000),      # overlapping: union 1.5 ms
+        gpu("gpu_memcpy", 0, 20, 1000, 1000),                               # 0.5 ms of it under kernels
+        gpu("kernel", 1, 9, 2000, 500), gpu("gpu_memcpy", 1, 21, 1000, 500),
+        {"ph": "X", "cat": "cpu_op", "name": "aten::copy_", "pid": 1, "tid": 1, "ts": 0, "dur": 99999},
+    ]}
+    summary = summarize_activity(trace)
+    assert summary["span_ms"] == pytest.approx(2.5)
+    gpu0, gpu1 = summary["devices"]["0"], summary["devices"]["1"]
+    assert gpu0["kernel_ms"] == pytest.approx(1.5) and gpu0["copy_ms"] == pytest.approx(1.0)
+    assert gpu0["copy_overlapping_kernels_ms"] == pytest.approx(0.5) and gpu0["span_ms"] == pytest.approx(2.0)
+    assert gpu0["streams"] == 2 and gpu1["copy_overlapping_kernels_ms"] == 0
+    assert gpu1["span_ms"] == pytest.approx(1.5)
+    with pytest.raises(ValueError, match="no GPU"):
+        summarize_activity({"traceEvents": trace["traceEvents"][-1:]})
