@@ -96,8 +96,9 @@ def test_forcing_the_mosaic_stack_is_checked():
 
 # --- the model runs the plan (kernel body in Mosaic GPU's interpret mode on the CPU) -------------------
 
-def test_model_forward_with_the_mosaic_stack_meets_the_harness_rule():
-    config = T.Config(2, 64, 128, 2, 128, 1, True)
+@pytest.mark.parametrize("d_model, num_heads", [(128, 2), (32, 4)])   # (32, 4): shape 7's widths, padded heads
+def test_model_forward_with_the_mosaic_stack_meets_the_harness_rule(d_model, num_heads):
+    config = T.Config(2, 64, d_model, num_heads, d_model, 1, True)
     _, params = baseline_and_params(config, 3)
     x = jnp.asarray(random_input(config, 4).numpy())
     prepared = T.prepare_weights(params, T.get_policy("mixed_fp16"))
