@@ -29,7 +29,10 @@ wrong numbers, or deadlock. So:
    Prediction before its first run: per layer and consumer the default waits on 8H small wgmmas one by
    one (32 at 4 heads), the variant on 2H + 5 (13); if those waits are most of a tile's ~88 us, the
    4-head shapes (1-6, 12) gain ~20-35% (shape 2 ~88 -> ~60-70 us), 2 heads (10) less, 1 head (9)
-   nothing (its chains have length 1).
+   nothing (its chains have length 1). Measured (fused-stack-mgpu-2026-11-30-nvidia-h200-session5.json):
+   no gain (shape 2 90.4 against 87.6 us, 1 89.6/89.3, 9 57.9/58.4, 10 71.0/68.6): the waits are not
+   where the time goes (bench/fused_stack_mgpu_profile.py is the next question).
+Shape 7 (d_model 32, head blocks padded to 32 columns) is among the defaults: its first GPU run.
 Writes <out>/fused-stack-mgpu-<date>-<gpu>.json after every shape and prints a table last. Budget:
 about 6 minutes on an H200 (a deadline skips what is left after DEADLINE_S).
 """
