@@ -73,7 +73,7 @@ def run_shape(sid: str, seeds: int) -> dict:
     prepared = jax.block_until_ready(T.prepare_weights(params, T.MIXED_FP16))
     for stack in ok:
         plan = T.model.plan_for(config, jx, T.MaskKind.ALL_TRUE, stack=stack)
-        weights = T.model.fused_weights(prepared, T.model_key(config)) if stack == "fused" else prepared
+        weights = T.model.kernel_weights(prepared, T.model_key(config), stack)
         run = T.executable(plan, T.model_key(config))
         jax.block_until_ready(run(weights, jx, None))
         record["jax_ms"][stack] = round(stream_ms_per_call(run, (weights, jx, None), min_seconds=0.05,

@@ -4,7 +4,7 @@ shape 6 on two H200s ran 1.32x, not 1.8x, and chunking made it slower).
     PYTHONPATH=. python3 bench/split_timeline.py [--shape 6] [--chunks 1,2,4,8] [--out bench/results]
 
 Per chunk count: the split call (`bridge.forward(..., data_parallel=n, split_chunks=C)`, x on GPU 0)
-timed with CUDA events (median of 5 warm calls), then one more call under torch.profiler with CUDA
+timed with CUDA events (bench.timing, median of 5 warm calls), then one more call under torch.profiler with CUDA
 activities. CUPTI sees the whole process, so jax's kernels and copies are in the trace with torch's. From
 it, per GPU: the span of its work, the time its kernels run (union of their intervals), the time copies
 run, and how much of the copy time overlaps kernels on that GPU; plus the whole call's span. If the copies
@@ -21,7 +21,6 @@ import datetime
 import json
 import os
 import pathlib
-import statistics
 import sys
 import tempfile
 
@@ -100,6 +99,7 @@ def run(shape_id: str, chunk_counts: list[int]) -> dict:
     import jax
     import ttj_jax as T
     from bench.baseline import TransformerConfig, harness_models, make_inputs
+    from bench.timing import time_contenders
 
     n = len(jax.devices())
     if n < 2:
@@ -109,18 +109,8 @@ def run(shape_id: str, chunk_counts: list[int]) -> dict:
     x, mask = make_inputs(config, 4321, device="cuda")
     result = {"shape": T.OFFICIAL[shape_id].describe(), "devices": n, "chunks": {}}
 
-    def timed(fn, calls=5):
-        fn()
-        torch.cuda.synchronize()
-        samples = []
-        for _ in range(calls):
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            samples.append(begin.elapsed_time(end))
-        return statistics.median(samples)
+    def timed(fn):   # the harness's protocol (CUDA events per call), fewer calls: these take milliseconds
+        return time_contenders({"call": fn}, warmup=2, rounds=1, calls=5, device="cuda")["call"]["median_ms"]
 
     with torch.inference_mode():
         result["one_device_ms"] = timed(lambda: bridge.forward(model, x, mask, data_parallel=1))

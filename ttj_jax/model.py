@@ -141,7 +141,7 @@ def _run_raw(params, x, mask, *, config: Config, plan: Plan):
 def _run_fused(weights, x, mask, *, config: Config, plan: Plan):
     """The fused whole-stack kernel (plan.stack == "fused"); a mask, when the plan passes one, is applied
     inside the kernel in full (key masking and row zeroing, whatever the mask mode). weights: FusedWeights
-    (the fast path, see fused_weights), PreparedWeights or raw params (stacked inside this call)."""
+    (the fast path, see kernel_weights), PreparedWeights or raw params (stacked inside this call)."""
     from ttj_jax.kernels.fused_stack import FusedWeights, blocks_for, fused_stack_forward, stack_weights
     if not isinstance(weights, FusedWeights):
         if not isinstance(weights, PreparedWeights):
@@ -198,11 +198,6 @@ def kernel_weights(prepared: PreparedWeights, config: Config, stack: str):
             from ttj_jax.kernels.fused_stack_mgpu import stack_weights_mgpu   # jitted inside
             cached[stack] = stack_weights_mgpu(prepared, config.num_heads)
     return cached[stack]
-
-
-def fused_weights(prepared: PreparedWeights, config: Config):
-    """The fused (Triton) kernel's weight layout for `prepared` (kernel_weights' "fused")."""
-    return kernel_weights(prepared, config, "fused")
 
 
 @functools.lru_cache(maxsize=None)
