@@ -306,6 +306,13 @@ class MosaicLauncher:
         self._launch(self.buffers, self._device)
 
 
+def mosaic_gpu_interpret_params(**options):
+    """Mosaic GPU's interpret-mode parameters (a private class in jax 0.10-0.11): what `plgpu.kernel(...,
+    interpret=...)` takes to run a kernel body on a CPU."""
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+    return InterpretGPUParams(**options)
+
+
 def mosaic_gpu_module(fn, *arg_structs) -> bytes:
     """The serialized Mosaic GPU module of `fn(*arg_structs)`, a function that is one Mosaic GPU kernel
     call and nothing else (as `plgpu.as_torch_kernel` requires), lowered for CUDA (no GPU needed).

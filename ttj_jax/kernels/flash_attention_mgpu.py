@@ -630,14 +630,14 @@ def _interpret_smem(interpret, num_wgs: int, head_dim: int, block_kv: int, dtype
 
 def _interpret_params(interpret):
     if interpret:
-        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # noqa: PLC0415
+        from ttj_jax.compat import mosaic_gpu_interpret_params  # noqa: PLC0415
         # TMA's zero fill past the array (OOBFillMode.ZEROS, which the kernel relies on) is the
         # interpreter's out-of-bounds read returning "uninitialized" memory set to zero. That also
         # zero-fills fresh SMEM (no NaN poisoning of a read before a write, which the kernel has not).
         # The interpreter drops a TMA write that is partly out of bounds (the GPU writes the part in
         # bounds), so in interpret mode the arrays are padded to whole query tiles (flash_attention_mgpu).
-        return InterpretGPUParams(detect_races=interpret == "detect_races", out_of_bounds_reads="uninitialized",
-                                  uninitialized_memory="zero")
+        return mosaic_gpu_interpret_params(detect_races=interpret == "detect_races",
+                                           out_of_bounds_reads="uninitialized", uninitialized_memory="zero")
     return None
 
 

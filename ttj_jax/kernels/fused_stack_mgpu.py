@@ -602,8 +602,8 @@ def kernel_function(batch: int, seq_len: int, num_heads: int, num_layers: int, c
 
 
 def _interpret_params(detect_races: bool = False):
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # noqa: PLC0415
-    return InterpretGPUParams(detect_races=detect_races)
+    from ttj_jax.compat import mosaic_gpu_interpret_params  # noqa: PLC0415
+    return mosaic_gpu_interpret_params(detect_races=detect_races)
 
 
 def _check_call(weights, x, num_heads, causal):
