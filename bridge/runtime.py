@@ -449,8 +449,11 @@ def _run_split(call: _Call, weights, x: torch.Tensor, mask: torch.Tensor | None,
     chunk's program waits only for its own slices (one event per chunk and device), and each output
     shard of another GPU is copied back on that GPU's side stream as soon as its chunk is done. So with
     chunks > 1 the copies in both directions overlap the other chunks' compute. The caller's stream
-    waits for every copy into the output; jax's streams wait for the copies out of its output buffers
-    before they can be reused. On the CPU (tests, several host devices) jax places the slices."""
+    waits for every copy into the output. At the end each GPU's stream for jax's external ready events
+    waits for the copies out of jax's output buffers; that this also orders jax's reuse of those buffers
+    is an assumption, not verified (see _Transfer: those events order later imports, and nothing shows
+    that jax's allocator consults that stream). On the CPU (tests, several host devices) jax places the
+    slices."""
     from jax.sharding import NamedSharding, PartitionSpec
     from ttj_jax.parallel import BATCH_AXIS, batch_mesh
     n = call.plan.data_parallel
@@ -519,7 +522,8 @@ def _run_split(call: _Call, weights, x: torch.Tensor, mask: torch.Tensor | None,
             else:                    # on that GPU's side stream; the caller's stream waits for it
                 with torch.cuda.stream(_side_stream(targets[k])):
                     out[rows(c, k)].copy_(_transfer(targets[k]).to_torch(shard.data), non_blocking=True)
-    # jax may reuse its output buffers (freed below) only after torch has copied out of them.
+    # Meant: jax reuses its output buffers (freed below) only after torch has copied out of them (the
+    # assumption stated in the docstring).
     home_transfer.order_before_jax()
     for target in targets:
         if target != home:
