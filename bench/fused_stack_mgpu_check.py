@@ -356,6 +356,7 @@ def main(argv=None) -> int:
         result["jax_version"] = jax.__version__
         result["devices"] = [str(d) for d in jax.devices()]
         device_name = getattr(jax.devices()[0], "device_kind", "cpu")
+        result["gpu"] = device_name
         unknown = [s for s in shape_ids if s not in T.OFFICIAL]
         if unknown:
             raise ValueError(f"unknown shape ids {unknown}")
