@@ -9,7 +9,9 @@ flash kernel and one row-tile kernel), `mixed_fp16/layers/cudnn`. Per shape and 
 against the harness's baseline (TF32, as the harness runs it) on the harness seeds, harness rule, worst
 err/tol; then the time per call of the variant's compiled program alone (many back-to-back calls:
 its GPU time wherever the host keeps ahead). A variant the planner or a kernel refuses is
-recorded with its error and the run goes on. Writes <out>/ablate-<date>-<gpu>.json (or --tag) and
+recorded with its error and the run goes on. With --kernels (CUDA only), each variant's program also runs
+5 times under torch.profiler and its GPU time per call is listed by kernel name (bench/cuda_trace.py):
+which kernels XLA emitted and where the microseconds go. Writes <out>/ablate-<date>-<gpu>.json (or --tag) and
 prints a table last.
 
 First question (shape 8, GEMM-bound, 0.92x the torch peer): the q/k/v GEMM writes a [B*S, 3d] fp32
@@ -38,6 +40,7 @@ import ttj_jax as T  # noqa: E402
 from ttj_jax.model import kernel_weights, plan_for  # noqa: E402
 from bench.baseline import BaselineTransformer, TransformerConfig, check_close, make_inputs  # noqa: E402
 from bench.cli import HARNESS_SEEDS  # noqa: E402
+from bench.cuda_trace import kernel_table, profile_cuda  # noqa: E402
 from bench.jax_timing import stream_ms_per_call  # noqa: E402
 from bench.report import describe_error, slug  # noqa: E402
 
@@ -52,7 +55,7 @@ def parse_variant(text: str) -> dict:
     return {k: (None if v in ("", "-") else v) for k, v in zip(("policy", "stack", "attention"), parts)}
 
 
-def run_shape(sid: str, variants: list[str], seeds: int, device: str) -> dict:
+def run_shape(sid: str, variants: list[str], seeds: int, device: str, kernels: bool = False) -> dict:
     config = {**T.OFFICIAL, **T.CPU_SMALL}[sid].config   # official ids, or the CPU twins ("cpu-8")
     torch.manual_seed(0)
     baseline = BaselineTransformer(TransformerConfig(**vars(config))).to(device).eval()
@@ -84,6 +87,9 @@ def run_shape(sid: str, variants: list[str], seeds: int, device: str) -> dict:
             result["jax_ms"][variant], _ = stream_ms_per_call(program, (program_weights, x, None),
                                                               min_seconds=0.2, repeats=5)
             result.setdefault("plans", {})[variant] = chosen.explain()
+            if kernels:
+                trace = profile_cuda(lambda: program(program_weights, x, None), calls=5)
+                result.setdefault("kernels", {})[variant] = kernel_table(trace, calls=5)
         except Exception as exc:  # noqa: BLE001 - recorded, the run goes on
             result["errors"][variant] = describe_error(exc)
     return result
@@ -96,8 +102,11 @@ def main(argv=None) -> int:
     p.add_argument("--seeds", type=int, default=5)
     p.add_argument("--tag", default=None, help="file name stem (default: ablate-<date>-<gpu>)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--kernels", action="store_true", help="CUDA: GPU time per kernel name (torch.profiler)")
     p.add_argument("--out", default="bench/results")
     args = p.parse_args(argv)
+    if args.kernels and args.device != "cuda":
+        p.error("--kernels needs --device cuda")
     if args.device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
@@ -112,7 +121,7 @@ def main(argv=None) -> int:
         T.get_policy(parse_variant(v)["policy"])
     path = out / f"{args.tag or 'ablate-' + document['date'] + '-' + slug(gpu)}.json"
     for sid in args.shapes.split(","):
-        document["shapes"][sid] = run_shape(sid, variants, args.seeds, args.device)
+        document["shapes"][sid] = run_shape(sid, variants, args.seeds, args.device, args.kernels)
         print(f"shape {sid}: {json.dumps(document['shapes'][sid]['jax_ms'])}", flush=True)
         path.write_text(json.dumps(document, indent=1))
     print(f"{'shape':>5} {'variant':32s} {'jax ms':>9} {'failed':>7} {'worst':>6}")
@@ -123,6 +132,12 @@ def main(argv=None) -> int:
             print(f"{sid:>5} {variant:32s} {ms if ms is None else round(ms, 4)!s:>9} "
                   f"{acc.get('failed_elements', '-')!s:>7} {acc.get('worst_err_over_tol', float('nan')):6.3f}"
                   + (f"  ERROR {r['errors'][variant][:80]}" if variant in r["errors"] else ""))
+    for sid, r in document["shapes"].items():
+        for variant, table in r.get("kernels", {}).items():
+            print(f"shape {sid} {variant}: kernels {table['kernel_us_per_call']:.1f} us/call, "
+                  f"span {table['span_us_per_call']:.1f} us/call")
+            for row in table["kernels"][:8]:
+                print(f"   {row['us_per_call']:8.1f} us x{row['launches_per_call']:g}  {row['kernel'][:90]}")
     print(f"wrote {path}")
     failed = sum(a["failed_elements"] for r in document["shapes"].values() for a in r["accuracy"].values())
     return 1 if failed else 0

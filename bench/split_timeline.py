@@ -16,13 +16,11 @@ a table.
 from __future__ import annotations
 
 import argparse
-import collections
 import datetime
 import json
 import os
 import pathlib
 import sys
-import tempfile
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
@@ -30,67 +28,7 @@ _REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 if str(_REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(_REPO_ROOT))
 
-KERNEL_CATEGORIES = ("kernel",)
-COPY_CATEGORIES = ("gpu_memcpy",)
-
-
-def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    merged: list[list[float]] = []
-    for start, end in sorted(intervals):
-        if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
-        else:
-            merged.append([start, end])
-    return [(a, b) for a, b in merged]
-
-
-def _length(intervals) -> float:
-    return sum(b - a for a, b in intervals)
-
-
-def _intersection(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
-    """Total length where two unions of intervals overlap."""
-    total, i, j = 0.0, 0, 0
-    while i < len(a) and j < len(b):
-        low, high = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
-        total += max(0.0, high - low)
-        if a[i][1] < b[j][1]:
-            i += 1
-        else:
-            j += 1
-    return total
-
-
-def summarize_activity(trace: dict) -> dict:
-    """A torch.profiler chrome trace -> per GPU {"span_ms", "kernel_ms", "copy_ms", "copy_overlapping_kernels_ms",
-    "kernels", "copies", "streams"} and the whole trace's GPU "span_ms". GPU events are the complete ("X")
-    events of category kernel / gpu_memcpy; their GPU is args.device (else the event's pid)."""
-    per_device: dict[int, dict[str, list]] = collections.defaultdict(lambda: {"kernel": [], "copy": [], "streams": set()})
-    for event in trace.get("traceEvents", []):
-        category = event.get("cat")
-        if event.get("ph") != "X" or category not in KERNEL_CATEGORIES + COPY_CATEGORIES:
-            continue
-        args = event.get("args", {})
-        device = int(args.get("device", event.get("pid", 0)))
-        start = float(event["ts"]) / 1e3   # us -> ms
-        interval = (start, start + float(event.get("dur", 0.0)) / 1e3)
-        bucket = per_device[device]
-        bucket["kernel" if category in KERNEL_CATEGORIES else "copy"].append(interval)
-        bucket["streams"].add(args.get("stream", event.get("tid")))
-    if not per_device:
-        raise ValueError("the trace holds no GPU kernel or copy events (was CUDA activity profiled?)")
-    devices = {}
-    every = []
-    for device, bucket in sorted(per_device.items()):
-        kernels, copies = _union(bucket["kernel"]), _union(bucket["copy"])
-        both = _union(kernels + copies)
-        every += both
-        devices[str(device)] = {
-            "span_ms": both[-1][1] - both[0][0], "kernel_ms": _length(kernels), "copy_ms": _length(copies),
-            "copy_overlapping_kernels_ms": _intersection(kernels, copies),
-            "kernels": len(bucket["kernel"]), "copies": len(bucket["copy"]), "streams": len(bucket["streams"])}
-    every = _union(every)
-    return {"span_ms": every[-1][1] - every[0][0], "devices": devices}
+from bench.cuda_trace import profile_cuda, summarize_activity  # noqa: E402
 
 
 def run(shape_id: str, chunk_counts: list[int]) -> dict:
@@ -119,15 +57,7 @@ def run(shape_id: str, chunk_counts: list[int]) -> dict:
                 continue
             call = lambda c=chunks: bridge.forward(model, x, mask, data_parallel=n, split_chunks=c)   # noqa: E731
             record = {"ms": timed(call)}
-            with tempfile.TemporaryDirectory() as folder:
-                activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-                with torch.profiler.profile(activities=activities) as profiler:
-                    call()
-                    torch.cuda.synchronize()
-                path = os.path.join(folder, "trace.json")
-                profiler.export_chrome_trace(path)
-                with open(path) as f:
-                    record.update(summarize_activity(json.load(f)))
+            record.update(summarize_activity(profile_cuda(call)))
             result["chunks"][str(chunks)] = record
     return result
 

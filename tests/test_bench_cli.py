@@ -123,9 +123,9 @@ def test_ablate_variants_end_to_end(tmp_path):
 
 
 def test_split_timeline_summary():
-    """bench/split_timeline.py's reading of a torch.profiler trace: per GPU the kernels' and copies' busy
-    time (unions), the copy time that overlaps kernels, and spans; CPU events are ignored."""
-    from bench.split_timeline import summarize_activity
+    """bench/cuda_trace.py's reading of a torch.profiler trace (split_timeline's summary): per GPU the
+    kernels' and copies' busy time (unions), the copy time that overlaps kernels, and spans; CPU events are ignored."""
+    from bench.cuda_trace import summarize_activity
 
     def gpu(cat, device, stream, ts_us, dur_us):
         return {"ph": "X", "cat": cat, "name": cat, "pid": device, "tid": stream, "ts": ts_us, "dur": dur_us,
@@ -145,3 +145,24 @@ def test_split_timeline_summary():
     assert gpu1["span_ms"] == pytest.approx(1.5)
     with pytest.raises(ValueError, match="no GPU"):
         summarize_activity({"traceEvents": trace["traceEvents"][-1:]})
+
+
+def test_kernel_table():
+    """bench/cuda_trace.kernel_table (ablate --kernels): GPU time per call by kernel name, largest first,
+    the tail summed, per-call span over kernels and copies; a trace without GPU events is refused."""
+    from bench.cuda_trace import kernel_table
+
+    def event(cat, name, ts_us, dur_us):
+        return {"ph": "X", "cat": cat, "name": name, "pid": 0, "tid": 7, "ts": ts_us, "dur": dur_us}
+    trace = {"traceEvents": [
+        event("kernel", "gemm", 0, 40), event("kernel", "ln", 40, 10), event("kernel", "gemm", 100, 40),
+        event("kernel", "gelu", 140, 4), event("kernel", "ln", 150, 10), event("gpu_memcpy", "copy", 160, 40),
+        {"ph": "X", "cat": "cpu_op", "name": "gemm", "pid": 1, "tid": 1, "ts": 0, "dur": 9999},
+    ]}
+    table = kernel_table(trace, calls=2, top=2)
+    assert [row["kernel"] for row in table["kernels"]] == ["gemm", "ln", "(other)"]
+    assert table["kernels"][0]["us_per_call"] == pytest.approx(40) and table["kernels"][0]["launches_per_call"] == 1
+    assert table["kernels"][2]["us_per_call"] == pytest.approx(2)
+    assert table["kernel_us_per_call"] == pytest.approx(52) and table["span_us_per_call"] == pytest.approx(100)
+    with pytest.raises(ValueError, match="no GPU"):
+        kernel_table({"traceEvents": trace["traceEvents"][-1:]})
