@@ -3,9 +3,11 @@
     PYTHONPATH=. python3 bench/ablate.py [--shapes 8,11] [--variants mixed_fp16/layers,mixed_fp16/rows]
                                          [--seeds 5] [--out bench/results]
 
-A variant is `policy[/stack[/attention]]` (a missing or "-" part is the planner's choice), e.g.
-`mixed_fp16_qkv16/layers` (the q/k/v projection written in fp16), `mixed_fp16/rows` (per layer our
-flash kernel and one row-tile kernel), `mixed_fp16/layers/cudnn`. Per shape and variant: accuracy
+A variant is `policy[/stack[/attention]][@option=value+option=value]` (a missing or "-" part is the
+planner's choice), e.g. `mixed_fp16_qkv16/layers` (the q/k/v projection written in fp16),
+`mixed_fp16/rows` (per layer our flash kernel and one row-tile kernel), `mixed_fp16/layers/cudnn`,
+`mixed_fp16@xla_gpu_enable_triton_gemm=false` (XLA options for that program alone; values true/false,
+integers or text). Per shape and variant: accuracy
 against the harness's baseline (TF32, as the harness runs it) on the harness seeds, harness rule, worst
 err/tol; then the time per call of the variant's compiled program alone (many back-to-back calls:
 its GPU time wherever the host keeps ahead). A variant the planner or a kernel refuses is
@@ -47,15 +49,35 @@ from bench.report import describe_error, slug  # noqa: E402
 DEFAULT_VARIANTS = "mixed_fp16/layers,mixed_fp16_qkv16/layers"
 
 
+def _option_value(text: str):
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
+
 def parse_variant(text: str) -> dict:
-    """"policy[/stack[/attention]]" -> forward() keyword arguments ("-" or missing: the planner's choice)."""
-    parts = (text.split("/") + ["-", "-"])[:3]
-    if len(text.split("/")) > 3 or not parts[0] or parts[0] == "-":
-        raise ValueError(f"variant {text!r}: expected policy[/stack[/attention]]")
-    return {k: (None if v in ("", "-") else v) for k, v in zip(("policy", "stack", "attention"), parts)}
+    """"policy[/stack[/attention]][@name=value+...]" -> forward() keyword arguments ("-" or missing: the
+    planner's choice) and "compiler_options", a tuple of (name, value) XLA options."""
+    spec, _, options = text.partition("@")
+    parts = (spec.split("/") + ["-", "-"])[:3]
+    if len(spec.split("/")) > 3 or not parts[0] or parts[0] == "-":
+        raise ValueError(f"variant {text!r}: expected policy[/stack[/attention]][@option=value+...]")
+    parsed = {k: (None if v in ("", "-") else v) for k, v in zip(("policy", "stack", "attention"), parts)}
+    pairs = []
+    for item in filter(None, options.split("+")):
+        name, equals, value = item.partition("=")
+        if not equals or not name:
+            raise ValueError(f"variant {text!r}: XLA option {item!r} is not name=value")
+        pairs.append((name, _option_value(value)))
+    parsed["compiler_options"] = tuple(pairs)
+    return parsed
 
 
-def run_shape(sid: str, variants: list[str], seeds: int, device: str, kernels: bool = False) -> dict:
+def run_shape(sid: str, variants: list[str], seeds: int, device: str, kernels: bool = False,
+              hlo_path: pathlib.Path | None = None) -> dict:
     config = {**T.OFFICIAL, **T.CPU_SMALL}[sid].config   # official ids, or the CPU twins ("cpu-8")
     torch.manual_seed(0)
     baseline = BaselineTransformer(TransformerConfig(**vars(config))).to(device).eval()
@@ -65,9 +87,17 @@ def run_shape(sid: str, variants: list[str], seeds: int, device: str, kernels: b
     for variant in variants:
         try:
             kwargs = parse_variant(variant)
+            options = kwargs.pop("compiler_options")
             prepared = T.prepare_weights(params, T.get_policy(kwargs["policy"]))
-            # ttj_jax.forward plans once per input signature and runs its cached executable
-            step = lambda w, a, kw=kwargs: T.forward(w, a, config=config, **kw)
+            if options:   # forward() takes no XLA options: the plan's program compiled with them
+                probe = jnp.zeros((config.batch_size, config.seq_len, config.d_model), jnp.float32)
+                chosen = plan_for(config, probe, T.MaskKind.NONE, **kwargs)
+                optioned = T.executable(chosen, T.model_key(config), True, options)
+                optioned_weights = kernel_weights(prepared, T.model_key(config), chosen.stack)
+                step = lambda w, a: optioned(optioned_weights, a, None)   # noqa: E731
+            else:
+                # ttj_jax.forward plans once per input signature and runs its cached executable
+                step = lambda w, a, kw=kwargs: T.forward(w, a, config=config, **kw)   # noqa: E731
             failed, worst = 0, 0.0
             for seed in HARNESS_SEEDS[:seeds]:
                 with torch.inference_mode():
@@ -81,7 +111,7 @@ def run_shape(sid: str, variants: list[str], seeds: int, device: str, kernels: b
             # timed: the variant's compiled program alone (what the bridge calls), not forward()'s planning
             # and checks, whose host time would hide the GPU time of the small shapes
             chosen = plan_for(config, x, T.MaskKind.NONE, **kwargs)
-            program = T.executable(chosen, T.model_key(config), True)
+            program = T.executable(chosen, T.model_key(config), True, options)
             program_weights = kernel_weights(prepared, T.model_key(config), chosen.stack)
             jax.block_until_ready(program(program_weights, x, None))
             result["jax_ms"][variant], _ = stream_ms_per_call(program, (program_weights, x, None),
@@ -90,6 +120,10 @@ def run_shape(sid: str, variants: list[str], seeds: int, device: str, kernels: b
             if kernels:
                 trace = profile_cuda(lambda: program(program_weights, x, None), calls=5)
                 result.setdefault("kernels", {})[variant] = kernel_table(trace, calls=5)
+            if hlo_path is not None:   # the optimized program XLA ran: which ops it fused, which it did not
+                with hlo_path.open("a") as f:
+                    f.write(f"==== shape {sid} variant {variant}\n")
+                    f.write(program.lower(program_weights, x, None).compile().as_text() + "\n")
         except Exception as exc:  # noqa: BLE001 - recorded, the run goes on
             result["errors"][variant] = describe_error(exc)
     return result
@@ -103,6 +137,7 @@ def main(argv=None) -> int:
     p.add_argument("--tag", default=None, help="file name stem (default: ablate-<date>-<gpu>)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--kernels", action="store_true", help="CUDA: GPU time per kernel name (torch.profiler)")
+    p.add_argument("--hlo", action="store_true", help="write each program's optimized HLO to <tag>-hlo.txt")
     p.add_argument("--out", default="bench/results")
     args = p.parse_args(argv)
     if args.kernels and args.device != "cuda":
@@ -120,8 +155,11 @@ def main(argv=None) -> int:
     for v in variants:   # a typo fails before any GPU work
         T.get_policy(parse_variant(v)["policy"])
     path = out / f"{args.tag or 'ablate-' + document['date'] + '-' + slug(gpu)}.json"
+    hlo_path = path.with_name(path.stem + "-hlo.txt") if args.hlo else None
+    if hlo_path is not None and hlo_path.exists():
+        hlo_path.unlink()
     for sid in args.shapes.split(","):
-        document["shapes"][sid] = run_shape(sid, variants, args.seeds, args.device, args.kernels)
+        document["shapes"][sid] = run_shape(sid, variants, args.seeds, args.device, args.kernels, hlo_path)
         print(f"shape {sid}: {json.dumps(document['shapes'][sid]['jax_ms'])}", flush=True)
         path.write_text(json.dumps(document, indent=1))
     print(f"{'shape':>5} {'variant':32s} {'jax ms':>9} {'failed':>7} {'worst':>6}")

@@ -104,20 +104,30 @@ def test_profile_trace_summary():
 
 
 def test_ablate_variants_end_to_end(tmp_path):
-    """bench/ablate.py: variant parsing, a refused variant recorded (the run goes on), and a real one
-    checked against the baseline and timed on a CPU twin."""
+    """bench/ablate.py: variant parsing (XLA options too), a refused variant recorded (the run goes on),
+    real ones checked against the baseline and timed on a CPU twin, one compiled with an XLA option whose
+    optimized HLO is written."""
     from bench import ablate
-    assert ablate.parse_variant("mixed_fp16") == {"policy": "mixed_fp16", "stack": None, "attention": None}
-    assert ablate.parse_variant("mixed_fp16/-/xla") == {"policy": "mixed_fp16", "stack": None, "attention": "xla"}
+    assert ablate.parse_variant("mixed_fp16") == {"policy": "mixed_fp16", "stack": None, "attention": None,
+                                                  "compiler_options": ()}
+    assert ablate.parse_variant("mixed_fp16/-/xla@a=false+b=3+c=x") == {
+        "policy": "mixed_fp16", "stack": None, "attention": "xla",
+        "compiler_options": (("a", False), ("b", 3), ("c", "x"))}
     with pytest.raises(ValueError):
         ablate.parse_variant("a/b/c/d")
+    with pytest.raises(ValueError, match="name=value"):
+        ablate.parse_variant("mixed_fp16@novalue")
     with pytest.raises(ValueError, match="unknown numerics policy"):
         ablate.main(["--shapes", "cpu-1", "--variants", "nonsense", "--device", "cpu", "--out", str(tmp_path)])
-    status = ablate.main(["--shapes", "cpu-1", "--variants", "mixed_fp16/layers/xla,mixed_fp16/fused",
-                          "--seeds", "1", "--device", "cpu", "--out", str(tmp_path), "--tag", "t"])
+    optioned = "mixed_fp16/layers/xla@xla_cpu_enable_fast_math=false"
+    status = ablate.main(["--shapes", "cpu-1", "--variants", f"mixed_fp16/layers/xla,mixed_fp16/fused,{optioned}",
+                          "--seeds", "1", "--device", "cpu", "--out", str(tmp_path), "--tag", "t", "--hlo"])
     document = json.loads((tmp_path / "t.json").read_text())
     shape = document["shapes"]["cpu-1"]
     assert status == 0 and shape["accuracy"]["mixed_fp16/layers/xla"]["failed_elements"] == 0
+    assert shape["accuracy"][optioned]["failed_elements"] == 0 and shape["jax_ms"][optioned] > 0
+    hlo = (tmp_path / "t-hlo.txt").read_text()
+    assert f"==== shape cpu-1 variant {optioned}" in hlo and "ENTRY" in hlo
     assert shape["jax_ms"]["mixed_fp16/layers/xla"] > 0 and "mixed_fp16/layers/xla" in shape["plans"]
     assert "mixed_fp16/fused" in shape["errors"] or "mixed_fp16/fused" in shape["jax_ms"]
 

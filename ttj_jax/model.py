@@ -201,16 +201,17 @@ def kernel_weights(prepared: PreparedWeights, config: Config, stack: str):
 
 
 @functools.lru_cache(maxsize=None)
-def executable(plan: Plan, config: Config, prepared: bool = True):
+def executable(plan: Plan, config: Config, prepared: bool = True, compiler_options: tuple = ()):
     """The jitted forward for one plan and model: f(weights, x, mask_or_None) -> y. Pass
-    `model_key(config)` so that one executable serves every input shape of a model."""
+    `model_key(config)` so that one executable serves every input shape of a model. `compiler_options`:
+    ((name, value), ...) XLA options for this program alone (bench/ablate.py's experiments)."""
     run = {"fused": _run_fused, "rows": _run_rows, "fused_mgpu": _run_fused_mgpu}.get(
         plan.stack, _run_prepared if prepared else _run_raw)
     body = functools.partial(run, config=config, plan=plan)
     if plan.data_parallel > 1:
         from ttj_jax.parallel import batch_mesh, data_parallel
         return data_parallel(body, batch_mesh(plan.data_parallel, jax.default_backend()))
-    return jax.jit(body)
+    return jax.jit(body, compiler_options=dict(compiler_options) or None)
 
 
 def model_key(config: Config) -> Config:
