@@ -92,7 +92,7 @@ def test_half_precision_inputs(dtype, harness_rule):
     harness_rule(to_torch(y.astype(jnp.float32)), ref)
 
 
-def test_prepared_weights_give_the_same_output():
+def test_prepared_weights_give_the_same_output(harness_rule):
     config = CONFIGS["hd16-S7"]
     _, params = baseline_and_params(config)
     x = to_jax(random_input(config, seed=4))
@@ -101,6 +101,25 @@ def test_prepared_weights_give_the_same_output():
                                   np.asarray(T.forward(params, x, config=config)))
     with pytest.raises(ValueError, match="prepared for policy"):
         T.forward(prepared, x, config=config, policy="exact_fp32")
+    # weights depend only on the GEMM dtype: mixed_fp16's serve the planner's GEMM-bound policy too
+    y16 = T.forward(prepared, x, config=config, policy="mixed_fp16_qkv16")
+    harness_rule(to_torch(y16), to_torch(T.forward(params, x, config=config, policy="exact_fp32")))
+
+
+def test_the_plans_xla_options_reach_the_compiler():
+    """model.executable compiles with plan.xla_options (the planner's GEMM-bound plans turn XLA's Triton
+    GEMMs off; on the CPU a CPU option stands in, and a misspelt one is refused by XLA itself)."""
+    config = CONFIGS["hd16-S7"]
+    _, params = baseline_and_params(config)
+    x = to_jax(random_input(config, seed=4))
+    prepared = T.prepare_weights(params, T.MIXED_FP16)
+    base = T.plan(T.model_key(config), T.InputFacts(*x.shape[:2], "float32"))
+    optioned = dataclasses.replace(base, xla_options=(("xla_cpu_enable_fast_math", False),))
+    np.testing.assert_allclose(np.asarray(T.executable(optioned, T.model_key(config))(prepared, x, None)),
+                               np.asarray(T.executable(base, T.model_key(config))(prepared, x, None)), atol=1e-5)
+    misspelt = dataclasses.replace(base, xla_options=(("xla_no_such_option", False),))
+    with pytest.raises(Exception, match="xla_no_such_option"):
+        T.executable(misspelt, T.model_key(config))(prepared, x, None)
 
 
 def test_deterministic_and_no_recompilation():

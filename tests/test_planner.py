@@ -64,7 +64,32 @@ def test_batch_chunks_are_divisors_that_fit():
     assert T.plan(SHAPE_14, facts(SHAPE_14), CPU).batch_chunk is None          # memory unknown
 
 
+def test_gemm_bound_calls_take_fp16_qkv_and_cublas():
+    """Shape 8 (d_model 1024, S=128) on a GPU: the mixed_fp16_qkv16 policy and XLA's Triton GEMMs off (both
+    measured); not on the CPU, not for short-d shapes, long sequences, chunked calls or a requested policy."""
+    from ttj_jax.planner import GEMM_BOUND_POLICY, GEMM_BOUND_XLA_OPTIONS
+    shape_8 = T.OFFICIAL["8"].config
+    plan = T.plan(shape_8, facts(shape_8), H200)
+    assert plan.policy == GEMM_BOUND_POLICY == "mixed_fp16_qkv16" and plan.stack == "layers"
+    assert plan.xla_options == GEMM_BOUND_XLA_OPTIONS and "GEMM-bound" in plan.explain()
+    assert plan.name.endswith("/xla-options")
+    masked = T.plan(shape_8, facts(shape_8, MaskKind.GENERAL), H200)   # masks change nothing here
+    assert masked.policy == GEMM_BOUND_POLICY and masked.mask_mode == "keys"
+    assert T.plan(shape_8, facts(shape_8), CPU).xla_options == ()
+    assert T.plan(shape_8, facts(shape_8), H200, policy="mixed_fp16").xla_options == ()
+    assert T.plan(SHAPE_1, facts(SHAPE_1), H200).xla_options == ()
+    chunked = T.plan(SHAPE_14, facts(SHAPE_14), H200)                  # d 1024 but S=100000, chunked
+    assert chunked.policy == "mixed_fp16" and chunked.xla_options == ()
+    long_seq = shape_8.with_input(2, 8192)
+    assert T.plan(long_seq, facts(long_seq), H200).xla_options == ()
+
+
 def test_invalid_plans_are_refused():
+    with pytest.raises(ValueError, match="xla_options"):
+        T.Plan(policy="mixed_fp16", attention="xla", mask_mode="none", xla_options=("a", 1))
+    with pytest.raises(ValueError, match="xla_options"):
+        T.Plan(policy="mixed_fp16", attention="pallas", mask_mode="none", stack="fused",
+               xla_options=(("a", 1),))
     with pytest.raises(ValueError, match="policy"):
         T.Plan(policy="bf16", attention="xla", mask_mode="none")
     with pytest.raises(ValueError, match="attention"):

@@ -116,7 +116,7 @@ def _stack(weights: PreparedWeights, x, mask, *, config: Config, plan: Plan):
 
 
 def _run_prepared(weights: PreparedWeights, x, mask, *, config: Config, plan: Plan):
-    if weights.policy_name != plan.policy:
+    if not get_policy(weights.policy_name).shares_weights_with(get_policy(plan.policy)):
         raise ValueError(f"weights were prepared for policy {weights.policy_name!r}, "
                          f"the plan needs {plan.policy!r}")
     if not plan.batch_chunk or plan.batch_chunk >= x.shape[0]:
@@ -203,15 +203,16 @@ def kernel_weights(prepared: PreparedWeights, config: Config, stack: str):
 @functools.lru_cache(maxsize=None)
 def executable(plan: Plan, config: Config, prepared: bool = True, compiler_options: tuple = ()):
     """The jitted forward for one plan and model: f(weights, x, mask_or_None) -> y. Pass
-    `model_key(config)` so that one executable serves every input shape of a model. `compiler_options`:
-    ((name, value), ...) XLA options for this program alone (bench/ablate.py's experiments)."""
+    `model_key(config)` so that one executable serves every input shape of a model. The program is
+    compiled with the plan's XLA options (`plan.xla_options`) and `compiler_options` on top:
+    ((name, value), ...), bench/ablate.py's experiments."""
     run = {"fused": _run_fused, "rows": _run_rows, "fused_mgpu": _run_fused_mgpu}.get(
         plan.stack, _run_prepared if prepared else _run_raw)
     body = functools.partial(run, config=config, plan=plan)
     if plan.data_parallel > 1:
         from ttj_jax.parallel import batch_mesh, data_parallel
         return data_parallel(body, batch_mesh(plan.data_parallel, jax.default_backend()))
-    return jax.jit(body, compiler_options=dict(compiler_options) or None)
+    return jax.jit(body, compiler_options={**dict(plan.xla_options), **dict(compiler_options)} or None)
 
 
 def model_key(config: Config) -> Config:

@@ -33,6 +33,11 @@ class NumericsPolicy:
     # GEMM-bound shape 8, where that fp32 tensor is ~100 MB per layer; the bias is then added in fp16).
     projection_dtype: np.dtype = np.dtype(np.float32)
 
+    def shares_weights_with(self, other: "NumericsPolicy") -> bool:
+        """Whether weights prepared for this policy serve `other` too: params.prepare_weights depends
+        only on the GEMM dtype (projection_dtype changes the program, not the weights)."""
+        return self.gemm_dtype == other.gemm_dtype
+
     def matmul(self, x: jax.Array, w: jax.Array) -> jax.Array:
         """x @ w with this policy's operands, accumulated and returned in fp32. `w` is already in
         gemm_dtype (prepared once, see params.prepare_weights)."""
@@ -56,8 +61,8 @@ MIXED_FP16 = NumericsPolicy("mixed_fp16", gemm_dtype=np.dtype(np.float16),
                             precision=jax.lax.Precision.DEFAULT)
 EXACT_FP32 = NumericsPolicy("exact_fp32", gemm_dtype=np.dtype(np.float32),
                             precision=jax.lax.Precision.HIGHEST)
-# Requested only (ttj_jax.forward(..., policy="mixed_fp16_qkv16"), bench/ablate.py) until a GPU run
-# measures its speed and its margin under the harness rule.
+# The planner's choice for GEMM-bound calls (planner.GEMM_BOUND_MIN_D_MODEL, with cuBLAS GEMMs: see there
+# for the measurement); mixed_fp16 elsewhere. Weights prepared for either serve both.
 MIXED_FP16_QKV16 = NumericsPolicy("mixed_fp16_qkv16", gemm_dtype=np.dtype(np.float16),
                                   precision=jax.lax.Precision.DEFAULT, projection_dtype=np.dtype(np.float16))
 

@@ -91,6 +91,18 @@ MGPU_STACK_GPU_VERIFIED_D_MODELS = (32, 128)
 # (122.0 against 74.1): there only a torch caller gets it, because the bridge launches it with ~40 us of
 # host time (0.122 ms per call, peer 0.124) where the Triton kernel through jax costs the bridge ~0.2 ms.
 MGPU_STACK_JAX_MIN_SEQ_LEN = 64
+# GEMM-bound calls (the layer-by-layer XLA program at d_model >= this, short sequences, one device,
+# unchunked: shape 8) take the mixed_fp16_qkv16 policy (the q/k/v GEMM writes fp16 with its bias in the
+# epilogue, so attention reads half the bytes and no pass rounds an fp32 copy) and cuBLAS for every GEMM
+# (XLA's Triton GEMMs off: cuBLAS then also fuses both residual adds into the out-projection and MLP-out
+# GEMMs' epilogues). Shape 8 on the H200, compiled programs in one process
+# (bench/results/ablate8-2026-11-30-nvidia-h200-session6.json, kernels listed): 1.135 ms per call against
+# 1.288 (cuBLAS, fp32 q/k/v) and 1.302 (XLA's defaults, other process); Triton GEMMs with fp16 q/k/v were
+# slower (1.333); zero failing elements, worst err/tol 0.527. Longer sequences (shape 14) are not measured
+# with it and keep the defaults.
+GEMM_BOUND_MIN_D_MODEL = 1024
+GEMM_BOUND_POLICY = "mixed_fp16_qkv16"
+GEMM_BOUND_XLA_OPTIONS = (("xla_gpu_enable_triton_gemm", False),)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,6 +149,7 @@ class Plan:
     data_parallel: int = 1         # devices the batch is split over (parallel.py); chunks are per device
     reason: str = ""
     stack: str = "layers"          # one of STACKS
+    xla_options: tuple = ()        # ((name, value), ...): XLA compile options for this plan's program
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -151,6 +164,11 @@ class Plan:
             raise ValueError(f"Plan.stack={self.stack!r} runs mixed_fp16, unchunked plans only")
         if not isinstance(self.data_parallel, int) or self.data_parallel < 1:
             raise ValueError(f"Plan.data_parallel={self.data_parallel!r} must be an int >= 1")
+        if not (isinstance(self.xla_options, tuple)
+                and all(isinstance(o, tuple) and len(o) == 2 and isinstance(o[0], str) for o in self.xla_options)):
+            raise ValueError(f"Plan.xla_options={self.xla_options!r} must be a tuple of (name, value) pairs")
+        if self.xla_options and (self.stack != "layers" or self.data_parallel > 1):
+            raise ValueError("Plan.xla_options apply to the one-device layer-by-layer XLA program only")
 
     @property
     def name(self) -> str:
@@ -162,7 +180,8 @@ class Plan:
             return f"row-kernels/{self.attention}-attention/{self.policy}/mask-{self.mask_mode}"
         chunk = f"/chunk{self.batch_chunk}" if self.batch_chunk else ""
         devices = f"/x{self.data_parallel}-devices" if self.data_parallel > 1 else ""
-        return f"{self.attention}-attention/{self.policy}/mask-{self.mask_mode}{chunk}{devices}"
+        options = "/xla-options" if self.xla_options else ""
+        return f"{self.attention}-attention/{self.policy}/mask-{self.mask_mode}{chunk}{devices}{options}"
 
     def explain(self) -> str:
         return f"{self.name}: {self.reason}"
@@ -176,6 +195,7 @@ def plan(config: Config, inputs: InputFacts, device: DeviceFacts = CPU, *,
     is derived."""
     reasons = []
     attention_requested = attention is not None
+    policy_requested = policy is not None
 
     if policy is None:
         policy = "mixed_fp16"
@@ -265,8 +285,15 @@ def plan(config: Config, inputs: InputFacts, device: DeviceFacts = CPU, *,
                              f"S={inputs.seq_len}, {inputs.dtype}, mask mode {mask_mode}")
     if stack in ("fused", "fused_mgpu"):   # the kernel computes attention itself
         attention = "pallas"
+    xla_options = ()
+    if (not policy_requested and stack == "layers" and device.is_gpu and not batch_chunk and data_parallel == 1
+            and config.d_model >= GEMM_BOUND_MIN_D_MODEL and inputs.seq_len < CUDNN_MIN_SEQ_LEN):
+        policy, xla_options = GEMM_BOUND_POLICY, GEMM_BOUND_XLA_OPTIONS
+        reasons.append(f"GEMM-bound (d_model {config.d_model}, S={inputs.seq_len}): q/k/v written in fp16 by "
+                       "their GEMM and every GEMM on cuBLAS with the residual adds in its epilogue, "
+                       "measured 1.135 against 1.30 ms at shape 8")
     return Plan(policy=policy, attention=attention, mask_mode=mask_mode, batch_chunk=batch_chunk,
-                data_parallel=data_parallel, reason="; ".join(reasons), stack=stack)
+                data_parallel=data_parallel, reason="; ".join(reasons), stack=stack, xla_options=xla_options)
 
 
 def _stack(config: Config, inputs: InputFacts, device: DeviceFacts, policy: str, mask_mode: str,

@@ -16,6 +16,7 @@ import numpy as np
 from ttj_jax.config import Config
 from ttj_jax.masks import classify_mask
 from ttj_jax.model import executable, model_key, plan_for, validate_inputs
+from ttj_jax.numerics import get_policy
 from ttj_jax.params import PreparedWeights
 from ttj_jax.planner import InputFacts, device_facts, streaming_chunk
 
@@ -47,7 +48,7 @@ def stream_forward(weights: PreparedWeights, x_host, valid_token_mask=None, *, c
 
     probe = jax.ShapeDtypeStruct((batch_chunk, S, d), x_host.dtype)
     plan = plan_for(config, probe, kind, device=device, policy=policy)
-    if weights.policy_name != plan.policy:
+    if not get_policy(weights.policy_name).shares_weights_with(get_policy(plan.policy)):
         raise ValueError(f"weights were prepared for policy {weights.policy_name!r}, the plan needs {plan.policy!r}")
     run = executable(plan, model_key(config), True)
     weights = jax.device_put(weights, device)
