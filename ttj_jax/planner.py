@@ -97,8 +97,8 @@ MGPU_STACK_JAX_MIN_SEQ_LEN = 64
 # (XLA's Triton GEMMs off: cuBLAS then also fuses both residual adds into the out-projection and MLP-out
 # GEMMs' epilogues). Shape 8 on the H200, compiled programs in one process
 # (bench/results/ablate8-2026-11-30-nvidia-h200-session6.json, kernels listed): 1.135 ms per call against
-# 1.288 (cuBLAS, fp32 q/k/v) and 1.302 (XLA's defaults, other process); Triton GEMMs with fp16 q/k/v were
-# slower (1.333); zero failing elements, worst err/tol 0.527. Longer sequences (shape 14) are not measured
+# 1.288 (cuBLAS, fp32 q/k/v); in another process (ablate8-defaults-...-session6.json, with the optimized HLO)
+# XLA's defaults took 1.302 and Triton GEMMs with fp16 q/k/v were slower (1.333); zero failing elements, worst err/tol 0.527. Longer sequences (shape 14) are not measured
 # with it and keep the defaults.
 GEMM_BOUND_MIN_D_MODEL = 1024
 GEMM_BOUND_POLICY = "mixed_fp16_qkv16"
