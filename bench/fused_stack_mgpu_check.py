@@ -22,16 +22,23 @@ wrong numbers, or deadlock. So:
      on torch CUDA tensors: output equal to the jax call's, host microseconds per call (perf_counter
      around each call, median), device time per call (torch.cuda.Event around TORCH_DEVICE_CALLS
      back-to-back calls). as_torch_kernel launches on torch's DEFAULT stream (recorded in the JSON).
-3. The overlap variant (`overlap=True`: each weight chunk's per-head projections issued together, the
-   per-head out-projection and MLP-out products chained in one accumulator) for the shapes whose
-   default passed: probed the same way (OVERLAP_PROBE_BUDGET_S), then its accuracy, its largest
-   difference from the default's output, and its time ("mgpu_overlap"); --no-overlap skips it.
-   Prediction before its first run: per layer and consumer the default waits on 8H small wgmmas one by
-   one (32 at 4 heads), the variant on 2H + 5 (13); if those waits are most of a tile's ~88 us, the
-   4-head shapes (1-6, 12) gain ~20-35% (shape 2 ~88 -> ~60-70 us), 2 heads (10) less, 1 head (9)
-   nothing (its chains have length 1). Measured (fused-stack-mgpu-2026-11-30-nvidia-h200-session5.json):
-   no gain (shape 2 90.4 against 87.6 us, 1 89.6/89.3, 9 57.9/58.4, 10 71.0/68.6): the waits are not
-   where the time goes (bench/fused_stack_mgpu_profile.py is the next question).
+3. A variant of the kernel (--variant, VARIANTS) for the shapes whose default passed: probed the same
+   way (VARIANT_PROBE_BUDGET_S), then its accuracy (against the reference, and against `emulate` built
+   the same way), its largest difference from the default's output, and its time ("mgpu_<variant>");
+   --no-variant skips it.
+   - fast_erf (session 6, the default variant): the GELU's erf by A&S 7.1.26 on the special-function
+     unit instead of the rational erf with an IEEE divide. Prediction: the Mosaic profiler
+     (fused-stack-mgpu-profile-2026-11-30-nvidia-h200-session6.json) puts mlp_in (GEMM + GELU) at ~37 us
+     of a tile against mlp_out's ~13 (the same GEMM plus an add), so the GELU is ~24 of ~178
+     instrumented us; with ~2.3x fewer instructions per element, a tile should get ~7% faster (shape 2
+     ~88 -> ~82 us), at 1 head (shape 9, MLP a larger share) ~10%.
+   - overlap (`overlap=True`: each weight chunk's per-head projections issued together, the per-head
+     out-projection and MLP-out products chained in one accumulator). Prediction before its first run:
+     per layer and consumer the default waits on 8H small wgmmas one by one (32 at 4 heads), the variant
+     on 2H + 5 (13); if those waits are most of a tile's ~88 us, the 4-head shapes (1-6, 12) gain
+     ~20-35% (shape 2 ~88 -> ~60-70 us), 2 heads (10) less, 1 head (9) nothing. Measured
+     (fused-stack-mgpu-2026-11-30-nvidia-h200-session5.json): no gain (shape 2 90.4 against 87.6 us, 1
+     89.6/89.3, 9 57.9/58.4, 10 71.0/68.6): the waits are not where the time goes.
 Shape 7 (d_model 32, head blocks padded to 32 columns) is among the defaults: its first GPU run.
 Writes <out>/fused-stack-mgpu-<date>-<gpu>.json after every shape and prints a table last. Budget:
 about 6 minutes on an H200 (a deadline skips what is left after DEADLINE_S).
@@ -67,7 +74,8 @@ DEADLINE_S = 330.0
 PROBE_FIRST_SHAPE_S = 90.0    # jax start-up and the first compile in a child
 PROBE_PER_SHAPE_S = 45.0
 PROBE_BUDGET_S = 200.0
-OVERLAP_PROBE_BUDGET_S = 120.0   # the overlap variant's probe, for the shapes whose default passed
+VARIANT_PROBE_BUDGET_S = 120.0   # the variant's probe, for the shapes whose default passed
+VARIANTS = {"fast_erf": {"fast_erf": True}, "overlap": {"overlap": True}}   # kernel keyword arguments
 
 
 def _error(exc: BaseException) -> str:
@@ -102,7 +110,7 @@ def _setup(sid: str):
 
 # --- 1. Probe (child processes) -----------------------------------------------------------------------
 
-def _probe_child(shape_ids, overlap: bool = False) -> None:
+def _probe_child(shape_ids, variant: str | None = None) -> None:
     """Runs each shape's kernel once; prints 'START sid', then 'DONE sid seconds' or 'ERROR sid msg'."""
     import jax
     from ttj_jax.kernels import fused_stack_mgpu as fsm
@@ -112,13 +120,13 @@ def _probe_child(shape_ids, overlap: bool = False) -> None:
         try:
             config, _, x, weights = _setup(sid)
             jax.block_until_ready(fsm.fused_stack_mgpu_forward(weights, x, num_heads=config.num_heads,
-                                                               overlap=overlap))
+                                                               **VARIANTS.get(variant, {})))
             print(f"DONE {sid} {time.perf_counter() - start:.1f}", flush=True)
         except Exception as e:   # recorded by the parent; the next shape still runs
             print(f"ERROR {sid} {_error(e)}".replace("\n", " "), flush=True)
 
 
-def probe(shape_ids, budget_s: float = PROBE_BUDGET_S, overlap: bool = False) -> dict:
+def probe(shape_ids, budget_s: float = PROBE_BUDGET_S, variant: str | None = None) -> dict:
     """{sid: {"status": "ok"|"error"|"hung"|"crashed"|"not probed", ...}} from child processes (module
     docstring). A child gets PROBE_FIRST_SHAPE_S for its first shape (jax start-up, compile) and
     PROBE_PER_SHAPE_S for each later one; a shape that overruns is "hung", its child is killed, and a
@@ -129,7 +137,7 @@ def probe(shape_ids, budget_s: float = PROBE_BUDGET_S, overlap: bool = False) ->
     probe_end = time.perf_counter() + budget_s
     while remaining and time.perf_counter() < probe_end:
         command = [sys.executable, os.path.abspath(__file__), "--probe-child", ",".join(remaining)] + (
-            ["--probe-overlap"] if overlap else [])
+            ["--probe-variant", variant] if variant else [])
         child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                  cwd=_REPO_ROOT)
         lines: queue.Queue = queue.Queue()
@@ -233,7 +241,8 @@ def _torch_launch(config, x, weights, y_jax) -> dict:
     return record
 
 
-def run_shape(sid: str, probe_status: dict, deadline: float, overlap_status: dict | None = None) -> dict:
+def run_shape(sid: str, probe_status: dict, deadline: float, variant: str | None = None,
+              variant_status: dict | None = None) -> dict:
     import jax
     import numpy as np
     import ttj_jax as T
@@ -270,14 +279,24 @@ def run_shape(sid: str, probe_status: dict, deadline: float, overlap_status: dic
                         "emulation_vs_reference": _harness(emulated, ref[:n])}
             record["accuracy"]["mgpu_vs_emulation"] = step("mgpu_vs_emulation", vs_emulation)
             record["timing"]["mgpu"] = step("mgpu_timing", lambda: _time_jax(mgpu, (weights, x)))
-        if (overlap_status or {}).get("status") == "ok":   # the variant issuing each chunk's wgmmas together
-            overlap = lambda w, x: fsm.fused_stack_mgpu_forward(w, x, num_heads=H, overlap=True)   # noqa: E731
-            y = step("mgpu_overlap_run", lambda: np.asarray(jax.block_until_ready(overlap(weights, x))))
+        if variant and (variant_status or {}).get("status") == "ok":
+            kwargs = VARIANTS[variant]
+            other = lambda w, x: fsm.fused_stack_mgpu_forward(w, x, num_heads=H, **kwargs)   # noqa: E731
+            name = f"mgpu_{variant}"
+            y = step(f"{name}_run", lambda: np.asarray(jax.block_until_ready(other(weights, x))))
             if y is not None:
-                record["accuracy"]["mgpu_overlap"] = _harness(y, ref)
-                record["overlap_max_abs_diff_vs_default"] = float(np.max(np.abs(y - y_mgpu)))
-                record["timing"]["mgpu_overlap"] = step("mgpu_overlap_timing", lambda: _time_jax(overlap, (weights, x)))
-        record["overlap_probe"] = overlap_status
+                record["accuracy"][name] = _harness(y, ref)
+                if y_mgpu is not None:
+                    record[f"{variant}_max_abs_diff_vs_default"] = float(np.max(np.abs(y - y_mgpu)))
+
+                def variant_vs_emulation():
+                    n = min(EMULATED_SEQUENCES, x.shape[0])
+                    emulated = fsm.emulate(weights, np.asarray(x[:n]),
+                                           fast_erf=kwargs.get("fast_erf", False))
+                    return {"sequences": n, **_harness(y[:n], emulated)}
+                record["accuracy"][f"{name}_vs_emulation"] = step(f"{name}_vs_emulation", variant_vs_emulation)
+                record["timing"][name] = step(f"{name}_timing", lambda: _time_jax(other, (weights, x)))
+        record["variant"], record["variant_probe"] = variant, variant_status
     else:
         record["mgpu_skipped"] = f"probe status {probe_status.get('status')}"
 
@@ -318,8 +337,9 @@ def _row(sid, rec) -> str:
     host = torch_rec.get("host_us_per_call_median")
     dev = torch_rec.get("device_us_per_call_median")
     probe_status = (rec.get("probe") or {}).get("status", "-")
-    return (f"{sid:>3} {probe_status:>7} {acc('mgpu'):>9} {acc('mgpu_overlap'):>7} {acc('triton'):>7} "
-            f"{acc('xla'):>7} {ms('mgpu')} {ms('mgpu_overlap')} {ms('triton')} {ms('xla')} "
+    name = f"mgpu_{rec.get('variant')}"
+    return (f"{sid:>3} {probe_status:>7} {acc('mgpu'):>9} {acc(name):>7} {acc('triton'):>7} "
+            f"{acc('xla'):>7} {ms('mgpu')} {ms(name)} {ms('triton')} {ms('xla')} "
             f"{(f'{host:7.1f}' if host else '      -')} {(f'{dev:7.1f}' if dev else '      -')}")
 
 
@@ -329,12 +349,14 @@ def main(argv=None) -> int:
     parser.add_argument("--shapes", default=",".join(DEFAULT_SHAPES), help="official shape ids, comma separated")
     parser.add_argument("--smoke", action="store_true", help="CPU: parse, plan and write the JSON; no GPU work")
     parser.add_argument("--no-probe", action="store_true", help="skip the child-process probe (trust the kernel)")
-    parser.add_argument("--no-overlap", action="store_true", help="skip the overlap variant")
+    parser.add_argument("--variant", default="fast_erf", choices=sorted(VARIANTS),
+                        help="the kernel variant checked and timed beside the default")
+    parser.add_argument("--no-variant", action="store_true", help="skip the variant")
     parser.add_argument("--probe-child", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--probe-overlap", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--probe-variant", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.probe_child is not None:
-        _probe_child(args.probe_child.split(","), overlap=args.probe_overlap)
+        _probe_child(args.probe_child.split(","), variant=args.probe_variant)
         return 0
     if not args.out:
         parser.error("--out is required")
@@ -395,22 +417,24 @@ def main(argv=None) -> int:
         except Exception as e:
             result["probe_error"] = _error(e)
     result["probe"] = probes
-    overlap_probes = {}
+    variant = None if args.no_variant else args.variant
+    variant_probes = {}
     ok = [s for s in shape_ids if probes.get(s, {}).get("status") == "ok"]
-    if ok and not args.no_overlap:
+    if ok and variant:
         if args.no_probe:
-            overlap_probes = {s: {"status": "ok", "note": "probe skipped"} for s in ok}
+            variant_probes = {s: {"status": "ok", "note": "probe skipped"} for s in ok}
         else:
             try:
-                overlap_probes = probe(ok, OVERLAP_PROBE_BUDGET_S, overlap=True)
+                variant_probes = probe(ok, VARIANT_PROBE_BUDGET_S, variant=variant)
             except Exception as e:
-                result["overlap_probe_error"] = _error(e)
-    result["overlap_probe"] = overlap_probes
+                result["variant_probe_error"] = _error(e)
+    result["variant"], result["variant_probe"] = variant, variant_probes
     save()
     for sid in shape_ids:
         t0 = time.perf_counter()
         try:
-            record = run_shape(sid, probes.get(sid, {"status": "not probed"}), deadline, overlap_probes.get(sid))
+            record = run_shape(sid, probes.get(sid, {"status": "not probed"}), deadline, variant,
+                               variant_probes.get(sid))
         except Exception as e:
             record = {"error": _error(e)}
         record["wall_s"] = round(time.perf_counter() - t0, 1)
@@ -422,7 +446,8 @@ def main(argv=None) -> int:
     print(f"\nwrote {path}  ({result['total_wall_s']} s)")
     print("times: us per call (jax: stream of back-to-back calls; torch host: perf_counter per call; "
           "torch dev: cuda events / call)")
-    print(f"{'id':>3} {'probe':>7} {'mgpu':>9} {'overlap':>7} {'triton':>7} {'xla':>7} {'mgpu':>8} {'overlap':>8} "
+    label = (variant or "-")[:8]
+    print(f"{'id':>3} {'probe':>7} {'mgpu':>9} {label:>7} {'triton':>7} {'xla':>7} {'mgpu':>8} {label:>8} "
           f"{'triton':>8} {'xla':>8} {'t.host':>7} {'t.dev':>7}")
     for sid, rec in result["shapes"].items():
         try:

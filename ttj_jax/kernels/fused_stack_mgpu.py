@@ -229,11 +229,43 @@ def _build_weights(prepared: PreparedWeights, num_heads: int) -> MgpuStackWeight
     return MgpuStackWeights(jnp.stack(mats), jnp.stack(vecs + [final]), num_heads=num_heads)
 
 
+# --- GELU -------------------------------------------------------------------------------------------
+# The erf GELU's two forms in the kernel. "rational" (the default, the H200-verified build): XLA's fp32
+# rational erf, `fused_stack._erf` (13 multiply-adds and an IEEE divide per element). "fast" (fast_erf=
+# True): Abramowitz & Stegun 7.1.26, erf(a) = 1 - t P(t) exp(-a^2), t = 1 / (1 + p a), |error| <= 1.5e-7
+# for a >= 0 (odd symmetry for a < 0), with t from rsqrt (t = rsqrt(1 + p a)^2: 1 + p a > 0) and the
+# exponential in base 2, both on the GPU's special-function unit under approx_math: 8 multiply-adds and
+# two MUFU operations. Its error is far below the fp16 rounding of the GELU's output (2^-11 relative),
+# which feeds the MLP's second GEMM.
+_AS_P = 0.3275911
+_AS_COEFFICIENTS = (1.061405429, -1.453152027, 1.421413741, -0.284496736, 0.254829592)   # a5 .. a1
+_LOG2_E_ERF = 1.4426950408889634
+
+
+def _one_plus_erf_fast(z):
+    """1 + erf(z) by A&S 7.1.26 (see above); jnp, so it runs in the kernel and in interpret mode."""
+    a = jnp.abs(z)
+    r = lax.rsqrt(1.0 + _AS_P * a)
+    t = r * r
+    poly = jnp.float32(_AS_COEFFICIENTS[0])
+    for c in _AS_COEFFICIENTS[1:]:
+        poly = poly * t + c
+    q = poly * t * jnp.exp2(a * a * -_LOG2_E_ERF)      # 1 - erf(|z|)
+    return jnp.where(z >= 0.0, 2.0 - q, q)
+
+
+def _gelu(pre, fast_erf: bool):
+    """0.5 pre (1 + erf(pre / sqrt 2)) in fp32, with the rational or the fast erf."""
+    if not fast_erf:   # (in this order: the verified build's lowering is pinned byte for byte)
+        return 0.5 * pre * (1.0 + _erf(pre * 0.7071067811865476))
+    return 0.5 * pre * _one_plus_erf_fast(pre * 0.7071067811865476)
+
+
 # --- The kernel -------------------------------------------------------------------------------------
 
 def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, num_layers: int, num_heads: int,
                   seq_len: int, causal: bool, interpret: bool = False, overlap: bool = False,
-                  profile: bool = False, d_model: int = D_MODEL):
+                  profile: bool = False, d_model: int = D_MODEL, fast_erf: bool = False):
     plgpu = _plgpu()
 
     def phase(name):
@@ -431,7 +463,7 @@ def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, num_layers: int, 
 
                 def gelu_block(block, pre, layer=layer):
                     pre = pre + row_bcast(vec(layer, B1, block * width, width), pre.shape)
-                    return (0.5 * pre * (1.0 + _erf(pre * 0.7071067811865476))).astype(_GEMM_DTYPE)
+                    return _gelu(pre, fast_erf).astype(_GEMM_DTYPE)
                 hidden = matmuls(h2, [w.at[block] for block in range(num_heads)], gelu_block)
                 chunk_done(4)
             with phase("mlp_out"):
@@ -532,7 +564,7 @@ def _staging_shapes(d_model: int, width: int) -> list[tuple[int, int]]:
 
 def kernel_function(batch: int, seq_len: int, num_heads: int, num_layers: int, causal: bool,
                     interpret: bool = False, overlap: bool = False, profile_dir: str | None = None,
-                    d_model: int = D_MODEL):
+                    d_model: int = D_MODEL, fast_erf: bool = False):
     """The bare kernel for x [batch, seq_len, d_model] fp32: f(x, mats, vecs) -> y. Nothing but the Mosaic
     GPU call (what `plgpu.as_torch_kernel` needs); batch must be a multiple of 128 // seq_len.
     interpret: False (the GPU kernel), True or "detect_races" (Mosaic GPU's interpret mode on a CPU,
@@ -545,7 +577,9 @@ def kernel_function(batch: int, seq_len: int, num_heads: int, num_layers: int, c
     profile_dir: a build instrumented for Mosaic GPU's profiler: each layer phase (ln1, q_proj, kv_proj,
     attention, out_proj, ln2, mlp_in, mlp_out, and the waits for weights and for the other consumer) is a
     named region per warpgroup, and every call writes a Perfetto trace (JSON) into that folder
-    (bench/fused_stack_mgpu_profile.py reads it). GPU only; the default build is untouched."""
+    (bench/fused_stack_mgpu_profile.py reads it). GPU only; the default build is untouched.
+    fast_erf: the GELU's erf by A&S 7.1.26 on the special-function unit instead of the rational erf
+    with a divide (see "GELU" above; `emulate(..., fast_erf=True)` models it)."""
     if seq_len not in SUPPORTED_SEQ_LENS:
         raise ValueError(f"{seq_len=} must be one of {SUPPORTED_SEQ_LENS}")
     error = model_error(d_model, num_heads, d_model)
@@ -583,7 +617,7 @@ def kernel_function(batch: int, seq_len: int, num_heads: int, num_layers: int, c
                 plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=1))               # kv_free
     body = functools.partial(_stack_kernel, num_layers=num_layers, num_heads=num_heads, seq_len=seq_len,
                              causal=causal, interpret=interpret, overlap=overlap, profile=bool(profile_dir),
-                             d_model=d_model)
+                             d_model=d_model, fast_erf=fast_erf)
 
     def entry(x_ref, mats_ref, vecs_ref, y_ref):
         pl.run_scoped(lambda *scoped: body(x_ref, mats_ref, vecs_ref, y_ref, scoped), smem, barriers,
@@ -626,9 +660,10 @@ def _check_call(weights, x, num_heads, causal):
         raise ValueError(f"x.shape={x.shape} must have batch >= 1")
 
 
-@functools.partial(jax.jit, static_argnames=("num_heads", "causal", "interpret", "overlap"))
+@functools.partial(jax.jit, static_argnames=("num_heads", "causal", "interpret", "overlap", "fast_erf"))
 def fused_stack_mgpu_forward(weights: MgpuStackWeights, x: jax.Array, *, num_heads: int,
-                             causal: bool = True, interpret: bool = False, overlap: bool = False) -> jax.Array:
+                             causal: bool = True, interpret: bool = False, overlap: bool = False,
+                             fast_erf: bool = False) -> jax.Array:
     """y = LN_final(layers(x)) (SPEC section 1, mask-free) in one Mosaic GPU kernel; fp32 [B, S, d].
 
     S in {32, 64, 128}; any B (for S < 128 a B that is not a multiple of 128 // S is padded: one copy
@@ -640,7 +675,7 @@ def fused_stack_mgpu_forward(weights: MgpuStackWeights, x: jax.Array, *, num_hea
     if batch_pad:
         x = jnp.pad(x, ((0, batch_pad), (0, 0), (0, 0)))
     y = kernel_function(batch + batch_pad, seq_len, num_heads, weights.num_layers, causal, interpret,
-                        overlap, d_model=weights.d_model)(x, weights.mats, weights.vecs)
+                        overlap, d_model=weights.d_model, fast_erf=fast_erf)(x, weights.mats, weights.vecs)
     return y[:batch] if batch_pad else y
 
 
@@ -678,11 +713,25 @@ def _np_erf(x):
     return x * numerator / denominator
 
 
-def emulate(weights: MgpuStackWeights, x, *, causal: bool = True) -> np.ndarray:
+def _np_one_plus_erf_fast(z):
+    """_one_plus_erf_fast in NumPy fp32 (same steps; exact rsqrt and exp2 where the GPU's are approximate)."""
+    z = np.asarray(z, np.float32)
+    a = np.abs(z)
+    r = np.float32(1.0) / np.sqrt(np.float32(1.0) + np.float32(_AS_P) * a)
+    t = r * r
+    poly = np.full_like(a, _AS_COEFFICIENTS[0])
+    for c in _AS_COEFFICIENTS[1:]:
+        poly = poly * t + np.float32(c)
+    q = poly * t * np.exp2(a * a * np.float32(-_LOG2_E_ERF))
+    return np.where(z >= 0, np.float32(2.0) - q, q).astype(np.float32)
+
+
+def emulate(weights: MgpuStackWeights, x, *, causal: bool = True, fast_erf: bool = False) -> np.ndarray:
     """The kernel's algorithm in NumPy, tile by tile and warpgroup by warpgroup, with its dtypes: fp16
     GEMM operands (rounded where the kernel rounds), fp32 accumulation, the out-projection and the
     MLP's second GEMM accumulated head (block) by head onto x + bias, the 128-row tile's masked
-    64 x 128 score blocks, base-2 softmax normalised in fp32 before the fp16 rounding."""
+    64 x 128 score blocks, base-2 softmax normalised in fp32 before the fp16 rounding; the GELU's erf as
+    the kernel built with the same `fast_erf` computes it."""
     mats = np.asarray(weights.mats).astype(np.float32)   # fp16 values, exactly representable
     vecs = np.asarray(weights.vecs, np.float32)
     x = np.asarray(x, np.float32)
@@ -740,7 +789,9 @@ def emulate(weights: MgpuStackWeights, x, *, causal: bool = True) -> np.ndarray:
                 xr = xr + whole[B2]
                 for i, s in enumerate(heads):
                     pre = dot(h2, w1[i]) + v_[B1][s]
-                    hidden = f16(np.float32(0.5) * pre * (np.float32(1.0) + _np_erf(pre * np.float32(0.7071067811865476))))
+                    z = pre * np.float32(0.7071067811865476)
+                    one_plus_erf = _np_one_plus_erf_fast(z) if fast_erf else np.float32(1.0) + _np_erf(z)
+                    hidden = f16(np.float32(0.5) * pre * one_plus_erf)
                     xr = xr + dot(hidden, w2_t[i].T)
                 new[r] = xr
             res = new
