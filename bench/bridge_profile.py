@@ -68,7 +68,7 @@ def profile_shape(sid: str) -> dict:
         call = next(iter(state.calls.values()))
         # the weights the plan's program takes: the fused kernel's own layout for a fused plan
         weights_of = (lambda: state.kernel_jax_weights(call.plan.stack)) if call.plan.stack in (
-            "fused", "fused_mgpu") else (lambda: state.weights(call.plan.policy))
+            "fused", "fused_mgpu", "rows") else (lambda: state.weights(call.plan.policy))
         weights = weights_of()
         transfer = call.transfer
         jx = transfer.to_jax(x)

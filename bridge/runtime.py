@@ -171,9 +171,9 @@ class _ModuleState:
         return self._derived(policy_name, data_parallel, lambda: self._prepare(policy_name))
 
     def kernel_jax_weights(self, stack: str, data_parallel: int = 1):
-        """A whole-stack kernel's weights as jax arrays ("fused": FusedWeights, "fused_mgpu":
-        MgpuStackWeights), built once per weight version (and replicated once over the mesh of a split
-        plan)."""
+        """A kernel stack's weights as jax arrays ("fused": FusedWeights, "fused_mgpu": MgpuStackWeights,
+        "rows": PreparedWeights with padded heads), built once per weight version (and replicated once
+        over the mesh of a split plan)."""
         prepared = self.weights("mixed_fp16")
         return self._derived(f"{stack}-jax", data_parallel,
                              lambda: kernel_weights(prepared, self.model_key, stack))
@@ -404,7 +404,7 @@ def forward(module: torch.nn.Module, x: torch.Tensor, valid_token_mask: torch.Te
         out = call.direct(x, mask, tensors)
         return out if call.upcast_to is None else out.to(call.upcast_to)
 
-    if call.plan.stack in ("fused", "fused_mgpu"):   # the kernel's own layout, once per weight version
+    if call.plan.stack in ("fused", "fused_mgpu", "rows"):   # the kernels' own layout, once per weight version
         weights = state.kernel_jax_weights(call.plan.stack, call.plan.data_parallel)
     else:
         weights = state.weights(call.plan.policy, call.plan.data_parallel)

@@ -54,7 +54,7 @@ def test_planner_keeps_the_xla_program_elsewhere():
     plan_11 = T.plan(shape_11, facts(shape_11), H200)
     assert plan_11.stack == "rows" and "16 heads" in plan_11.explain()
     from_torch = T.InputFacts(shape_11.batch_size, shape_11.seq_len, "float32", MaskKind.ALL_TRUE, caller="torch")
-    assert T.plan(shape_11, from_torch, H200).stack == "layers"   # the bridge: host cost (measured)
+    assert T.plan(shape_11, from_torch, H200).stack == "rows"     # the bridge too (padded heads, measured)
     odd = T.Config(1, 100, 128, 16, 128, 1, True)   # 100 rows: not whole row tiles of ROWS_BLOCK
     assert T.plan(odd, facts(odd), H200).stack == "layers"
     rows_over = FUSED_STACK_MAX_ROWS // shape_2.seq_len + 1

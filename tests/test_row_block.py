@@ -16,7 +16,7 @@ import ttj_jax as T
 from ttj_jax.masks import MaskKind
 from ttj_jax.planner import CPU
 from conftest import to_torch
-from ttj_jax.kernels.row_block import rows_forward, supports
+from ttj_jax.kernels.row_block import rows_forward, rows_weights, supports
 
 CASES = {   # (B, S, d, H, ffn, L, causal, mask kind)
     "causal-no-mask": (2, 32, 64, 4, 128, 2, True, None),
@@ -53,6 +53,48 @@ def test_rows_stack_matches_the_xla_program(case, harness_rule):
     exact = np.asarray(T.reference(params, x, mask, config=config))
     # no further from the exact fp32 reference than the XLA program (both round the same operands)
     assert np.abs(y - exact).max() <= 1.5 * np.abs(xla - exact).max() + 1e-5
+
+
+@pytest.mark.parametrize("mask_kind", [None, "general"])
+def test_padded_heads_give_the_unpadded_result(mask_kind, harness_rule):
+    """head_dim 8: rows_weights pads each head to the flash kernel's width 16 (q/k/v columns, out-projection
+    rows); the row kernels then write q, k, v padded and no copies surround attention. Same output as the
+    unpadded weights (where the flash kernel pads itself) up to summation order, and the harness rule
+    against the XLA program; the model's rows path takes the padded layout from kernel_weights."""
+    B, S, d, H, ffn, L = 2, 32, 64, 8, 64, 2
+    config = T.Config(B, S, d, H, ffn, L, True)
+    params = T.init_params(jax.random.key(3), config)
+    prepared = T.prepare_weights(params, T.MIXED_FP16)
+    padded = rows_weights(prepared, H)
+    assert padded.layers[0]["qkv_weight"].shape == (d, 3 * H * 16)
+    assert padded.layers[0]["out_weight"].shape == (H * 16, d)
+    w = np.asarray(padded.layers[0]["qkv_weight"], np.float32).reshape(d, 3, H, 16)
+    assert (w[..., 8:] == 0).all() and np.array_equal(w[..., :8].reshape(d, -1),
+                                                      np.asarray(prepared.layers[0]["qkv_weight"], np.float32))
+    assert rows_weights(T.prepare_weights(T.init_params(jax.random.key(0), T.Config(1, 16, 64, 4, 64, 1, True)),
+                                          T.MIXED_FP16), 4).layers[0]["qkv_weight"].shape == (64, 192)   # hd 16: as is
+    x = jax.random.normal(jax.random.key(5), (B, S, d), jnp.float32)
+    mask = _mask(mask_kind, B, S)
+    key_valid = None if mask is None else mask
+    run = lambda weights: np.asarray(rows_forward(weights, x, mask, key_valid, num_heads=H, causal=True,  # noqa: E731
+                                                  interpret=True))
+    np.testing.assert_allclose(run(padded), run(prepared), rtol=0, atol=2e-4)
+    y = np.asarray(T.forward(prepared, x, mask, config=config, stack="rows"))
+    assert T.model.kernel_weights(prepared, T.model_key(config), "rows").layers[0]["qkv_weight"].shape[1] == 3 * H * 16
+    harness_rule(to_torch(y), to_torch(T.forward(params, x, mask, config=config, stack="layers")))
+    with pytest.raises(ValueError, match="width"):
+        rows_forward(padded, x, num_heads=4, causal=True, interpret=True)
+
+
+def test_padded_heads_lower_with_no_copies_around_attention():
+    config = T.OFFICIAL["11"].config   # 16 heads of 8
+    params = jax.eval_shape(lambda: T.init_params(jax.random.key(0), config))
+    padded = jax.eval_shape(lambda p: rows_weights(T.prepare_weights(p, T.MIXED_FP16), 16), params)
+    x = jax.ShapeDtypeStruct((2, 128, 128), jnp.float32)
+    text = jax.jit(lambda w, x: rows_forward(w, x, num_heads=16, causal=True)).trace(padded, x).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "ttj_flash_attention" in text and "ttj_rows_between" in text
+    assert set(re.findall(r"stablehlo\.(\w+)", text)) <= {"custom_call", "reshape", "return", "call"}
 
 
 def test_planner_takes_the_rows_stack_between_the_fused_kernel_and_long_sequences():

@@ -185,15 +185,19 @@ _KERNEL_WEIGHTS: "weakref.WeakKeyDictionary[PreparedWeights, dict]" = weakref.We
 
 def kernel_weights(prepared: PreparedWeights, config: Config, stack: str):
     """What the plan's executable takes for `prepared`: the whole-stack kernels' own weight layouts
-    ("fused": FusedWeights, "fused_mgpu": MgpuStackWeights), built once per PreparedWeights object (they
-    are immutable) and kept as long as it lives; `prepared` itself for the other stacks."""
-    if stack not in ("fused", "fused_mgpu"):
+    ("fused": FusedWeights, "fused_mgpu": MgpuStackWeights; "rows": heads narrower than the flash
+    kernel's smallest width zero-padded, row_block.rows_weights), built once per PreparedWeights object
+    (they are immutable) and kept as long as it lives; `prepared` itself for the other stacks."""
+    if stack not in ("fused", "fused_mgpu", "rows"):
         return prepared
     cached = _KERNEL_WEIGHTS.setdefault(prepared, {})
     if stack not in cached:
         if stack == "fused":
             from ttj_jax.kernels.fused_stack import stack_weights
             cached[stack] = jax.jit(functools.partial(stack_weights, num_heads=config.num_heads))(prepared)
+        elif stack == "rows":
+            from ttj_jax.kernels.row_block import rows_weights
+            cached[stack] = jax.jit(functools.partial(rows_weights, num_heads=config.num_heads))(prepared)
         else:
             from ttj_jax.kernels.fused_stack_mgpu import stack_weights_mgpu   # jitted inside
             cached[stack] = stack_weights_mgpu(prepared, config.num_heads)

@@ -64,10 +64,10 @@ FUSED_STACK_MAX_ROWS = 10000 * 128
 # and 4 heads it won (shapes 9, 10, 1: 0.094, 0.106, 0.133 against 0.137, 0.134, 0.135 ms). Beyond it
 # the "rows" stack: at shape 11 its compiled program took 0.167 ms per call against the XLA program's
 # 0.213, zero failing elements (bench/results/ablate-2026-11-30-nvidia-h200-session6.json, which also lists
-# both programs' GPU time by kernel). For JAX callers only: through the bridge its ~25 kernel launches
-# and 50-leaf weight tree cost more host time than its GPU time saves (official-2026-11-30-h200-session6:
-# 0.240 ms per bridge call against 0.166 for JAX; the XLA program took 0.221 through the bridge in
-# official-2026-11-30-h200-session5).
+# both programs' GPU time by kernel). Through the bridge that first build lost: its ~25 kernel launches
+# (12 of them pads of head_dim 8 to 16, 4 slices back) cost more host time than its GPU time saved
+# (official-2026-11-30-h200-session6-part1: 0.240 ms per bridge call against 0.166 for JAX); with the
+# heads padded in the weights instead (row_block.rows_weights: 9 kernels, no copies)
 FUSED_STACK_MAX_HEADS = 4
 # The fused kernel's mask path (valid_token_mask: keys excluded, invalid rows zeroed) ran on the H200 with
 # zero failing elements on prefix and general masks (shape 2, 3 seeds each,
@@ -327,7 +327,7 @@ def _stack(config: Config, inputs: InputFacts, device: DeviceFacts, policy: str,
         if rows > FUSED_STACK_MAX_ROWS:
             return "layers", ""
         if config.num_heads > FUSED_STACK_MAX_HEADS:
-            if inputs.caller == "jax" and row_block.supports(config) and rows % ROWS_BLOCK == 0:
+            if row_block.supports(config) and rows % ROWS_BLOCK == 0:
                 return "rows", (f"{config.num_heads} heads: more than the fused kernel walks well; per layer "
                                 "our flash kernel and one row-tile kernel, measured faster than the XLA "
                                 "program at 16 heads of 8 (shape 11: 0.167 against 0.213 ms)")

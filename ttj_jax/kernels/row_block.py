@@ -15,6 +15,13 @@ Kernels (each a `pl.pallas_call` over row tiles of `block_rows` rows; widths mus
   (zeroed on invalid rows); then either the next layer's q, k, v or, after the last layer, the final
   LayerNorm (zeroed on invalid rows).
 
+Heads narrower than the flash kernel's smallest width (head_dim 8, shape 11): `rows_weights` zero-pads
+each head's q/k/v columns and out-projection rows to the width the kernel runs at (`padded_head_dim`),
+so the row kernels write q, k, v already padded and read the padded context: no pad or slice copies
+around attention (12 pads and 4 slices per call at shape 11: ~50 of its ~170 us on the H200, and a
+dozen kernel launches). The padded columns are exact zeros (zero weights, zero bias), as the flash
+kernel's own padding would make them; the softmax scale stays head_dim ** -0.5.
+
 Numerics are the project's mixed policy (numerics.MIXED_FP16), as in the XLA program: fp16 dot operands
 with fp32 accumulation, fp32 residual, LayerNorm in fp32, q/k/v rounded to fp16 (what attention reads),
 GELU on fp32 with the erf evaluated by XLA's rational approximation (fused_stack._erf, within 4e-7).
@@ -65,10 +72,15 @@ def _whole(array):
 
 
 def _project_qkv(h, qkv_w_ref, qkv_b_ref, q_ref, k_ref, v_ref, d_model: int):
-    """q, k, v of the rows h, each out of its d_model columns of the fused [d, 3d] projection."""
+    """q, k, v of the rows h, each out of its `width` columns of the fused [d, 3 width] projection
+    (width = d_model, or wider with padded heads), in column chunks of d_model (one accumulator of
+    block_rows x d_model at a time)."""
+    width = q_ref.shape[-1]
     for slot, out_ref in enumerate((q_ref, k_ref, v_ref)):
-        columns = pl.ds(slot * d_model, d_model)
-        out_ref[...] = (_dot(h, qkv_w_ref[:, columns]) + qkv_b_ref[columns][None, :]).astype(out_ref.dtype)
+        for start in range(0, width, d_model):
+            columns = pl.ds(slot * width + start, d_model)
+            out_ref[:, pl.ds(start, d_model)] = (
+                _dot(h, qkv_w_ref[:, columns]) + qkv_b_ref[columns][None, :]).astype(out_ref.dtype)
 
 
 def _entry_kernel(x_ref, n_w_ref, n_b_ref, qkv_w_ref, qkv_b_ref, q_ref, k_ref, v_ref, *, d_model: int):
@@ -113,6 +125,32 @@ def _between_kernel(*refs, d_model: int, ffn_block: int, masked: bool, last: boo
     _project_qkv(h, qkv_w_ref, qkv_b_ref, q_ref, k_ref, v_ref, d_model)
 
 
+def rows_weights(prepared: PreparedWeights, num_heads: int) -> PreparedWeights:
+    """`prepared` with each head's q/k/v columns (weights and biases) and out-projection rows zero-padded
+    to `padded_head_dim(head_dim)` (module docstring), or `prepared` itself when the heads need no
+    padding. Traceable: build it once under jit (model.kernel_weights does) and keep it."""
+    from ttj_jax.kernels.flash_attention import padded_head_dim
+    d = prepared.layers[0]["qkv_weight"].shape[0]
+    hd = d // num_heads
+    pad = padded_head_dim(hd) - hd
+    if not pad:
+        return prepared
+
+    def per_head_columns(a):   # [..., 3d] -> [..., 3 H hp]
+        a = a.reshape(a.shape[:-1] + (3, num_heads, hd))
+        a = jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, pad)])
+        return a.reshape(a.shape[:-3] + (-1,))
+
+    def per_head_rows(w):      # [d, d_out] (context features in) -> [H hp, d_out]
+        w = jnp.pad(w.reshape(num_heads, hd, -1), ((0, 0), (0, pad), (0, 0)))
+        return w.reshape(num_heads * (hd + pad), -1)
+
+    layers = [{**layer, "qkv_weight": per_head_columns(layer["qkv_weight"]),
+               "qkv_bias": per_head_columns(layer["qkv_bias"]), "out_weight": per_head_rows(layer["out_weight"])}
+              for layer in prepared.layers]
+    return PreparedWeights(layers, prepared.final_norm, prepared.policy_name)
+
+
 def _compiler(blocks: RowBlocks):
     return pltriton.CompilerParams(num_warps=blocks.num_warps, num_stages=1)
 
@@ -125,12 +163,14 @@ def rows_forward(prepared: PreparedWeights, x: jax.Array, row_valid: jax.Array |
     """y = LN_final(layers(x)) per SPEC section 1: per layer our flash-attention kernel and one row-tile
     kernel for everything else (module docstring).
 
-    prepared: PreparedWeights of the mixed_fp16 policy. x: [B, S, d] (any float dtype; computed with an
+    prepared: PreparedWeights of the mixed_fp16 policy, as they are or with padded heads (`rows_weights`:
+    no copies around attention; without them the flash kernel pads heads narrower than 16 itself).
+    x: [B, S, d] (any float dtype; computed with an
     fp32 residual, returned in x's dtype). row_valid: None or bool [B, S]: invalid rows are zeroed as
     SPEC 1 says. key_valid: None or bool [B, S]: keys attention may see (see model.key_mask_for).
     B * S must be a multiple of block_rows (the caller pads; the planner only plans shapes that are).
     """
-    from ttj_jax.kernels.flash_attention import flash_attention
+    from ttj_jax.kernels.flash_attention import flash_attention, padded_head_dim
     if prepared.policy_name != MIXED_FP16.name:
         raise ValueError(f"prepared.policy_name={prepared.policy_name!r} must be {MIXED_FP16.name!r}")
     B, S, d = x.shape
@@ -141,27 +181,33 @@ def rows_forward(prepared: PreparedWeights, x: jax.Array, row_valid: jax.Array |
                          f"{MAX_D_MODEL} and {MAX_FFN_DIM}")
     if n % block_rows:
         raise ValueError(f"batch * seq_len = {n} must be a multiple of block_rows={block_rows}")
+    head_dim = d // num_heads
+    width = prepared.layers[0]["qkv_weight"].shape[1] // 3   # d, or num_heads * padded head width
+    if width not in (d, num_heads * padded_head_dim(head_dim)):
+        raise ValueError(f"q/k/v width {width}: expected {d} or, padded by rows_weights, "
+                         f"{num_heads * padded_head_dim(head_dim)}")
+    head_width = width // num_heads
     blocks = RowBlocks(block_rows, min(ffn_block, ffn), num_warps)
     grid = (n // block_rows,)
     rows = x.reshape(n, d).astype(jnp.float32)
     masked = row_valid is not None
     mask_inputs = [row_valid.reshape(n).astype(jnp.int8)] if masked else []
     mask_specs = [pl.BlockSpec((block_rows,), lambda i: (i,))] if masked else []
-    qkv_shapes = [jax.ShapeDtypeStruct((n, d), _GEMM_DTYPE)] * 3
+    qkv_shapes = [jax.ShapeDtypeStruct((n, width), _GEMM_DTYPE)] * 3
 
     first = prepared.layers[0]
     entry_inputs = [first["norm1_weight"], first["norm1_bias"], first["qkv_weight"], first["qkv_bias"]]
     q, k, v = pl.pallas_call(
         functools.partial(_entry_kernel, d_model=d), grid=grid,
         in_specs=[_row_spec(block_rows, d)] + [_whole(a) for a in entry_inputs],
-        out_specs=[_row_spec(block_rows, d)] * 3, out_shape=qkv_shapes,
+        out_specs=[_row_spec(block_rows, width)] * 3, out_shape=qkv_shapes,
         compiler_params=_compiler(blocks), interpret=interpret, name="ttj_rows_entry",
     )(rows, *entry_inputs)
 
     for index, layer in enumerate(prepared.layers):
-        heads = lambda a: a.reshape(B, S, num_heads, d // num_heads)
+        heads = lambda a: a.reshape(B, S, num_heads, head_width)
         context = flash_attention(heads(q), heads(k), heads(v), causal=causal, key_mask=key_valid,
-                                  interpret=interpret).reshape(n, d)
+                                  sm_scale=head_dim ** -0.5, interpret=interpret).reshape(n, width)
         last = index == len(prepared.layers) - 1
         layer_inputs = [layer["out_weight"], layer["out_bias"], layer["norm2_weight"], layer["norm2_bias"],
                         layer["ffn_in_weight"], layer["ffn_in_bias"], layer["ffn_out_weight"], layer["ffn_out_bias"]]
@@ -172,13 +218,13 @@ def rows_forward(prepared: PreparedWeights, x: jax.Array, row_valid: jax.Array |
             following = prepared.layers[index + 1]
             tail_inputs = [following["norm1_weight"], following["norm1_bias"], following["qkv_weight"],
                            following["qkv_bias"]]
-            out_specs = [_row_spec(block_rows, d)] * 4
+            out_specs = [_row_spec(block_rows, d)] + [_row_spec(block_rows, width)] * 3
             out_shape = [jax.ShapeDtypeStruct((n, d), jnp.float32)] + qkv_shapes
         weights = layer_inputs + tail_inputs
         result = pl.pallas_call(
             functools.partial(_between_kernel, d_model=d, ffn_block=blocks.ffn_block, masked=masked, last=last),
             grid=grid,
-            in_specs=[_row_spec(block_rows, d), _row_spec(block_rows, d)] + mask_specs
+            in_specs=[_row_spec(block_rows, d), _row_spec(block_rows, width)] + mask_specs
             + [_whole(a) for a in weights],
             out_specs=out_specs, out_shape=out_shape, compiler_params=_compiler(blocks), interpret=interpret,
             name="ttj_rows_between",
