@@ -67,7 +67,9 @@ FUSED_STACK_MAX_ROWS = 10000 * 128
 # both programs' GPU time by kernel). Through the bridge that first build lost: its ~25 kernel launches
 # (12 of them pads of head_dim 8 to 16, 4 slices back) cost more host time than its GPU time saved
 # (official-2026-11-30-h200-session6-part1: 0.240 ms per bridge call against 0.166 for JAX); with the
-# heads padded in the weights instead (row_block.rows_weights: 9 kernels, no copies)
+# heads padded in the weights instead (row_block.rows_weights: 9 kernels, no copies) the program took
+# 0.1555 ms (XLA program 0.2153, ablate11-padded-2026-11-30-nvidia-h200-session6.json) and the bridge
+# 0.1756 against the peer's 0.2259 (official-2026-11-30-h200-session6, part 3), zero failing elements.
 FUSED_STACK_MAX_HEADS = 4
 # The fused kernel's mask path (valid_token_mask: keys excluded, invalid rows zeroed) ran on the H200 with
 # zero failing elements on prefix and general masks (shape 2, 3 seeds each,
@@ -330,7 +332,7 @@ def _stack(config: Config, inputs: InputFacts, device: DeviceFacts, policy: str,
             if row_block.supports(config) and rows % ROWS_BLOCK == 0:
                 return "rows", (f"{config.num_heads} heads: more than the fused kernel walks well; per layer "
                                 "our flash kernel and one row-tile kernel, measured faster than the XLA "
-                                "program at 16 heads of 8 (shape 11: 0.167 against 0.213 ms)")
+                                "program at 16 heads of 8 (shape 11: 0.156 against 0.215 ms)")
             return "layers", ""
         return "fused", (f"{inputs.batch_size}x{inputs.seq_len} tokens fit the fused whole-stack kernel: one "
                          f"launch instead of the XLA program's ~50 kernels, measured faster up to "
