@@ -29,8 +29,9 @@ class NumericsPolicy:
     residual_dtype: np.dtype = np.dtype(np.float32)     # the residual stream between blocks
     statistics_dtype: np.dtype = np.dtype(np.float32)   # LayerNorm mean/variance and softmax
     # The q/k/v projection's output, which only attention reads (in gemm_dtype): fp32, or gemm_dtype
-    # itself so the GEMM writes half the bytes and no separate pass rounds it (an experiment for the
-    # GEMM-bound shape 8, where that fp32 tensor is ~100 MB per layer; the bias is then added in fp16).
+    # itself so the GEMM writes half the bytes and no separate pass rounds it (GEMM-bound shape 8, where
+    # that fp32 tensor is ~100 MB per layer; the program adds the bias after the GEMM, which cuBLAS
+    # takes into its epilogue: see planner.GEMM_BOUND_XLA_OPTIONS).
     projection_dtype: np.dtype = np.dtype(np.float32)
 
     def shares_weights_with(self, other: "NumericsPolicy") -> bool:

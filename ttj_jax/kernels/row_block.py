@@ -165,8 +165,7 @@ def rows_forward(prepared: PreparedWeights, x: jax.Array, row_valid: jax.Array |
 
     prepared: PreparedWeights of the mixed_fp16 policy, as they are or with padded heads (`rows_weights`:
     no copies around attention; without them the flash kernel pads heads narrower than 16 itself).
-    x: [B, S, d] (any float dtype; computed with an
-    fp32 residual, returned in x's dtype). row_valid: None or bool [B, S]: invalid rows are zeroed as
+    x: [B, S, d] (any float dtype; computed with an fp32 residual, returned in x's dtype). row_valid: None or bool [B, S]: invalid rows are zeroed as
     SPEC 1 says. key_valid: None or bool [B, S]: keys attention may see (see model.key_mask_for).
     B * S must be a multiple of block_rows (the caller pads; the planner only plans shapes that are).
     """
