@@ -18,7 +18,9 @@ prints a table last.
 
 First question (shape 8, GEMM-bound, 0.92x the torch peer): the q/k/v GEMM writes a [B*S, 3d] fp32
 tensor (~100 MB per layer there) that a second pass reads back and rounds to fp16; written in fp16 by
-the GEMM itself, ~250 MB less traffic per layer, ~0.2 ms of shape 8's ~1.26 ms.
+the GEMM itself, ~250 MB less traffic per layer, ~0.2 ms of shape 8's ~1.26 ms. Answer (session 6,
+--kernels): slower with XLA's Triton GEMM (1.333 ms), faster with cuBLAS (1.135 against 1.288;
+bench/results/ablate8-2026-11-30-nvidia-h200-session6.json), now planner.GEMM_BOUND_*.
 """
 
 from __future__ import annotations
@@ -89,12 +91,15 @@ def run_shape(sid: str, variants: list[str], seeds: int, device: str, kernels: b
             kwargs = parse_variant(variant)
             options = kwargs.pop("compiler_options")
             prepared = T.prepare_weights(params, T.get_policy(kwargs["policy"]))
-            if options:   # forward() takes no XLA options: the plan's program compiled with them
-                probe = jnp.zeros((config.batch_size, config.seq_len, config.d_model), jnp.float32)
-                chosen = plan_for(config, probe, T.MaskKind.NONE, **kwargs)
-                optioned = T.executable(chosen, T.model_key(config), True, options)
-                optioned_weights = kernel_weights(prepared, T.model_key(config), chosen.stack)
-                step = lambda w, a: optioned(optioned_weights, a, None)   # noqa: E731
+            timing_x = jax.random.normal(jax.random.key(7),
+                                         (config.batch_size, config.seq_len, config.d_model))
+            # the variant's compiled program alone (what the bridge calls): timed below, not forward()'s
+            # planning and checks, whose host time would hide the GPU time of the small shapes
+            chosen = plan_for(config, timing_x, T.MaskKind.NONE, **kwargs)
+            program = T.executable(chosen, T.model_key(config), True, options)
+            program_weights = kernel_weights(prepared, T.model_key(config), chosen.stack)
+            if options:   # forward() takes no XLA options: the program compiled with them
+                step = lambda w, a: program(program_weights, a, None)   # noqa: E731
             else:
                 # ttj_jax.forward plans once per input signature and runs its cached executable
                 step = lambda w, a, kw=kwargs: T.forward(w, a, config=config, **kw)   # noqa: E731
@@ -107,23 +112,17 @@ def run_shape(sid: str, variants: list[str], seeds: int, device: str, kernels: b
                 f, w = check_close(torch.from_numpy(y).to(device), ref)
                 failed, worst = failed + f, max(worst, w)
             result["accuracy"][variant] = {"failed_elements": failed, "worst_err_over_tol": worst}
-            x = jax.random.normal(jax.random.key(7), (config.batch_size, config.seq_len, config.d_model))
-            # timed: the variant's compiled program alone (what the bridge calls), not forward()'s planning
-            # and checks, whose host time would hide the GPU time of the small shapes
-            chosen = plan_for(config, x, T.MaskKind.NONE, **kwargs)
-            program = T.executable(chosen, T.model_key(config), True, options)
-            program_weights = kernel_weights(prepared, T.model_key(config), chosen.stack)
-            jax.block_until_ready(program(program_weights, x, None))
-            result["jax_ms"][variant], _ = stream_ms_per_call(program, (program_weights, x, None),
+            jax.block_until_ready(program(program_weights, timing_x, None))
+            result["jax_ms"][variant], _ = stream_ms_per_call(program, (program_weights, timing_x, None),
                                                               min_seconds=0.2, repeats=5)
             result.setdefault("plans", {})[variant] = chosen.explain()
             if kernels:
-                trace = profile_cuda(lambda: program(program_weights, x, None), calls=5)
+                trace = profile_cuda(lambda: program(program_weights, timing_x, None), calls=5)
                 result.setdefault("kernels", {})[variant] = kernel_table(trace, calls=5)
             if hlo_path is not None:   # the optimized program XLA ran: which ops it fused, which it did not
                 with hlo_path.open("a") as f:
                     f.write(f"==== shape {sid} variant {variant}\n")
-                    f.write(program.lower(program_weights, x, None).compile().as_text() + "\n")
+                    f.write(program.lower(program_weights, timing_x, None).compile().as_text() + "\n")
         except Exception as exc:  # noqa: BLE001 - recorded, the run goes on
             result["errors"][variant] = describe_error(exc)
     return result

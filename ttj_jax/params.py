@@ -64,9 +64,6 @@ def init_params(key: jax.Array, config: Config, dtype=jnp.float32) -> dict:
     return _unflatten(flat, config.num_layers)
 
 
-_DLPACK_CPU = 1   # DLPack's kDLCPU
-
-
 def to_jax_array(value: Any) -> jax.Array:
     """Any array that speaks DLPack or numpy, as a jax array on jax's default device: zero-copy where the
     producer allows and already lives there. A host array (numpy, a CPU torch tensor) on a machine whose

@@ -102,9 +102,10 @@ MGPU_STACK_JAX_MIN_SEQ_LEN = 64
 # (XLA's Triton GEMMs off: cuBLAS then also fuses both residual adds into the out-projection and MLP-out
 # GEMMs' epilogues). Shape 8 on the H200, compiled programs in one process
 # (bench/results/ablate8-2026-11-30-nvidia-h200-session6.json, kernels listed): 1.135 ms per call against
-# 1.288 (cuBLAS, fp32 q/k/v); in another process (ablate8-defaults-...-session6.json, with the optimized HLO)
-# XLA's defaults took 1.302 and Triton GEMMs with fp16 q/k/v were slower (1.333); zero failing elements, worst err/tol 0.527. Longer sequences (shape 14) are not measured
-# with it and keep the defaults.
+# 1.288 (cuBLAS, fp32 q/k/v); in another process (ablate8-defaults-...-session6.json, with the optimized
+# HLO) XLA's defaults took 1.302 and Triton GEMMs with fp16 q/k/v were slower (1.333); zero failing
+# elements, worst err/tol 0.527. Longer sequences (shape 14) are not measured with it and keep the
+# defaults.
 GEMM_BOUND_MIN_D_MODEL = 1024
 GEMM_BOUND_POLICY = "mixed_fp16_qkv16"
 GEMM_BOUND_XLA_OPTIONS = (("xla_gpu_enable_triton_gemm", False),)
@@ -264,8 +265,7 @@ def plan(config: Config, inputs: InputFacts, device: DeviceFacts = CPU, *,
         reasons.append(f"activations exceed {ACTIVATION_MEMORY_SHARE:.0%} of device memory: "
                        f"batch chunks of {batch_chunk}")
     if stack == "rows":
-        from ttj_jax.kernels.row_block import supports as rows_supported
-        if not rows_supported(config) or (inputs.batch_size * inputs.seq_len) % ROWS_BLOCK:
+        if not _rows_stack_fits(config, inputs):
             raise ValueError(f"stack 'rows' needs d_model and ffn_dim powers of two (d_model <= 128) and "
                              f"batch * seq_len a multiple of {ROWS_BLOCK}; got {config}, "
                              f"{inputs.batch_size}x{inputs.seq_len}")
@@ -301,6 +301,13 @@ def plan(config: Config, inputs: InputFacts, device: DeviceFacts = CPU, *,
                 data_parallel=data_parallel, reason="; ".join(reasons), stack=stack, xla_options=xla_options)
 
 
+def _rows_stack_fits(config: Config, inputs: InputFacts) -> bool:
+    """Whether the "rows" stack's kernels take this model (row_block.supports) and these rows (whole
+    tiles of ROWS_BLOCK)."""
+    from ttj_jax.kernels import row_block   # limits of the kernels (pure)
+    return row_block.supports(config) and (inputs.batch_size * inputs.seq_len) % ROWS_BLOCK == 0
+
+
 def _stack(config: Config, inputs: InputFacts, device: DeviceFacts, policy: str, mask_mode: str,
            batch_chunk) -> tuple[str, str]:
     """For one device's share of the batch (`inputs`): on Hopper, for mask-free fp32 calls it takes, the
@@ -308,7 +315,7 @@ def _stack(config: Config, inputs: InputFacts, device: DeviceFacts, policy: str,
     is measured faster than the XLA program (FUSED_STACK_MAX_ROWS, FUSED_STACK_MAX_HEADS); beyond its
     sequence length, the "rows" stack (ROWS_STACK_MAX_SEQ_LEN); the layer-by-layer XLA program otherwise.
     The last two kernels take any mask (they mask keys and zero rows)."""
-    from ttj_jax.kernels import fused_stack, fused_stack_mgpu, row_block   # limits of the kernels (pure)
+    from ttj_jax.kernels import fused_stack, fused_stack_mgpu   # limits of the kernels (pure)
     if not (device.is_gpu and policy == "mixed_fp16" and not batch_chunk):
         return "layers", ""
     rows = inputs.batch_size * inputs.seq_len
@@ -329,7 +336,7 @@ def _stack(config: Config, inputs: InputFacts, device: DeviceFacts, policy: str,
         if rows > FUSED_STACK_MAX_ROWS:
             return "layers", ""
         if config.num_heads > FUSED_STACK_MAX_HEADS:
-            if row_block.supports(config) and rows % ROWS_BLOCK == 0:
+            if _rows_stack_fits(config, inputs):
                 return "rows", (f"{config.num_heads} heads: more than the fused kernel walks well; per layer "
                                 "our flash kernel and one row-tile kernel, measured faster than the XLA "
                                 "program at 16 heads of 8 (shape 11: 0.156 against 0.215 ms)")
@@ -338,7 +345,7 @@ def _stack(config: Config, inputs: InputFacts, device: DeviceFacts, policy: str,
                          f"launch instead of the XLA program's ~50 kernels, measured faster up to "
                          f"{FUSED_STACK_MAX_ROWS} tokens")
     if (inputs.seq_len > fused_stack.MAX_SEQ_LEN and inputs.seq_len <= ROWS_STACK_MAX_SEQ_LEN
-            and row_block.supports(config) and rows % ROWS_BLOCK == 0):
+            and _rows_stack_fits(config, inputs)):
         return "rows", (f"S={inputs.seq_len}: per layer our flash kernel and one row-tile kernel for the rest "
                         "(one pass over the fp32 residual instead of ~8), measured faster than the XLA "
                         "program at S=1024 (0.78 against 1.09 ms)")
