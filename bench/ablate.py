@@ -145,7 +145,8 @@ def main(argv=None) -> int:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    document = {"gpu": gpu, "jax": jax.__version__, "date": datetime.date.today().isoformat(),
+    document = {"gpu": gpu, "jax": jax.__version__, "torch": torch.__version__,
+                "date": datetime.date.today().isoformat(),
                 "command": "python bench/ablate.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                 "shapes": {}}
     out = pathlib.Path(args.out)

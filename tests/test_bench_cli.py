@@ -2,6 +2,7 @@
 
 import json
 
+import jax
 import pytest
 import torch
 
@@ -123,6 +124,7 @@ def test_ablate_variants_end_to_end(tmp_path):
     status = ablate.main(["--shapes", "cpu-1", "--variants", f"mixed_fp16/layers/xla,mixed_fp16/fused,{optioned}",
                           "--seeds", "1", "--device", "cpu", "--out", str(tmp_path), "--tag", "t", "--hlo"])
     document = json.loads((tmp_path / "t.json").read_text())
+    assert document["torch"] == torch.__version__ and document["jax"] == jax.__version__
     shape = document["shapes"]["cpu-1"]
     assert status == 0 and shape["accuracy"]["mixed_fp16/layers/xla"]["failed_elements"] == 0
     assert shape["accuracy"][optioned]["failed_elements"] == 0 and shape["jax_ms"][optioned] > 0
