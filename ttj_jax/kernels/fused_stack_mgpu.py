@@ -263,9 +263,22 @@ def _gelu(pre, fast_erf: bool):
 
 # --- The kernel -------------------------------------------------------------------------------------
 
+# Timing ablations (kernel_function(ablate=...)): what each changes. Only "shift_mask" keeps the output.
+ABLATIONS = {
+    "shift_mask": "packed sequences' block-diagonal mask from shifts instead of integer divisions (same mask)",
+    "no_mask": "no attention mask at all (wrong output)",
+    "no_softmax": "P = scores in fp16: no mask, max, exp2 or normalisation (wrong output)",
+    "no_attention": "ctx = q: no score or P V wgmma and no softmax (wrong output)",
+    "no_gelu": "the MLP's hidden layer without GELU (wrong output)",
+    "no_layer_norm": "LayerNorm as x * w + b, without mean and variance (wrong output)",
+    "one_head_proj": "q/k/v and MLP-in: head 0's wgmma only, its product reused for every head (wrong output)",
+}
+
+
 def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, num_layers: int, num_heads: int,
                   seq_len: int, causal: bool, interpret: bool = False, overlap: bool = False,
-                  profile: bool = False, d_model: int = D_MODEL, fast_erf: bool = False):
+                  profile: bool = False, d_model: int = D_MODEL, fast_erf: bool = False,
+                  ablate: frozenset = frozenset()):
     plgpu = _plgpu()
 
     def phase(name):
@@ -318,6 +331,8 @@ def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, num_layers: int, 
             return lax.broadcast_in_dim(v, shape, [0])
 
         def layer_norm(x, layer, w_index, b_index):
+            if "no_layer_norm" in ablate:
+                return x * row_bcast(vec(layer, w_index), x.shape) + row_bcast(vec(layer, b_index), x.shape)
             mean = x.sum(axis=1) * (1.0 / d_model)
             centered = x - col_bcast(mean, x.shape)
             var = (centered * centered).sum(axis=1) * (1.0 / d_model)
@@ -356,6 +371,9 @@ def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, num_layers: int, 
             time, each waited for and finished by `then` before the next (matmul); overlap=True: all
             issued before the first is read, so the tensor core has len(bs) independent products in
             flight, then `then` on each. Same products, same rounding either way."""
+            if "one_head_proj" in ablate:   # one product, reused for every head (timing only)
+                product = matmul(None, a, bs[0])
+                return [then(i, product) for i in range(len(bs))]
             if not overlap:
                 return [then(i, matmul(None, a, b)) for i, b in enumerate(bs)]
 
@@ -406,7 +424,12 @@ def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, num_layers: int, 
             query = wg * WG_ROWS + iota((WG_ROWS, TILE_ROWS), 0)
             key = iota((WG_ROWS, TILE_ROWS), 1)
             allowed = None
-            if seq_len < TILE_ROWS:   # packed sequences: block diagonal
+            if "no_mask" in ablate:
+                return None
+            if seq_len < TILE_ROWS and "shift_mask" in ablate:   # the same block diagonal, by shifts
+                shift = jnp.int32(seq_len.bit_length() - 1)
+                allowed = lax.shift_right_logical(query, shift) == lax.shift_right_logical(key, shift)
+            elif seq_len < TILE_ROWS:   # packed sequences: block diagonal
                 allowed = lax.div(query, jnp.int32(seq_len)) == lax.div(key, jnp.int32(seq_len))
             if causal:
                 allowed = key <= query if allowed is None else allowed & (key <= query)
@@ -463,6 +486,8 @@ def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, num_layers: int, 
 
                 def gelu_block(block, pre, layer=layer):
                     pre = pre + row_bcast(vec(layer, B1, block * width, width), pre.shape)
+                    if "no_gelu" in ablate:
+                        return pre.astype(_GEMM_DTYPE)
                     return _gelu(pre, fast_erf).astype(_GEMM_DTYPE)
                 hidden = matmuls(h2, [w.at[block] for block in range(num_heads)], gelu_block)
                 chunk_done(4)
@@ -475,8 +500,14 @@ def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, num_layers: int, 
 
         def _attention(q):
             ctx = []
+            if "no_attention" in ablate:
+                return list(q)
             for head in range(num_heads):
                 scores = matmul(None, q[head], k_smem.at[head], transpose_b=True)
+                if "no_softmax" in ablate:
+                    out = matmul(None, scores.astype(_GEMM_DTYPE), v_smem.at[head])
+                    ctx.append(out.astype(_GEMM_DTYPE))
+                    continue
                 allowed = allowed_keys()
                 if allowed is not None:   # every row keeps its own key: the row max is finite
                     scores = jnp.where(allowed, scores, -jnp.inf)
@@ -564,7 +595,7 @@ def _staging_shapes(d_model: int, width: int) -> list[tuple[int, int]]:
 
 def kernel_function(batch: int, seq_len: int, num_heads: int, num_layers: int, causal: bool,
                     interpret: bool = False, overlap: bool = False, profile_dir: str | None = None,
-                    d_model: int = D_MODEL, fast_erf: bool = False):
+                    d_model: int = D_MODEL, fast_erf: bool = False, ablate: frozenset = frozenset()):
     """The bare kernel for x [batch, seq_len, d_model] fp32: f(x, mats, vecs) -> y. Nothing but the Mosaic
     GPU call (what `plgpu.as_torch_kernel` needs); batch must be a multiple of 128 // seq_len.
     interpret: False (the GPU kernel), True or "detect_races" (Mosaic GPU's interpret mode on a CPU,
@@ -579,7 +610,13 @@ def kernel_function(batch: int, seq_len: int, num_heads: int, num_layers: int, c
     named region per warpgroup, and every call writes a Perfetto trace (JSON) into that folder
     (bench/fused_stack_mgpu_profile.py reads it). GPU only; the default build is untouched.
     fast_erf: the GELU's erf by A&S 7.1.26 on the special-function unit instead of the rational erf
-    with a divide (see "GELU" above; `emulate(..., fast_erf=True)` models it)."""
+    with a divide (see "GELU" above; `emulate(..., fast_erf=True)` models it).
+    ablate: names from ABLATIONS, for bench/fused_stack_mgpu_ablate.py: each removes or changes one piece
+    of work; all but "shift_mask" give WRONG outputs (they measure what that piece costs). Empty (the
+    default): the verified build."""
+    unknown = set(ablate) - set(ABLATIONS)
+    if unknown:
+        raise ValueError(f"unknown ablations {sorted(unknown)}; known: {sorted(ABLATIONS)}")
     if seq_len not in SUPPORTED_SEQ_LENS:
         raise ValueError(f"{seq_len=} must be one of {SUPPORTED_SEQ_LENS}")
     error = model_error(d_model, num_heads, d_model)
@@ -617,7 +654,7 @@ def kernel_function(batch: int, seq_len: int, num_heads: int, num_layers: int, c
                 plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=1))               # kv_free
     body = functools.partial(_stack_kernel, num_layers=num_layers, num_heads=num_heads, seq_len=seq_len,
                              causal=causal, interpret=interpret, overlap=overlap, profile=bool(profile_dir),
-                             d_model=d_model, fast_erf=fast_erf)
+                             d_model=d_model, fast_erf=fast_erf, ablate=frozenset(ablate))
 
     def entry(x_ref, mats_ref, vecs_ref, y_ref):
         pl.run_scoped(lambda *scoped: body(x_ref, mats_ref, vecs_ref, y_ref, scoped), smem, barriers,
