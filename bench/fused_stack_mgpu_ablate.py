@@ -1,25 +1,29 @@
 """Where the Mosaic whole-stack kernel's time goes: drop-one ablations of it, timed side by side (H200).
 
     PYTHONPATH=. python3 bench/fused_stack_mgpu_ablate.py --out bench/results [--shapes 2,12,9]
-        [--variants default,shift_mask,no_mask,no_softmax,no_attention,no_gelu,no_layer_norm] [--tag T]
+        [--variants default,all_keys+rational_erf,no_mask,no_attention] [--kernels] [--tag T]
+    shapes: official ids or BxSxH (shape 1's model at that batch, sequence length and heads)
 
 The profiler build (bench/fused_stack_mgpu_profile.py) runs 2x slower than the plain kernel, so its
 per-phase split cannot say where the plain kernel's ~88 us per 128-row tile go. This script builds the
 plain kernel several times, each with one piece of work removed or changed
 (`fused_stack_mgpu.ABLATIONS`, `kernel_function(ablate=...)`; `a+b` combines two), and times them in
 alternating rounds (median of ROUNDS timings of back-to-back calls each, bench.jax_timing): what a piece
-costs is the default's time minus the variant's. Every variant except "shift_mask" computes a WRONG
-output on purpose; each variant's failing elements against the fp32 reference (harness rule) are
-recorded anyway, so the one meant to be exact is checked.
+costs is the default's time minus the variant's. Every variant except "all_keys", "shift_mask" and
+the KERNEL_OPTIONS computes a WRONG output on purpose; each variant's failing elements against the
+fp32 reference (harness rule) are recorded anyway, so the ones meant to be exact are checked.
 
-Question 1 (session 7): shape 12 (S=32, four sequences packed per tile) takes ~122 us against shape
-2's ~88 (one 128-row tile, the same work per tile). The only code that differs is the block-diagonal
-mask, built per head from two int32 divisions per score element; if those are real divisions (~20
-instructions each, 64 elements per thread, 4 heads, 4 layers), they cost ~30 us. Prediction: with
-"shift_mask" shape 12 drops to ~90 us, shape 2 does not move (its mask has no division).
-Question 2: at S=128, is the tile bound by elementwise work (softmax, GELU, LayerNorm) or by the wgmma
-chain? If removing the softmax or the GELU saves about what their instruction counts predict (~4 and
-~2 us per layer), elementwise work is the lever.
+Questions asked with it (session 7, H200; kernel times from --kernels):
+1. Why shape 12 (S=32, four sequences packed per tile) took ~118 us against shape 2's ~84 (the same work
+   per tile). Prediction: its block-diagonal mask's two int32 divisions per score element, ~30 us.
+   Answer: the mask was 36 us (no_mask), but shifts instead of divisions changed nothing (shift_mask);
+   elementwise work in general was the cost (no softmax, GELU and LayerNorm: 46 us). Each consumer's
+   rows hold whole sequences, so scoring only its own 64 keys (half the scores, one unsigned compare
+   for the mask) took shape 12 to 71 us (...-session7-keys.json; the old layout is "all_keys").
+2. Whether S=128 tiles are bound by elementwise work: removing softmax, GELU and LayerNorm took shape 2
+   from 84 to 46 us, the attention alone 22 (...-session7-kernels.json). Consumer 0 scoring only keys
+   0-63 (its others are all in the future) with the fast erf: 6-17% faster up to 64 tiles, slower at
+   128 and 10000 (...-session7-defaults.json; fused_stack_mgpu.SPLIT_MAX_TILES).
 
 Writes <out>/fused-stack-mgpu-ablate-<date>-<gpu>[-<tag>].json after every shape; prints a table last.
 """
@@ -39,23 +43,45 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 DEFAULT_SHAPES = "12,2,9"
-DEFAULT_VARIANTS = "default,shift_mask,no_mask,no_softmax,no_attention,no_gelu,no_layer_norm"
+DEFAULT_VARIANTS = "default,all_keys+rational_erf,no_mask,no_softmax,no_attention,no_gelu,no_layer_norm"
 ROUNDS = 7
 KERNEL_CALLS = 20   # --kernels: calls under torch.profiler per variant
 MIN_TIMING_S = 0.04
 ATOL, RTOL = 0.002, 0.02
 
 
-def parse_variant(text: str) -> frozenset:
-    """'default' -> no ablation; 'a+b' -> {a, b}; names must be in ABLATIONS."""
+KERNEL_OPTIONS = {"rational_erf": {"fast_erf": False}, "fast_erf": {"fast_erf": True},   # kernel_function's
+                  "overlap": {"overlap": True}}                                        # own switches
+
+
+def parse_variant(text: str) -> dict:
+    """'default' -> {}; 'a+b' -> kernel_function keyword arguments: names from ABLATIONS go into
+    ablate=..., names in KERNEL_OPTIONS their keyword arguments."""
     from ttj_jax.kernels.fused_stack_mgpu import ABLATIONS
     if text == "default":
-        return frozenset()
-    names = frozenset(text.split("+"))
-    unknown = names - set(ABLATIONS)
+        return {}
+    names = set(text.split("+"))
+    unknown = names - set(ABLATIONS) - set(KERNEL_OPTIONS)
     if unknown:
-        raise ValueError(f"unknown ablations {sorted(unknown)} in {text!r}; known: {sorted(ABLATIONS)}")
-    return names
+        raise ValueError(f"unknown variant parts {sorted(unknown)} in {text!r}; known: "
+                         f"{sorted(ABLATIONS) + list(KERNEL_OPTIONS)}")
+    kwargs = {key: value for name in names & set(KERNEL_OPTIONS) for key, value in KERNEL_OPTIONS[name].items()}
+    ablate = frozenset(names - set(KERNEL_OPTIONS))
+    return {**kwargs, "ablate": ablate} if ablate else kwargs
+
+
+def shape_config(sid: str):
+    """An official shape id, or 'BxSxH' (shape 1's model at that batch, sequence length and heads)."""
+    import dataclasses
+
+    import ttj_jax as T
+    if sid in T.OFFICIAL:
+        return T.OFFICIAL[sid].config
+    try:
+        batch, seq_len, heads = (int(v) for v in sid.split("x"))
+    except ValueError:
+        raise ValueError(f"shape {sid!r}: an official id or BxSxH, e.g. 64x64x4") from None
+    return dataclasses.replace(T.OFFICIAL["1"].config, batch_size=batch, seq_len=seq_len, num_heads=heads)
 
 
 def harness(out, ref) -> dict:
@@ -89,7 +115,7 @@ def run_shape(sid: str, variants: list[str], log, kernels: bool = False) -> dict
     from bench.jax_timing import stream_ms_per_call
     from ttj_jax.kernels import fused_stack_mgpu as fsm
 
-    config = T.OFFICIAL[sid].config
+    config = shape_config(sid)
     params = T.init_params(jax.random.key(0), config)
     x = jax.random.normal(jax.random.key(1), (config.batch_size, config.seq_len, config.d_model), jax.numpy.float32)
     weights = jax.block_until_ready(fsm.stack_weights_mgpu(params, config.num_heads))
@@ -102,7 +128,7 @@ def run_shape(sid: str, variants: list[str], log, kernels: bool = False) -> dict
         try:
             fn = jax.jit(fsm.kernel_function(config.batch_size, config.seq_len, config.num_heads,
                                              config.num_layers, True, d_model=config.d_model,
-                                             ablate=parse_variant(name)))
+                                             **parse_variant(name)))
             y = np.asarray(jax.block_until_ready(fn(x, weights.mats, weights.vecs)))
         except Exception as e:   # recorded; the other variants still run
             record["variants"][name] = {"error": f"{type(e).__name__}: {str(e)[:800]}"}
@@ -145,6 +171,8 @@ def main(argv=None) -> int:
     variants = args.variants.split(",")
     for name in variants:
         parse_variant(name)   # bad names fail before any GPU work
+    for sid in args.shapes.split(","):
+        shape_config(sid)
     import jax
     from bench.report import slug
     device = jax.devices()[0]

@@ -371,11 +371,17 @@ def test_kernel_inside_a_batch_split_is_the_single_device_kernel():
 
 # --- 5. The kernel itself, in Mosaic GPU's interpret mode ---------------------------------------------
 
-INTERPRET_CASES = {   # (num_heads, seq_len, batch, num_layers[, d_model]): small, the interpreter is slow
-    "S128-H4-B1-L2-races": (4, 128, 1, 2),
+# Small cases: the interpreter is slow. At most 2 heads: since the key blocks of session 7, 4-head
+# builds hang in GPU interpret mode on a 2-core machine (CI's): the interpreter runs the three warpgroups
+# as threads whose shared-memory and barrier callbacks block, and with two cores it stalls (the same
+# builds ran on the H200 without a hang and with zero failing elements:
+# bench/results/fused-stack-mgpu-ablate-2026-11-30-nvidia-h200-session7-*.json; their lowering is pinned
+# below). The 2-head cases take the same code paths (split key blocks at S=128, own keys at S=32/64).
+INTERPRET_CASES = {   # (num_heads, seq_len, batch, num_layers[, d_model])
+    "S128-H2-B1-L2-races": (2, 128, 1, 2),
     "S32-H2-B6-L1-padded": (2, 32, 6, 1),
     "S64-H1-B2-L1": (1, 64, 2, 1),
-    "d32-S128-H4-B1-L2-races": (4, 128, 1, 2, 32),   # shape 7's widths, head_dim 8 padded to 32
+    "d32-S128-H2-B1-L2-races": (2, 128, 1, 2, 32),   # shape 7's block width: head_dim 16 padded to 32
 }
 
 
@@ -422,21 +428,22 @@ def test_overlap_variant_lowers_to_one_kernel_and_differs(num_heads):
     assert texts[False] != texts[True]
 
 
-def test_fast_erf_variant_lowers_and_runs_in_gpu_interpret_mode():
-    """fast_erf=True: a different single kernel; in GPU interpret mode (race detector on) it matches
-    `emulate(fast_erf=True)`, the default kernel to fp16-flip noise, and the harness rule."""
+def test_rational_erf_variant_lowers_and_runs_in_gpu_interpret_mode():
+    """fast_erf=False (the rational erf, the build before session 7): a different single kernel; in GPU
+    interpret mode (race detector on) it matches `emulate(fast_erf=False)`, the default (fast erf)
+    emulation to fp16-flip noise, and the harness rule."""
     weights_s, x_s = _structs(4, 2, 128)
     texts = [jax.jit(lambda w, x, f=f: fsm.fused_stack_mgpu_forward(w, x, num_heads=4, fast_erf=f)).trace(
         weights_s, x_s).lower(lowering_platforms=("cuda",)).as_text() for f in (False, True)]
-    assert _custom_calls(texts[1]).count("mosaic_gpu_v2") == 1 and texts[0] != texts[1]
-    num_heads, seq_len, batch, num_layers = 4, 128, 1, 2
+    assert _custom_calls(texts[0]).count("mosaic_gpu_v2") == 1 and texts[0] != texts[1]
+    num_heads, seq_len, batch, num_layers = 2, 128, 1, 2   # 2 heads: see INTERPRET_CASES
     config, params, x = _model(num_heads, seq_len, batch, True, num_layers=num_layers)
     weights = fsm.stack_weights_mgpu(params, num_heads)
     from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
     y = np.asarray(fsm.kernel_function(batch, seq_len, num_heads, num_layers, True, "detect_races",
-                                       fast_erf=True)(x, weights.mats, weights.vecs))
+                                       fast_erf=False)(x, weights.mats, weights.vecs))
     assert not gpu_callbacks.get_races().races_found
-    assert np.max(np.abs(y - fsm.emulate(weights, x, fast_erf=True))) < 2e-3
+    assert np.max(np.abs(y - fsm.emulate(weights, x, fast_erf=False))) < 2e-3
     assert np.max(np.abs(y - fsm.emulate(weights, x))) < 2e-3
     failed, worst = _harness_failures(y, T.reference(params, x, config=config))
     assert failed == 0, f"{failed} elements fail, worst err/tol {worst:.2f}"
@@ -446,7 +453,7 @@ def test_overlap_variant_in_gpu_interpret_mode():
     # The same products, issued together, and the per-head sums accumulated in one accumulator (fp32,
     # another order): the output must match the default kernel's to fp32 noise (an fp16 flip of an
     # intermediate at most) and meet the harness rule.
-    num_heads, seq_len, batch, num_layers = 4, 128, 1, 2
+    num_heads, seq_len, batch, num_layers = 2, 128, 1, 2   # 2 heads: see INTERPRET_CASES
     config, params, x = _model(num_heads, seq_len, batch, True, num_layers=num_layers)
     weights = fsm.stack_weights_mgpu(params, num_heads)
     run = lambda overlap: np.asarray(fsm.fused_stack_mgpu_forward(weights, x, num_heads=num_heads,  # noqa: E731
@@ -462,11 +469,14 @@ def test_overlap_variant_in_gpu_interpret_mode():
 
 
 # SHA-256 (first 16 hex digits) of the default kernel's lowering (source locations off, jax 0.10.2) for
-# three targets: equal to the build that ran on the H200 with zero failing elements
-# (fused-stack-mgpu-2026-11-30-nvidia-h200.json, official-2026-11-30-h200-session4.json). Pins that the
-# overlap option, added since, leaves the default kernel as verified. Re-pin only with a GPU check.
+# three targets, equal to builds that ran on the H200 with zero failing elements (session 7, jax 0.11.2):
+# (4, 128, 1): split key blocks and the fast erf (bench/results/fused-stack-mgpu-ablate-2026-11-30-nvidia-
+# h200-session7-defaults.json, shapes 1, 2, 3, 9, 10 and 7); (2, 32, 8) and (1, 64, 2): own key blocks and
+# the rational erf (...-session7-keys.json: shape 12 and B=64 S=64 H=4; fused-stack-mgpu-2026-11-30-nvidia-
+# h200-session7-own-keys.json: shape 12 against the reference and `emulate`). Pins that options added since
+# leave the default kernel as verified. Re-pin only with a GPU check.
 PINNED_JAX_VERSION = "0.10.2"
-PINNED_STACK_HASHES = {(4, 128, 1): "00926c127af9303a", (1, 64, 2): "23fd3a3b7d10db5d", (2, 32, 8): "84f065a0b6ac5d8b"}
+PINNED_STACK_HASHES = {(4, 128, 1): "fe3ba0a30d7f5f85", (1, 64, 2): "201d1ffd5fe744f6", (2, 32, 8): "62f9343941b9f51a"}
 
 
 def test_default_kernel_is_the_h200_verified_build():

@@ -37,14 +37,17 @@ Design (one CUDA block per 128-row tile; three warpgroups):
   registers as the wgmma A operand); q_h = h Wq_h + bq_h (fp16, registers, every head); k_h and v_h
   are written (fp16) to SMEM buffers [H, 128, hd] shared by both consumers, then a barrier pair
   (kv_written, kv_free, two arrivals each) orders the writes against the other consumer's reads.
-  Per head: scores = q_h k_h^T over all 128 keys (64 x 128, fp32), mask, softmax (fp32, base 2),
+  Per head: scores = q_h k_h^T over the keys it may see (`_key_blocks`: at S < 128 its own 64 rows'
+  keys; at S = 128 causal, in grids of up to SPLIT_MAX_TILES tiles, consumer 0 keys 0-63 and consumer 1
+  keys 0-63 unmasked plus 64-127; else all 128) in 64 x 64 (or 64 x 128) fp32 blocks, mask, softmax
+  (fp32, base 2, over all its blocks),
   P = softmax normalised in fp32 then rounded to fp16, ctx_h = P v_h (fp32) -> fp16. Then
   x + bout + sum_h ctx_h Wout_h (each head's product in a fresh fp32 wgmma accumulator, added to the
   residual in registers, heads in order, as `fused_stack_reference` adds them), LN2, the MLP blocks
   (bias, GELU in fp32, fp16), x + b2 + sum_j hidden_j W2_j (same way). Finally LN of the residual -> y.
-- Simple first version: every wgmma is waited for at once (no overlap inside a warpgroup; the two
-  consumers overlap each other), and consumer 0 computes all 128 score columns although causality
-  needs only its first 64 (masked; it keeps both consumers' code identical).
+- Every wgmma is waited for at once (no overlap inside a warpgroup; the two consumers overlap each
+  other). Elementwise work (softmax, GELU, LayerNorm) is about half a tile's time (session 7's
+  ablations, bench/fused_stack_mgpu_ablate.py), which is why the key blocks skip what causality masks.
 - SMEM: x 64 KB + k, v 64 KB + ring 64 KB + vectors 25 KB (L=4) = ~217 KiB of the 227 KiB
   (`smem_bytes`); a third ring slot does not fit.
 - Layers run in a `pl.loop` (not unrolled): chunk j of every layer sits in ring slot j % 2, so the
@@ -230,9 +233,9 @@ def _build_weights(prepared: PreparedWeights, num_heads: int) -> MgpuStackWeight
 
 
 # --- GELU -------------------------------------------------------------------------------------------
-# The erf GELU's two forms in the kernel. "rational" (the default, the H200-verified build): XLA's fp32
-# rational erf, `fused_stack._erf` (13 multiply-adds and an IEEE divide per element). "fast" (fast_erf=
-# True): Abramowitz & Stegun 7.1.26, erf(a) = 1 - t P(t) exp(-a^2), t = 1 / (1 + p a), |error| <= 1.5e-7
+# The erf GELU's two forms in the kernel. "rational" (fast_erf=False, the build before session 7): XLA's
+# fp32 rational erf, `fused_stack._erf` (13 multiply-adds and an IEEE divide per element). "fast" (the
+# default since session 7, when it came with the split key blocks; see _key_blocks): Abramowitz & Stegun 7.1.26, erf(a) = 1 - t P(t) exp(-a^2), t = 1 / (1 + p a), |error| <= 1.5e-7
 # for a >= 0 (odd symmetry for a < 0), with t from rsqrt (t = rsqrt(1 + p a)^2: 1 + p a > 0) and the
 # exponential in base 2, both on the GPU's special-function unit under approx_math: 8 multiply-adds and
 # two MUFU operations. Its error is far below the fp16 rounding of the GELU's output (2^-11 relative),
@@ -256,16 +259,51 @@ def _one_plus_erf_fast(z):
 
 def _gelu(pre, fast_erf: bool):
     """0.5 pre (1 + erf(pre / sqrt 2)) in fp32, with the rational or the fast erf."""
-    if not fast_erf:   # (in this order: the verified build's lowering is pinned byte for byte)
+    if not fast_erf:
         return 0.5 * pre * (1.0 + _erf(pre * 0.7071067811865476))
     return 0.5 * pre * _one_plus_erf_fast(pre * 0.7071067811865476)
 
 
 # --- The kernel -------------------------------------------------------------------------------------
 
-# Timing ablations (kernel_function(ablate=...)): what each changes. Only "shift_mask" keeps the output.
+# The S = 128 causal build per grid size, measured on the H200 (kernel time, both builds in one run;
+# bench/results/fused-stack-mgpu-ablate-2026-11-30-nvidia-h200-session7-defaults.json): split key blocks
+# with the fast erf against all keys with the rational erf: 78.2/84.4 us (1 tile, shape 2), 75.5/84.0 (4,
+# shape 3), 80.3/85.7 (64, shape 1; 9: 45.0/54.1, 10: 57.2/64.7, 7: 50.1/58.4), but 98.7/95.8 at 128
+# tiles (shape 5) and 8.25/7.82 ms at 10000 (shape 6). So the split build up to SPLIT_MAX_TILES tiles.
+# (At S < 128 the own key blocks won everywhere: shape 12 71.2 against 118.6 us, with the rational erf;
+# the fast erf there: 74.2, ...-session7-keys.json.)
+SPLIT_MAX_TILES = 64
+
+
+def _tiles(batch: int, seq_len: int) -> int:
+    return -(-batch // (TILE_ROWS // seq_len))
+
+
+def default_fast_erf(batch: int, seq_len: int, causal: bool) -> bool:
+    """The erf the kernel uses unless told: the fast one with the split key blocks (see SPLIT_MAX_TILES)."""
+    return _key_blocks(seq_len, causal, _tiles(batch, seq_len)) == "split"
+
+
+def _key_blocks(seq_len: int, causal: bool, tiles: int, ablate: frozenset = frozenset()) -> str:
+    """Which keys each consumer scores. "own": S < 128, its 64 rows hold 64 // S whole sequences, so it
+    scores only its own 64 keys (the other consumer's are all masked). "split" (S = 128, causal): keys
+    in two 64-row blocks, consumer 0 scores block 0 only (block 1 is all in its future), consumer 1
+    both (block 0 unmasked). "all": every query row scores all 128 keys, masked where not allowed.
+    k and v sit in SMEM as [H, 2, 64, w] for "own" and "split", [H, 128, w] for "all"."""
+    if "all_keys" in ablate:
+        return "all"
+    if seq_len < TILE_ROWS:
+        return "own"
+    return "split" if causal and tiles <= SPLIT_MAX_TILES else "all"
+
+
+# Timing ablations (kernel_function(ablate=...)): what each changes. Only "all_keys" and "shift_mask" keep
+# the output.
 ABLATIONS = {
-    "shift_mask": "packed sequences' block-diagonal mask from shifts instead of integer divisions (same mask)",
+    "all_keys": "every query row scores all 128 keys of the tile, masked where not allowed (the key layout "
+                "before session 7; same output)",
+    "shift_mask": "with all_keys: packed sequences' block-diagonal mask from shifts instead of integer divisions (same mask)",
     "no_mask": "no attention mask at all (wrong output)",
     "no_softmax": "P = scores in fp16: no mask, max, exp2 or normalisation (wrong output)",
     "no_attention": "ctx = q: no score or P V wgmma and no softmax (wrong output)",
@@ -278,7 +316,7 @@ ABLATIONS = {
 def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, num_layers: int, num_heads: int,
                   seq_len: int, causal: bool, interpret: bool = False, overlap: bool = False,
                   profile: bool = False, d_model: int = D_MODEL, fast_erf: bool = False,
-                  ablate: frozenset = frozenset()):
+                  ablate: frozenset = frozenset(), num_tiles: int = 1):
     plgpu = _plgpu()
 
     def phase(name):
@@ -292,6 +330,8 @@ def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, num_layers: int, 
     wg = lax.axis_index("wg")
     tile = lax.axis_index(_GRID_TILE)
     seqs_per_tile = TILE_ROWS // seq_len
+    key_blocks = _key_blocks(seq_len, causal, num_tiles, ablate)
+    keys = TILE_ROWS if key_blocks == "all" else WG_ROWS   # keys per score tile
     wgmma_layout = plgpu.Layout.WGMMA
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     col_layout = plgpu.Layout.WGMMA.reduce(0)
@@ -311,8 +351,8 @@ def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, num_layers: int, 
         return [(x_ref.at[tile * seqs_per_tile + wg * per_wg + j], rows_smem.at[pl.ds(j * seq_len, seq_len)])
                 for j in range(per_wg)]
 
-    def stage(shape):   # GPU interpret mode only: this warpgroup's staging buffer of that shape
-        return stages[_staging_shapes(d_model, width).index(tuple(shape))].at[wg]
+    def stage(shape, role="a"):   # GPU interpret mode only: this warpgroup's staging buffer of that shape
+        return stages[_staging_shapes(d_model, width, keys).index((role, tuple(shape)))].at[wg]
 
     @pl.when(wg < NUM_CONSUMERS)
     def _consumer():
@@ -353,7 +393,7 @@ def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, num_layers: int, 
                     a_stage = stage(a.shape)
                     a_stage[...] = a
                     if transpose_b:
-                        bt_stage = stage((b.shape[1], b.shape[0]))
+                        bt_stage = stage((b.shape[1], b.shape[0]), "bt")
                         bt_stage[...] = b[...].T
                         b_operand = bt_stage
                     else:
@@ -401,7 +441,7 @@ def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, num_layers: int, 
             def body(acc_ref):
                 for a, b in pairs:
                     if interpret:   # as in matmul: A and B^T staged in SMEM for GPU interpret mode
-                        a_stage, bt_stage = stage(a.shape), stage((b.shape[1], b.shape[0]))
+                        a_stage, bt_stage = stage(a.shape), stage((b.shape[1], b.shape[0]), "bt")
                         a_stage[...] = a
                         bt_stage[...] = b[...].T
                         plgpu.wgmma(acc_ref, a_stage, bt_stage)
@@ -420,12 +460,21 @@ def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, num_layers: int, 
             plgpu.barrier_arrive(w_consumed.at[which % NUM_SLOTS])
 
         def allowed_keys():
-            # Mask of the (64 query rows, 128 keys) score tile (rebuilt per head rather than kept live).
+            # Mask of the (64 query rows, `keys` keys) score tile (rebuilt per head rather than kept live).
+            if "no_mask" in ablate:
+                return None
+            if key_blocks != "all":   # a diagonal 64 x 64 block: rows and keys of one consumer
+                query, key = iota((WG_ROWS, WG_ROWS), 0), iota((WG_ROWS, WG_ROWS), 1)
+                if seq_len >= WG_ROWS:   # within one sequence
+                    return key <= query if causal else None
+                if causal:   # 0 <= query - key <= query % S, as one unsigned comparison
+                    return ((query - key).astype(jnp.uint32)
+                            <= lax.bitwise_and(query, jnp.int32(seq_len - 1)).astype(jnp.uint32))
+                shift = jnp.int32(seq_len.bit_length() - 1)
+                return lax.shift_right_logical(query, shift) == lax.shift_right_logical(key, shift)
             query = wg * WG_ROWS + iota((WG_ROWS, TILE_ROWS), 0)
             key = iota((WG_ROWS, TILE_ROWS), 1)
             allowed = None
-            if "no_mask" in ablate:
-                return None
             if seq_len < TILE_ROWS and "shift_mask" in ablate:   # the same block diagonal, by shifts
                 shift = jnp.int32(seq_len.bit_length() - 1)
                 allowed = lax.shift_right_logical(query, shift) == lax.shift_right_logical(key, shift)
@@ -464,7 +513,10 @@ def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, num_layers: int, 
                     w = chunk_wait(slot)
 
                     def store(head, value, dst=dst):
-                        dst[head, pl.ds(wg * WG_ROWS, WG_ROWS), :] = value
+                        if key_blocks != "all":
+                            dst[head, wg] = value
+                        else:
+                            dst[head, pl.ds(wg * WG_ROWS, WG_ROWS), :] = value
                     project(w, bias_index, store)
                     chunk_done(slot)
             plgpu.commit_smem()
@@ -499,22 +551,40 @@ def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, num_layers: int, 
                 rows_smem[...] = x
 
         def _attention(q):
+            if key_blocks == "split":   # consumer 0: its diagonal block; consumer 1: block 0, then its diagonal
+                return lax.cond(wg == 0, lambda: _attention_blocks(q, (0,)), lambda: _attention_blocks(q, (0, 1)))
+            return _attention_blocks(q, (wg,) if key_blocks == "own" else (None,))
+
+        def _attention_blocks(q, blocks):
+            """Per head, softmax(q k^T) v over the key blocks named (None: all 128 keys); the last block is
+            the diagonal one (masked by allowed_keys), any before it are wholly in the past (no mask)."""
             ctx = []
             if "no_attention" in ablate:
                 return list(q)
             for head in range(num_heads):
-                scores = matmul(None, q[head], k_smem.at[head], transpose_b=True)
+                def kv(ref, block, head=head):
+                    return ref.at[head] if block is None else ref.at[head, block]
+                scores = [matmul(None, q[head], kv(k_smem, block), transpose_b=True) for block in blocks]
                 if "no_softmax" in ablate:
-                    out = matmul(None, scores.astype(_GEMM_DTYPE), v_smem.at[head])
+                    out = matmul(None, scores[-1].astype(_GEMM_DTYPE), kv(v_smem, blocks[-1]))
                     ctx.append(out.astype(_GEMM_DTYPE))
                     continue
                 allowed = allowed_keys()
                 if allowed is not None:   # every row keeps its own key: the row max is finite
-                    scores = jnp.where(allowed, scores, -jnp.inf)
-                m = scores.max(axis=1) * score_scale
-                p = jnp.exp2(scores * score_scale - col_bcast(m, scores.shape))
-                p = p * col_bcast(1.0 / p.sum(axis=1), p.shape)
-                out = matmul(None, p.astype(_GEMM_DTYPE), v_smem.at[head])
+                    scores[-1] = jnp.where(allowed, scores[-1], -jnp.inf)
+                m = scores[0].max(axis=1)
+                for s in scores[1:]:
+                    m = jnp.maximum(m, s.max(axis=1))
+                m = m * score_scale
+                ps = [jnp.exp2(s * score_scale - col_bcast(m, s.shape)) for s in scores]
+                total = ps[0].sum(axis=1)
+                for p in ps[1:]:
+                    total = total + p.sum(axis=1)
+                inverse = 1.0 / total
+                ps = [(p * col_bcast(inverse, p.shape)).astype(_GEMM_DTYPE) for p in ps]
+                out = None
+                for p, block in zip(ps, blocks):   # fp32 sum of the blocks' products, block 0 first
+                    out = matmul(out, p, kv(v_smem, block))
                 ctx.append(out.astype(_GEMM_DTYPE))
             return ctx
 
@@ -585,17 +655,19 @@ def _compiler_params(profile_dir: str | None = None):
 
 
 @functools.lru_cache(maxsize=None)
-def _staging_shapes(d_model: int, width: int) -> list[tuple[int, int]]:
-    """The wgmma operand shapes GPU interpret mode stages through SMEM (per warpgroup): A as h or h2
-    (64 x d), q, ctx or hidden (64 x width), P (64 x 128); B^T as k^T (width x 128) or a transposed
-    out-projection / MLP-out block (width x d). Distinct shapes, in a fixed order."""
-    shapes = [(WG_ROWS, d_model), (WG_ROWS, width), (WG_ROWS, TILE_ROWS), (width, TILE_ROWS), (width, d_model)]
+def _staging_shapes(d_model: int, width: int, keys: int = TILE_ROWS) -> list[tuple[str, tuple[int, int]]]:
+    """The wgmma operand buffers GPU interpret mode stages through SMEM (per warpgroup), as (role,
+    shape): A ("a") as h or h2 (64 x d), q, ctx or hidden (64 x width), P (64 x keys); B^T ("bt") as
+    k^T (width x keys) or a transposed out-projection / MLP-out block (width x d). One buffer per
+    distinct pair, in a fixed order: an A and a B^T of one shape (q and k^T at 64 x 64) never share."""
+    shapes = [("a", (WG_ROWS, d_model)), ("a", (WG_ROWS, width)), ("a", (WG_ROWS, keys)),
+              ("bt", (width, keys)), ("bt", (width, d_model))]
     return sorted(set(shapes))
 
 
 def kernel_function(batch: int, seq_len: int, num_heads: int, num_layers: int, causal: bool,
                     interpret: bool = False, overlap: bool = False, profile_dir: str | None = None,
-                    d_model: int = D_MODEL, fast_erf: bool = False, ablate: frozenset = frozenset()):
+                    d_model: int = D_MODEL, fast_erf: bool | None = None, ablate: frozenset = frozenset()):
     """The bare kernel for x [batch, seq_len, d_model] fp32: f(x, mats, vecs) -> y. Nothing but the Mosaic
     GPU call (what `plgpu.as_torch_kernel` needs); batch must be a multiple of 128 // seq_len.
     interpret: False (the GPU kernel), True or "detect_races" (Mosaic GPU's interpret mode on a CPU,
@@ -609,10 +681,11 @@ def kernel_function(batch: int, seq_len: int, num_heads: int, num_layers: int, c
     attention, out_proj, ln2, mlp_in, mlp_out, and the waits for weights and for the other consumer) is a
     named region per warpgroup, and every call writes a Perfetto trace (JSON) into that folder
     (bench/fused_stack_mgpu_profile.py reads it). GPU only; the default build is untouched.
-    fast_erf: the GELU's erf by A&S 7.1.26 on the special-function unit instead of the rational erf
-    with a divide (see "GELU" above; `emulate(..., fast_erf=True)` models it).
+    fast_erf: the GELU's erf by A&S 7.1.26 on the special-function unit (True) or the rational erf
+    with a divide (False; see "GELU" above; `emulate(..., fast_erf=...)` models either). None (the
+    default): `default_fast_erf`, the fast one exactly where the key blocks are split (SPLIT_MAX_TILES).
     ablate: names from ABLATIONS, for bench/fused_stack_mgpu_ablate.py: each removes or changes one piece
-    of work; all but "shift_mask" give WRONG outputs (they measure what that piece costs). Empty (the
+    of work; all but "all_keys" and "shift_mask" give WRONG outputs (they measure what that piece costs). Empty (the
     default): the verified build."""
     unknown = set(ablate) - set(ABLATIONS)
     if unknown:
@@ -637,14 +710,19 @@ def kernel_function(batch: int, seq_len: int, num_heads: int, num_layers: int, c
         return (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
 
     kv_transforms = fp16_transforms(width)
+    num_tiles = batch // seqs_per_tile
+    if fast_erf is None:
+        fast_erf = default_fast_erf(batch, seq_len, causal)
+    key_blocks = _key_blocks(seq_len, causal, num_tiles, ablate)   # k, v in 64-row blocks ([H, 2, 64, w]) or not ([H, 128, w])
+    kv_shape = (num_heads, TILE_ROWS, width) if key_blocks == "all" else (num_heads, NUM_CONSUMERS, WG_ROWS, width)
     smem = (plgpu.SMEM((NUM_CONSUMERS, WG_ROWS, d_model), jnp.float32),                     # residual
-            plgpu.SMEM((num_heads, TILE_ROWS, width), _GEMM_DTYPE, transforms=kv_transforms),   # k
-            plgpu.SMEM((num_heads, TILE_ROWS, width), _GEMM_DTYPE, transforms=kv_transforms),   # v
+            plgpu.SMEM(kv_shape, _GEMM_DTYPE, transforms=kv_transforms),   # k
+            plgpu.SMEM(kv_shape, _GEMM_DTYPE, transforms=kv_transforms),   # v
             plgpu.SMEM((NUM_SLOTS, num_heads, d_model, width), _GEMM_DTYPE, transforms=kv_transforms),  # ring
             plgpu.SMEM((num_layers + 1, NUM_VECS, vec_len), jnp.float32))                   # vectors
     if interpret:   # wgmma operand staging for GPU interpret mode (see _stack_kernel's matmul)
         smem += tuple(plgpu.SMEM((NUM_CONSUMERS,) + shape, _GEMM_DTYPE)
-                      for shape in _staging_shapes(d_model, width))
+                      for _, shape in _staging_shapes(d_model, width, TILE_ROWS if key_blocks == "all" else WG_ROWS))
     copies_per_wg = 1 if seq_len == TILE_ROWS else WG_ROWS // seq_len
     barriers = (plgpu.Barrier(num_arrivals=copies_per_wg, num_barriers=NUM_CONSUMERS),   # x_ready
                 plgpu.Barrier(num_arrivals=1, num_barriers=1),                           # vec_ready
@@ -654,7 +732,7 @@ def kernel_function(batch: int, seq_len: int, num_heads: int, num_layers: int, c
                 plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=1))               # kv_free
     body = functools.partial(_stack_kernel, num_layers=num_layers, num_heads=num_heads, seq_len=seq_len,
                              causal=causal, interpret=interpret, overlap=overlap, profile=bool(profile_dir),
-                             d_model=d_model, fast_erf=fast_erf, ablate=frozenset(ablate))
+                             d_model=d_model, fast_erf=fast_erf, ablate=frozenset(ablate), num_tiles=num_tiles)
 
     def entry(x_ref, mats_ref, vecs_ref, y_ref):
         pl.run_scoped(lambda *scoped: body(x_ref, mats_ref, vecs_ref, y_ref, scoped), smem, barriers,
@@ -700,7 +778,7 @@ def _check_call(weights, x, num_heads, causal):
 @functools.partial(jax.jit, static_argnames=("num_heads", "causal", "interpret", "overlap", "fast_erf"))
 def fused_stack_mgpu_forward(weights: MgpuStackWeights, x: jax.Array, *, num_heads: int,
                              causal: bool = True, interpret: bool = False, overlap: bool = False,
-                             fast_erf: bool = False) -> jax.Array:
+                             fast_erf: bool | None = None) -> jax.Array:
     """y = LN_final(layers(x)) (SPEC section 1, mask-free) in one Mosaic GPU kernel; fp32 [B, S, d].
 
     S in {32, 64, 128}; any B (for S < 128 a B that is not a multiple of 128 // S is padded: one copy
@@ -763,12 +841,16 @@ def _np_one_plus_erf_fast(z):
     return np.where(z >= 0, np.float32(2.0) - q, q).astype(np.float32)
 
 
-def emulate(weights: MgpuStackWeights, x, *, causal: bool = True, fast_erf: bool = False) -> np.ndarray:
+def emulate(weights: MgpuStackWeights, x, *, causal: bool = True, fast_erf: bool | None = None) -> np.ndarray:
     """The kernel's algorithm in NumPy, tile by tile and warpgroup by warpgroup, with its dtypes: fp16
     GEMM operands (rounded where the kernel rounds), fp32 accumulation, the out-projection and the
     MLP's second GEMM accumulated head (block) by head onto x + bias, the 128-row tile's masked
-    64 x 128 score blocks, base-2 softmax normalised in fp32 before the fp16 rounding; the GELU's erf as
-    the kernel built with the same `fast_erf` computes it."""
+    64 x 128 score blocks (the kernel's key blocks leave out only keys masked here: exact zeros in
+    the sums), base-2 softmax normalised in fp32 before the fp16 rounding; the GELU's erf as
+    the kernel built with the same `fast_erf` computes it (None: the kernel's default for x's shape;
+    pass it explicitly when emulating a slice of a larger batch)."""
+    if fast_erf is None:
+        fast_erf = default_fast_erf(np.shape(x)[0], np.shape(x)[1], causal)
     mats = np.asarray(weights.mats).astype(np.float32)   # fp16 values, exactly representable
     vecs = np.asarray(weights.vecs, np.float32)
     x = np.asarray(x, np.float32)
