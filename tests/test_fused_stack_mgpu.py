@@ -522,3 +522,78 @@ def test_profiled_build_fits_and_leaves_the_default_alone():
         return
     with pytest.raises(ValueError, match="different from the lowering platform cuda"):
         traced.lower(lowering_platforms=("cuda",))
+
+
+# --- 7. Key blocks, the per-grid build and the timing ablations (session 7) ------------------------------
+
+def test_key_blocks_and_erf_follow_the_measured_grid_rule():
+    # S < 128: own keys at any grid; S = 128 causal: split key blocks with the fast erf up to
+    # SPLIT_MAX_TILES tiles, else all keys with the rational erf (measured slower split at 128 tiles).
+    assert fsm._key_blocks(32, True, 10_000) == fsm._key_blocks(64, False, 1) == "own"
+    assert fsm._key_blocks(128, True, fsm.SPLIT_MAX_TILES) == "split"
+    assert fsm._key_blocks(128, True, fsm.SPLIT_MAX_TILES + 1) == "all"
+    assert fsm._key_blocks(128, False, 1) == "all"   # non-causal: consumer 0 needs keys 64-127 too
+    assert fsm._key_blocks(32, True, 1, frozenset({"all_keys"})) == "all"
+    assert fsm.default_fast_erf(64, 128, True) and not fsm.default_fast_erf(65, 128, True)
+    assert not fsm.default_fast_erf(64, 32, True) and not fsm.default_fast_erf(1, 128, False)
+    # the build really differs across the threshold: 64 and 65 sequences lower to other kernels
+    def kernel_text(batch, **kwargs):
+        weights, x = _structs(2, batch, 128, num_layers=1)
+        call = jax.jit(lambda w, x: fsm.fused_stack_mgpu_forward(w, x, num_heads=2, **kwargs))
+        text = call.trace(weights, x).lower(lowering_platforms=("cuda",)).as_text(debug_info=False)
+        return re.search(r"custom_call @mosaic_gpu_v2\(.*", text).group(0)
+    explicit_old = kernel_text(65, fast_erf=False)
+    assert kernel_text(65) == explicit_old                   # > SPLIT_MAX_TILES: the rational erf ...
+    assert kernel_text(64) != kernel_text(64, fast_erf=False)  # ... at 64 tiles the fast one
+
+
+def test_ablations_are_checked_and_change_the_kernel():
+    with pytest.raises(ValueError, match="unknown ablations"):
+        fsm.kernel_function(1, 128, 2, 1, True, ablate=frozenset({"no_such_thing"}))
+    weights, x = _structs(2, 4, 32, num_layers=1)
+    texts = {}
+    for name in ("", "all_keys", "no_mask", "no_attention", "one_head_proj"):
+        ablate = frozenset({name}) if name else frozenset()
+        call = jax.jit(lambda x, m, v, ablate=ablate: fsm.kernel_function(4, 32, 2, 1, True, ablate=ablate)(x, m, v))
+        text = call.trace(x, weights.mats, weights.vecs).lower(lowering_platforms=("cuda",)).as_text(debug_info=False)
+        assert _custom_calls(text).count("mosaic_gpu_v2") == 1
+        texts[name] = text
+    assert len(set(texts.values())) == len(texts)   # every ablation builds another kernel
+
+
+def test_all_keys_layout_equals_own_keys_in_gpu_interpret_mode():
+    # The same output whether a consumer scores only its own 64 keys (the default at S < 128) or all 128
+    # with the other sequences masked (the layout before session 7): masked keys add exact zeros.
+    num_heads, seq_len, batch = 2, 32, 4
+    config, params, x = _model(num_heads, seq_len, batch, True, num_layers=1)
+    weights = fsm.stack_weights_mgpu(params, num_heads)
+    run = lambda ablate: np.asarray(fsm.kernel_function(batch, seq_len, num_heads, 1, True, True,  # noqa: E731
+                                                        ablate=ablate)(x, weights.mats, weights.vecs))
+    own, every = run(frozenset()), run(frozenset({"all_keys"}))
+    assert np.max(np.abs(own - every)) < 1e-3
+    assert np.max(np.abs(own - fsm.emulate(weights, x))) < 2e-3
+
+
+def test_ablation_script_checks_names_and_needs_a_gpu(tmp_path):
+    import pathlib
+    import subprocess
+    import sys
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+    from bench import fused_stack_mgpu_ablate as ablate_script
+    assert ablate_script.parse_variant("default") == {}
+    assert ablate_script.parse_variant("all_keys+rational_erf") == {"fast_erf": False, "ablate": frozenset({"all_keys"})}
+    assert ablate_script.parse_variant("fast_erf") == {"fast_erf": True}
+    with pytest.raises(ValueError, match="unknown variant parts"):
+        ablate_script.parse_variant("no_mask+bogus")
+    config = ablate_script.shape_config("64x64x4")
+    assert (config.batch_size, config.seq_len, config.num_heads, config.d_model) == (64, 64, 4, 128)
+    with pytest.raises(ValueError, match="official id or BxSxH"):
+        ablate_script.shape_config("64x64")
+    root = pathlib.Path(__file__).resolve().parent.parent
+    run = lambda *args: subprocess.run([sys.executable, str(root / "bench" / "fused_stack_mgpu_ablate.py"),  # noqa: E731
+                                        "--out", str(tmp_path), *args], capture_output=True, text=True,
+                                       cwd=root, timeout=120, env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"})
+    bad = run("--variants", "default,nonsense")
+    assert bad.returncode != 0 and "unknown variant parts" in bad.stderr
+    cpu = run("--shapes", "12")
+    assert cpu.returncode == 2 and "sm_90 GPU" in cpu.stderr and not list(tmp_path.iterdir())
