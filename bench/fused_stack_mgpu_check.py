@@ -294,8 +294,8 @@ def run_shape(sid: str, probe_status: dict, deadline: float, variant: str | None
 
                 def variant_vs_emulation():
                     n = min(EMULATED_SEQUENCES, x.shape[0])
-                    emulated = fsm.emulate(weights, np.asarray(x[:n]),
-                                           fast_erf=kwargs.get("fast_erf", fsm.default_fast_erf(x.shape[0], x.shape[1], True)))
+                    erf = kwargs.get("fast_erf", fsm.default_fast_erf(x.shape[0], x.shape[1], True))
+                    emulated = fsm.emulate(weights, np.asarray(x[:n]), fast_erf=erf)
                     return {"sequences": n, **_harness(y[:n], emulated)}
                 record["accuracy"][f"{name}_vs_emulation"] = step(f"{name}_vs_emulation", variant_vs_emulation)
                 record["timing"][name] = step(f"{name}_timing", lambda: _time_jax(other, (weights, x)))

@@ -235,10 +235,10 @@ def _build_weights(prepared: PreparedWeights, num_heads: int) -> MgpuStackWeight
 # --- GELU -------------------------------------------------------------------------------------------
 # The erf GELU's two forms in the kernel. "rational" (fast_erf=False, the build before session 7): XLA's
 # fp32 rational erf, `fused_stack._erf` (13 multiply-adds and an IEEE divide per element). "fast" (the
-# default since session 7, when it came with the split key blocks; see _key_blocks): Abramowitz & Stegun 7.1.26, erf(a) = 1 - t P(t) exp(-a^2), t = 1 / (1 + p a), |error| <= 1.5e-7
-# for a >= 0 (odd symmetry for a < 0), with t from rsqrt (t = rsqrt(1 + p a)^2: 1 + p a > 0) and the
-# exponential in base 2, both on the GPU's special-function unit under approx_math: 8 multiply-adds and
-# two MUFU operations. Its error is far below the fp16 rounding of the GELU's output (2^-11 relative),
+# default with the split key blocks since session 7; see _key_blocks): Abramowitz & Stegun 7.1.26,
+# erf(a) = 1 - t P(t) exp(-a^2), t = 1 / (1 + p a), |error| <= 1.5e-7 for a >= 0 (odd symmetry for
+# a < 0), with t from rsqrt (t = rsqrt(1 + p a)^2: 1 + p a > 0) and the exponential in base 2, both on
+# the GPU's special-function unit under approx_math: 8 multiply-adds and two MUFU operations. Its error is far below the fp16 rounding of the GELU's output (2^-11 relative),
 # which feeds the MLP's second GEMM.
 _AS_P = 0.3275911
 _AS_COEFFICIENTS = (1.061405429, -1.453152027, 1.421413741, -0.284496736, 0.254829592)   # a5 .. a1
@@ -303,7 +303,8 @@ def _key_blocks(seq_len: int, causal: bool, tiles: int, ablate: frozenset = froz
 ABLATIONS = {
     "all_keys": "every query row scores all 128 keys of the tile, masked where not allowed (the key layout "
                 "before session 7; same output)",
-    "shift_mask": "with all_keys: packed sequences' block-diagonal mask from shifts instead of integer divisions (same mask)",
+    "shift_mask": "with all_keys: packed sequences' block-diagonal mask from shifts instead of integer "
+                  "divisions (same mask)",
     "no_mask": "no attention mask at all (wrong output)",
     "no_softmax": "P = scores in fp16: no mask, max, exp2 or normalisation (wrong output)",
     "no_attention": "ctx = q: no score or P V wgmma and no softmax (wrong output)",
@@ -551,8 +552,9 @@ def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, num_layers: int, 
                 rows_smem[...] = x
 
         def _attention(q):
-            if key_blocks == "split":   # consumer 0: its diagonal block; consumer 1: block 0, then its diagonal
-                return lax.cond(wg == 0, lambda: _attention_blocks(q, (0,)), lambda: _attention_blocks(q, (0, 1)))
+            if key_blocks == "split":   # consumer 0: its diagonal block; consumer 1: block 0, then its own
+                return lax.cond(wg == 0, lambda: _attention_blocks(q, (0,)),
+                                lambda: _attention_blocks(q, (0, 1)))
             return _attention_blocks(q, (wg,) if key_blocks == "own" else (None,))
 
         def _attention_blocks(q, blocks):
@@ -685,8 +687,8 @@ def kernel_function(batch: int, seq_len: int, num_heads: int, num_layers: int, c
     with a divide (False; see "GELU" above; `emulate(..., fast_erf=...)` models either). None (the
     default): `default_fast_erf`, the fast one exactly where the key blocks are split (SPLIT_MAX_TILES).
     ablate: names from ABLATIONS, for bench/fused_stack_mgpu_ablate.py: each removes or changes one piece
-    of work; all but "all_keys" and "shift_mask" give WRONG outputs (they measure what that piece costs). Empty (the
-    default): the verified build."""
+    of work; all but "all_keys" and "shift_mask" give WRONG outputs (they measure what that piece
+    costs). Empty (the default): the verified build."""
     unknown = set(ablate) - set(ABLATIONS)
     if unknown:
         raise ValueError(f"unknown ablations {sorted(unknown)}; known: {sorted(ABLATIONS)}")
@@ -713,7 +715,7 @@ def kernel_function(batch: int, seq_len: int, num_heads: int, num_layers: int, c
     num_tiles = batch // seqs_per_tile
     if fast_erf is None:
         fast_erf = default_fast_erf(batch, seq_len, causal)
-    key_blocks = _key_blocks(seq_len, causal, num_tiles, ablate)   # k, v in 64-row blocks ([H, 2, 64, w]) or not ([H, 128, w])
+    key_blocks = _key_blocks(seq_len, causal, num_tiles, ablate)   # k, v: [H, 2, 64, w] or [H, 128, w]
     kv_shape = (num_heads, TILE_ROWS, width) if key_blocks == "all" else (num_heads, NUM_CONSUMERS, WG_ROWS, width)
     smem = (plgpu.SMEM((NUM_CONSUMERS, WG_ROWS, d_model), jnp.float32),                     # residual
             plgpu.SMEM(kv_shape, _GEMM_DTYPE, transforms=kv_transforms),   # k
