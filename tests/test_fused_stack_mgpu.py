@@ -575,6 +575,7 @@ def test_all_keys_layout_equals_own_keys_in_gpu_interpret_mode():
 
 
 def test_ablation_script_checks_names_and_needs_a_gpu(tmp_path):
+    import os
     import pathlib
     import subprocess
     import sys
@@ -592,7 +593,7 @@ def test_ablation_script_checks_names_and_needs_a_gpu(tmp_path):
     root = pathlib.Path(__file__).resolve().parent.parent
     run = lambda *args: subprocess.run([sys.executable, str(root / "bench" / "fused_stack_mgpu_ablate.py"),  # noqa: E731
                                         "--out", str(tmp_path), *args], capture_output=True, text=True,
-                                       cwd=root, timeout=120, env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"})
+                                       cwd=root, timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     bad = run("--variants", "default,nonsense")
     assert bad.returncode != 0 and "unknown variant parts" in bad.stderr
     cpu = run("--shapes", "12")
