@@ -47,7 +47,6 @@ DEFAULT_VARIANTS = "default,all_keys+rational_erf,no_mask,no_softmax,no_attentio
 ROUNDS = 7
 KERNEL_CALLS = 20   # --kernels: calls under torch.profiler per variant
 MIN_TIMING_S = 0.04
-ATOL, RTOL = 0.002, 0.02
 
 
 KERNEL_OPTIONS = {"rational_erf": {"fast_erf": False}, "fast_erf": {"fast_erf": True},   # kernel_function's
@@ -84,21 +83,10 @@ def shape_config(sid: str):
     return dataclasses.replace(T.OFFICIAL["1"].config, batch_size=batch, seq_len=seq_len, num_heads=heads)
 
 
-def harness(out, ref) -> dict:
-    import numpy as np
-    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
-    tolerance = np.maximum(ATOL, RTOL * np.abs(ref))
-    ratio = np.where(np.isfinite(out), np.abs(out - ref) / tolerance, np.inf)
-    return {"failed_elements": int((ratio > 1).sum()), "worst_err_over_tol": float(ratio.max())}
-
-
 def gpu_activity(fn, args, calls: int = KERNEL_CALLS) -> dict:
     """GPU time per call of `calls` back-to-back calls under torch.profiler: kernel time, copies, span."""
-    import jax
-
     from bench.cuda_trace import kernel_table, profile_cuda, summarize_activity
-    trace = profile_cuda(lambda: fn(*args), calls)
-    jax.block_until_ready(fn(*args))
+    trace = profile_cuda(lambda: fn(*args), calls)   # the GPU drained before and after
     table = kernel_table(trace, calls, top=4)
     activity = summarize_activity(trace)
     device = next(iter(activity["devices"].values()))
@@ -112,6 +100,7 @@ def run_shape(sid: str, variants: list[str], log, kernels: bool = False) -> dict
     import numpy as np
 
     import ttj_jax as T
+    from bench.fused_stack_mgpu_check import harness_stats
     from bench.jax_timing import stream_ms_per_call
     from ttj_jax.kernels import fused_stack_mgpu as fsm
 
@@ -136,7 +125,7 @@ def run_shape(sid: str, variants: list[str], log, kernels: bool = False) -> dict
             continue
         calls[name], outputs[name] = fn, y
         record["variants"][name] = {"compile_and_first_call_s": round(time.perf_counter() - start, 1),
-                                    **harness(y, ref)}
+                                    **harness_stats(y, ref)}
         log(f"  shape {sid} {name}: built in {time.perf_counter() - start:.1f} s, "
             f"{record['variants'][name]['failed_elements']} failing elements")
     if "default" in outputs:

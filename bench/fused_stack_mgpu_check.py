@@ -88,7 +88,9 @@ def _error(exc: BaseException) -> str:
     return text + " | at " + " <- ".join(f"{f.name}:{f.lineno}" for f in reversed(frames))
 
 
-def _harness(out, ref) -> dict:
+def harness_stats(out, ref) -> dict:
+    """Failing elements and worst |err|/tolerance of `out` against `ref` under the harness rule, with the
+    largest absolute error and the count of non-finite outputs (also bench/fused_stack_mgpu_ablate.py)."""
     import numpy as np
     out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
     tolerance = np.maximum(ATOL, RTOL * np.abs(ref))
@@ -272,14 +274,14 @@ def run_shape(sid: str, probe_status: dict, deadline: float, variant: str | None
     if mgpu_ok:
         y_mgpu = step("mgpu_run", lambda: np.asarray(jax.block_until_ready(mgpu(weights, x))))
         if y_mgpu is not None:
-            record["accuracy"]["mgpu"] = _harness(y_mgpu, ref)
+            record["accuracy"]["mgpu"] = harness_stats(y_mgpu, ref)
 
             def vs_emulation():
                 n = min(EMULATED_SEQUENCES, x.shape[0])
                 emulated = fsm.emulate(weights, np.asarray(x[:n]),   # the erf the whole batch's kernel uses
                                        fast_erf=fsm.default_fast_erf(x.shape[0], x.shape[1], True))
-                return {"sequences": n, **_harness(y_mgpu[:n], emulated),
-                        "emulation_vs_reference": _harness(emulated, ref[:n])}
+                return {"sequences": n, **harness_stats(y_mgpu[:n], emulated),
+                        "emulation_vs_reference": harness_stats(emulated, ref[:n])}
             record["accuracy"]["mgpu_vs_emulation"] = step("mgpu_vs_emulation", vs_emulation)
             record["timing"]["mgpu"] = step("mgpu_timing", lambda: _time_jax(mgpu, (weights, x)))
         if variant and (variant_status or {}).get("status") == "ok":
@@ -288,7 +290,7 @@ def run_shape(sid: str, probe_status: dict, deadline: float, variant: str | None
             name = f"mgpu_{variant}"
             y = step(f"{name}_run", lambda: np.asarray(jax.block_until_ready(other(weights, x))))
             if y is not None:
-                record["accuracy"][name] = _harness(y, ref)
+                record["accuracy"][name] = harness_stats(y, ref)
                 if y_mgpu is not None:
                     record[f"{variant}_max_abs_diff_vs_default"] = float(np.max(np.abs(y - y_mgpu)))
 
@@ -296,7 +298,7 @@ def run_shape(sid: str, probe_status: dict, deadline: float, variant: str | None
                     n = min(EMULATED_SEQUENCES, x.shape[0])
                     erf = kwargs.get("fast_erf", fsm.default_fast_erf(x.shape[0], x.shape[1], True))
                     emulated = fsm.emulate(weights, np.asarray(x[:n]), fast_erf=erf)
-                    return {"sequences": n, **_harness(y[:n], emulated)}
+                    return {"sequences": n, **harness_stats(y[:n], emulated)}
                 record["accuracy"][f"{name}_vs_emulation"] = step(f"{name}_vs_emulation", variant_vs_emulation)
                 record["timing"][name] = step(f"{name}_timing", lambda: _time_jax(other, (weights, x)))
         record["variant"], record["variant_probe"] = variant, variant_status
@@ -309,7 +311,7 @@ def run_shape(sid: str, probe_status: dict, deadline: float, variant: str | None
         triton = lambda w, x: fused_stack_forward(w, x, num_heads=H, causal=True)   # noqa: E731
         y = step("triton_run", lambda: np.asarray(jax.block_until_ready(triton(fused_weights, x))))
         if y is not None:
-            record["accuracy"]["triton"] = _harness(y, ref)
+            record["accuracy"]["triton"] = harness_stats(y, ref)
             record["timing"]["triton"] = step("triton_timing", lambda: _time_jax(triton, (fused_weights, x)))
 
     prepared = step("xla_weights", lambda: jax.block_until_ready(T.prepare_weights(params, T.MIXED_FP16)))
@@ -317,7 +319,7 @@ def run_shape(sid: str, probe_status: dict, deadline: float, variant: str | None
         xla = lambda w, x: T.forward(w, x, config=config, stack="layers")   # noqa: E731
         y = step("xla_run", lambda: np.asarray(jax.block_until_ready(xla(prepared, x))))
         if y is not None:
-            record["accuracy"]["xla"] = _harness(y, ref)
+            record["accuracy"]["xla"] = harness_stats(y, ref)
             record["timing"]["xla"] = step("xla_timing", lambda: _time_jax(xla, (prepared, x)))
 
     if y_mgpu is not None:

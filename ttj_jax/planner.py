@@ -92,9 +92,12 @@ MGPU_STACK_GPU_VERIFIED_D_MODELS = (32, 128)
 # h200.json, us per call): shape 2 87.8 against 125.8, 1 88.9/128.4, 9 57.2/92.1, 10 68.3/104.3, 5
 # 98.1/129.8; zero failing elements on all of them. In the official run with it (official-2026-11-30-
 # h200-session4.json, 25 seeds, zero failures) shape 6 (B=10000) took 7.59 ms through the bridge against
-# the Triton kernel's 10.05 (session 3) and the torch peer's 13.47. At S=32 (shape 12) it is slower
-# (122.0 against 74.1): there only a torch caller gets it, because the bridge launches it with ~40 us of
-# host time (0.122 ms per call, peer 0.124) where the Triton kernel through jax costs the bridge ~0.2 ms.
+# the Triton kernel's 10.05 (session 3) and the torch peer's 13.47. At S=32 (shape 12) it was slower
+# (122.0 against 74.1) until each consumer scored only its own keys (session 7): 74.7 against 78.5 us
+# through jax in one run (fused-stack-mgpu-2026-11-30-nvidia-h200-session7-own-keys.json), not a clear
+# win, so JAX callers keep the Triton kernel there (not re-decided) and a torch caller gets the Mosaic one,
+# which the bridge launches with ~40 us of host time where the Triton kernel through jax costs it ~0.2 ms
+# (shape 12 through the bridge: 0.0742 ms, official-2026-11-30-h200-session7).
 MGPU_STACK_JAX_MIN_SEQ_LEN = 64
 # GEMM-bound calls (the layer-by-layer XLA program at d_model >= this, short sequences, one device,
 # unchunked: shape 8) take the mixed_fp16_qkv16 policy (the q/k/v GEMM writes fp16 with its bias in the
@@ -329,8 +332,8 @@ def _stack(config: Config, inputs: InputFacts, device: DeviceFacts, policy: str,
             # (a batch that does not fill the kernel's 128-row tiles is padded by the jax path, which the
             # bridge would then have to take: the Triton kernel is faster there)
             return "fused_mgpu", (f"S={inputs.seq_len}, no mask, on sm_90, called from torch: the Mosaic GPU "
-                                  "whole-stack kernel launched by the bridge without JAX dispatch (slower "
-                                  "than the Triton kernel on the GPU at S=32, 122 against 74 us, but that "
+                                  "whole-stack kernel launched by the bridge without JAX dispatch (on the GPU "
+                                  "about as fast as the Triton kernel at S=32, 75 against 78 us, and that "
                                   "one pays the jax call's host time)")
     if fused_stack.supports(config, inputs.seq_len):
         if rows > FUSED_STACK_MAX_ROWS:

@@ -238,8 +238,8 @@ def _build_weights(prepared: PreparedWeights, num_heads: int) -> MgpuStackWeight
 # default with the split key blocks since session 7; see _key_blocks): Abramowitz & Stegun 7.1.26,
 # erf(a) = 1 - t P(t) exp(-a^2), t = 1 / (1 + p a), |error| <= 1.5e-7 for a >= 0 (odd symmetry for
 # a < 0), with t from rsqrt (t = rsqrt(1 + p a)^2: 1 + p a > 0) and the exponential in base 2, both on
-# the GPU's special-function unit under approx_math: 8 multiply-adds and two MUFU operations. Its error is far below the fp16 rounding of the GELU's output (2^-11 relative),
-# which feeds the MLP's second GEMM.
+# the GPU's special-function unit under approx_math: 8 multiply-adds and two MUFU operations. Its error
+# is far below the fp16 rounding of the GELU's output (2^-11 relative), which feeds the MLP's second GEMM.
 _AS_P = 0.3275911
 _AS_COEFFICIENTS = (1.061405429, -1.453152027, 1.421413741, -0.284496736, 0.254829592)   # a5 .. a1
 _LOG2_E_ERF = 1.4426950408889634
@@ -317,7 +317,7 @@ ABLATIONS = {
 def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, num_layers: int, num_heads: int,
                   seq_len: int, causal: bool, interpret: bool = False, overlap: bool = False,
                   profile: bool = False, d_model: int = D_MODEL, fast_erf: bool = False,
-                  ablate: frozenset = frozenset(), num_tiles: int = 1):
+                  ablate: frozenset = frozenset(), key_blocks: str = "all"):
     plgpu = _plgpu()
 
     def phase(name):
@@ -331,8 +331,7 @@ def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, num_layers: int, 
     wg = lax.axis_index("wg")
     tile = lax.axis_index(_GRID_TILE)
     seqs_per_tile = TILE_ROWS // seq_len
-    key_blocks = _key_blocks(seq_len, causal, num_tiles, ablate)
-    keys = TILE_ROWS if key_blocks == "all" else WG_ROWS   # keys per score tile
+    keys = TILE_ROWS if key_blocks == "all" else WG_ROWS   # keys per score tile (see _key_blocks)
     wgmma_layout = plgpu.Layout.WGMMA
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     col_layout = plgpu.Layout.WGMMA.reduce(0)
@@ -712,11 +711,11 @@ def kernel_function(batch: int, seq_len: int, num_heads: int, num_layers: int, c
         return (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
 
     kv_transforms = fp16_transforms(width)
-    num_tiles = batch // seqs_per_tile
     if fast_erf is None:
         fast_erf = default_fast_erf(batch, seq_len, causal)
-    key_blocks = _key_blocks(seq_len, causal, num_tiles, ablate)   # k, v: [H, 2, 64, w] or [H, 128, w]
-    kv_shape = (num_heads, TILE_ROWS, width) if key_blocks == "all" else (num_heads, NUM_CONSUMERS, WG_ROWS, width)
+    key_blocks = _key_blocks(seq_len, causal, batch // seqs_per_tile, ablate)
+    keys = TILE_ROWS if key_blocks == "all" else WG_ROWS   # k, v: [H, 128, w] or [H, 2, 64, w]
+    kv_shape = (num_heads, TILE_ROWS, width) if keys == TILE_ROWS else (num_heads, NUM_CONSUMERS, keys, width)
     smem = (plgpu.SMEM((NUM_CONSUMERS, WG_ROWS, d_model), jnp.float32),                     # residual
             plgpu.SMEM(kv_shape, _GEMM_DTYPE, transforms=kv_transforms),   # k
             plgpu.SMEM(kv_shape, _GEMM_DTYPE, transforms=kv_transforms),   # v
@@ -724,7 +723,7 @@ def kernel_function(batch: int, seq_len: int, num_heads: int, num_layers: int, c
             plgpu.SMEM((num_layers + 1, NUM_VECS, vec_len), jnp.float32))                   # vectors
     if interpret:   # wgmma operand staging for GPU interpret mode (see _stack_kernel's matmul)
         smem += tuple(plgpu.SMEM((NUM_CONSUMERS,) + shape, _GEMM_DTYPE)
-                      for _, shape in _staging_shapes(d_model, width, TILE_ROWS if key_blocks == "all" else WG_ROWS))
+                      for _, shape in _staging_shapes(d_model, width, keys))
     copies_per_wg = 1 if seq_len == TILE_ROWS else WG_ROWS // seq_len
     barriers = (plgpu.Barrier(num_arrivals=copies_per_wg, num_barriers=NUM_CONSUMERS),   # x_ready
                 plgpu.Barrier(num_arrivals=1, num_barriers=1),                           # vec_ready
@@ -734,7 +733,7 @@ def kernel_function(batch: int, seq_len: int, num_heads: int, num_layers: int, c
                 plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=1))               # kv_free
     body = functools.partial(_stack_kernel, num_layers=num_layers, num_heads=num_heads, seq_len=seq_len,
                              causal=causal, interpret=interpret, overlap=overlap, profile=bool(profile_dir),
-                             d_model=d_model, fast_erf=fast_erf, ablate=frozenset(ablate), num_tiles=num_tiles)
+                             d_model=d_model, fast_erf=fast_erf, ablate=frozenset(ablate), key_blocks=key_blocks)
 
     def entry(x_ref, mats_ref, vecs_ref, y_ref):
         pl.run_scoped(lambda *scoped: body(x_ref, mats_ref, vecs_ref, y_ref, scoped), smem, barriers,
