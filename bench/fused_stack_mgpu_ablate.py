@@ -172,7 +172,13 @@ def main(argv=None) -> int:
     date = datetime.date.today().isoformat()
     path = pathlib.Path(args.out) / f"fused-stack-mgpu-ablate-{date}-{slug(gpu)}{'-' + args.tag if args.tag else ''}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    result = {"script": "bench/fused_stack_mgpu_ablate.py", "gpu": gpu, "jax": jax.__version__, "date": date,
+    try:   # torch reads the GPU's kernel times for --kernels
+        import torch
+        torch_version = torch.__version__
+    except ImportError:
+        torch_version = None
+    result = {"script": "bench/fused_stack_mgpu_ablate.py", "gpu": gpu, "jax": jax.__version__,
+              "torch": torch_version, "date": date,
               "command": "python3 bench/fused_stack_mgpu_ablate.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "rounds": ROUNDS, "shapes": {}}
     log = lambda text: print(text, flush=True)   # noqa: E731
