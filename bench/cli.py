@@ -32,7 +32,7 @@ import jax  # noqa: E402
 import ttj_jax as T  # noqa: E402
 from bench.baseline import TransformerConfig, check_close, harness_models, make_inputs  # noqa: E402
 from bench.report import slug  # noqa: E402
-from bench.timing import median_host_overhead_us, time_contenders  # noqa: E402
+from bench.timing import interleaved_host_overhead_us, time_contenders  # noqa: E402
 
 HARNESS_SEEDS = tuple(range(1234, 1239))
 TIMING_SEED_OFFSET = 100000
@@ -195,7 +195,6 @@ def run_shape(shape: T.Shape, args, device: torch.device, progress: Progress) ->
         rounds_done = lambda r, n: progress.step(f"shape {shape.id}: timing round {r}/{n}")
         timings = time_contenders(timed, warmup=args.warmup, rounds=args.rounds, calls=calls, device=device,
                                   progress=rounds_done)
-        result["bridge_host_us"] = median_host_overhead_us(timed["ttj_bridge"], 50, device=device)
 
     progress.step(f"shape {shape.id}: ttj-jax from JAX")
     jax_fn, jax_plan = _ttj_jax_contender(ours, config, x)
@@ -204,7 +203,13 @@ def run_shape(shape: T.Shape, args, device: torch.device, progress: Progress) ->
         failed, worst = check_close(out, baseline(x, mask))
     result["ttj_jax_accuracy"] = {"failed_elements": failed, "worst_err_over_tol": worst}
     result["ttj_jax_timing"] = _time_jax_loop(jax_fn, warmup=args.warmup, rounds=args.rounds, calls=calls)
-    result["jax_host_us"] = median_host_overhead_us(jax_fn, 50, device=device)
+    # Host time of one call from an idle GPU, bridge and JAX-direct sampled in turn (the bridge-cost target
+    # is their difference; measured apart, minutes apart, the host's pace drifted by more than that).
+    with torch.inference_mode():
+        host = interleaved_host_overhead_us({"ttj_bridge": timed["ttj_bridge"], "ttj_jax": jax_fn},
+                                            100 if device.type == "cuda" else 5, device=device)
+    result["bridge_host_us"] = host["ttj_bridge"]["median_us"]
+    result["jax_host_us"] = host["ttj_jax"]["median_us"]
 
     result["timing"] = timings
     for name in contenders:

@@ -99,3 +99,29 @@ def median_host_overhead_us(fn: Callable[[], Any], calls: int, *, device=None) -
         samples_us.append((time.perf_counter() - start) * 1e6)
     sync()
     return statistics.median(samples_us)
+
+
+def interleaved_host_overhead_us(contenders: dict[str, Callable[[], Any]], calls: int, *, device=None,
+                                 warmup: int = 5) -> dict[str, dict]:
+    """`median_host_overhead_us` for several contenders at once, their samples interleaved: sample i of
+    every contender is taken before sample i + 1 of any (the order rotating), so a drift of the host's
+    pace during the run (another process, clocks, the allocator's state) lands on all of them alike and
+    their difference is the difference of their calls. Returns {name: {"median_us", "p10_us", "p90_us"}}.
+    """
+    on_cuda = device is not None and torch.device(device).type == "cuda"
+    sync = (lambda: torch.cuda.synchronize(device)) if on_cuda else (lambda: None)
+    names = list(contenders)
+    for name in names:
+        for _ in range(warmup):
+            contenders[name]()
+    samples_us: dict[str, list[float]] = {name: [] for name in names}
+    for i in range(calls):
+        shift = i % len(names)
+        for name in names[shift:] + names[:shift]:
+            sync()
+            start = time.perf_counter()
+            contenders[name]()
+            samples_us[name].append((time.perf_counter() - start) * 1e6)
+    sync()
+    return {name: {"median_us": statistics.median(s), "p10_us": float(np.percentile(s, 10)),
+                   "p90_us": float(np.percentile(s, 90))} for name, s in samples_us.items()}

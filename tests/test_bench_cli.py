@@ -178,3 +178,16 @@ def test_kernel_table():
     assert table["kernel_us_per_call"] == pytest.approx(52) and table["span_us_per_call"] == pytest.approx(100)
     with pytest.raises(ValueError, match="no GPU"):
         kernel_table({"traceEvents": trace["traceEvents"][-1:]})
+
+
+def test_host_overhead_script_on_the_cpu(tmp_path, capsys):
+    import json
+    from bench import host_overhead
+    host_overhead.main(["--device", "cpu", "--shapes", "2", "--calls", "3", "--tag", "t", "--out", str(tmp_path)])
+    [path] = tmp_path.glob("host-overhead-*-cpu-t.json")
+    shape = json.loads(path.read_text())["shapes"]["2"]
+    assert set(host_overhead.CUMULATIVE) <= set(shape["host_us"])
+    assert all(v["median_us"] > 0 for v in shape["host_us"].values())
+    assert shape["bridge_minus_jax_us"] == shape["host_us"]["bridge"]["median_us"] - shape["host_us"]["jax_direct"]["median_us"]
+    assert {"jax_array_idle", "exported_tensor_busy", "bridge_output_idle"} <= set(shape["free_us"])
+    assert "bridge-jax" in capsys.readouterr().out

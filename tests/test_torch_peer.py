@@ -7,6 +7,8 @@ as on CUDA.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -170,3 +172,17 @@ def test_time_contenders_tells_slow_from_fast():
 
 def test_median_host_overhead_us():
     assert 0 <= median_host_overhead_us(lambda: None, 20) < 1000
+
+
+def test_interleaved_host_overhead_us_takes_turns():
+    from bench.timing import interleaved_host_overhead_us
+    order = []
+    contenders = {"fast": lambda: order.append("fast"),
+                  "slow": lambda: (order.append("slow"), time.sleep(0.002))}
+    result = interleaved_host_overhead_us(contenders, 6, warmup=1)
+    assert set(result) == {"fast", "slow"}
+    timed = order[2:]                                    # after one warm-up call each
+    assert len(timed) == 12 and timed.count("fast") == 6
+    assert all({timed[2 * i], timed[2 * i + 1]} == {"fast", "slow"} for i in range(6))   # one of each per turn
+    assert timed[0] != timed[2]                          # the order rotates
+    assert result["slow"]["median_us"] > result["fast"]["median_us"] + 1000

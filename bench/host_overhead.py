@@ -1,0 +1,211 @@
+"""Where the bridge's host time goes, against the JAX-direct call, per shape (GPU): issue 4's bridge-cost table.
+
+Every number is a drained host time (the GPU synced before each call, `perf_counter` around the call: the
+official run's `bridge_host_us` / `jax_host_us`), and all the variants of one shape are sampled
+interleaved (bench.timing.interleaved_host_overhead_us), so their differences are the cost of what one
+adds to the other, not of the host's pace drifting between two measurements. The variants build the
+bridge's call up step by step:
+
+    jax_direct       the JAX user's call (prepared weights, a jax input; its output, a jax array, freed)
+    dispatch         the bridge's own compiled call on an input imported once (output freed as a jax array)
+    +import          + the per-call ordering event and DLPack import of x
+    +export          + the DLPack export of the output (freed as a torch tensor)
+    +weights         + the parameters' version check and the cached weights lookup
+    bridge           the whole `forward(x, mask)`: + argument checks, mask kind, plan lookup
+    bridge_no_mask   the same with mask=None
+    bridge_reimport  `forward` with two input tensors in turn, so that x is imported on every call (the
+                     bridge reuses the import of an unchanged tensor: runtime._Call.input_for)
+
+and each step alone: the weights check, the mask classification, the import (event included), the export
+of a kept result (nothing freed). Then how long freeing an output takes: a jax array and a DLPack-exported
+torch tensor, from an idle GPU and right after the call that made it (GPU busy). Then the harness's CUDA
+event timing of the bridge (reused import and re-imported) next to the JAX loop, and an ordering check
+of the reused import: x rewritten in place on torch's stream behind a long matmul, the bridge called at
+once, its output compared with a call on a fresh copy (the same program: equal to the bit).
+
+    python -m bench.host_overhead [--shapes 11,13,8,5,2] [--calls 150] [--tag T] [--out bench/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import torch  # noqa: E402
+
+import bridge  # noqa: E402
+import jax  # noqa: E402
+import ttj_jax as T  # noqa: E402
+from bench.baseline import TransformerConfig, harness_models, make_inputs  # noqa: E402
+from bench.cli import _time_jax_loop, _ttj_jax_contender  # noqa: E402
+from bench.timing import interleaved_host_overhead_us, time_contenders  # noqa: E402
+from bridge import runtime  # noqa: E402
+from ttj_jax.model import validate_inputs  # noqa: E402
+
+CUMULATIVE = ("jax_direct", "dispatch", "+import", "+export", "+weights", "bridge", "bridge_no_mask",
+              "bridge_reimport")
+
+
+def ordering_check(ours, x, mask, rounds: int, device: torch.device) -> dict:
+    """Max |difference| between the bridge's output on x rewritten in place just before the call (the
+    write still queued behind ~1 ms of torch work) and on a fresh copy of the new values."""
+    if device.type != "cuda":
+        return {"rounds": 0}
+    busy = torch.randn(4096, 4096, device=device)
+    generator = torch.Generator(device=device).manual_seed(7)
+    worst = 0.0
+    for _ in range(rounds):
+        values = torch.randn(x.shape, generator=generator, device=device)
+        torch.cuda.synchronize(device)
+        for _ in range(4):
+            busy = (busy @ busy).mul_(1e-2)              # keeps torch's stream busy
+        x.copy_(values)                                  # queued behind it; bumps x's version
+        out = ours(x, mask)
+        expected = ours(values.clone(), mask)
+        worst = max(worst, float((out - expected).abs().max()))
+    return {"rounds": rounds, "max_abs_diff": worst}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def free_us(make, calls: int, *, busy: bool, device: torch.device) -> float:
+    """Median host time of dropping the last reference to make()'s result: after a sync (idle GPU) or
+    right after the call (busy: the GPU still runs the call that writes it)."""
+    samples = []
+    for _ in range(calls):
+        _sync(device)
+        out = make()
+        if not busy:
+            _sync(device)
+        start = time.perf_counter()
+        del out
+        samples.append((time.perf_counter() - start) * 1e6)
+    _sync(device)
+    return statistics.median(samples)
+
+
+def profile_shape(sid: str, calls: int, device: torch.device) -> dict:
+    config = T.OFFICIAL[sid].config
+    hc = TransformerConfig(**vars(config))
+    _, ours = harness_models(hc, bridge.TTJTransformer, device=device)
+    x, mask = make_inputs(hc, 1234 + 100000, device=device)
+    with torch.inference_mode():
+        ours(x, mask)
+        _sync(device)
+        state = runtime._STATES[ours]
+        call = next(iter(state.calls.values()))
+        transfer = call.transfer
+        kernel_stack = call.plan.stack in ("fused", "fused_mgpu", "rows")
+        weights_of = (lambda: state.kernel_jax_weights(call.plan.stack)) if kernel_stack else (
+            lambda: state.weights(call.plan.policy))
+        weights = weights_of()
+        transfer.order_before_jax()
+        jx = transfer.to_jax(x)
+        kept = call.run(weights, jx, None)
+        jax.block_until_ready(kept)
+        jax_fn, jax_plan = _ttj_jax_contender(ours, config, x)
+        jax.block_until_ready(jax_fn())
+
+        def imported():
+            transfer.order_before_jax()
+            return transfer.to_jax(x)
+
+        def front():
+            validate_inputs(x.shape, "float32", mask.shape, "bool", state.config)
+            return state.calls.get((x.shape, x.dtype, x.device, state.classify(mask), None, None))
+
+        x_other = x.clone()
+        flip = [x, x_other]
+
+        def reimport():
+            flip.reverse()
+            return ours(flip[0], mask)
+
+        variants = {
+            "jax_direct": jax_fn,
+            "dispatch": lambda: call.run(weights, jx, None),
+            "+import": lambda: call.run(weights, imported(), None),
+            "+export": lambda: transfer.to_torch(call.run(weights, imported(), None)),
+            "+weights": lambda: transfer.to_torch(call.run(weights_of(), imported(), None)),
+            "bridge": lambda: ours(x, mask),
+            "bridge_no_mask": lambda: ours(x, None),
+            "bridge_reimport": reimport,
+            "alone_weights_check": weights_of,
+            "alone_front": front,
+            "alone_import": imported,
+            "alone_export_kept": lambda: transfer.to_torch(kept),
+        }
+        if call.direct is not None:   # a direct launch never reaches the jax steps
+            for name in ("dispatch", "+import", "+export", "+weights"):
+                variants.pop(name)
+        host = interleaved_host_overhead_us(variants, calls, device=device)
+        frees = {}
+        if call.direct is None:
+            for busy in (False, True):
+                when = "busy" if busy else "idle"
+                frees[f"jax_array_{when}"] = free_us(lambda: call.run(weights, jx, None), calls // 2,
+                                                     busy=busy, device=device)
+                frees[f"exported_tensor_{when}"] = free_us(
+                    lambda: transfer.to_torch(call.run(weights, imported(), None)), calls // 2, busy=busy,
+                    device=device)
+        frees["bridge_output_idle"] = free_us(lambda: ours(x, mask), calls // 2, busy=False, device=device)
+        frees["bridge_output_busy"] = free_us(lambda: ours(x, mask), calls // 2, busy=True, device=device)
+        events = {}
+        if device.type == "cuda":
+            timed = time_contenders({"bridge": lambda: ours(x, mask), "bridge_reimport": reimport},
+                                    warmup=20, rounds=3, calls=100, device=device)
+            events = {name: t["median_ms"] for name, t in timed.items()}
+            events["jax_loop"] = _time_jax_loop(jax_fn, warmup=20, rounds=3, calls=100)["median_ms"]
+        ordering = ordering_check(ours, x, mask, 10, device)
+    return {"plan": call.plan.explain(), "direct_launch": call.direct is not None,
+            "jax_plan_stack": jax_plan.stack, "host_us": host, "free_us": frees, "events_ms": events,
+            "ordering": ordering,
+            "bridge_minus_jax_us": host["bridge"]["median_us"] - host["jax_direct"]["median_us"]}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default="11,13,8,5,2")
+    p.add_argument("--calls", type=int, default=150, help="samples per variant (default 150)")
+    p.add_argument("--tag", default="")
+    p.add_argument("--out", default="bench/results")
+    p.add_argument("--device", default="cuda", help="cuda (the measurement) or cpu (a smoke test of the script)")
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        sys.exit("bench.host_overhead measures on a CUDA GPU; none is visible (--device cpu runs a smoke test)")
+    result = {"gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "jax": jax.__version__, "torch": torch.__version__,
+              "date": datetime.date.today().isoformat(),
+              "command": "python -m bench.host_overhead " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "calls": args.calls, "shapes": {}}
+    for sid in args.shapes.split(","):
+        print(f"shape {sid} ...", flush=True)
+        result["shapes"][sid] = profile_shape(sid, args.calls, device)
+    os.makedirs(args.out, exist_ok=True)
+    gpu = result["gpu"].lower().replace("nvidia ", "nvidia-").replace(" ", "-")
+    path = os.path.join(args.out, f"host-overhead-{result['date']}-{gpu}{'-' + args.tag if args.tag else ''}.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    names = [n for n in CUMULATIVE] + ["alone_weights_check", "alone_front", "alone_import", "alone_export_kept"]
+    print("drained host us (median), interleaved; " + path)
+    print("shape " + " ".join(f"{n[:14]:>14}" for n in names) + "   bridge-jax")
+    for sid, r in result["shapes"].items():
+        cells = [f"{r['host_us'][n]['median_us']:14.1f}" if n in r["host_us"] else f"{'-':>14}" for n in names]
+        print(f"{sid:>5} " + " ".join(cells) + f"   {r['bridge_minus_jax_us']:+.1f}")
+        print("      free us: " + ", ".join(f"{k} {v:.1f}" for k, v in r["free_us"].items()))
+        print("      events ms: " + ", ".join(f"{k} {v:.4f}" for k, v in r["events_ms"].items())
+              + f"; ordering check: {r['ordering']}")
+
+
+if __name__ == "__main__":
+    main()
