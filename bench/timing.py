@@ -8,6 +8,7 @@ shapes is most of it. On the CPU, `time.perf_counter` stands in for the events.
 
 from __future__ import annotations
 
+import random
 import statistics
 import time
 from typing import Any, Callable, Optional
@@ -104,9 +105,14 @@ def median_host_overhead_us(fn: Callable[[], Any], calls: int, *, device=None) -
 def interleaved_host_overhead_us(contenders: dict[str, Callable[[], Any]], calls: int, *, device=None,
                                  warmup: int = 5) -> dict[str, dict]:
     """`median_host_overhead_us` for several contenders at once, their samples interleaved: sample i of
-    every contender is taken before sample i + 1 of any (the order rotating), so a drift of the host's
-    pace during the run (another process, clocks, the allocator's state) lands on all of them alike and
-    their difference is the difference of their calls. Returns {name: {"median_us", "p10_us", "p90_us"}}.
+    every contender is taken before sample i + 1 of any, so a drift of the host's pace during the run
+    (another process, clocks, the allocator's state) lands on all of them alike and their difference is
+    the difference of their calls. The order within each turn is a fresh (seeded) shuffle: a fixed cyclic
+    order gives every contender the same predecessor, and a predecessor's after-effects then land on one
+    contender only (on the H200, shape 7's bridge call, a direct kernel launch, took 80.7 us in the slot
+    after the JAX-direct call and 57.8 us, the same code path, in another slot:
+    bench/results/host-overhead-2026-11-30-nvidia-h200-session8-cache.json).
+    Returns {name: {"median_us", "p10_us", "p90_us"}}.
     """
     on_cuda = device is not None and torch.device(device).type == "cuda"
     sync = (lambda: torch.cuda.synchronize(device)) if on_cuda else (lambda: None)
@@ -115,9 +121,11 @@ def interleaved_host_overhead_us(contenders: dict[str, Callable[[], Any]], calls
         for _ in range(warmup):
             contenders[name]()
     samples_us: dict[str, list[float]] = {name: [] for name in names}
-    for i in range(calls):
-        shift = i % len(names)
-        for name in names[shift:] + names[:shift]:
+    shuffler = random.Random(0)
+    for _ in range(calls):
+        order = names[:]
+        shuffler.shuffle(order)
+        for name in order:
             sync()
             start = time.perf_counter()
             contenders[name]()

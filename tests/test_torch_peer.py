@@ -184,5 +184,5 @@ def test_interleaved_host_overhead_us_takes_turns():
     timed = order[2:]                                    # after one warm-up call each
     assert len(timed) == 12 and timed.count("fast") == 6
     assert all({timed[2 * i], timed[2 * i + 1]} == {"fast", "slow"} for i in range(6))   # one of each per turn
-    assert timed[0] != timed[2]                          # the order rotates
+    assert len({tuple(timed[2 * i:2 * i + 2]) for i in range(6)}) == 2   # both orders occur (seeded shuffle)
     assert result["slow"]["median_us"] > result["fast"]["median_us"] + 1000
