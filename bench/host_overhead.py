@@ -13,15 +13,17 @@ bridge's call up step by step:
     +weights         + the parameters' version check and the cached weights lookup
     bridge           the whole `forward(x, mask)`: + argument checks, mask kind, plan lookup
     bridge_no_mask   the same with mask=None
-    bridge_reimport  `forward` with two input tensors in turn, so that x is imported on every call (the
-                     bridge reuses the import of an unchanged tensor: runtime._Call.input_for)
+    bridge_reimport  `forward` with two input tensors in turn (a check that the bridge's cost does not
+                     depend on meeting the same input again)
 
 and each step alone: the weights check, the mask classification, the import (event included), the export
 of a kept result (nothing freed). Then how long freeing an output takes: a jax array and a DLPack-exported
 torch tensor, from an idle GPU and right after the call that made it (GPU busy). Then the harness's CUDA
 event timing of the bridge (reused import and re-imported) next to the JAX loop, and an ordering check
-of the reused import: x rewritten in place on torch's stream behind a long matmul, the bridge called at
-once, its output compared with a call on a fresh copy (the same program: equal to the bit).
+of the import: x rewritten in place on torch's stream behind a long matmul, the bridge called at once,
+its output compared with a call on a fresh copy (the same program: equal to the bit). (The event test is
+short; the harness loop of `ttj-bench` is the one that caught an import cache losing the order, see
+bridge/runtime.py's _Transfer.)
 
     python -m bench.host_overhead [--shapes 11,13,8,5,2] [--calls 150] [--tag T] [--out bench/results]
 """

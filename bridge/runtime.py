@@ -7,9 +7,8 @@ Per module, built once and reused (held in a WeakKeyDictionary, so nothing is ad
   alive, so a new allocation can never reuse a cached address (no false "unchanged").
 - per input signature (shape, dtype, device, mask kind): the plan and its compiled executable.
 - the kind of the last mask seen, keyed by the tensor object and its version counter.
-Per call, the work is: a few attribute checks, a key comparison, the DLPack import of x (the native
-path, compat.DlpackImporter; reused when the same tensor comes back unchanged, `_Call.input_for`), the
-async jax dispatch, and one DLPack export. No host sync: torch's pending writes to x are ordered before
+Per call, the work is: a few attribute checks, a key comparison, one DLPack import of x (the native
+path, compat.DlpackImporter), the async jax dispatch, and one DLPack export. No host sync: torch's pending writes to x are ordered before
 jax reads it by one cached CUDA event (_Transfer), and torch's stream waits on jax's result through the
 DLPack protocol on export; later torch writes to x are therefore ordered after jax's reads too.
 """
@@ -54,7 +53,12 @@ class _Transfer:
     tensor: an array imported earlier carries an old, completed definition event, and a program reading
     it would no longer wait for torch's writes. (A per-call import cache tried on 2026-11-30 broke the
     harness timing of shape 13, 0.0013 ms, and slowed shapes 7 and 11: bench/results/official-2026-11-30-
-    h200-session5-cachebug.json; reverted.)
+    h200-session5-cachebug.json; reverted.) Tried again in session 8, reusing the import only while x's
+    version counter was unchanged (so no torch write could be pending): the harness loop again saw calls
+    where torch's stream did not wait for jax's output at all, 0.0013 ms, on every jax-path shape (p10 of
+    shapes 8 and 11, median of 13: official-2026-11-30-h200-session8-cachebug.json), although a short
+    event test of the same build (host-overhead-...-session8-cache.json) had looked right. So the export's
+    wait, not only the import's ordering, depends on importing x anew: cause not found; do not cache.
     """
 
     def __init__(self, device: torch.device):
@@ -140,49 +144,6 @@ class _Call:
     # from: one list comparison per call instead of the per-weight-version cache lookups.
     weights_key: Any = None
     weights: Any = None
-    # The last input imported for this call: (weak reference to the caller's tensor, its data_ptr, its
-    # version counter, the jax view). See input_for.
-    last_input: tuple | None = None
-
-    def input_for(self, x: torch.Tensor, cacheable: bool, ordered: bool = False):
-        """x as a jax array: the last import again when x is the same tensor object, at the same address,
-        with the same version counter, else a new import (ordered after torch's pending work on the
-        current stream). Reusing it is safe because the view is zero-copy (the program reads x's memory
-        when it runs) and because every write torch makes to x or a view of it bumps the version counter
-        when it is queued: an unchanged version means no write was queued since the import, whose
-        definition event already orders the writes before it. What the counter cannot see is not seen:
-        writes through `x.data` or through x's pointer by another library; after those, pass a new tensor
-        or call `bridge.refresh(module)`. Inference tensors have no counter and are imported every call.
-        ordered: the caller has just called transfer.order_before_jax() (for a mask it imports too).
-        Cached only for inputs up to IMPORT_CACHE_MAX_BYTES: the view keeps x's memory alive until the
-        next call with another input (or `refresh`). Saves the import's host time (on the H200: 55-135 us
-        of a jax-path call, bench/results/host-overhead-2026-11-30-nvidia-h200-session8.json), the
-        largest part of what the bridge adds to a JAX-direct call."""
-        cacheable = cacheable and not x.is_inference()
-        if cacheable:
-            last = self.last_input
-            if (last is not None and last[0]() is x and last[1] == x.data_ptr()
-                    and last[2] == x._version):
-                return last[3]
-        if not ordered:
-            self.transfer.order_before_jax()
-        jx = self.transfer.to_jax(x)
-        self.last_input = None
-        if cacheable and x.nbytes <= IMPORT_CACHE_MAX_BYTES and _aliases(jx, x):
-            self.last_input = (weakref.ref(x), x.data_ptr(), x._version, jx)
-        return jx
-
-
-# _Call.input_for keeps at most this much of a caller's last input alive, per call signature.
-IMPORT_CACHE_MAX_BYTES = 64 << 20
-
-
-def _aliases(array, tensor: torch.Tensor) -> bool:
-    """Whether the jax array is a view of the tensor's memory (a zero-copy import)."""
-    try:
-        return array.unsafe_buffer_pointer() == tensor.data_ptr()
-    except Exception:   # noqa: BLE001 - a backend without raw pointers: do not cache
-        return False
 
 
 class _ModuleState:
@@ -470,7 +431,6 @@ def forward(module: torch.nn.Module, x: torch.Tensor, valid_token_mask: torch.Te
             call.weights = state.weights(call.plan.policy, call.plan.data_parallel)
         call.weights_key = weights_key
     weights = call.weights
-    given = x
     if x.requires_grad:
         x = x.detach()
     if call.upcast_to is not None:
@@ -481,11 +441,9 @@ def forward(module: torch.nn.Module, x: torch.Tensor, valid_token_mask: torch.Te
         out = _run_split(call, weights, x, mask if call.passes_mask else None, split_chunks)
     else:
         transfer = call.transfer
-        jmask = None
-        if call.passes_mask:
-            transfer.order_before_jax()
-            jmask = transfer.to_jax(mask)
-        jx = call.input_for(x, cacheable=x is given, ordered=call.passes_mask)
+        transfer.order_before_jax()
+        jx = transfer.to_jax(x)
+        jmask = transfer.to_jax(mask) if call.passes_mask else None
         out = transfer.to_torch(call.run(weights, jx, jmask))
     return out if call.upcast_to is None else out.to(call.upcast_to)
 
@@ -625,9 +583,7 @@ def weight_views(module: torch.nn.Module) -> dict[str, Any]:
 
 def refresh(module: torch.nn.Module) -> None:
     """Forgets everything cached for `module`. Needed only after changes the bridge cannot see:
-    replacing a Parameter object, or writing through `param.data` (which bypasses the version counter),
-    or through an input's `.data` or pointer between two calls with that same input (_Call.input_for).
-    Also drops the last input each call signature holds."""
+    replacing a Parameter object, or writing through `param.data` (which bypasses the version counter)."""
     _STATES.pop(module, None)
 
 

@@ -257,52 +257,6 @@ def _only_call(ours):
     return calls[0]
 
 
-def test_same_input_reuses_its_import_and_sees_in_place_edits(harness_rule):
-    base, ours = pair()
-    x = random_input(T.Config.from_object(CONFIG), 11)
-    first = ours(x)
-    call = _only_call(ours)
-    view = call.last_input[3]
-    assert call.last_input[0]() is x
-    again = ours(x)
-    assert call.last_input[3] is view                    # no second import
-    torch.testing.assert_close(again, first, rtol=0, atol=0)
-    x.mul_(0.5)                                          # bumps x's version: imported anew, edit seen
-    edited = ours(x)
-    assert call.last_input[3] is not view and call.last_input[2] == x._version
-    harness_rule(edited, torch_reference(base, x, None))
-    x[:, 3].add_(1.0)                                    # a write through a view shares the counter
-    harness_rule(ours(x), torch_reference(base, x, None))
-
-
-def test_input_cache_follows_the_tensor_not_its_values(harness_rule):
-    base, ours = pair()
-    x = random_input(T.Config.from_object(CONFIG), 12)
-    ours(x)
-    y = x.clone() + 1.0                                  # another tensor: another import
-    harness_rule(ours(y), torch_reference(base, y, None))
-    assert _only_call(ours).last_input[0]() is y
-    bridge.refresh(ours)                                 # drops the cache with everything else
-    from bridge import runtime
-    assert ours not in runtime._STATES
-
-
-def test_input_cache_skips_inference_tensors_copies_and_large_inputs(monkeypatch, harness_rule):
-    from bridge import runtime
-    base, ours = pair()
-    with torch.inference_mode():
-        x = random_input(T.Config.from_object(CONFIG), 13)
-        harness_rule(ours(x), torch_reference(base, x, None))
-    assert _only_call(ours).last_input is None           # no version counter: never reused
-    x = random_input(T.Config.from_object(CONFIG), 13).double()
-    ours(x)                                              # computed on a float32 copy: nothing to reuse
-    assert all(c.last_input is None for c in runtime._STATES[ours].calls.values())
-    monkeypatch.setattr(runtime, "IMPORT_CACHE_MAX_BYTES", 16)
-    _, small = pair()
-    small(random_input(T.Config.from_object(CONFIG), 14))
-    assert _only_call(small).last_input is None          # over the size limit: not kept alive
-
-
 def test_weights_fast_path_drops_old_weights_on_change(harness_rule):
     base, ours = pair()
     x = random_input(T.Config.from_object(CONFIG), 15)
