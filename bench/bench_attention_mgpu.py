@@ -90,6 +90,13 @@ GRID_CASES = [(8, 16, LONG_SEQ_LEN, 64), MAIN_CASE]
 GRID_VARIANTS = [dict(lowering_semantics="lane"),
                  dict(lowering_semantics="lane", block_sizes=Blocks(128, 3, 3)),
                  dict(lowering_semantics="lane", block_sizes=Blocks(128, 5, 3))]
+# --poly: part of each KV block's exp2 on the FMA units instead of the MUFU (MgpuBlockSizes.poly_exp_keys,
+# FA4's trick): at head_dim 64 the softmax's 8192 ex2 per block and consumer are, at the MUFU's 16 per clock
+# and SM, as many clocks as the block's two GEMMs at the tensor cores' peak. Checked, then timed at the
+# main case next to the default, the lane lowering and cuDNN.
+POLY_VARIANTS = [dict(lowering_semantics="lane"),
+                 dict(lowering_semantics="lane", block_sizes=Blocks(128, 4, 3, poly_exp_keys=64)),
+                 dict(block_sizes=Blocks(128, 4, 3, poly_exp_keys=64))]
 THRESHOLD_CASES = [(64, 4, 1024, 64), (4, 16, 4096, 64), (4, 16, 8192, 64), (4, 16, 4096, 128)]
 
 
@@ -211,7 +218,8 @@ def _kwargs_text(kwargs) -> str:
     parts = []
     if "block_sizes" in kwargs:
         b = kwargs["block_sizes"]
-        parts.append(f"kv{b.block_kv} s{b.num_stages} wg{b.num_compute_wgs}{' ovl' if b.overlap_softmax else ''}")
+        parts.append(f"kv{b.block_kv} s{b.num_stages} wg{b.num_compute_wgs}{' ovl' if b.overlap_softmax else ''}"
+                     + (f" poly{b.poly_exp_keys}" if b.poly_exp_keys else ""))
     if "lowering_semantics" in kwargs:
         parts.append(kwargs["lowering_semantics"])
     if "grid_order" in kwargs:
@@ -321,22 +329,22 @@ def sweep(run: Run) -> None:
         _time_case(run, *case, variants=[{}])
 
 
-def grid_orders(run: Run) -> None:
+def grid_orders(run: Run, variants=GRID_VARIANTS, cases=GRID_CASES) -> None:
     """--grid: each GRID_VARIANTS entry checked (S=1000, causal and not; S=100000 rows), then all timed at
-    each of GRID_CASES next to the default and cuDNN."""
+    each of GRID_CASES next to the default and cuDNN. (--poly: the same with POLY_VARIANTS, main case.)"""
     passing = [{}]
-    for kwargs in GRID_VARIANTS:
+    for kwargs in variants:
         checks = [_check(run, 2, 3, 1000, 64, causal, kernel_kwargs=kwargs) for causal in (True, False)]
         checks.append(_check(run, 2, 2, LONG_SEQ_LEN, 64, True, kernel_kwargs=kwargs))
         if all(checks):
             passing.append(kwargs)
-    for case in GRID_CASES:
+    for case in cases:
         _time_case(run, *case, variants=passing)
 
 
 def gpu_check_and_time(out_dir: str | None = None, *, quick: bool = False, check_only: bool = False,
                        budget_s: float = 420.0, step_timeout_s: float = 90.0, sweep_only: bool = False,
-                       grid_only: bool = False) -> int:
+                       grid_only: bool = False, poly_only: bool = False) -> int:
     """Checks the Mosaic kernel on the GPU, times it, writes JSON, prints a table. Returns an exit status."""
     device = jax.devices()[0]
     if device.platform != "gpu":
@@ -346,16 +354,21 @@ def gpu_check_and_time(out_dir: str | None = None, *, quick: bool = False, check
     date = datetime.date.today().isoformat()
     out = pathlib.Path(out_dir or _REPO_ROOT / "bench" / "results")
     out.mkdir(parents=True, exist_ok=True)
-    suffix = ("-grid" if grid_only else "-sweep" if sweep_only else "-check" if check_only
-              else "-quick" if quick else "")
+    suffix = ("-grid" if grid_only else "-poly" if poly_only else "-sweep" if sweep_only
+              else "-check" if check_only else "-quick" if quick else "")
     import jaxlib  # noqa: PLC0415
     header = {"gpu": gpu_name, "jax": jax.__version__, "jaxlib": jaxlib.__version__,
               "date": date, "quick": quick, "check_only": check_only, "pass_rule": f"atol {ATOL}, rtol {RTOL}"}
     run = Run(out / f"attention-mgpu-{date}-{slug(gpu_name)}{suffix}.json", header, step_timeout_s, budget_s)
     log(f"device: {gpu_name}, jax {jax.__version__}; writing {run.path}")
 
-    if sweep_only or grid_only:
-        sweep(run) if sweep_only else grid_orders(run)
+    if sweep_only or grid_only or poly_only:
+        if sweep_only:
+            sweep(run)
+        elif grid_only:
+            grid_orders(run)
+        else:
+            grid_orders(run, POLY_VARIANTS, [MAIN_CASE])
         _print_table(run)
         run.write()
         log(f"wrote {run.path} ({run.elapsed():.0f} s)")
@@ -402,9 +415,11 @@ def main(argv=None) -> int:
     parser.add_argument("--step-timeout-s", type=float, default=90.0, help="watchdog limit per step")
     parser.add_argument("--sweep", action="store_true", help="only the tiling sweep and the threshold cases")
     parser.add_argument("--grid", action="store_true", help="only the grid orders and the lane lowering, at shape 14's attention call and the main case")
+    parser.add_argument("--poly", action="store_true", help="only the polynomial-exp2 variants (poly_exp_keys), at the main case")
     args = parser.parse_args(argv)
     return gpu_check_and_time(args.out, quick=args.quick, check_only=args.check, budget_s=args.budget_s,
-                              step_timeout_s=args.step_timeout_s, sweep_only=args.sweep, grid_only=args.grid)
+                              step_timeout_s=args.step_timeout_s, sweep_only=args.sweep, grid_only=args.grid,
+                              poly_only=args.poly)
 
 
 if __name__ == "__main__":

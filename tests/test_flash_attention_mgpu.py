@@ -109,6 +109,32 @@ def test_lowers_in_both_semantics_and_dtypes(lowering_semantics, dtype):
     assert _custom_calls(text) == ["mosaic_gpu_v2"]
 
 
+@pytest.mark.parametrize("lowering_semantics", ["lane", "warpgroup"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_lowers_with_polynomial_exp2_keys(lowering_semantics, causal):
+    # two key parts per block: their own Q @ K^T and P @ V wgmmas over slices of the K/V slots
+    blocks = Blocks(block_kv=128, num_stages=4, num_compute_wgs=3, poly_exp_keys=64)
+    text = _lower_for_cuda(1000, 64, causal, block_sizes=blocks, lowering_semantics=lowering_semantics)
+    assert _custom_calls(text) == ["mosaic_gpu_v2"]
+
+
+def test_polynomial_exp2():
+    x = jnp.concatenate([jnp.linspace(-119.0, 0.0, 100_001, dtype=jnp.float32),
+                         jnp.array([-0.5, -1.5, -2.5, -1e-8, 0.0], jnp.float32)])
+    y = np.asarray(jax.jit(lambda x: fm._exp2_poly(x, exact_round=True))(x), np.float64)
+    assert np.abs(y / np.exp2(np.asarray(x, np.float64)) - 1).max() < 1.2e-5   # against P's 2^-11 fp16 rounding
+    masked = np.asarray(jax.jit(lambda x: fm._exp2_poly(x, exact_round=True))(
+        jnp.array([-jnp.inf, -1e30, -200.0], jnp.float32)))
+    assert ((masked >= 0) & (masked < 1e-35)).all()
+    # The GPU's rounding (two fp32 adds of 1.5 * 2^23; XLA would fold them, NumPy does not) gives the j
+    # that exact_round's lax.round gives, and its bits shifted by 23 are j in the exponent field.
+    xs = np.concatenate([np.linspace(-120, 0, 100_001, dtype=np.float32), np.float32([-0.5, -1.5, -2.5, -3.5])])
+    magic = np.float32(fm._ROUND_MAGIC)
+    shifted = xs + magic
+    assert np.array_equal(shifted - magic, np.round(xs))
+    assert np.array_equal((shifted.view(np.int32) << 23) >> 23, np.round(xs).astype(np.int32))
+
+
 def test_lowered_kernel_depends_on_causal_and_blocks():
     """The lowered module carries the kernel: different statics give a different serialized module."""
     def module_of(**kwargs):
@@ -153,7 +179,10 @@ def test_block_sizes_validate_themselves():
                 dict(block_kv=320, num_stages=2), dict(block_kv=128, num_stages=1),
                 dict(block_kv=128, num_stages=2, num_compute_wgs=4),
                 dict(block_kv=128, num_stages=2, num_compute_wgs=3, overlap_softmax=True),
-                dict(block_kv=128, num_stages=2, overlap_softmax=1), dict(block_kv=True, num_stages=2)):
+                dict(block_kv=128, num_stages=2, overlap_softmax=1), dict(block_kv=True, num_stages=2),
+                dict(block_kv=128, num_stages=2, poly_exp_keys=32), dict(block_kv=128, num_stages=2, poly_exp_keys=128),
+                dict(block_kv=128, num_stages=2, poly_exp_keys=-16),
+                dict(block_kv=128, num_stages=2, overlap_softmax=True, poly_exp_keys=64)):
         with pytest.raises(ValueError):
             Blocks(**bad)
     assert Blocks(block_kv=128, num_stages=2, num_compute_wgs=3).block_q == 192
@@ -416,6 +445,8 @@ INTERPRET_CASES = {
     "hd64-S320-causal-3tiles-5blocks": (1, 320, 1, 64, True, Blocks(block_kv=64, num_stages=3)),
     "hd64-S200-overlap": (1, 200, 1, 64, False, Blocks(block_kv=128, num_stages=2, overlap_softmax=True)),
     "hd64-S113-overlap-causal": (1, 113, 1, 64, True, Blocks(block_kv=64, num_stages=2, overlap_softmax=True)),
+    "hd64-S200-poly-exp-causal": (1, 200, 1, 64, True, Blocks(block_kv=128, num_stages=2, poly_exp_keys=64)),
+    "hd128-S113-poly-exp": (1, 113, 1, 128, False, Blocks(block_kv=128, num_stages=2, poly_exp_keys=64)),
 }
 
 

@@ -89,6 +89,7 @@ class MgpuBlockSizes:
     num_stages: int                # slots in the shared-memory ring of K/V blocks (clamped to the KV blocks)
     num_compute_wgs: int = 2       # consumer warpgroups; a query tile is 64 * num_compute_wgs rows
     overlap_softmax: bool = False  # softmax of block j overlaps the PV GEMM of block j - 1
+    poly_exp_keys: int = 0         # the last keys of each KV block get exp2 from a polynomial (FMA units)
 
     def __post_init__(self):
         def is_int(value):
@@ -103,6 +104,13 @@ class MgpuBlockSizes:
             raise ValueError(f"MgpuBlockSizes.overlap_softmax={self.overlap_softmax!r} must be a bool")
         if self.overlap_softmax and self.num_compute_wgs != 2:
             raise ValueError("overlap_softmax needs num_compute_wgs=2 (3 consumers have too few registers)")
+        if (not is_int(self.poly_exp_keys) or self.poly_exp_keys < 0 or self.poly_exp_keys % 64
+                or self.poly_exp_keys >= self.block_kv):
+            raise ValueError(f"MgpuBlockSizes.poly_exp_keys={self.poly_exp_keys!r} must be a multiple of 64 "
+                             f"(each key part is the depth of a P @ V wgmma, whose 128-byte swizzle takes 64 "
+                             f"fp16 keys at a time) from 0 to below block_kv={self.block_kv}")
+        if self.poly_exp_keys and self.overlap_softmax:
+            raise ValueError("poly_exp_keys is built for the non-overlapped softmax (overlap_softmax=False)")
 
     @property
     def block_q(self) -> int:
@@ -275,6 +283,17 @@ def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_
         plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(row_start, rows), head], q_wg, q_ready.at[wg],
                                 oob_mode=plgpu.OOBFillMode.ZEROS)
         plan = consumer_plan(tile_start, wg, seq_len, blocks, causal)
+        # The keys of a block in one part, or two with poly_exp_keys: [0, block_kv - n) and the last n,
+        # each part its own Q @ K^T and P @ V wgmma (nothing is sliced in registers).
+        part_widths = ((block_kv - blocks.poly_exp_keys, blocks.poly_exp_keys) if blocks.poly_exp_keys
+                       else (block_kv,))
+        part_offsets = (0, block_kv - blocks.poly_exp_keys)[:len(part_widths)]
+
+        def key_parts(slot_ref):   # a K or V slot [block_kv, head_dim] -> its parts
+            if len(part_widths) == 1:
+                return (slot_ref,)
+            return tuple(slot_ref.at[pl.ds(offset, width)] for offset, width in zip(part_offsets, part_widths))
+
         score_scale = sm_scale * _LOG2_E
         row_layout = plgpu.Layout.WGMMA.reduce(1)
 
@@ -282,23 +301,35 @@ def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_
             return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
 
         def softmax(scores, block, m_prev, l_prev, masked: bool):
-            # scores: (64, block_kv) fp32 raw q.k. Returns the new running max and sum, P in the input
-            # dtype, and alpha = exp2(m_prev - m_new), the factor for what was accumulated before.
+            # scores: the (64, width) fp32 raw q.k of each key part (one part of block_kv keys, or two:
+            # see key_parts). Returns the new running max and sum, P per part in the input dtype, and
+            # alpha = exp2(m_prev - m_new), the factor for what was accumulated before.
             if masked:
-                key = block * block_kv + plgpu.broadcasted_iota(
-                    jnp.int32, scores.shape, 1, layout=plgpu.Layout.WGMMA)
-                if causal:
-                    query = row_start + plgpu.broadcasted_iota(
-                        jnp.int32, scores.shape, 0, layout=plgpu.Layout.WGMMA)
-                    allowed = key <= query
-                else:
-                    allowed = key < seq_len
-                scores = jnp.where(allowed, scores, -jnp.inf)
-            m_new = jnp.maximum(m_prev, scores.max(axis=1) * score_scale)
+                def mask(part, offset):
+                    first_key = block * block_kv + offset if offset else block * block_kv
+                    key = first_key + plgpu.broadcasted_iota(jnp.int32, part.shape, 1, layout=plgpu.Layout.WGMMA)
+                    if causal:
+                        query = row_start + plgpu.broadcasted_iota(
+                            jnp.int32, part.shape, 0, layout=plgpu.Layout.WGMMA)
+                        allowed = key <= query
+                    else:
+                        allowed = key < seq_len
+                    return jnp.where(allowed, part, -jnp.inf)
+                scores = tuple(mask(part, offset) for part, offset in zip(scores, part_offsets))
+            row_max = scores[0].max(axis=1)
+            for part in scores[1:]:
+                row_max = jnp.maximum(row_max, part.max(axis=1))
+            m_new = jnp.maximum(m_prev, row_max * score_scale)
             alpha = jnp.exp2(m_prev - m_new)
-            p = jnp.exp2(scores * score_scale - lax.broadcast_in_dim(m_new, scores.shape, [0]))
-            l_new = l_prev * alpha + p.sum(axis=1)
-            return m_new, l_new, p.astype(dtype), alpha
+            # the first part's exp2 on the MUFU (ex2.approx), the second's from a polynomial on the FMA
+            # units (poly_exp_keys): the two pipes share the work
+            poly = functools.partial(_exp2_poly, exact_round=bool(interpret))
+            ps = tuple((jnp.exp2 if i == 0 else poly)(part * score_scale - lax.broadcast_in_dim(
+                m_new, part.shape, [0])) for i, part in enumerate(scores))
+            l_new = l_prev * alpha + ps[0].sum(axis=1)
+            for part in ps[1:]:
+                l_new = l_new + part.sum(axis=1)
+            return m_new, l_new, tuple(part.astype(dtype) for part in ps), alpha
 
         def next_token():
             plgpu.barrier_arrive(tokens.at[lax.rem(wg + 1, jnp.int32(num_wgs))])
@@ -317,12 +348,13 @@ def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_
         def _():
             plgpu.barrier_wait(tokens.at[wg])
 
-        def first_scores(s_ref):
-            plgpu.wgmma(s_ref, q_wg, k_smem.at[0].transpose((1, 0)))
+        def first_scores(*s_refs):
+            for s_ref, k_part in zip(s_refs, key_parts(k_smem.at[0])):
+                plgpu.wgmma(s_ref, q_wg, k_part.transpose((1, 0)))
             next_token()
-            return s_ref[...]
+            return tuple(s_ref[...] for s_ref in s_refs)
 
-        scores = pl.run_scoped(first_scores, plgpu.ACC((rows, block_kv), jnp.float32))
+        scores = pl.run_scoped(first_scores, *(plgpu.ACC((rows, width), jnp.float32) for width in part_widths))
         plgpu.barrier_arrive(k_consumed.at[0])
         # The prologue block takes the mask whenever any block might: a no-op where it is not needed.
         m, l, p, alpha = softmax(scores, 0, m, l, masked=plan.prologue_masked)
@@ -336,15 +368,16 @@ def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_
             plgpu.barrier_wait(v_ready.at[prev_slot])
             plgpu.barrier_wait(k_ready.at[slot])
             plgpu.barrier_wait(tokens.at[wg])
-            k_t, v = k_smem.at[slot].transpose((1, 0)), v_smem.at[prev_slot]
-            if blocks.overlap_softmax:
+            k_ts = tuple(part.transpose((1, 0)) for part in key_parts(k_smem.at[slot]))
+            vs = key_parts(v_smem.at[prev_slot])
+            if blocks.overlap_softmax:   # one key part (MgpuBlockSizes refuses poly_exp_keys here)
                 def gemms(s_ref, pv_ref):
-                    plgpu.wgmma(s_ref, q_wg, k_t)
-                    plgpu.wgmma(pv_ref, p, v)   # returns once Q @ K^T is done; P @ V keeps running
+                    plgpu.wgmma(s_ref, q_wg, k_ts[0])
+                    plgpu.wgmma(pv_ref, p[0], vs[0])   # returns once Q @ K^T is done; P @ V keeps running
                     next_token()
                     scores = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)
                     plgpu.barrier_arrive(k_consumed.at[slot])
-                    softmax_out = softmax(scores, block, m, l, masked)
+                    softmax_out = softmax((scores,), block, m, l, masked)
                     return softmax_out, pv_ref[...]
                 (m, l, p_next, alpha_next), pv = pl.run_scoped(
                     gemms, plgpu.ACC((rows, block_kv), jnp.float32), plgpu.ACC((rows, head_dim), jnp.float32))
@@ -353,11 +386,14 @@ def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_
                 return acc, m, l, p_next, alpha_next
 
             def gemms(refs):
-                acc_ref, s_ref = refs
-                plgpu.wgmma(acc_ref, p, v)
-                plgpu.wgmma(s_ref, q_wg, k_t)
+                acc_ref, *s_refs = refs
+                for p_part, v_part in zip(p, vs):
+                    plgpu.wgmma(acc_ref, p_part, v_part)
+                for s_ref, k_t in zip(s_refs, k_ts):
+                    plgpu.wgmma(s_ref, q_wg, k_t)
                 next_token()
-            acc, scores = pl.run_state(gemms)((plgpu.ACC.init(acc), plgpu.ACC.init(wgmma_zeros((rows, block_kv)))))
+            acc, *scores = pl.run_state(gemms)((plgpu.ACC.init(acc), *(
+                plgpu.ACC.init(wgmma_zeros((rows, width))) for width in part_widths)))
             plgpu.barrier_arrive(k_consumed.at[slot])
             plgpu.barrier_arrive(v_consumed.at[prev_slot])
             m, l, p_next, alpha_next = softmax(scores, block, m, l, masked)
@@ -374,14 +410,15 @@ def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_
         plgpu.barrier_wait(tokens.at[wg])
         if blocks.overlap_softmax:
             def last_pv(pv_ref):
-                plgpu.wgmma(pv_ref, p, v_smem.at[last_slot])
+                plgpu.wgmma(pv_ref, p[0], v_smem.at[last_slot])
                 next_token()
                 return pv_ref[...]
             pv = pl.run_scoped(last_pv, plgpu.ACC((rows, head_dim), jnp.float32))
             acc = rescale(acc, alpha) + pv
         else:
             def last_pv(acc_ref):
-                plgpu.wgmma(acc_ref, p, v_smem.at[last_slot])
+                for p_part, v_part in zip(p, key_parts(v_smem.at[last_slot])):
+                    plgpu.wgmma(acc_ref, p_part, v_part)
                 next_token()
             acc = pl.run_state(last_pv)(plgpu.ACC.init(acc))
         plgpu.barrier_arrive(v_consumed.at[last_slot])
@@ -435,6 +472,39 @@ def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_
             load(block, slot, k_ref, k_smem, k_ready)
             plgpu.barrier_wait(v_consumed.at[slot])
             load(block, slot, v_ref, v_smem, v_ready)
+
+
+# 2^f on [-0.5, 0.5]: a degree-4 polynomial fitted for relative error (at most 1e-5 in fp32, against the
+# 2^-11 of P's fp16 rounding), Horner's rule: four FMAs.
+_EXP2_POLY = (1.0000004768371582, 0.6931350231170654, 0.2402241975069046, 0.05581861734390259,
+              0.009630154818296432)
+_ROUND_MAGIC = 12582912.0   # 1.5 * 2^23: x + it holds round(x) in its low mantissa bits
+
+
+def _exp2_poly(x, *, exact_round: bool = False):
+    """exp2(x) for x <= 0 (-inf included) on the FMA units: x = j + f with j = round(x), 2^f from the
+    polynomial, and j added to its exponent bits. x is clamped to -120 first (2^-120 for -inf: 0 after
+    P's fp16 rounding, and nothing in the fp32 row sum), which keeps the exponent arithmetic normal.
+
+    On the GPU j comes from adding and subtracting 1.5 * 2^23 (two fp32 adds, round to nearest even).
+    XLA folds (x + c) - c to x, so where XLA runs the body (interpret mode on a CPU) `exact_round`
+    rounds with lax.round instead: the same j (tests/test_flash_attention_mgpu.py checks the adds' j
+    against it in NumPy's fp32)."""
+    x = jnp.maximum(x, -120.0)
+    if exact_round:
+        j = lax.round(x, lax.RoundingMethod.TO_NEAREST_EVEN)
+        exponent = lax.shift_left(lax.convert_element_type(j, jnp.int32), jnp.int32(23))
+    else:
+        shifted = x + _ROUND_MAGIC
+        j = shifted - _ROUND_MAGIC
+        # bits(shifted) = bits(1.5 * 2^23) + j; shifted left by 23 the constant's bits leave the 32 bits
+        # (its low 9 bits are 0), so what lands in the exponent field is j
+        exponent = lax.shift_left(lax.bitcast_convert_type(shifted, jnp.int32), jnp.int32(23))
+    f = x - j
+    poly = _EXP2_POLY[4]
+    for c in reversed(_EXP2_POLY[:4]):
+        poly = poly * f + c
+    return lax.bitcast_convert_type(lax.bitcast_convert_type(poly, jnp.int32) + exponent, jnp.float32)
 
 
 def _fori_loop(lower, upper, body, carry):
@@ -585,13 +655,14 @@ class _InterpretPlgpu:
     def wgmma(self, acc, a, b):
         from jax._src.state.types import TransformedRef, TransposeTransform  # noqa: PLC0415
         wg = lax.axis_index("wg")
-        if not isinstance(a, TransformedRef):   # P, in registers
-            a_stage = self._p_stage.at[wg]
+        if not isinstance(a, TransformedRef):   # P (or one key part of it: poly_exp_keys), in registers
+            a_stage = self._p_stage.at[wg, :, pl.ds(0, a.shape[1])]
             a_stage[...] = a
             a = a_stage
         if isinstance(b, TransformedRef) and b.transforms and isinstance(b.transforms[-1], TransposeTransform):
-            bt_stage = self._kt_stage.at[wg]     # K^T, a transposed view of a K slot
-            bt_stage[...] = TransformedRef(b.ref, b.transforms[:-1])[...].T
+            k_part = TransformedRef(b.ref, b.transforms[:-1])[...]   # K^T: a transposed view of (part of) a K slot
+            bt_stage = self._kt_stage.at[wg, :, pl.ds(0, k_part.shape[0])]
+            bt_stage[...] = k_part.T
             b = bt_stage
         self._plgpu.wgmma(acc, a, b)
 
