@@ -92,9 +92,9 @@ class MgpuBlockSizes:
     # The last poly_exp_keys keys of each KV block get exp2 from a polynomial on the FMA units instead of
     # the MUFU (FA4's trick; _exp2_poly). Opt-in and slower: on the H200 with 64 of 128 keys, 375 TFLOP/s
     # against 485 for the same build without it (main case, lane lowering; attention-mgpu-2026-11-30-
-    # nvidia-h200-poly.json). Its ~10 extra instructions per element cost about what they add to the
-    # instruction issue of the three consumer warps sharing each SM sub-partition (+960 issue clocks per
-    # block round, +890 measured): the softmax is bound by instruction issue, not by the MUFU.
+    # nvidia-h200-poly.json). Its ~10 extra instructions per element add ~900 issue clocks per block round
+    # to the three consumer warps sharing each SM sub-partition, about what the round lengthened (~920 at
+    # an assumed 1.83 GHz): the softmax is bound by instruction issue, not by the MUFU.
     poly_exp_keys: int = 0
 
     def __post_init__(self):
