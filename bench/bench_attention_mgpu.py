@@ -90,13 +90,17 @@ GRID_CASES = [(8, 16, LONG_SEQ_LEN, 64), MAIN_CASE]
 GRID_VARIANTS = [dict(lowering_semantics="lane"),
                  dict(lowering_semantics="lane", block_sizes=Blocks(128, 3, 3)),
                  dict(lowering_semantics="lane", block_sizes=Blocks(128, 5, 3))]
-# --poly: part of each KV block's exp2 on the FMA units instead of the MUFU (MgpuBlockSizes.poly_exp_keys,
-# FA4's trick): at head_dim 64 the softmax's 8192 ex2 per block and consumer are, at the MUFU's 16 per clock
-# and SM, as many clocks as the block's two GEMMs at the tensor cores' peak. Checked, then timed at the
-# main case next to the default, the lane lowering and cuDNN.
+# --poly: the softmax variants, checked, then timed at the main case next to the default, the lane lowering
+# and cuDNN. poly_exp_keys: part of each KV block's exp2 on the FMA units instead of the MUFU (FA4's trick;
+# at head_dim 64 a block's 8192 ex2 per consumer take, at the MUFU's 16 per clock and SM, as many clocks as
+# its two GEMMs at the tensor cores' peak): 23% slower (attention-mgpu-2026-11-30-nvidia-h200-poly.json,
+# run before the row_sum_mma entries were added), the softmax is issue-bound. row_sum_mma: the row sums
+# by a wgmma against ones, one FADD per score fewer.
 POLY_VARIANTS = [dict(lowering_semantics="lane"),
                  dict(lowering_semantics="lane", block_sizes=Blocks(128, 4, 3, poly_exp_keys=64)),
-                 dict(block_sizes=Blocks(128, 4, 3, poly_exp_keys=64))]
+                 dict(block_sizes=Blocks(128, 4, 3, poly_exp_keys=64)),
+                 dict(lowering_semantics="lane", block_sizes=Blocks(128, 4, 3, row_sum_mma=True)),
+                 dict(block_sizes=Blocks(128, 4, 3, row_sum_mma=True))]
 THRESHOLD_CASES = [(64, 4, 1024, 64), (4, 16, 4096, 64), (4, 16, 8192, 64), (4, 16, 4096, 128)]
 
 
@@ -219,7 +223,8 @@ def _kwargs_text(kwargs) -> str:
     if "block_sizes" in kwargs:
         b = kwargs["block_sizes"]
         parts.append(f"kv{b.block_kv} s{b.num_stages} wg{b.num_compute_wgs}{' ovl' if b.overlap_softmax else ''}"
-                     + (f" poly{b.poly_exp_keys}" if b.poly_exp_keys else ""))
+                     + (f" poly{b.poly_exp_keys}" if b.poly_exp_keys else "")
+                     + (" rowsum-mma" if b.row_sum_mma else ""))
     if "lowering_semantics" in kwargs:
         parts.append(kwargs["lowering_semantics"])
     if "grid_order" in kwargs:
@@ -415,7 +420,7 @@ def main(argv=None) -> int:
     parser.add_argument("--step-timeout-s", type=float, default=90.0, help="watchdog limit per step")
     parser.add_argument("--sweep", action="store_true", help="only the tiling sweep and the threshold cases")
     parser.add_argument("--grid", action="store_true", help="only the grid orders and the lane lowering, at shape 14's attention call and the main case")
-    parser.add_argument("--poly", action="store_true", help="only the polynomial-exp2 variants (poly_exp_keys), at the main case")
+    parser.add_argument("--poly", action="store_true", help="only the softmax variants (poly_exp_keys, row_sum_mma), at the main case")
     args = parser.parse_args(argv)
     return gpu_check_and_time(args.out, quick=args.quick, check_only=args.check, budget_s=args.budget_s,
                               step_timeout_s=args.step_timeout_s, sweep_only=args.sweep, grid_only=args.grid,

@@ -111,9 +111,11 @@ def test_lowers_in_both_semantics_and_dtypes(lowering_semantics, dtype):
 
 @pytest.mark.parametrize("lowering_semantics", ["lane", "warpgroup"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_lowers_with_polynomial_exp2_keys(lowering_semantics, causal):
-    # two key parts per block: their own Q @ K^T and P @ V wgmmas over slices of the K/V slots
-    blocks = Blocks(block_kv=128, num_stages=4, num_compute_wgs=3, poly_exp_keys=64)
+@pytest.mark.parametrize("blocks", [Blocks(block_kv=128, num_stages=4, num_compute_wgs=3, poly_exp_keys=64),
+                                    Blocks(block_kv=128, num_stages=4, num_compute_wgs=3, row_sum_mma=True)])
+def test_lowers_with_the_softmax_variants(lowering_semantics, causal, blocks):
+    # poly_exp_keys: two key parts per block, their own Q @ K^T and P @ V wgmmas over slices of the K/V
+    # slots; row_sum_mma: a third wgmma, P @ ones, in every GEMM phase
     text = _lower_for_cuda(1000, 64, causal, block_sizes=blocks, lowering_semantics=lowering_semantics)
     assert _custom_calls(text) == ["mosaic_gpu_v2"]
 
@@ -182,7 +184,10 @@ def test_block_sizes_validate_themselves():
                 dict(block_kv=128, num_stages=2, overlap_softmax=1), dict(block_kv=True, num_stages=2),
                 dict(block_kv=128, num_stages=2, poly_exp_keys=32), dict(block_kv=128, num_stages=2, poly_exp_keys=128),
                 dict(block_kv=128, num_stages=2, poly_exp_keys=-16),
-                dict(block_kv=128, num_stages=2, overlap_softmax=True, poly_exp_keys=64)):
+                dict(block_kv=128, num_stages=2, overlap_softmax=True, poly_exp_keys=64),
+                dict(block_kv=128, num_stages=2, row_sum_mma=1),
+                dict(block_kv=128, num_stages=2, row_sum_mma=True, poly_exp_keys=64),
+                dict(block_kv=128, num_stages=2, row_sum_mma=True, overlap_softmax=True)):
         with pytest.raises(ValueError):
             Blocks(**bad)
     assert Blocks(block_kv=128, num_stages=2, num_compute_wgs=3).block_q == 192
@@ -447,6 +452,8 @@ INTERPRET_CASES = {
     "hd64-S113-overlap-causal": (1, 113, 1, 64, True, Blocks(block_kv=64, num_stages=2, overlap_softmax=True)),
     "hd64-S200-poly-exp-causal": (1, 200, 1, 64, True, Blocks(block_kv=128, num_stages=2, poly_exp_keys=64)),
     "hd128-S113-poly-exp": (1, 113, 1, 128, False, Blocks(block_kv=128, num_stages=2, poly_exp_keys=64)),
+    "hd64-S200-row-sum-mma-causal": (1, 200, 1, 64, True, Blocks(block_kv=64, num_stages=2, row_sum_mma=True)),
+    "hd128-S113-row-sum-mma": (2, 113, 1, 128, False, Blocks(block_kv=64, num_stages=2, row_sum_mma=True)),
 }
 
 
