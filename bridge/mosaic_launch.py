@@ -42,7 +42,7 @@ def unavailable_reason(device: torch.device) -> str | None:
     return None
 
 
-def _current_stream_getter(device: torch.device):
+def current_stream_getter(device: torch.device):
     """A zero-argument callable returning the raw cudaStream_t of torch's current stream on `device`."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)   # what torch's own generated code calls
@@ -81,7 +81,7 @@ class MosaicStackLaunch:
         self.device = device
         with torch.cuda.device(device):   # the module loads into this device's CUDA context
             self._launch = MosaicLauncher(mosaic_gpu_module(function, *structs), num_buffers=4).launch
-        self._stream = _current_stream_getter(device)
+        self._stream = current_stream_getter(device)
         self._default = torch.cuda.default_stream(device)
         self._ready, self._done = torch.cuda.Event(), torch.cuda.Event()
 

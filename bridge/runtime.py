@@ -8,9 +8,10 @@ Per module, built once and reused (held in a WeakKeyDictionary, so nothing is ad
 - per input signature (shape, dtype, device, mask kind): the plan and its compiled executable.
 - the kind of the last mask seen, keyed by the tensor object and its version counter.
 Per call, the work is: a few attribute checks, a key comparison, one DLPack import of x (the native
-path, compat.DlpackImporter), the async jax dispatch, and one DLPack export. No host sync: torch's pending writes to x are ordered before
-jax reads it by one cached CUDA event (_Transfer), and torch's stream waits on jax's result through the
-DLPack protocol on export; later torch writes to x are therefore ordered after jax's reads too.
+path, compat.DlpackImporter), the async jax dispatch, and one DLPack export. No host sync: torch's
+pending writes to x are ordered before jax reads it by one cached CUDA event (_Transfer), and torch's
+stream waits on jax's result through the DLPack protocol on export; later torch writes to x are
+therefore ordered after jax's reads too.
 """
 
 from __future__ import annotations
@@ -57,8 +58,10 @@ class _Transfer:
     version counter was unchanged (so no torch write could be pending): the harness loop again saw calls
     where torch's stream did not wait for jax's output at all, 0.0013 ms, on every jax-path shape (p10 of
     shapes 8 and 11, median of 13: official-2026-11-30-h200-session8-cachebug.json), although a short
-    event test of the same build (host-overhead-...-session8-cache.json) had looked right. So the export's
-    wait, not only the import's ordering, depends on importing x anew: cause not found; do not cache.
+    event test of the same build (host-overhead-...-session8-cache.json) had looked right. A missing wait
+    for the output is not what a stale input ordering alone would show (that would let jax read x early,
+    not let torch's events skip jax's work), so the export's wait too seems to depend on x being imported
+    anew: cause not found; do not cache.
     """
 
     def __init__(self, device: torch.device):
@@ -73,8 +76,8 @@ class _Transfer:
         if self.on_cuda:
             self.jax_stream = torch.cuda.ExternalStream(self.importer.stream, device=device)
             self.event = torch.cuda.Event()
-            from bridge.mosaic_launch import _current_stream_getter
-            self.current_raw_stream = _current_stream_getter(device)
+            from bridge.mosaic_launch import current_stream_getter
+            self.current_raw_stream = current_stream_getter(device)
 
     def order_before_jax(self) -> None:
         """Makes jax's stream wait for everything torch's current stream has queued so far."""
