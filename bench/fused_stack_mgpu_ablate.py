@@ -42,6 +42,8 @@ import time
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
+from bench.fused_stack_mgpu_check import VARIANTS, harness_stats  # noqa: E402
+
 DEFAULT_SHAPES = "12,2,9"
 DEFAULT_VARIANTS = "default,all_keys+rational_erf,no_mask,no_softmax,no_attention,no_gelu,no_layer_norm"
 ROUNDS = 7
@@ -49,8 +51,8 @@ KERNEL_CALLS = 20   # --kernels: calls under torch.profiler per variant
 MIN_TIMING_S = 0.04
 
 
-KERNEL_OPTIONS = {"rational_erf": {"fast_erf": False}, "fast_erf": {"fast_erf": True},   # kernel_function's
-                  "overlap": {"overlap": True}}                                        # own switches
+# kernel_function's own switches: the check script's variants, and the fast erf by name
+KERNEL_OPTIONS = {**VARIANTS, "fast_erf": {"fast_erf": True}}
 
 
 def parse_variant(text: str) -> dict:
@@ -100,7 +102,6 @@ def run_shape(sid: str, variants: list[str], log, kernels: bool = False) -> dict
     import numpy as np
 
     import ttj_jax as T
-    from bench.fused_stack_mgpu_check import harness_stats
     from bench.jax_timing import stream_ms_per_call
     from ttj_jax.kernels import fused_stack_mgpu as fsm
 

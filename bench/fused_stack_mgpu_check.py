@@ -270,6 +270,7 @@ def run_shape(sid: str, probe_status: dict, deadline: float, variant: str | None
             return None
 
     mgpu = lambda w, x: fsm.fused_stack_mgpu_forward(w, x, num_heads=H)   # noqa: E731
+    default_erf = fsm.default_fast_erf(x.shape[0], x.shape[1], True)   # the erf the whole batch's kernel uses
     y_mgpu = None
     if mgpu_ok:
         y_mgpu = step("mgpu_run", lambda: np.asarray(jax.block_until_ready(mgpu(weights, x))))
@@ -278,8 +279,7 @@ def run_shape(sid: str, probe_status: dict, deadline: float, variant: str | None
 
             def vs_emulation():
                 n = min(EMULATED_SEQUENCES, x.shape[0])
-                emulated = fsm.emulate(weights, np.asarray(x[:n]),   # the erf the whole batch's kernel uses
-                                       fast_erf=fsm.default_fast_erf(x.shape[0], x.shape[1], True))
+                emulated = fsm.emulate(weights, np.asarray(x[:n]), fast_erf=default_erf)
                 return {"sequences": n, **harness_stats(y_mgpu[:n], emulated),
                         "emulation_vs_reference": harness_stats(emulated, ref[:n])}
             record["accuracy"]["mgpu_vs_emulation"] = step("mgpu_vs_emulation", vs_emulation)
@@ -296,8 +296,7 @@ def run_shape(sid: str, probe_status: dict, deadline: float, variant: str | None
 
                 def variant_vs_emulation():
                     n = min(EMULATED_SEQUENCES, x.shape[0])
-                    erf = kwargs.get("fast_erf", fsm.default_fast_erf(x.shape[0], x.shape[1], True))
-                    emulated = fsm.emulate(weights, np.asarray(x[:n]), fast_erf=erf)
+                    emulated = fsm.emulate(weights, np.asarray(x[:n]), fast_erf=kwargs.get("fast_erf", default_erf))
                     return {"sequences": n, **harness_stats(y[:n], emulated)}
                 record["accuracy"][f"{name}_vs_emulation"] = step(f"{name}_vs_emulation", variant_vs_emulation)
                 record["timing"][name] = step(f"{name}_timing", lambda: _time_jax(other, (weights, x)))

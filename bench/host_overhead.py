@@ -10,20 +10,23 @@ bridge's call up step by step:
     dispatch         the bridge's own compiled call on an input imported once (output freed as a jax array)
     +import          + the per-call ordering event and DLPack import of x
     +export          + the DLPack export of the output (freed as a torch tensor)
-    +weights         + the parameters' version check and the cached weights lookup
+    +weights         + the parameters' key compared with the one the call's weights carry (as forward)
     bridge           the whole `forward(x, mask)`: + argument checks, mask kind, plan lookup
     bridge_no_mask   the same with mask=None
     bridge_reimport  `forward` with two input tensors in turn (a check that the bridge's cost does not
                      depend on meeting the same input again)
 
-and each step alone: the weights check, the mask classification, the import (event included), the export
-of a kept result (nothing freed). Then how long freeing an output takes: a jax array and a DLPack-exported
-torch tensor, from an idle GPU and right after the call that made it (GPU busy). Then the harness's CUDA
-event timing of the bridge (reused import and re-imported) next to the JAX loop, and an ordering check
-of the import: x rewritten in place on torch's stream behind a long matmul, the bridge called at once,
-its output compared with a call on a fresh copy (the same program: equal to the bit). (The event test is
-short; the harness loop of `ttj-bench` is the one that caught an import cache losing the order, see
-bridge/runtime.py's _Transfer.)
+and each step alone: the weights check, the front of forward (validation once per signature, the mask's
+kind, the plan lookup), the import (event included), the export of a kept result (nothing freed).
+(bench/results/host-overhead-2026-11-30-nvidia-h200-session8-*.json were measured before "+weights" and
+the front followed forward's per-call weights key and once-per-signature validation: there they timed the
+per-weight-version cache lookup and a validation on every call.) Then how long freeing an output takes: a
+jax array and a DLPack-exported torch tensor, from an idle GPU and right after the call that made it (GPU
+busy). Then the harness's CUDA event timing of the bridge (one input, and two in turn) next to the JAX
+loop, and an ordering check of the import: x rewritten in place on torch's stream behind a long matmul,
+the bridge called at once, its output compared with a call on a fresh copy (the same program: equal to
+the bit). (The event test is short; the harness loop of `ttj-bench` is the one that caught an import
+cache losing the order, see bridge/runtime.py's _Transfer.)
 
     python -m bench.host_overhead [--shapes 11,13,8,5,2] [--calls 150] [--tag T] [--out bench/results]
 """
@@ -122,8 +125,12 @@ def profile_shape(sid: str, calls: int, device: torch.device) -> dict:
             transfer.order_before_jax()
             return transfer.to_jax(x)
 
-        def front():
-            validate_inputs(x.shape, "float32", mask.shape, "bool", state.config)
+        def weights_check():   # as forward: the parameters' key against the one the call's weights carry
+            return call.weights if state.current_key() == call.weights_key else weights_of()
+
+        def front():   # as forward: the signature's validation (once), the mask's kind, the plan lookup
+            if (x.shape, x.dtype, (mask.shape, mask.dtype)) not in state.validated:
+                validate_inputs(x.shape, "float32", mask.shape, "bool", state.config)
             return state.calls.get((x.shape, x.dtype, x.device, state.classify(mask), None, None))
 
         x_other = x.clone()
@@ -138,11 +145,11 @@ def profile_shape(sid: str, calls: int, device: torch.device) -> dict:
             "dispatch": lambda: call.run(weights, jx, None),
             "+import": lambda: call.run(weights, imported(), None),
             "+export": lambda: transfer.to_torch(call.run(weights, imported(), None)),
-            "+weights": lambda: transfer.to_torch(call.run(weights_of(), imported(), None)),
+            "+weights": lambda: transfer.to_torch(call.run(weights_check(), imported(), None)),
             "bridge": lambda: ours(x, mask),
             "bridge_no_mask": lambda: ours(x, None),
             "bridge_reimport": reimport,
-            "alone_weights_check": weights_of,
+            "alone_weights_check": weights_check,
             "alone_front": front,
             "alone_import": imported,
             "alone_export_kept": lambda: transfer.to_torch(kept),

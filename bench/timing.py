@@ -84,28 +84,14 @@ def time_contenders(contenders: dict[str, Callable[[], Any]], *, warmup: int = 2
     return {name: _summary(samples_ms[name]) for name in names}
 
 
-def median_host_overhead_us(fn: Callable[[], Any], calls: int, *, device=None) -> float:
-    """Median host time, in microseconds, of issuing one call: `perf_counter` around the call, no sync.
-
-    On a CUDA device the GPU is drained before each call (outside the timed span), so a full launch
-    queue never makes the host wait and the number is the issue cost alone.
-    """
-    sync = (lambda: torch.cuda.synchronize(device)) if (
-        device is not None and torch.device(device).type == "cuda") else (lambda: None)
-    samples_us = []
-    for _ in range(calls):
-        sync()
-        start = time.perf_counter()
-        fn()
-        samples_us.append((time.perf_counter() - start) * 1e6)
-    sync()
-    return statistics.median(samples_us)
-
-
 def interleaved_host_overhead_us(contenders: dict[str, Callable[[], Any]], calls: int, *, device=None,
                                  warmup: int = 5) -> dict[str, dict]:
-    """`median_host_overhead_us` for several contenders at once, their samples interleaved: sample i of
-    every contender is taken before sample i + 1 of any, so a drift of the host's pace during the run
+    """Median host time, in microseconds, of issuing one call of each contender: `perf_counter` around
+    the call, no sync inside it. On a CUDA device the GPU is drained before each call (outside the timed
+    span), so a full launch queue never makes the host wait and the number is the issue cost alone.
+
+    The contenders' samples are interleaved: sample i of every contender is taken before sample i + 1 of
+    any, so a drift of the host's pace during the run
     (another process, clocks, the allocator's state) lands on all of them alike and their difference is
     the difference of their calls. The order within each turn is a fresh (seeded) shuffle: a fixed cyclic
     order gives every contender the same predecessor, and a predecessor's after-effects then land on one

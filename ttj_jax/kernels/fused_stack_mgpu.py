@@ -713,7 +713,8 @@ def kernel_function(batch: int, seq_len: int, num_heads: int, num_layers: int, c
     kv_transforms = fp16_transforms(width)
     if fast_erf is None:
         fast_erf = default_fast_erf(batch, seq_len, causal)
-    key_blocks = _key_blocks(seq_len, causal, batch // seqs_per_tile, ablate)
+    num_tiles = _tiles(batch, seq_len)
+    key_blocks = _key_blocks(seq_len, causal, num_tiles, ablate)
     keys = TILE_ROWS if key_blocks == "all" else WG_ROWS   # k, v: [H, 128, w] or [H, 2, 64, w]
     kv_shape = (num_heads, TILE_ROWS, width) if keys == TILE_ROWS else (num_heads, NUM_CONSUMERS, keys, width)
     smem = (plgpu.SMEM((NUM_CONSUMERS, WG_ROWS, d_model), jnp.float32),                     # residual
@@ -742,7 +743,7 @@ def kernel_function(batch: int, seq_len: int, num_heads: int, num_layers: int, c
     return plgpu.kernel(
         entry,
         out_type=jax.ShapeDtypeStruct((batch, seq_len, d_model), jnp.float32),
-        grid=(batch // seqs_per_tile,),
+        grid=(num_tiles,),
         grid_names=(_GRID_TILE,),
         num_threads=NUM_CONSUMERS + 1,
         thread_name="wg",
