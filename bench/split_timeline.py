@@ -1,11 +1,14 @@
 """Where a batch split's time goes on several GPUs: a CUDA activity timeline of one warm call (issue 5:
 shape 6 on two H200s ran 1.32x, not 1.8x, and chunking made it slower).
 
-    PYTHONPATH=. python3 bench/split_timeline.py [--shape 6] [--chunks 1,2,4,8] [--out bench/results]
+    PYTHONPATH=. python3 bench/split_timeline.py [--shape 6] [--chunks 1,2,4,8] [--home-rows 0]
+        [--rounds 3] [--no-profile] [--tag NAME] [--out bench/results]
 
-Per chunk count: the split call (`bridge.forward(..., data_parallel=n, split_chunks=C)`, x on GPU 0)
-timed with CUDA events (bench.timing, median of 5 warm calls), then one more call under torch.profiler with CUDA
-activities. CUPTI sees the whole process, so jax's kernels and copies are in the trace with torch's. From
+Per chunk count C and home-row count R: the split call (`bridge.forward(..., data_parallel=n,
+split_chunks=C, split_home_rows=R)`, x on GPU 0; R rows computed on GPU 0 alone) timed with CUDA events,
+all variants and the one-GPU call in one bench.timing.time_contenders run (alternating rounds of 5 warm
+calls; the median), its output checked against the one-GPU call's with the harness rule, then one more
+call under torch.profiler with CUDA activities. CUPTI sees the whole process, so jax's kernels and copies are in the trace with torch's. From
 it, per GPU: the span of its work, the time its kernels run (union of their intervals), the time copies
 run, and how much of the copy time overlaps kernels on that GPU; plus the whole call's span. If the copies
 overlap compute, the split costs about max(compute per GPU) + one chunk's copies; if not, compute plus all
@@ -31,12 +34,13 @@ if str(_REPO_ROOT) not in sys.path:
 from bench.cuda_trace import profile_cuda, summarize_activity  # noqa: E402
 
 
-def run(shape_id: str, chunk_counts: list[int]) -> dict:
+def run(shape_id: str, chunk_counts: list[int], home_rows: list[int], rounds: int = 3,
+        profile: bool = True) -> dict:
     import torch
     import bridge
     import jax
     import ttj_jax as T
-    from bench.baseline import TransformerConfig, harness_models, make_inputs
+    from bench.baseline import TransformerConfig, check_close, harness_models, make_inputs
     from bench.timing import time_contenders
 
     n = len(jax.devices())
@@ -47,18 +51,29 @@ def run(shape_id: str, chunk_counts: list[int]) -> dict:
     x, mask = make_inputs(config, 4321, device="cuda")
     result = {"shape": T.OFFICIAL[shape_id].describe(), "devices": n, "chunks": {}}
 
-    def timed(fn):   # the harness's protocol (CUDA events per call), fewer calls: these take milliseconds
-        return time_contenders({"call": fn}, warmup=2, rounds=1, calls=5, device="cuda")["call"]["median_ms"]
-
+    calls = {"one": lambda: bridge.forward(model, x, mask, data_parallel=1)}
+    for chunks in chunk_counts:
+        for home in home_rows:
+            if (x.shape[0] - home) % (n * chunks) == 0 and home < x.shape[0]:
+                calls[f"{chunks}/{home}"] = (lambda c=chunks, h=home: bridge.forward(
+                    model, x, mask, data_parallel=n, split_chunks=c, split_home_rows=h))
     with torch.inference_mode():
-        result["one_device_ms"] = timed(lambda: bridge.forward(model, x, mask, data_parallel=1))
-        for chunks in chunk_counts:
-            if x.shape[0] % (n * chunks):
+        one = calls["one"]()
+        # the harness's protocol (CUDA events per call), fewer calls: these take milliseconds
+        times = time_contenders(calls, warmup=2, rounds=rounds, calls=5, device="cuda")
+        result["one_device_ms"] = times["one"]["median_ms"]
+        for name, call in calls.items():
+            if name == "one":
                 continue
-            call = lambda c=chunks: bridge.forward(model, x, mask, data_parallel=n, split_chunks=c)   # noqa: E731
-            record = {"ms": timed(call)}
-            record.update(summarize_activity(profile_cuda(call)))
-            result["chunks"][str(chunks)] = record
+            chunks, home = (int(v) for v in name.split("/"))
+            failed, worst = check_close(call(), one)
+            record = {"ms": times[name]["median_ms"], "p10_ms": times[name]["p10_ms"],
+                      "p90_ms": times[name]["p90_ms"], "speedup": result["one_device_ms"] / times[name]["median_ms"],
+                      "home_rows": home, "home_share": (home + (x.shape[0] - home) / n) / x.shape[0],
+                      "failed_vs_one": failed, "worst_err_over_tol_vs_one": worst}
+            if profile:
+                record.update(summarize_activity(profile_cuda(call)))
+            result["chunks"][name if home else str(chunks)] = record
     return result
 
 
@@ -66,25 +81,35 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", default="6")
     parser.add_argument("--chunks", default="1,2,4,8")
+    parser.add_argument("--home-rows", default="0",
+                        help="rows computed on x's GPU alone besides its share of the split; comma separated")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--no-profile", action="store_true", help="time and check only")
+    parser.add_argument("--tag", default=None, help="file name stem (default: split-timeline-<date>-<gpu>x<n>)")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args(argv)
     import torch
     import jax
-    result = run(args.shape, [int(c) for c in args.chunks.split(",")])
+    result = run(args.shape, [int(c) for c in args.chunks.split(",")], [int(r) for r in args.home_rows.split(",")],
+                 rounds=args.rounds, profile=not args.no_profile)
     gpu = torch.cuda.get_device_name()
     result.update({"gpu": gpu, "jax": jax.__version__, "torch": torch.__version__,
                    "date": datetime.date.today().isoformat(),
                    "command": "python bench/split_timeline.py " + " ".join(sys.argv[1:] if argv is None else argv)})
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"split-timeline-{result['date']}-{gpu.split()[-1].lower()}x{result['devices']}.json"
+    stem = args.tag or f"split-timeline-{result['date']}-{gpu.split()[-1].lower()}x{result['devices']}"
+    path = out / f"{stem}.json"
     path.write_text(json.dumps(result, indent=1))
     print(f"{result['shape']}: one device {result['one_device_ms']:.2f} ms")
-    print(f"{'chunks':>6} {'ms':>7} {'span':>7}  per GPU: span / kernels / copies / copies under kernels (ms)")
+    print(f"{'chunks/home':>11} {'share':>6} {'ms':>7} {'speedup':>7} {'fail':>4} {'span':>7}  "
+          "per GPU: span / kernels / copies / copies under kernels (ms)")
     for chunks, r in result["chunks"].items():
         per_gpu = "  ".join(f"gpu{d}: {v['span_ms']:.2f}/{v['kernel_ms']:.2f}/{v['copy_ms']:.2f}/"
-                            f"{v['copy_overlapping_kernels_ms']:.2f}" for d, v in r["devices"].items())
-        print(f"{chunks:>6} {r['ms']:7.2f} {r['span_ms']:7.2f}  {per_gpu}")
+                            f"{v['copy_overlapping_kernels_ms']:.2f}" for d, v in r.get("devices", {}).items())
+        span = f"{r['span_ms']:7.2f}" if "span_ms" in r else f"{'':7}"
+        print(f"{chunks:>11} {r['home_share']:6.3f} {r['ms']:7.2f} {r['speedup']:6.2f}x {r['failed_vs_one']:>4} "
+              f"{span}  {per_gpu}")
     print(f"wrote {path}")
     return 0
 

@@ -265,6 +265,18 @@ class _ModuleState:
         self.mask_ref, self.mask_version, self.mask_kind = weakref.ref(mask), version, kind
         return kind
 
+    def call_weights(self, call: _Call):
+        """The weights `call`'s jax program takes: kept on the call with the parameters' key they were
+        built from (one list comparison per call), rebuilt through the caches when a parameter changed."""
+        weights_key = self.current_key()
+        if weights_key != call.weights_key:   # first call, or a parameter changed: the caches decide
+            if call.plan.stack in ("fused", "fused_mgpu", "rows"):   # the kernels' own layout
+                call.weights = self.kernel_jax_weights(call.plan.stack, call.plan.data_parallel)
+            else:
+                call.weights = self.weights(call.plan.policy, call.plan.data_parallel)
+            call.weights_key = weights_key
+        return call.weights
+
     def build_call(self, x: torch.Tensor, kind: MaskKind, data_parallel: int | None = None,
                    stack: str | None = None) -> _Call:
         if x.device != self.params[0].device:
@@ -383,7 +395,7 @@ def _config_of(module: torch.nn.Module):
 
 def forward(module: torch.nn.Module, x: torch.Tensor, valid_token_mask: torch.Tensor | None = None, *,
             config=None, data_parallel: int | None = None, stack: str | None = None,
-            split_chunks: int = 1) -> torch.Tensor:
+            split_chunks: int = 1, split_home_rows: int = 0) -> torch.Tensor:
     """Runs ttj-jax on `module`'s own parameters (any module with the harness's parameter names).
     Returns a new tensor with x's shape, dtype and device; never modifies its inputs. Inference only.
     stack: force "layers" (the XLA program), "fused" (the whole-stack kernel), "fused_mgpu" (the same as
@@ -392,10 +404,14 @@ def forward(module: torch.nn.Module, x: torch.Tensor, valid_token_mask: torch.Te
     data_parallel: split the batch over that many devices (default: the planner's choice; the output
     is gathered back to x's device). split_chunks: a split call goes through in this many consecutive
     chunks, so that its copies between GPUs overlap compute (see _run_split); the batch must divide
-    into data_parallel * split_chunks."""
+    into data_parallel * split_chunks. split_home_rows: that many rows at the end of the batch are
+    computed by x's own GPU alone, beside the split of the rest (which must then divide evenly): the
+    other GPUs also wait for their copies, so a few percent more rows on x's GPU balance the devices."""
     state = _state(module, config)
     if isinstance(split_chunks, bool) or not isinstance(split_chunks, int) or split_chunks < 1:
         raise ValueError(f"split_chunks must be an int >= 1; got {split_chunks!r}")
+    if isinstance(split_home_rows, bool) or not isinstance(split_home_rows, int) or split_home_rows < 0:
+        raise ValueError(f"split_home_rows must be an int >= 0; got {split_home_rows!r}")
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor [batch, seq_len, d_model]; got {type(x).__name__}")
     mask = valid_token_mask
@@ -426,14 +442,7 @@ def forward(module: torch.nn.Module, x: torch.Tensor, valid_token_mask: torch.Te
         out = call.direct(x, mask, tensors)
         return out if call.upcast_to is None else out.to(call.upcast_to)
 
-    weights_key = state.current_key()
-    if weights_key != call.weights_key:   # first call, or a parameter changed: the caches decide
-        if call.plan.stack in ("fused", "fused_mgpu", "rows"):   # the kernels' own layout
-            call.weights = state.kernel_jax_weights(call.plan.stack, call.plan.data_parallel)
-        else:
-            call.weights = state.weights(call.plan.policy, call.plan.data_parallel)
-        call.weights_key = weights_key
-    weights = call.weights
+    weights = state.call_weights(call)
     if x.requires_grad:
         x = x.detach()
     if call.upcast_to is not None:
@@ -441,7 +450,18 @@ def forward(module: torch.nn.Module, x: torch.Tensor, valid_token_mask: torch.Te
     x = x if x.is_contiguous() else x.contiguous()
     mask = mask if not call.passes_mask or mask.is_contiguous() else mask.contiguous()
     if call.plan.data_parallel > 1:
-        out = _run_split(call, weights, x, mask if call.passes_mask else None, split_chunks)
+        home = None
+        if split_home_rows:
+            if split_home_rows >= x.shape[0]:
+                raise ValueError(f"split_home_rows={split_home_rows} leaves none of the batch "
+                                 f"{x.shape[0]} to split")
+            rows = x[x.shape[0] - split_home_rows:]
+            home_key = (rows.shape, rows.dtype, rows.device, kind, 1, call.plan.stack)
+            home = state.calls.get(home_key)
+            if home is None:
+                home = state.calls[home_key] = state.build_call(rows, kind, 1, call.plan.stack)
+            home = (split_home_rows, home, state.call_weights(home))
+        out = _run_split(call, weights, x, mask if call.passes_mask else None, split_chunks, home_part=home)
     else:
         transfer = call.transfer
         transfer.order_before_jax()
@@ -462,7 +482,8 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return stream
 
 
-def _run_split(call: _Call, weights, x: torch.Tensor, mask: torch.Tensor | None, chunks: int = 1) -> torch.Tensor:
+def _run_split(call: _Call, weights, x: torch.Tensor, mask: torch.Tensor | None, chunks: int = 1,
+               home_part: tuple[int, _Call, Any] | None = None) -> torch.Tensor:
     """The batch split over the plan's devices, in `chunks` consecutive SPMD calls (each one split over
     the devices like the whole; chunks=1: one call). Each device's slice of a chunk is moved by torch
     (a peer-to-peer copy between GPUs) and imported on its device; the slices form one batch-sharded
@@ -479,17 +500,25 @@ def _run_split(call: _Call, weights, x: torch.Tensor, mask: torch.Tensor | None,
     waits for the copies out of jax's output buffers; that this also orders jax's reuse of those buffers
     is an assumption, not verified (see _Transfer: those events order later imports, and nothing shows
     that jax's allocator consults that stream). On the CPU (tests, several host devices) jax places the
-    slices."""
+    slices.
+
+    home_part: (rows, a one-device call, its weights) for the rows at the end of x that x's own device
+    computes alone (forward's split_home_rows); the split covers the rows before them. That call runs
+    through jax (never a direct launch on the caller's stream) after the split's chunks on x's GPU, and
+    its output is copied last, so that no copy of another GPU's output waits for it."""
     from jax.sharding import NamedSharding, PartitionSpec
     from ttj_jax.parallel import BATCH_AXIS, batch_mesh
     n = call.plan.data_parallel
-    if chunks < 1 or x.shape[0] % (n * chunks):
-        raise ValueError(f"batch {x.shape[0]} cannot be split into {chunks} chunk(s) over {n} devices evenly")
+    home_rows = 0 if home_part is None else home_part[0]
+    split_rows = x.shape[0] - home_rows
+    if chunks < 1 or split_rows % (n * chunks):
+        raise ValueError(f"batch {split_rows}{f' (after {home_rows} home rows)' if home_rows else ''} cannot "
+                         f"be split into {chunks} chunk(s) over {n} devices evenly")
     mesh = batch_mesh(n, jax.default_backend())
     devices = list(mesh.devices.flat)
     sharding = NamedSharding(mesh, PartitionSpec(BATCH_AXIS))
     tensors = [x] + ([mask] if mask is not None else [])
-    rows_per_chunk = x.shape[0] // chunks
+    rows_per_chunk = split_rows // chunks
     per_device = rows_per_chunk // n
 
     def rows(c: int, k: int) -> slice:
@@ -501,6 +530,11 @@ def _run_split(call: _Call, weights, x: torch.Tensor, mask: torch.Tensor | None,
                                                            [p[i] for p in parts]) for i, t in enumerate(tensors)]
         return call.run(weights, arrays[0], arrays[1] if mask is not None else None)
 
+    def run_home_part(transfer: _Transfer):   # the home rows on x's device, through jax
+        _, home_call, home_weights = home_part
+        local = [transfer.to_jax(t[split_rows:]) for t in tensors]
+        return home_call.run(home_weights, local[0], local[1] if mask is not None else None)
+
     out = torch.empty(tuple(x.shape), dtype=x.dtype, device=x.device)
     if x.device.type != "cuda":
         for c in range(chunks):
@@ -509,6 +543,8 @@ def _run_split(call: _Call, weights, x: torch.Tensor, mask: torch.Tensor | None,
             for shard in y.addressable_shards:
                 k = devices.index(shard.device)
                 out[rows(c, k)].copy_(call.transfer.to_torch(shard.data))
+        if home_part is not None:
+            out[split_rows:].copy_(call.transfer.to_torch(run_home_part(call.transfer)))
         return out
 
     home = x.device
@@ -540,6 +576,7 @@ def _run_split(call: _Call, weights, x: torch.Tensor, mask: torch.Tensor | None,
                 transfer.jax_stream.wait_event(ready[c][k])
             parts.append([transfer.to_jax(p) for p in moved[c][k]])
         results.append(run_chunk(parts))
+    home_y = None if home_part is None else run_home_part(home_transfer)   # queued after the chunks
     for c, y in enumerate(results):
         for shard in sorted(y.addressable_shards, key=lambda s: devices.index(s.device)):
             k = devices.index(shard.device)
@@ -548,6 +585,8 @@ def _run_split(call: _Call, weights, x: torch.Tensor, mask: torch.Tensor | None,
             else:                    # on that GPU's side stream; the caller's stream waits for it
                 with torch.cuda.stream(_side_stream(targets[k])):
                     out[rows(c, k)].copy_(_transfer(targets[k]).to_torch(shard.data), non_blocking=True)
+    if home_y is not None:   # last on the caller's stream: the copies above do not wait for it
+        out[split_rows:].copy_(home_transfer.to_torch(home_y), non_blocking=True)
     # Meant: jax reuses its output buffers (freed below) only after torch has copied out of them (the
     # assumption stated in the docstring).
     home_transfer.order_before_jax()
@@ -558,7 +597,7 @@ def _run_split(call: _Call, weights, x: torch.Tensor, mask: torch.Tensor | None,
             _transfer(target).jax_stream.wait_event(done)
     # The moved slices (allocated on the side streams) are freed only now: every later use of those
     # streams' memory is queued after the copies above, which wait for the programs that read them.
-    del moved, results
+    del moved, results, home_y
     return out
 
 
