@@ -67,6 +67,9 @@ def parse_args(argv=None):
     p.add_argument("--split-chunks", default="1,4",
                    help="with several devices: chunk counts to time the split with (bridge.forward's "
                         "split_chunks: copies between GPUs overlapped with compute); comma separated")
+    p.add_argument("--split-home-rows", default="0",
+                   help="with several devices: rows computed on x's own device alone besides its share of the "
+                        "split (bridge.forward's split_home_rows), comma separated; combined with each chunk count")
     p.add_argument("--stream", action="store_true",
                    help="keep x in host memory and stream it through the device (bridge.stream_forward); "
                         "with XLA_PYTHON_CLIENT_MEM_FRACTION capping jax below the input's size")
@@ -295,50 +298,84 @@ def time_peer(baseline, harness_config, x, mask, args, device, progress):
 
 def multi_device(ours, x, mask, args, device, progress) -> dict | None:
     """With several devices visible: the same call split over all of them (JAX SPMD, parallel.py) against
-    one device, on this input and on a second config (official shape 6 by default). None with one device."""
+    one device, on this input and on a second config (official shape 6 by default). None with one device.
+
+    Each split variant is a chunk count C (bridge.forward's split_chunks) and a count R of rows computed
+    on x's own device alone (split_home_rows). This input's calls take seconds: each is timed apart, a sync
+    after every call (timed_calls). The second config's take milliseconds: there the one-device call and
+    every variant are timed together with the harness's own protocol (bench.timing.time_contenders:
+    warm-up, alternating rounds of back-to-back calls, CUDA events per call), in which a call's host work
+    is hidden behind the previous call's GPU work exactly as far as it is in the harness."""
     n = len(jax.devices())
     if n < 2 or args.no_multi:
         return None
+    from bench.timing import time_contenders
     result = {"devices": n}
     second = config_from_spec(args.multi_second)
     _, second_model = harness_models(TransformerConfig(**vars(second)), bridge.TTJTransformer, device=device)
     x2, mask2 = make_inputs(second, 4321, device=device)
     diffs, failed = [], 0
-    # Both device counts are timed explicitly: with several devices visible the planner's default call
-    # (the one time_bridge timed) is already split over them, so it is no one-device figure. Shape 6's calls
-    # take ~14 ms: at least 20 of them.
     chunk_counts = [int(c) for c in args.split_chunks.split(",")]
+    home_rows = [int(r) for r in args.split_home_rows.split(",")]
     for name, model, xs, ms, calls in (("shape14", ours, x, mask, args.timing_calls),
                                        ("shape6", second_model, x2, mask2, max(args.timing_calls, 20))):
-        with torch.inference_mode():
-            one_ms, _, single = timed_calls(lambda: bridge.forward(model, xs, ms, data_parallel=1),
-                                            calls, device, progress, f"{name} on 1 device")
-        result[f"{name}_ms_one"] = statistics.median(one_ms)
-        result[f"{name}_timing_ms_one"] = one_ms
+        # Both device counts are timed explicitly: with several devices visible the planner's default call
+        # (the one time_bridge timed) is already split over them, so it is no one-device figure.
+        variants = {"one": lambda m=model, a=xs, b=ms: bridge.forward(m, a, b, data_parallel=1)}
         for chunks in chunk_counts:
-            if xs.shape[0] % (n * chunks):
+            for home in home_rows:
+                if home < xs.shape[0] and (xs.shape[0] - home) % (n * chunks) == 0:
+                    variants[f"chunks{chunks}" + (f"_home{home}" if home else "")] = (
+                        lambda m=model, a=xs, b=ms, c=chunks, h=home: bridge.forward(
+                            m, a, b, data_parallel=n, split_chunks=c, split_home_rows=h))
+        with torch.inference_mode():
+            if name == "shape14":
+                result[f"{name}_timing_protocol"] = "one call at a time, synced (timed_calls)"
+                times, outputs = {}, {}
+                for key, fn in variants.items():
+                    label = "1 device" if key == "one" else f"{n} devices, {key}"
+                    times[key], _, outputs[key] = timed_calls(fn, calls, device, progress, f"{name} on {label}")
+                    if key != "one":   # compared now, so that only two full outputs coexist
+                        outputs[key] = _compare(outputs[key], outputs["one"])
+            else:
+                result[f"{name}_timing_protocol"] = (f"harness: time_contenders, 3 rounds of {calls} calls, "
+                                                     "all variants interleaved")
+                progress.start(f"{name}: 1 device and {len(variants) - 1} split variant(s)", 3)
+                timed = time_contenders(variants, warmup=5, rounds=3, calls=calls, device=device, keep_samples=True,
+                                        progress=lambda done, total: progress.advance(f"round {done}/{total}"))
+                times = {key: v["samples_ms"] for key, v in timed.items()}
+                one = variants["one"]()
+                outputs = {key: _compare(fn(), one) for key, fn in variants.items() if key != "one"}
+                del one
+        result[f"{name}_ms_one"] = statistics.median(times["one"])
+        result[f"{name}_timing_ms_one"] = times["one"]
+        for key in variants:
+            if key == "one":
                 continue
-            with torch.inference_mode():
-                many_ms, _, many = timed_calls(
-                    lambda: bridge.forward(model, xs, ms, data_parallel=n, split_chunks=chunks),
-                    calls, device, progress, f"{name} on {n} devices, {chunks} chunk(s)")
-            result[f"{name}_ms_many_chunks{chunks}"] = statistics.median(many_ms)
-            result[f"{name}_timing_ms_many_chunks{chunks}"] = many_ms
-            diffs.append(float(max((single[:, i:i + CHECK_ROWS] - many[:, i:i + CHECK_ROWS]).abs().max()
-                                   for i in range(0, single.shape[1], CHECK_ROWS))))
-            f, w = check_close(many, single)
+            diff, f, w = outputs[key]
+            diffs.append(diff)
             failed += f
-            result[f"{name}_max_abs_diff_chunks{chunks}"] = diffs[-1]
-            result[f"{name}_worst_err_over_tol_vs_one_chunks{chunks}"] = w
-            if f"{name}_ms_many" not in result or result[f"{name}_ms_many"] > result[f"{name}_ms_many_chunks{chunks}"]:
-                result[f"{name}_ms_many"] = result[f"{name}_ms_many_chunks{chunks}"]
-                result[f"{name}_split_chunks"] = chunks
-            del many
+            ms = statistics.median(times[key])
+            result[f"{name}_ms_many_{key}"] = ms
+            result[f"{name}_timing_ms_many_{key}"] = times[key]
+            result[f"{name}_max_abs_diff_{key}"] = diff
+            result[f"{name}_worst_err_over_tol_vs_one_{key}"] = w
+            if f"{name}_ms_many" not in result or result[f"{name}_ms_many"] > ms:
+                result[f"{name}_ms_many"], result[f"{name}_split"] = ms, key
         result[f"{name}_speedup"] = result[f"{name}_ms_one"] / result[f"{name}_ms_many"]
-        del single
+        del outputs
     result["max_abs_diff_vs_one_gpu"] = max(diffs)
     result["harness_failed_vs_one_gpu"] = failed
     return result
+
+
+def _compare(many: torch.Tensor, single: torch.Tensor) -> tuple[float, int, float]:
+    """(max |diff|, harness-rule failures, worst err/tol) of a split call's output against one device's,
+    in row slices of CHECK_ROWS so the temporaries stay bounded."""
+    diff = float(max((single[:, i:i + CHECK_ROWS] - many[:, i:i + CHECK_ROWS]).abs().max()
+                     for i in range(0, single.shape[1], CHECK_ROWS)))
+    failed, worst = check_close(many, single)
+    return diff, failed, worst
 
 
 def print_table(rows: list[tuple[str, str]], title: str):

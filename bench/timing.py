@@ -51,13 +51,14 @@ def _round_cpu(fn: Callable[[], Any], calls: int) -> list[float]:
 
 
 def time_contenders(contenders: dict[str, Callable[[], Any]], *, warmup: int = 20, rounds: int = 3,
-                    calls: int = 100, device, progress: Optional[ProgressCallback] = None
-                    ) -> dict[str, dict]:
+                    calls: int = 100, device, progress: Optional[ProgressCallback] = None,
+                    keep_samples: bool = False) -> dict[str, dict]:
     """Times zero-argument callables (closures over one fixed input) the way the harness does.
 
     Each contender gets `warmup` untimed calls, then `rounds` rounds of `calls` timed calls each;
     the contender order is reversed every other round. Returns, per contender,
-    {"median_ms", "p10_ms", "p90_ms", "calls"} over all timed calls.
+    {"median_ms", "p10_ms", "p90_ms", "calls"} over all timed calls (and "samples_ms", every call's
+    time in the order taken, with keep_samples).
     """
     device = torch.device(device)
     on_cuda = device.type == "cuda"
@@ -81,7 +82,8 @@ def time_contenders(contenders: dict[str, Callable[[], Any]], *, warmup: int = 2
                 samples_ms[name].extend(_round_cpu(contenders[name], calls))
         if progress is not None:
             progress(round_index + 1, rounds)
-    return {name: _summary(samples_ms[name]) for name in names}
+    return {name: dict(_summary(samples_ms[name]), **({"samples_ms": samples_ms[name]} if keep_samples else {}))
+            for name in names}
 
 
 def interleaved_host_overhead_us(contenders: dict[str, Callable[[], Any]], calls: int, *, device=None,
