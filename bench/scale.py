@@ -66,7 +66,10 @@ def parse_args(argv=None):
     p.add_argument("--no-multi", action="store_true", help="skip the several-devices section")
     p.add_argument("--split-chunks", default="1,4",
                    help="with several devices: chunk counts to time the split with (bridge.forward's "
-                        "split_chunks: copies between GPUs overlapped with compute); comma separated")
+                        "split_chunks: copies between GPUs overlapped with compute), comma separated; a "
+                        "dash-separated entry gives chunk weights (1-4-4-1: small first and last chunks)")
+    p.add_argument("--split-chunks-first", default=None,
+                   help="the same for this input (shape 14) alone; default: --split-chunks")
     p.add_argument("--split-home-rows", default="0",
                    help="with several devices: rows computed on x's own device alone besides its share of the "
                         "split (bridge.forward's split_home_rows), comma separated; combined with each chunk count")
@@ -315,17 +318,18 @@ def multi_device(ours, x, mask, args, device, progress) -> dict | None:
     _, second_model = harness_models(TransformerConfig(**vars(second)), bridge.TTJTransformer, device=device)
     x2, mask2 = make_inputs(second, 4321, device=device)
     diffs, failed = [], 0
-    chunk_counts = [int(c) for c in args.split_chunks.split(",")]
     home_rows = [int(r) for r in args.split_home_rows.split(",")]
-    for name, model, xs, ms, calls in (("shape14", ours, x, mask, args.timing_calls),
-                                       ("shape6", second_model, x2, mask2, max(args.timing_calls, 20))):
+    for name, model, xs, ms, calls, specs in (
+            ("shape14", ours, x, mask, args.timing_calls, args.split_chunks_first or args.split_chunks),
+            ("shape6", second_model, x2, mask2, max(args.timing_calls, 20), args.split_chunks)):
         # Both device counts are timed explicitly: with several devices visible the planner's default call
         # (the one time_bridge timed) is already split over them, so it is no one-device figure.
         variants = {"one": lambda m=model, a=xs, b=ms: bridge.forward(m, a, b, data_parallel=1)}
-        for chunks in chunk_counts:
+        for spec in specs.split(","):
+            chunks = parse_chunks(spec)
             for home in home_rows:
-                if home < xs.shape[0] and (xs.shape[0] - home) % (n * chunks) == 0:
-                    variants[f"chunks{chunks}" + (f"_home{home}" if home else "")] = (
+                if home < xs.shape[0] and _splits(xs.shape[0] - home, n, chunks):
+                    variants[f"chunks{spec}" + (f"_home{home}" if home else "")] = (
                         lambda m=model, a=xs, b=ms, c=chunks, h=home: bridge.forward(
                             m, a, b, data_parallel=n, split_chunks=c, split_home_rows=h))
         with torch.inference_mode():
@@ -367,6 +371,20 @@ def multi_device(ours, x, mask, args, device, progress) -> dict | None:
     result["max_abs_diff_vs_one_gpu"] = max(diffs)
     result["harness_failed_vs_one_gpu"] = failed
     return result
+
+
+def parse_chunks(spec: str) -> int | tuple[int, ...]:
+    """One --split-chunks entry: "4" (four equal chunks) or "1-4-4-1" (chunk weights)."""
+    return tuple(int(w) for w in spec.split("-")) if "-" in spec else int(spec)
+
+
+def _splits(rows: int, devices: int, chunks) -> bool:
+    from ttj_jax.parallel import split_chunk_rows
+    try:
+        split_chunk_rows(rows, devices, chunks)
+        return True
+    except ValueError:
+        return False
 
 
 def _compare(many: torch.Tensor, single: torch.Tensor) -> tuple[float, int, float]:

@@ -2,13 +2,15 @@
 shape 6 on two H200s ran 1.32x, not 1.8x, and chunking made it slower).
 
     PYTHONPATH=. python3 bench/split_timeline.py [--shape 6] [--chunks 1,2,4,8] [--home-rows 0]
-        [--rounds 3] [--no-profile] [--tag NAME] [--out bench/results]
+        [--rounds 3] [--no-profile] [--host-profile] [--tag NAME] [--out bench/results]
 
 Per chunk count C and home-row count R: the split call (`bridge.forward(..., data_parallel=n,
 split_chunks=C, split_home_rows=R)`, x on GPU 0; R rows computed on GPU 0 alone) timed with CUDA events,
 all variants and the one-GPU call in one bench.timing.time_contenders run (alternating rounds of 5 warm
 calls; the median), its output checked against the one-GPU call's with the harness rule, then one more
-call under torch.profiler with CUDA activities. CUPTI sees the whole process, so jax's kernels and copies are in the trace with torch's. From
+call under torch.profiler with CUDA activities. Chunk entries as in bench.scale's --split-chunks ("4", or
+weights "1-4-4-1"). --host-profile: cProfile over 20 back-to-back calls of each split variant, the top
+functions by own time printed and kept (where a split's host time goes). CUPTI sees the whole process, so jax's kernels and copies are in the trace with torch's. From
 it, per GPU: the span of its work, the time its kernels run (union of their intervals), the time copies
 run, and how much of the copy time overlaps kernels on that GPU; plus the whole call's span. If the copies
 overlap compute, the split costs about max(compute per GPU) + one chunk's copies; if not, compute plus all
@@ -34,13 +36,14 @@ if str(_REPO_ROOT) not in sys.path:
 from bench.cuda_trace import profile_cuda, summarize_activity  # noqa: E402
 
 
-def run(shape_id: str, chunk_counts: list[int], home_rows: list[int], rounds: int = 3,
-        profile: bool = True) -> dict:
+def run(shape_id: str, chunk_specs: list[str], home_rows: list[int], rounds: int = 3,
+        profile: bool = True, host_profile: bool = False) -> dict:
     import torch
     import bridge
     import jax
     import ttj_jax as T
     from bench.baseline import TransformerConfig, check_close, harness_models, make_inputs
+    from bench.scale import _splits, parse_chunks
     from bench.timing import time_contenders
 
     n = len(jax.devices())
@@ -52,10 +55,11 @@ def run(shape_id: str, chunk_counts: list[int], home_rows: list[int], rounds: in
     result = {"shape": T.OFFICIAL[shape_id].describe(), "devices": n, "chunks": {}}
 
     calls = {"one": lambda: bridge.forward(model, x, mask, data_parallel=1)}
-    for chunks in chunk_counts:
+    for spec in chunk_specs:
+        chunks = parse_chunks(spec)
         for home in home_rows:
-            if (x.shape[0] - home) % (n * chunks) == 0 and home < x.shape[0]:
-                calls[f"{chunks}/{home}"] = (lambda c=chunks, h=home: bridge.forward(
+            if home < x.shape[0] and _splits(x.shape[0] - home, n, chunks):
+                calls[f"{spec}/{home}"] = (lambda c=chunks, h=home: bridge.forward(
                     model, x, mask, data_parallel=n, split_chunks=c, split_home_rows=h))
     with torch.inference_mode():
         one = calls["one"]()
@@ -65,7 +69,8 @@ def run(shape_id: str, chunk_counts: list[int], home_rows: list[int], rounds: in
         for name, call in calls.items():
             if name == "one":
                 continue
-            chunks, home = (int(v) for v in name.split("/"))
+            chunks, home = name.split("/")
+            home = int(home)
             failed, worst = check_close(call(), one)
             record = {"ms": times[name]["median_ms"], "p10_ms": times[name]["p10_ms"],
                       "p90_ms": times[name]["p90_ms"], "speedup": result["one_device_ms"] / times[name]["median_ms"],
@@ -73,8 +78,37 @@ def run(shape_id: str, chunk_counts: list[int], home_rows: list[int], rounds: in
                       "failed_vs_one": failed, "worst_err_over_tol_vs_one": worst}
             if profile:
                 record.update(summarize_activity(profile_cuda(call)))
+            if host_profile:
+                record["host_profile"] = _host_profile(call, torch)
             result["chunks"][name if home else str(chunks)] = record
     return result
+
+
+def _host_profile(call, torch, calls: int = 20, top: int = 25) -> dict:
+    """cProfile over `calls` back-to-back calls (synced once at the end): host us per call, and the
+    `top` functions by own time, in us per call."""
+    import cProfile
+    import pstats
+    import time
+    torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    start = time.perf_counter()
+    profiler.enable()
+    for _ in range(calls):
+        call()
+    profiler.disable()
+    host_us = (time.perf_counter() - start) / calls * 1e6
+    torch.cuda.synchronize()
+    stats = pstats.Stats(profiler).stats   # {(file, line, name): (calls, primitive, own s, cumulative s, ...)}
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    functions = [{"function": f"{pathlib.Path(f).name}:{line}:{name}", "calls_per_call": v[0] / calls,
+                  "own_us_per_call": v[2] / calls * 1e6, "cumulative_us_per_call": v[3] / calls * 1e6}
+                 for (f, line, name), v in rows]
+    print(f"host profile: {host_us:.0f} us per call (under cProfile)")
+    for row in functions[:12]:
+        print(f"  {row['own_us_per_call']:8.1f} us own {row['cumulative_us_per_call']:8.1f} cum "
+              f"x{row['calls_per_call']:.0f}  {row['function']}")
+    return {"host_us_per_call_profiled": host_us, "top_own_time": functions}
 
 
 def main(argv=None) -> int:
@@ -85,13 +119,14 @@ def main(argv=None) -> int:
                         help="rows computed on x's GPU alone besides its share of the split; comma separated")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--no-profile", action="store_true", help="time and check only")
+    parser.add_argument("--host-profile", action="store_true", help="cProfile each split variant's host work")
     parser.add_argument("--tag", default=None, help="file name stem (default: split-timeline-<date>-<gpu>x<n>)")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args(argv)
     import torch
     import jax
-    result = run(args.shape, [int(c) for c in args.chunks.split(",")], [int(r) for r in args.home_rows.split(",")],
-                 rounds=args.rounds, profile=not args.no_profile)
+    result = run(args.shape, args.chunks.split(","), [int(r) for r in args.home_rows.split(",")],
+                 rounds=args.rounds, profile=not args.no_profile, host_profile=args.host_profile)
     gpu = torch.cuda.get_device_name()
     result.update({"gpu": gpu, "jax": jax.__version__, "torch": torch.__version__,
                    "date": datetime.date.today().isoformat(),

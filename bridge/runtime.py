@@ -395,7 +395,7 @@ def _config_of(module: torch.nn.Module):
 
 def forward(module: torch.nn.Module, x: torch.Tensor, valid_token_mask: torch.Tensor | None = None, *,
             config=None, data_parallel: int | None = None, stack: str | None = None,
-            split_chunks: int = 1, split_home_rows: int = 0) -> torch.Tensor:
+            split_chunks: int | tuple[int, ...] = 1, split_home_rows: int = 0) -> torch.Tensor:
     """Runs ttj-jax on `module`'s own parameters (any module with the harness's parameter names).
     Returns a new tensor with x's shape, dtype and device; never modifies its inputs. Inference only.
     stack: force "layers" (the XLA program), "fused" (the whole-stack kernel), "fused_mgpu" (the same as
@@ -404,12 +404,17 @@ def forward(module: torch.nn.Module, x: torch.Tensor, valid_token_mask: torch.Te
     data_parallel: split the batch over that many devices (default: the planner's choice; the output
     is gathered back to x's device). split_chunks: a split call goes through in this many consecutive
     chunks, so that its copies between GPUs overlap compute (see _run_split); the batch must divide
-    into data_parallel * split_chunks. split_home_rows: that many rows at the end of the batch are
+    into data_parallel * split_chunks. Or a tuple of weights, chunks in those proportions
+    (ttj_jax.parallel.split_chunk_rows): (1, 4, 4, 1) keeps the copies before the first chunk and after
+    the last one short. split_home_rows: that many rows at the end of the batch are
     computed by x's own GPU alone, beside the split of the rest (which must then divide evenly): the
     other GPUs also wait for their copies, so a few percent more rows on x's GPU balance the devices."""
     state = _state(module, config)
-    if isinstance(split_chunks, bool) or not isinstance(split_chunks, int) or split_chunks < 1:
-        raise ValueError(f"split_chunks must be an int >= 1; got {split_chunks!r}")
+    if isinstance(split_chunks, list):
+        split_chunks = tuple(split_chunks)
+    if isinstance(split_chunks, bool) or not isinstance(split_chunks, (int, tuple)) or (
+            isinstance(split_chunks, int) and split_chunks < 1):
+        raise ValueError(f"split_chunks must be an int >= 1 or a tuple of positive int weights; got {split_chunks!r}")
     if isinstance(split_home_rows, bool) or not isinstance(split_home_rows, int) or split_home_rows < 0:
         raise ValueError(f"split_home_rows must be an int >= 0; got {split_home_rows!r}")
     if not isinstance(x, torch.Tensor):
@@ -482,7 +487,7 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return stream
 
 
-def _run_split(call: _Call, weights, x: torch.Tensor, mask: torch.Tensor | None, chunks: int = 1,
+def _run_split(call: _Call, weights, x: torch.Tensor, mask: torch.Tensor | None, chunks: int | tuple = 1,
                home_part: tuple[int, _Call, Any] | None = None) -> torch.Tensor:
     """The batch split over the plan's devices, in `chunks` consecutive SPMD calls (each one split over
     the devices like the whole; chunks=1: one call). Each device's slice of a chunk is moved by torch
@@ -507,26 +512,28 @@ def _run_split(call: _Call, weights, x: torch.Tensor, mask: torch.Tensor | None,
     through jax (never a direct launch on the caller's stream) after the split's chunks on x's GPU, and
     its output is copied last, so that no copy of another GPU's output waits for it."""
     from jax.sharding import NamedSharding, PartitionSpec
-    from ttj_jax.parallel import BATCH_AXIS, batch_mesh
+    from ttj_jax.parallel import BATCH_AXIS, batch_mesh, split_chunk_rows
     n = call.plan.data_parallel
     home_rows = 0 if home_part is None else home_part[0]
     split_rows = x.shape[0] - home_rows
-    if chunks < 1 or split_rows % (n * chunks):
-        raise ValueError(f"batch {split_rows}{f' (after {home_rows} home rows)' if home_rows else ''} cannot "
-                         f"be split into {chunks} chunk(s) over {n} devices evenly")
+    try:
+        chunk_rows = split_chunk_rows(split_rows, n, chunks)
+    except ValueError as e:
+        raise ValueError(f"{e}{f' (after {home_rows} home rows)' if home_rows else ''}") from None
+    chunk_starts = [sum(chunk_rows[:c]) for c in range(len(chunk_rows))]
+    chunks = len(chunk_rows)
     mesh = batch_mesh(n, jax.default_backend())
     devices = list(mesh.devices.flat)
     sharding = NamedSharding(mesh, PartitionSpec(BATCH_AXIS))
     tensors = [x] + ([mask] if mask is not None else [])
-    rows_per_chunk = split_rows // chunks
-    per_device = rows_per_chunk // n
 
     def rows(c: int, k: int) -> slice:
-        start = c * rows_per_chunk + k * per_device
+        per_device = chunk_rows[c] // n
+        start = chunk_starts[c] + k * per_device
         return slice(start, start + per_device)
 
-    def run_chunk(parts):   # parts[k]: the jax arrays (x, and mask) of device k's slice
-        arrays = [jax.make_array_from_single_device_arrays((rows_per_chunk,) + tuple(t.shape[1:]), sharding,
+    def run_chunk(c: int, parts):   # parts[k]: the jax arrays (x, and mask) of device k's slice of chunk c
+        arrays = [jax.make_array_from_single_device_arrays((chunk_rows[c],) + tuple(t.shape[1:]), sharding,
                                                            [p[i] for p in parts]) for i, t in enumerate(tensors)]
         return call.run(weights, arrays[0], arrays[1] if mask is not None else None)
 
@@ -538,7 +545,7 @@ def _run_split(call: _Call, weights, x: torch.Tensor, mask: torch.Tensor | None,
     out = torch.empty(tuple(x.shape), dtype=x.dtype, device=x.device)
     if x.device.type != "cuda":
         for c in range(chunks):
-            y = run_chunk([[jax.device_put(call.transfer.to_jax(t[rows(c, k)].contiguous()), device)
+            y = run_chunk(c, [[jax.device_put(call.transfer.to_jax(t[rows(c, k)].contiguous()), device)
                             for t in tensors] for k, device in enumerate(devices)])
             for shard in y.addressable_shards:
                 k = devices.index(shard.device)
@@ -575,7 +582,7 @@ def _run_split(call: _Call, weights, x: torch.Tensor, mask: torch.Tensor | None,
             if ready[c][k] is not None:
                 transfer.jax_stream.wait_event(ready[c][k])
             parts.append([transfer.to_jax(p) for p in moved[c][k]])
-        results.append(run_chunk(parts))
+        results.append(run_chunk(c, parts))
     home_y = None if home_part is None else run_home_part(home_transfer)   # queued after the chunks
     for c, y in enumerate(results):
         for shard in sorted(y.addressable_shards, key=lambda s: devices.index(s.device)):

@@ -3,6 +3,7 @@ subprocess, since the device count is fixed when jax starts). The same code path
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -37,6 +38,20 @@ SCRIPT = textwrap.dedent("""
     chunked = T.Plan(policy="mixed_fp16", attention="xla", mask_mode="none", batch_chunk=1, data_parallel=2)
     y = T.executable(chunked, T.model_key(config))(prepared, x, None)
     out["chunked_max_abs_diff"] = float(jnp.abs(y - T.forward(prepared, x, config=config)).max())
+    # The split replicates the weights once per weights object, not on every call (parallel.py)
+    split = T.executable(T.Plan(policy="mixed_fp16", attention="xla", mask_mode="none", data_parallel=2),
+                         T.model_key(config))
+    placed, real_put = [], jax.device_put
+    def counting_put(value, *a, **k):
+        placed.append(value is prepared)
+        return real_put(value, *a, **k)
+    jax.device_put = counting_put
+    first = split(prepared, x, None)
+    again = split(prepared, x, None)
+    other = split(jax.tree.map(lambda a: a, prepared), x, None)   # a new container: placed again
+    jax.device_put = real_put
+    out["weights_placed"] = [sum(placed), len(placed)]
+    out["repeat_identical"] = bool((first == again).all()) and bool((first == other).all())
 
     import torch, bridge
     torch.manual_seed(0)   # fixed init and input: the tolerances below hold for them, not for any draw
@@ -48,7 +63,8 @@ SCRIPT = textwrap.dedent("""
     tm = torch.cat([tm, tm[:2]])
     for name, m, stack, chunks, home in (("bridge_none", None, None, 1, 0), ("bridge_general", tm, None, 1, 0),
                                          ("bridge_fused", tm, "fused", 1, 0), ("bridge_chunks", tm, None, 3, 0),
-                                         ("bridge_home", tm, None, 2, 2), ("bridge_home_fused", None, "fused", 1, 4)):
+                                         ("bridge_home", tm, None, 2, 2), ("bridge_home_fused", None, "fused", 1, 4),
+                                         ("bridge_weighted", tm, None, (1, 2), 0)):
         one = bridge.forward(module, tx, m, data_parallel=1, stack=stack)
         two = bridge.forward(module, tx, m, data_parallel=2, stack=stack, split_chunks=chunks,
                              split_home_rows=home)
@@ -78,7 +94,7 @@ def test_two_devices_match_one():
     # differences up to ~3e-4 were seen against outputs of order 1 (torch's init and input were drawn
     # fresh each run until they were seeded). The issue's criterion is the harness rule; 1e-3 bounds the rest.
     bridge_names = ("bridge_none", "bridge_general", "bridge_fused", "bridge_chunks", "bridge_home",
-                    "bridge_home_fused")
+                    "bridge_home_fused", "bridge_weighted")
     for name in ("none", "general", "fused_none", "fused_general") + bridge_names:
         assert out[name]["devices"] == 2 and out[name]["shape"] == ([6, 24, 32] if "bridge" in name else [4, 24, 32])
         assert out[name]["max_abs_diff"] <= 1e-3, out
@@ -87,11 +103,27 @@ def test_two_devices_match_one():
     # 6 sequences do not split into 4 chunks over 2 devices; 5 (after 1 home row) not over 2; 6 home
     # rows leave nothing to split
     assert "4 chunk(s)" in out["chunks_refused"], out
+    # weights placed on the first call only (then x alone each call), and again for a new container
+    assert out["weights_placed"] == [1, 5] and out["repeat_identical"], out
     assert "after 1 home rows" in out["home_refused"], out
     assert "leaves none" in out["home_all_refused"], out
     # Chunks of one sequence change the GEMM shapes and so the fp32 accumulation order: 1e-4 (against
     # outputs of order 1), still far under the harness's 2e-3.
     assert out["chunked_max_abs_diff"] <= 1e-4 and out["name"].endswith("/x2-devices")
+
+
+def test_split_chunk_rows():
+    from ttj_jax.parallel import split_chunk_rows
+    assert split_chunk_rows(10000, 2, 4) == [2500] * 4
+    assert split_chunk_rows(10000, 2, (1, 4, 4, 1)) == [1000, 4000, 4000, 1000]
+    assert split_chunk_rows(10, 2, (1, 1, 1)) == [2, 2, 6]   # 5 rows per device: 1, 1, and the rest 3
+    assert split_chunk_rows(6, 2, (1, 2)) == [2, 4]
+    assert sum(split_chunk_rows(9998, 2, (1, 3, 3, 1))) == 9998
+    for rows, devices, chunks, message in ((10, 2, 3, "3 chunk(s)"), (9, 2, (1, 1), "over 2 devices"),
+                                           (4, 2, (1, 5), "too small"), (8, 2, (1, 0), "positive"),
+                                           (8, 2, 0, ">= 1"), (8, 2, True, "int")):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            split_chunk_rows(rows, devices, chunks)
 
 
 H200X2 = T.DeviceFacts(platform="gpu", device_kind="NVIDIA H200", memory_bytes=100 * 2**30, device_count=2)

@@ -159,8 +159,8 @@ def test_scale_multi_device_section_on_two_host_devices(tmp_path):
     import subprocess
     import sys
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
-    argv = ["--config", "4,64,32,2,48,1", "--multi-second", "6,32,32,2,48,1", "--split-chunks", "1,2,3",
-            "--split-home-rows", "0,2",
+    argv = ["--config", "4,64,32,2,48,1", "--multi-second", "6,32,32,2,48,1", "--split-chunks", "1,2,3,1-2",
+            "--split-chunks-first", "1,2,3", "--split-home-rows", "0,2",
             "--prefix-k", "16", "--full-ref", "1", "--timing-calls", "1", "--device", "cpu",
             "--out", str(tmp_path), "--tag", "m"]
     done = subprocess.run([sys.executable, "-m", "bench.scale", *argv], env=env, capture_output=True, text=True,
@@ -169,9 +169,10 @@ def test_scale_multi_device_section_on_two_host_devices(tmp_path):
     multi = json.loads((tmp_path / "m.json").read_text())["multi_gpu"]
     assert multi["devices"] == 2 and multi["harness_failed_vs_one_gpu"] == 0
     # shape14 here: 4 sequences split as 1 or 2 chunks (not 3), or 2 home rows and 1 chunk of the other 2;
-    # shape6: 6 sequences split as 1 or 3 chunks (not 2), or 2 home rows and 1 or 2 chunks of the other 4
+    # shape6: 6 sequences split as 1 or 3 chunks (not 2) or chunks of 2 and 4 (weights 1-2), or 2 home
+    # rows and 1 or 2 chunks of the other 4 (weights 1-2 would leave the first chunk no row per device)
     expected = {"shape14": {"chunks1", "chunks2", "chunks1_home2"},
-                "shape6": {"chunks1", "chunks3", "chunks1_home2", "chunks2_home2"}}
+                "shape6": {"chunks1", "chunks3", "chunks1-2", "chunks1_home2", "chunks2_home2"}}
     for name, keys in expected.items():
         timed = {k.removeprefix(f"{name}_ms_many_") for k in multi if k.startswith(f"{name}_ms_many_")}
         assert timed == keys, (name, timed)

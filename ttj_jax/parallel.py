@@ -29,13 +29,23 @@ def batch_mesh(device_count: int, platform: str) -> Mesh:
 
 
 def data_parallel(body, mesh: Mesh):
-    """body(weights, x, mask) on one device's batch slice -> the same over the mesh's batch axis."""
+    """body(weights, x, mask) on one device's batch slice -> the same over the mesh's batch axis.
+
+    The weights are replicated over the mesh with device_put, which walks every leaf even when they are
+    placed already (tens of weights: a large part of a split chunk's host time, and the bridge sends one
+    split call through in several chunks). So the last weights object passed in and its replicated
+    version are kept, and the same object (by identity) is not placed again. That holds because jax
+    arrays are immutable; a pytree container changed in place after a call is not noticed (the bridge
+    builds a new one whenever a parameter changes)."""
     batch = P(BATCH_AXIS)
+    replicated = NamedSharding(mesh, P())
+    sharded = NamedSharding(mesh, batch)
+    placed = [None, None]   # (weights passed in, their replicated version)
 
     def run(weights, x, mask):
-        replicated = NamedSharding(mesh, P())
-        sharded = NamedSharding(mesh, batch)
-        weights = jax.device_put(weights, replicated)
+        if weights is not placed[0]:
+            placed[:] = weights, jax.device_put(weights, replicated)
+        weights = placed[1]
         x = jax.device_put(x, sharded)
         if mask is None:
             return mapped_no_mask(weights, x)
@@ -45,3 +55,30 @@ def data_parallel(body, mesh: Mesh):
     mapped_no_mask = jax.jit(shard_map(lambda w, x: body(w, x, None), mesh=mesh, in_specs=(P(), batch),
                                        out_specs=batch))
     return run
+
+
+def split_chunk_rows(rows: int, devices: int, chunks) -> list[int]:
+    """The batch rows of each consecutive chunk of a split over `devices` (each chunk itself split evenly
+    over them). chunks: an int C, C equal chunks (rows must divide into devices * C); or a sequence of
+    positive weights, chunks in those proportions, each a multiple of `devices` rows (rows must divide
+    by devices), the last taking what rounding leaves. Small first and last chunks shorten the copies
+    that nothing overlaps: before the first chunk's program and after the last one's."""
+    if isinstance(chunks, bool):
+        raise ValueError(f"split chunks must be an int >= 1 or a sequence of positive ints; got {chunks!r}")
+    if isinstance(chunks, int):
+        if chunks < 1:
+            raise ValueError(f"split chunks must be >= 1; got {chunks}")
+        if rows % (devices * chunks):
+            raise ValueError(f"batch {rows} cannot be split into {chunks} chunk(s) over {devices} devices evenly")
+        return [rows // chunks] * chunks
+    weights = list(chunks)
+    if not weights or any(isinstance(w, bool) or not isinstance(w, int) or w < 1 for w in weights):
+        raise ValueError(f"split chunk weights must be positive ints; got {chunks!r}")
+    if rows % devices:
+        raise ValueError(f"batch {rows} cannot be split over {devices} devices evenly")
+    units, total = rows // devices, sum(weights)
+    per_device = [units * w // total for w in weights[:-1]]
+    per_device.append(units - sum(per_device))
+    if min(per_device) < 1:
+        raise ValueError(f"batch {rows} is too small for chunk weights {weights} over {devices} devices")
+    return [u * devices for u in per_device]
