@@ -16,6 +16,7 @@ therefore ordered after jax's reads too.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import weakref
 from operator import attrgetter
@@ -487,6 +488,15 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return stream
 
 
+@contextlib.contextmanager
+def _side_streams(devices: list[torch.device]):
+    """Each device's side stream (_side_stream) current on it for the block."""
+    with contextlib.ExitStack() as stack:
+        for device in devices:
+            stack.enter_context(torch.cuda.stream(_side_stream(device)))
+        yield
+
+
 def _run_split(call: _Call, weights, x: torch.Tensor, mask: torch.Tensor | None, chunks: int | tuple = 1,
                home_part: tuple[int, _Call, Any] | None = None) -> torch.Tensor:
     """The batch split over the plan's devices, in `chunks` consecutive SPMD calls (each one split over
@@ -561,17 +571,18 @@ def _run_split(call: _Call, weights, x: torch.Tensor, mask: torch.Tensor | None,
     copy_out_of_x = _side_stream(home)
     copy_out_of_x.wait_stream(torch.cuda.current_stream(home))
     moved, ready = [], []   # per chunk, per device: the slices there, and the event after their copy
-    with torch.cuda.stream(copy_out_of_x):
+    # Each stream context is entered once per call, not per chunk: entering one costs tens of us of host
+    # time (bench/results/split-host-2026-11-30-h200x2.json), and a split call is host-heavy.
+    with _side_streams([home] + [t for t in targets if t != home]):   # torch syncs both devices' streams
         for c in range(chunks):
             moved.append([]), ready.append([])
             for k, target in enumerate(targets):
                 pieces = [t[rows(c, k)] for t in tensors]
                 event = None
                 if target != home:
-                    with torch.cuda.stream(_side_stream(target)):   # torch copies on the source's stream
-                        pieces = [p.to(target, non_blocking=True) for p in pieces]
-                        event = torch.cuda.Event()
-                        event.record(_side_stream(target))
+                    pieces = [p.to(target, non_blocking=True) for p in pieces]
+                    event = torch.cuda.Event()
+                    event.record(_side_stream(target))
                 moved[c].append(pieces)
                 ready[c].append(event)
     results = []
@@ -584,14 +595,14 @@ def _run_split(call: _Call, weights, x: torch.Tensor, mask: torch.Tensor | None,
             parts.append([transfer.to_jax(p) for p in moved[c][k]])
         results.append(run_chunk(c, parts))
     home_y = None if home_part is None else run_home_part(home_transfer)   # queued after the chunks
-    for c, y in enumerate(results):
-        for shard in sorted(y.addressable_shards, key=lambda s: devices.index(s.device)):
-            k = devices.index(shard.device)
-            if targets[k] == home:   # on the caller's stream, after jax's chunk (DLPack protocol)
-                out[rows(c, k)].copy_(home_transfer.to_torch(shard.data), non_blocking=True)
-            else:                    # on that GPU's side stream; the caller's stream waits for it
-                with torch.cuda.stream(_side_stream(targets[k])):
-                    out[rows(c, k)].copy_(_transfer(targets[k]).to_torch(shard.data), non_blocking=True)
+    with _side_streams([t for t in targets if t != home]):   # x's GPU keeps the caller's stream current
+        for c, y in enumerate(results):
+            for shard in sorted(y.addressable_shards, key=lambda s: devices.index(s.device)):
+                k = devices.index(shard.device)
+                # x's GPU: on the caller's stream, after jax's chunk (DLPack protocol); another GPU: on its
+                # side stream, and torch makes the caller's stream wait for the copy
+                transfer = home_transfer if targets[k] == home else _transfer(targets[k])
+                out[rows(c, k)].copy_(transfer.to_torch(shard.data), non_blocking=True)
     if home_y is not None:   # last on the caller's stream: the copies above do not wait for it
         out[split_rows:].copy_(home_transfer.to_torch(home_y), non_blocking=True)
     # Meant: jax reuses its output buffers (freed below) only after torch has copied out of them (the

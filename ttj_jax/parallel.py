@@ -36,7 +36,8 @@ def data_parallel(body, mesh: Mesh):
     split call through in several chunks). So the last weights object passed in and its replicated
     version are kept, and the same object (by identity) is not placed again. That holds because jax
     arrays are immutable; a pytree container changed in place after a call is not noticed (the bridge
-    builds a new one whenever a parameter changes)."""
+    builds a new one whenever a parameter changes). Likewise x (and the mask) are placed only when
+    they are not batch-sharded over the mesh already."""
     batch = P(BATCH_AXIS)
     replicated = NamedSharding(mesh, P())
     sharded = NamedSharding(mesh, batch)
@@ -46,10 +47,13 @@ def data_parallel(body, mesh: Mesh):
         if weights is not placed[0]:
             placed[:] = weights, jax.device_put(weights, replicated)
         weights = placed[1]
-        x = jax.device_put(x, sharded)
+        x = place(x)
         if mask is None:
             return mapped_no_mask(weights, x)
-        return mapped(weights, x, jax.device_put(mask, sharded))
+        return mapped(weights, x, place(mask))
+
+    def place(array):   # batch-sharded over the mesh; an array already so (the bridge's) is passed as is
+        return array if getattr(array, "sharding", None) == sharded else jax.device_put(array, sharded)
 
     mapped = jax.jit(shard_map(body, mesh=mesh, in_specs=(P(), batch, batch), out_specs=batch))
     mapped_no_mask = jax.jit(shard_map(lambda w, x: body(w, x, None), mesh=mesh, in_specs=(P(), batch),
