@@ -41,6 +41,9 @@ _version_of = attrgetter("_version")
 _data_ptr_of = torch.Tensor.data_ptr
 
 
+# The current CUDA device's index: torch's C getter (what torch.cuda.current_device wraps), a fraction of a us.
+_current_cuda_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
+
 class _Transfer:
     """Moves tensors between torch and jax on one device, zero-copy, ordered on the GPU.
 
@@ -144,6 +147,7 @@ class _Call:
     # kernels through bridge/mosaic_launch.py, the Triton one through bridge/direct.py.
     direct: Callable | None = None
     direct_note: str = ""           # why a whole-stack plan runs through jax instead, when it does
+    direct_device: int | None = None   # the CUDA device index a direct launch needs current
     # The weights this call's program takes, and the parameters' (versions, data_ptrs) they were built
     # from: one list comparison per call instead of the per-weight-version cache lookups.
     weights_key: Any = None
@@ -297,6 +301,8 @@ class _ModuleState:
             call.direct, call.direct_note = self._direct_kernel(call, x.shape, shape_probe.dtype, x.device)
         elif plan.stack == "fused_mgpu":
             call.direct, call.direct_note = self._mosaic_kernel(call, x.shape, x.device)
+        if call.direct is not None and x.device.type == "cuda":
+            call.direct_device = x.device.index if x.device.index is not None else torch.cuda.current_device()
         return call
 
     def _mosaic_kernel(self, call: _Call, shape, device: torch.device):
@@ -445,7 +451,14 @@ def forward(module: torch.nn.Module, x: torch.Tensor, valid_token_mask: torch.Te
         x = x if x.is_contiguous() else x.contiguous()
         if call.passes_mask and not mask.is_contiguous():
             mask = mask.contiguous()
-        out = call.direct(x, mask, tensors)
+        if call.direct_device is not None and _current_cuda_device() != call.direct_device:
+            # The kernel module lives in x's GPU's context: launched with another GPU current (a jax
+            # call on several GPUs can leave one so) it ran nowhere, silently (seen on two H200s:
+            # 0.05 ms "calls" of shape 6 after a split call). Rare: the check is one C call.
+            with torch.cuda.device(x.device):
+                out = call.direct(x, mask, tensors)
+        else:
+            out = call.direct(x, mask, tensors)
         return out if call.upcast_to is None else out.to(call.upcast_to)
 
     weights = state.call_weights(call)
@@ -565,6 +578,7 @@ def _run_split(call: _Call, weights, x: torch.Tensor, mask: torch.Tensor | None,
         return out
 
     home = x.device
+    entry_device = torch.cuda.current_device()   # restored at the end: jax and the stream contexts move it
     home_transfer = _transfer(home)
     home_transfer.order_before_jax()   # jax on x's GPU reads x's slices in place: after x's producers
     targets = [torch.device("cuda", d.local_hardware_id) for d in devices]
@@ -616,6 +630,8 @@ def _run_split(call: _Call, weights, x: torch.Tensor, mask: torch.Tensor | None,
     # The moved slices (allocated on the side streams) are freed only now: every later use of those
     # streams' memory is queued after the copies above, which wait for the programs that read them.
     del moved, results, home_y
+    if torch.cuda.current_device() != entry_device:
+        torch.cuda.set_device(entry_device)
     return out
 
 
