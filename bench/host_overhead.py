@@ -126,7 +126,7 @@ def profile_shape(sid: str, calls: int, device: torch.device) -> dict:
             return transfer.to_jax(x)
 
         def weights_check():   # as forward: the parameters' key against the one the call's weights carry
-            return call.weights if state.current_key() == call.weights_key else weights_of()
+            return state.call_weights(call)
 
         def front():   # as forward: the signature's validation (once), the mask's kind, the plan lookup
             if (x.shape, x.dtype, (mask.shape, mask.dtype)) not in state.validated:

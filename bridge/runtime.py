@@ -442,7 +442,11 @@ def forward(module: torch.nn.Module, x: torch.Tensor, valid_token_mask: torch.Te
     key = (x.shape, x.dtype, x.device, kind, data_parallel, stack)
     call = state.calls.get(key)
     if call is None:
-        call = state.calls[key] = state.build_call(x, kind, data_parallel, stack)
+        with _current_device_kept(x.device):   # building compiles and places weights, maybe on other GPUs
+            call = state.calls[key] = state.build_call(x, kind, data_parallel, stack)
+    if call.plan.data_parallel > 1:
+        with _current_device_kept(x.device):   # jax's program over several GPUs moves the current device
+            return _forward_split(state, call, x, mask, kind, split_chunks, split_home_rows)
 
     if call.direct is not None:   # one kernel launch on torch's current stream, no JAX dispatch
         tensors = state.kernel_tensors(call.plan.stack)
@@ -462,31 +466,58 @@ def forward(module: torch.nn.Module, x: torch.Tensor, valid_token_mask: torch.Te
         return out if call.upcast_to is None else out.to(call.upcast_to)
 
     weights = state.call_weights(call)
+    x, mask = _jax_inputs(call, x, mask)
+    transfer = call.transfer
+    transfer.order_before_jax()
+    jx = transfer.to_jax(x)
+    jmask = transfer.to_jax(mask) if call.passes_mask else None
+    out = transfer.to_torch(call.run(weights, jx, jmask))
+    return out if call.upcast_to is None else out.to(call.upcast_to)
+
+
+def _jax_inputs(call: _Call, x: torch.Tensor, mask: torch.Tensor | None):
+    """x and the mask as the call's jax program takes them: detached, upcast where the plan says,
+    contiguous (copies only where needed)."""
     if x.requires_grad:
         x = x.detach()
     if call.upcast_to is not None:
         x = x.float()
     x = x if x.is_contiguous() else x.contiguous()
     mask = mask if not call.passes_mask or mask.is_contiguous() else mask.contiguous()
-    if call.plan.data_parallel > 1:
-        home = None
-        if split_home_rows:
-            if split_home_rows >= x.shape[0]:
-                raise ValueError(f"split_home_rows={split_home_rows} leaves none of the batch "
-                                 f"{x.shape[0]} to split")
-            rows = x[x.shape[0] - split_home_rows:]
-            home_key = (rows.shape, rows.dtype, rows.device, kind, 1, call.plan.stack)
-            home = state.calls.get(home_key)
-            if home is None:
-                home = state.calls[home_key] = state.build_call(rows, kind, 1, call.plan.stack)
-            home = (split_home_rows, home, state.call_weights(home))
-        out = _run_split(call, weights, x, mask if call.passes_mask else None, split_chunks, home_part=home)
-    else:
-        transfer = call.transfer
-        transfer.order_before_jax()
-        jx = transfer.to_jax(x)
-        jmask = transfer.to_jax(mask) if call.passes_mask else None
-        out = transfer.to_torch(call.run(weights, jx, jmask))
+    return x, mask
+
+
+@contextlib.contextmanager
+def _current_device_kept(device: torch.device):
+    """The current CUDA device as it was before the block (a jax call over several GPUs, or a stream
+    context of another GPU, can leave another current: the harness's next launch would then go astray)."""
+    if device.type != "cuda":
+        yield
+        return
+    entry = _current_cuda_device()
+    try:
+        yield
+    finally:
+        if _current_cuda_device() != entry:
+            torch.cuda.set_device(entry)
+
+
+def _forward_split(state: _ModuleState, call: _Call, x: torch.Tensor, mask: torch.Tensor | None, kind: MaskKind,
+                   split_chunks, split_home_rows: int) -> torch.Tensor:
+    """forward's path for a plan split over several devices (see _run_split)."""
+    weights = state.call_weights(call)
+    x, mask = _jax_inputs(call, x, mask)
+    home = None
+    if split_home_rows:
+        if split_home_rows >= x.shape[0]:
+            raise ValueError(f"split_home_rows={split_home_rows} leaves none of the batch {x.shape[0]} to split")
+        rows = x[x.shape[0] - split_home_rows:]
+        home_key = (rows.shape, rows.dtype, rows.device, kind, 1, call.plan.stack)
+        home = state.calls.get(home_key)
+        if home is None:
+            home = state.calls[home_key] = state.build_call(rows, kind, 1, call.plan.stack)
+        home = (split_home_rows, home, state.call_weights(home))
+    out = _run_split(call, weights, x, mask if call.passes_mask else None, split_chunks, home_part=home)
     return out if call.upcast_to is None else out.to(call.upcast_to)
 
 
@@ -578,7 +609,6 @@ def _run_split(call: _Call, weights, x: torch.Tensor, mask: torch.Tensor | None,
         return out
 
     home = x.device
-    entry_device = torch.cuda.current_device()   # restored at the end: jax and the stream contexts move it
     home_transfer = _transfer(home)
     home_transfer.order_before_jax()   # jax on x's GPU reads x's slices in place: after x's producers
     targets = [torch.device("cuda", d.local_hardware_id) for d in devices]
@@ -630,8 +660,6 @@ def _run_split(call: _Call, weights, x: torch.Tensor, mask: torch.Tensor | None,
     # The moved slices (allocated on the side streams) are freed only now: every later use of those
     # streams' memory is queued after the copies above, which wait for the programs that read them.
     del moved, results, home_y
-    if torch.cuda.current_device() != entry_device:
-        torch.cuda.set_device(entry_device)
     return out
 
 
