@@ -402,7 +402,7 @@ def _config_of(module: torch.nn.Module):
 
 def forward(module: torch.nn.Module, x: torch.Tensor, valid_token_mask: torch.Tensor | None = None, *,
             config=None, data_parallel: int | None = None, stack: str | None = None,
-            split_chunks: int | tuple[int, ...] = 1, split_home_rows: int = 0) -> torch.Tensor:
+            split_chunks: int | tuple[int, ...] | None = None, split_home_rows: int = 0) -> torch.Tensor:
     """Runs ttj-jax on `module`'s own parameters (any module with the harness's parameter names).
     Returns a new tensor with x's shape, dtype and device; never modifies its inputs. Inference only.
     stack: force "layers" (the XLA program), "fused" (the whole-stack kernel), "fused_mgpu" (the same as
@@ -411,7 +411,8 @@ def forward(module: torch.nn.Module, x: torch.Tensor, valid_token_mask: torch.Te
     data_parallel: split the batch over that many devices (default: the planner's choice; the output
     is gathered back to x's device). split_chunks: a split call goes through in this many consecutive
     chunks, so that its copies between GPUs overlap compute (see _run_split); the batch must divide
-    into data_parallel * split_chunks. Or a tuple of weights, chunks in those proportions
+    into data_parallel * split_chunks. None: ttj_jax.parallel.default_split_chunks (4 where the batch
+    divides so, as measured best on two H200s). Or a tuple of weights, chunks in those proportions
     (ttj_jax.parallel.split_chunk_rows): (1, 4, 4, 1) keeps the copies before the first chunk and after
     the last one short. split_home_rows: that many rows at the end of the batch are
     computed by x's own GPU alone, beside the split of the rest (which must then divide evenly): the
@@ -419,8 +420,8 @@ def forward(module: torch.nn.Module, x: torch.Tensor, valid_token_mask: torch.Te
     state = _state(module, config)
     if isinstance(split_chunks, list):
         split_chunks = tuple(split_chunks)
-    if isinstance(split_chunks, bool) or not isinstance(split_chunks, (int, tuple)) or (
-            isinstance(split_chunks, int) and split_chunks < 1):
+    if split_chunks is not None and (isinstance(split_chunks, bool) or not isinstance(split_chunks, (int, tuple)) or (
+            isinstance(split_chunks, int) and split_chunks < 1)):
         raise ValueError(f"split_chunks must be an int >= 1 or a tuple of positive int weights; got {split_chunks!r}")
     if isinstance(split_home_rows, bool) or not isinstance(split_home_rows, int) or split_home_rows < 0:
         raise ValueError(f"split_home_rows must be an int >= 0; got {split_home_rows!r}")
@@ -541,7 +542,7 @@ def _side_streams(devices: list[torch.device]):
         yield
 
 
-def _run_split(call: _Call, weights, x: torch.Tensor, mask: torch.Tensor | None, chunks: int | tuple = 1,
+def _run_split(call: _Call, weights, x: torch.Tensor, mask: torch.Tensor | None, chunks: int | tuple | None = None,
                home_part: tuple[int, _Call, Any] | None = None) -> torch.Tensor:
     """The batch split over the plan's devices, in `chunks` consecutive SPMD calls (each one split over
     the devices like the whole; chunks=1: one call). Each device's slice of a chunk is moved by torch
@@ -566,10 +567,12 @@ def _run_split(call: _Call, weights, x: torch.Tensor, mask: torch.Tensor | None,
     through jax (never a direct launch on the caller's stream) after the split's chunks on x's GPU, and
     its output is copied last, so that no copy of another GPU's output waits for it."""
     from jax.sharding import NamedSharding, PartitionSpec
-    from ttj_jax.parallel import BATCH_AXIS, batch_mesh, split_chunk_rows
+    from ttj_jax.parallel import BATCH_AXIS, batch_mesh, default_split_chunks, split_chunk_rows
     n = call.plan.data_parallel
     home_rows = 0 if home_part is None else home_part[0]
     split_rows = x.shape[0] - home_rows
+    if chunks is None:
+        chunks = default_split_chunks(split_rows, n)
     try:
         chunk_rows = split_chunk_rows(split_rows, n, chunks)
     except ValueError as e:

@@ -61,6 +61,18 @@ def data_parallel(body, mesh: Mesh):
     return run
 
 
+# Consecutive chunks a split call goes through by default, the first count that divides the batch. On two
+# H200s, shape 6 split in 1 / 2 / 4 chunks: 5.44 / 4.73 / 4.43 ms (bench/results/split-home-2026-11-30-
+# h200x2.json); 5, 8 and weighted chunks were no faster (scale-2026-11-30-h200x2-session9b/d.json); shape
+# 14: 1509.5 ms in 1 chunk, 1494.9 in 4 (scale-2026-11-30-h200x2-session5.json).
+DEFAULT_SPLIT_CHUNKS = (4, 2, 1)
+
+
+def default_split_chunks(rows: int, devices: int) -> int:
+    """The chunk count a split of `rows` over `devices` takes when the caller names none."""
+    return next(c for c in DEFAULT_SPLIT_CHUNKS if rows % (devices * c) == 0 or c == 1)
+
+
 def split_chunk_rows(rows: int, devices: int, chunks) -> list[int]:
     """The batch rows of each consecutive chunk of a split over `devices` (each chunk itself split evenly
     over them). chunks: an int C, C equal chunks (rows must divide into devices * C); or a sequence of

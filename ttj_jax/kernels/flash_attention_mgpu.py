@@ -101,8 +101,10 @@ class MgpuBlockSizes:
     # rescaled like the output's, instead of one FADD per score: the issue-bound softmax's instruction
     # count down by about a fifth, the tensor cores' work up by an eighth, 8 more fp32 registers per
     # thread; the sums are then of P as rounded to the input dtype, the P the output is made from.
-    # Opt-in; checked on the CPU only (lowering, interpret mode), not yet run on a GPU. Expected from the
-    # poly_exp_keys measurement: about 5-10% faster at head_dim 64 if registers allow.
+    # Opt-in and much slower: expected 5-10% faster at head_dim 64 (from the poly_exp_keys measurement),
+    # measured on the H200 at 300 TFLOP/s against 497 for the same lane build without it (main case, 9/9
+    # checks; attention-mgpu-2026-11-30-nvidia-h200-rowsum.json). Why was not measured (a register spill
+    # or the extra wgmma group's wait are the suspects); kept for that study.
     row_sum_mma: bool = False
 
     def __post_init__(self):
