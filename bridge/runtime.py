@@ -44,6 +44,7 @@ _data_ptr_of = torch.Tensor.data_ptr
 # The current CUDA device's index: torch's C getter (what torch.cuda.current_device wraps), a fraction of a us.
 _current_cuda_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
 
+
 class _Transfer:
     """Moves tensors between torch and jax on one device, zero-copy, ordered on the GPU.
 
@@ -414,9 +415,10 @@ def forward(module: torch.nn.Module, x: torch.Tensor, valid_token_mask: torch.Te
     into data_parallel * split_chunks. None: ttj_jax.parallel.default_split_chunks (4 where the batch
     divides so, as measured best on two H200s). Or a tuple of weights, chunks in those proportions
     (ttj_jax.parallel.split_chunk_rows): (1, 4, 4, 1) keeps the copies before the first chunk and after
-    the last one short. split_home_rows: that many rows at the end of the batch are
-    computed by x's own GPU alone, beside the split of the rest (which must then divide evenly): the
-    other GPUs also wait for their copies, so a few percent more rows on x's GPU balance the devices."""
+    the last one short (on two H200s no faster than equal chunks at shape 6). split_home_rows: that many
+    rows at the end of the batch are computed by x's own GPU alone, beside the split of the rest (which
+    must then divide evenly), meant to offload the other GPUs, which also wait for their copies; on two
+    H200s 2-8% of shape 6 that way was slower, not faster (bench/results/split-home-2026-11-30-h200x2.json)."""
     state = _state(module, config)
     if isinstance(split_chunks, list):
         split_chunks = tuple(split_chunks)

@@ -36,7 +36,8 @@ def data_parallel(body, mesh: Mesh):
     split call through in several chunks). So the last weights object passed in and its replicated
     version are kept, and the same object (by identity) is not placed again. That holds because jax
     arrays are immutable; a pytree container changed in place after a call is not noticed (the bridge
-    builds a new one whenever a parameter changes). Likewise x (and the mask) are placed only when
+    builds a new one whenever a parameter changes); the replicated copy stays alive until a call with
+    other weights. Likewise x (and the mask) are placed only when
     they are not batch-sharded over the mesh already."""
     batch = P(BATCH_AXIS)
     replicated = NamedSharding(mesh, P())
@@ -78,7 +79,8 @@ def split_chunk_rows(rows: int, devices: int, chunks) -> list[int]:
     over them). chunks: an int C, C equal chunks (rows must divide into devices * C); or a sequence of
     positive weights, chunks in those proportions, each a multiple of `devices` rows (rows must divide
     by devices), the last taking what rounding leaves. Small first and last chunks shorten the copies
-    that nothing overlaps: before the first chunk's program and after the last one's."""
+    that nothing overlaps, before the first chunk's program and after the last one's (on two H200s,
+    shape 6: within noise of equal chunks, scale-2026-11-30-h200x2-session9b/d.json)."""
     if isinstance(chunks, bool):
         raise ValueError(f"split chunks must be an int >= 1 or a sequence of positive ints; got {chunks!r}")
     if isinstance(chunks, int):
