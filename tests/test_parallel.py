@@ -1,6 +1,7 @@
 """Data parallelism through JAX's SPMD on two CPU devices (XLA's host platform split in two, in a
 subprocess, since the device count is fixed when jax starts). The same code path runs over GPUs."""
 
+import dataclasses
 import json
 import os
 import re
@@ -140,9 +141,19 @@ def test_planner_splits_only_large_batches_already_spread_over_devices():
     assert T.plan(T.OFFICIAL["14"].config, facts(T.OFFICIAL["14"].config), H200X2).data_parallel == 2
     assert T.plan(shape_1, facts(shape_1), H200X2).data_parallel == 1          # launch-bound: one device
     assert T.plan(shape_6, facts(shape_6, 9999), H200X2).data_parallel == 1   # odd batch: no even split
-    # x on one device (a torch tensor): it stays there; moving half of it was measured slower
+    # x on one device: a JAX caller's array stays there (jax moving half of it was measured slower) ...
     one = T.plan(T.OFFICIAL["14"].config, facts(T.OFFICIAL["14"].config, on=1), H200X2)
     assert one.data_parallel == 1 and "measured slower" in one.explain()
+    # ... the bridge's tensor is split over two GPUs (its peer copies), also with more visible, if large
+    from_torch = lambda c, b=None: dataclasses.replace(facts(c, b, on=1), caller="torch")   # noqa: E731
+    H200X4 = dataclasses.replace(H200X2, device_count=4)
+    for shape in ("6", "14"):
+        for gpus in (H200X2, H200X4):
+            plan = T.plan(T.OFFICIAL[shape].config, from_torch(T.OFFICIAL[shape].config), gpus)
+            assert plan.data_parallel == 2 and "peer-to-peer" in plan.explain(), plan.explain()
+    assert T.plan(shape_1, from_torch(shape_1), H200X2).data_parallel == 1
+    assert T.plan(shape_6, from_torch(shape_6, 9999), H200X2).data_parallel == 1
+    assert T.plan(shape_6, from_torch(shape_6), dataclasses.replace(H200X2, device_count=1)).data_parallel == 1
     with pytest.raises(ValueError, match="cannot be split evenly"):
         T.plan(shape_6, facts(shape_6, 9999), H200X2, data_parallel=2)
 

@@ -24,12 +24,15 @@ STACKS = ("layers", "fused", "rows", "fused_mgpu")
 CALLERS = ("jax", "torch")
 ROWS_BLOCK = 64   # rows per program of the "rows" stack: batch * seq_len must be a multiple
 
-# Split the batch over several devices only when x already lives on them (a batch-sharded jax array)
-# and one call moves at least this many elements: smaller calls are launch-bound. An input on one
-# device stays on it unless data_parallel= asks: moving half of it to a second H200 and the result back
-# made shape 14 0.26x and shape 6 0.02x as fast (bench/results/scale-2026-11-30-h200x2.json; the
-# copies went through host memory at ~2 GB/s).
+# Split the batch over several devices only when one call moves at least this many elements: smaller
+# calls are launch-bound. Over the devices a batch-sharded jax array lives on; an input on one device
+# only from the bridge (torch), whose split moves the slices by peer-to-peer copies and overlaps them
+# with compute, over at most SPLIT_FROM_ONE_DEVICE_MAX devices (the count measured): on two H200s,
+# shape 14 1.99x and shape 6 1.74x as fast (bench/results/scale-2026-11-30-h200x2-session9d.json). A JAX
+# caller's one-device array stays: jax's own device_put between the GPUs went through host memory at
+# ~2 GB/s (shape 14 0.26x, shape 6 0.02x: bench/results/scale-2026-11-30-h200x2.json).
 DATA_PARALLEL_MIN_ELEMENTS = 64 * 2**20
+SPLIT_FROM_ONE_DEVICE_MAX = 2
 # Activations of one chunk may take at most this share of the device's memory.
 ACTIVATION_MEMORY_SHARE = 0.25
 # Attention on the GPU, from bench/results/attention-2026-11-30-nvidia-h200.json (fp16, causal, H200):
@@ -229,11 +232,9 @@ def plan(config: Config, inputs: InputFacts, device: DeviceFacts = CPU, *,
     if data_parallel is not None:
         reasons.append(f"{data_parallel} device(s) requested")
     else:
-        data_parallel = _data_parallel(config, inputs, device)
-        if data_parallel > 1:
-            reasons.append(f"batch split over the {data_parallel} devices x lives on (SPMD)")
-        elif device.device_count > 1:
-            reasons.append("one device: x lives on one, and moving half of it was measured slower")
+        data_parallel, why = _data_parallel(config, inputs, device)
+        if why:
+            reasons.append(why)
     if inputs.batch_size % data_parallel:
         raise ValueError(f"batch {inputs.batch_size} cannot be split evenly over {data_parallel} devices")
 
@@ -355,15 +356,25 @@ def _stack(config: Config, inputs: InputFacts, device: DeviceFacts, policy: str,
     return "layers", ""
 
 
-def _data_parallel(config: Config, inputs: InputFacts, device: DeviceFacts) -> int:
-    """The devices x already lives on, when there are several, the batch divides over them and the
-    call is large enough to gain; else 1."""
-    n = min(inputs.input_devices, device.device_count)
-    if not device.is_gpu or n < 2:
-        return 1
+def _data_parallel(config: Config, inputs: InputFacts, device: DeviceFacts) -> tuple[int, str]:
+    """(devices to split the batch over, why; "" where there is one device only). Several when the call is
+    large enough to gain, the batch divides over them, and x lives on them (a sharded jax array) or comes
+    from the bridge (see DATA_PARALLEL_MIN_ELEMENTS)."""
+    if not device.is_gpu or device.device_count < 2:
+        return 1, ""
     if inputs.batch_size * inputs.seq_len * config.d_model < DATA_PARALLEL_MIN_ELEMENTS:
-        return 1
-    return n if inputs.batch_size % n == 0 else 1
+        return 1, (f"one device: under {DATA_PARALLEL_MIN_ELEMENTS >> 20}M elements per call a split does "
+                   "not pay for its launches")
+    if inputs.input_devices > 1:
+        n, where = min(inputs.input_devices, device.device_count), "the {n} devices x lives on"
+    elif inputs.caller == "torch":
+        n = min(SPLIT_FROM_ONE_DEVICE_MAX, device.device_count)
+        where = "{n} devices, x's slices moved by peer-to-peer copies (measured 1.74x at shape 6 on two H200s)"
+    else:
+        return 1, "one device: x lives on one, and jax moving half of it was measured slower"
+    if inputs.batch_size % n:
+        return 1, f"one device: batch {inputs.batch_size} does not split evenly over {n} devices"
+    return n, f"batch split over {where.format(n=n)} (SPMD)"
 
 
 def activation_bytes_per_sequence(config: Config, seq_len: int, attention: str) -> int:
