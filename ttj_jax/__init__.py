@@ -8,6 +8,7 @@ from ttj_jax.params import (PreparedWeights, expected_shapes, init_params, param
                             params_to_state_dict, prepare_weights)
 from ttj_jax.planner import DeviceFacts, InputFacts, Plan, device_facts, plan
 from ttj_jax.reference import reference_forward as reference
+from ttj_jax.ring_attention import sequence_parallel_forward
 from ttj_jax.shapes import CPU_SMALL, OFFICIAL, SUITES, Shape
 from ttj_jax.streaming import stream_forward
 
@@ -16,5 +17,5 @@ __all__ = [
     "EXACT_FP32", "MIXED_FP16", "NumericsPolicy", "get_policy", "PreparedWeights", "expected_shapes",
     "init_params", "params_from_state_dict", "params_to_state_dict", "prepare_weights", "DeviceFacts",
     "InputFacts", "Plan", "device_facts", "plan", "reference", "CPU_SMALL", "OFFICIAL", "SUITES", "Shape",
-    "stream_forward",
+    "stream_forward", "sequence_parallel_forward",
 ]

@@ -127,8 +127,9 @@ class count_compilations:
 
 
 def shard_map(f, *, mesh, in_specs, out_specs):
-    """jax.shard_map with replication/VMA checking off (the bodies here hold no collectives, and Pallas
-    calls carry no VMA rules); the flag's name moved between versions."""
+    """jax.shard_map with replication/VMA checking off (Pallas calls carry no VMA rules; the one
+    collective, ring_attention's ppermute, moves per-device blocks, nothing replicated); the flag's name
+    moved between versions."""
     import inspect
     params = inspect.signature(jax.shard_map).parameters
     flag = {"check_vma": False} if "check_vma" in params else {"check_rep": False} if "check_rep" in params else {}

@@ -72,13 +72,14 @@ def attention_for(plan: Plan):
 
 
 def _layer(w: Mapping[str, jax.Array], x, row_valid, key_valid, *, config: Config, plan: Plan,
-           policy: NumericsPolicy):
-    """One pre-LN block on the fp32 residual x (B, S, d)."""
+           policy: NumericsPolicy, attention=None):
+    """One pre-LN block on the fp32 residual x (B, S, d). attention: the plan's (attention_for) unless
+    given (ring_attention.py runs this on a slice of the sequence with a ring in its place)."""
     B, S, d = x.shape
     h = layer_norm(x, w["norm1_weight"], w["norm1_bias"])
     qkv = policy.project_qkv(h, w["qkv_weight"], w["qkv_bias"])                         # (B, S, 3d)
     qkv = qkv.reshape(B, S, 3, config.num_heads, config.head_dim)                        # free reshape
-    context = attention_for(plan)(qkv, key_valid, causal=config.causal, policy=policy)
+    context = (attention or attention_for(plan))(qkv, key_valid, causal=config.causal, policy=policy)
     a = policy.matmul(context.reshape(B, S, d), w["out_weight"]) + w["out_bias"]
     if row_valid is not None:
         a = jnp.where(row_valid, a, 0.0)

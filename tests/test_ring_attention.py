@@ -1,0 +1,94 @@
+"""Sequence parallelism (ttj_jax/ring_attention.py): one sequence split over 2 and 4 CPU devices (XLA's
+host platform split, in a subprocess, since the device count is fixed when jax starts), against the
+one-device forward and the fp32 reference. The same code runs over GPUs; it has not been run on one."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from ttj_jax.ring_attention import zigzag_order
+
+SCRIPT = textwrap.dedent("""
+    import json, numpy as np, jax, jax.numpy as jnp
+    import ttj_jax as T
+    from ttj_jax.ring_attention import sequence_parallel_forward
+    assert len(jax.devices()) == 4, jax.devices()
+    out = {}
+    for causal in (True, False):
+        config = T.Config(2, 48, 32, 2, 48, 2, causal)
+        params = T.init_params(jax.random.key(0), config)
+        x = jax.random.normal(jax.random.key(1), (2, 48, 32))
+        mask = jnp.asarray(np.random.default_rng(0).random((2, 48)) > 0.3).at[1].set(False)  # one all-False
+        for mask_name, m in (("none", None), ("general", mask)):
+            exact_one = T.forward(params, x, m, config=config, policy="exact_fp32")
+            reference = T.reference(params, x, m, config=config)
+            for n in (2, 4):
+                # chunks that do not divide the zigzag halves: key chunks straddle them
+                kwargs = dict(config=config, devices=n, query_chunk=4, key_chunk=5)
+                exact = sequence_parallel_forward(params, x, m, policy="exact_fp32", **kwargs)
+                mixed = sequence_parallel_forward(params, x, m, **kwargs)
+                tolerance = 0.002 + 0.02 * jnp.abs(reference)
+                out[f"{causal}/{mask_name}/{n}"] = {
+                    "exact_vs_one_device": float(jnp.abs(exact - exact_one).max()),
+                    "mixed_failed_vs_reference": int((~(jnp.abs(mixed - reference) <= tolerance)).sum()),
+                    "finite": bool(jnp.isfinite(mixed).all()), "shape": list(mixed.shape)}
+    # it is a ring: the program's collectives are permutes, and no device gathers the whole sequence
+    config = T.Config(2, 48, 32, 2, 48, 1, True)
+    params = T.prepare_weights(T.init_params(jax.random.key(0), config), T.MIXED_FP16)
+    from ttj_jax.ring_attention import _compiled, zigzag_order
+    order = jnp.asarray(zigzag_order(48, 4), jnp.int32)
+    hlo = _compiled(config.with_input(1, 1), 4, "mixed_fp16", 4, 5, False, "cpu").lower(
+        params, jnp.zeros((2, 48, 32)), None, order, jnp.argsort(order)).as_text()
+    out["hlo"] = {name: hlo.count(name) for name in ("collective_permute", "all_gather", "all_to_all")}
+    for name, call in (("odd_length", lambda: sequence_parallel_forward(params, jnp.zeros((2, 46, 32)), config=config, devices=4)),
+                       ("bad_devices", lambda: sequence_parallel_forward(params, jnp.zeros((2, 48, 32)), config=config, devices=0)),
+                       ("bad_mask", lambda: sequence_parallel_forward(params, jnp.zeros((2, 48, 32)), jnp.ones((2, 47), bool), config=config, devices=2))):
+        try:
+            call()
+            out[name] = None
+        except (ValueError, TypeError) as e:
+            out[name] = str(e)
+    print(json.dumps(out))
+""")
+
+
+def test_sequence_parallel_matches_one_device():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600,
+                          cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    cases = [k for k in out if k.count("/") == 2]
+    assert len(cases) == 8
+    for name in cases:
+        case = out[name]
+        # exact policy: the same fp32 math in another order (one device: 0 up to rounding)
+        assert case["exact_vs_one_device"] <= 1e-5, (name, case)
+        # fp16 GEMMs: the harness rule against the fp32 reference, every element
+        assert case["mixed_failed_vs_reference"] == 0 and case["finite"] and case["shape"] == [2, 48, 32], (name, case)
+    # N - 1 = 3 ring hops per attention, one layer: k/v, positions and key mask each travel (permutes of a
+    # tuple may be fused into one op or stay several: at least 3); nothing gathers the sequence
+    assert out["hlo"]["collective_permute"] >= 3 and out["hlo"]["all_gather"] == 0 and out["hlo"]["all_to_all"] == 0, out["hlo"]
+    assert "multiple of 2 * devices" in out["odd_length"]
+    assert "devices must be" in out["bad_devices"]
+    assert "valid_token_mask must have shape" in out["bad_mask"]
+
+
+def test_zigzag_order_balances_causal_work():
+    for seq_len, devices in ((48, 4), (64, 2), (12, 1)):
+        order = zigzag_order(seq_len, devices)
+        assert sorted(order.tolist()) == list(range(seq_len))                 # a permutation
+        per_device = order.reshape(devices, -1)
+        chunk = seq_len // (2 * devices)
+        assert per_device[0, :chunk].tolist() == list(range(chunk))           # device 0 holds chunk 0 ...
+        assert per_device[0, chunk:].tolist() == list(range(seq_len - chunk, seq_len))   # ... and the last
+        # causal (query, key) pairs whose query each device holds: equal on every device
+        work = [int(np.sum(positions + 1)) for positions in per_device]
+        assert len(set(work)) == 1, work
+    with pytest.raises(ValueError, match="multiple of 2"):
+        zigzag_order(50, 4)
