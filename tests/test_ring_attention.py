@@ -92,3 +92,16 @@ def test_zigzag_order_balances_causal_work():
         assert len(set(work)) == 1, work
     with pytest.raises(ValueError, match="multiple of 2"):
         zigzag_order(50, 4)
+
+
+def test_ring_check_tool_on_two_cpu_devices(tmp_path):
+    """bench/ring_check.py (the GPU check of the ring) end to end on two CPU devices, tiny config."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    done = subprocess.run([sys.executable, "bench/ring_check.py", "--config", "2,64,32,2,48,2", "--query-chunk", "8",
+                           "--key-chunk", "8", "--calls", "1", "--out", str(tmp_path), "--tag", "r"],
+                          env=env, capture_output=True, text=True, timeout=600,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["devices"] == 2 and result["failed_vs_one_device"] == 0 and result["max_abs_diff"] < 2e-3
+    assert result["ring_ms"] > 0 and result["one_device_ms"] > 0 and len(result["ring_timing_ms"]) == 1

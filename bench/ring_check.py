@@ -1,0 +1,99 @@
+"""Sequence parallelism (ttj_jax.sequence_parallel_forward, a ring over the devices) checked and timed
+against the one-device forward, from JAX.
+
+    PYTHONPATH=. python3 bench/ring_check.py [--config B,S,d,H,ffn,L] [--devices N] [--query-chunk 1024]
+        [--key-chunk 1024] [--calls 3] [--out bench/results] [--tag NAME]
+
+The one-device call is `ttj_jax.forward` with the planner's plan on device 0; the ring splits each sequence
+over N devices (all visible by default). Both run on the same input (seeded normal, all-True mask) with
+the mixed_fp16 policy; the ring's output is compared with the one-device output element by element with
+the harness rule (|diff| <= 0.002 + 0.02 |one device|), and each is timed as the median of --calls warm
+calls (block_until_ready; compile apart). Writes <out>/<tag or ring-<date>-<device>>.json; exit 1 if
+an element fails. Runs on CPU devices too (XLA_FLAGS=--xla_force_host_platform_device_count=N), as the
+test does with a tiny config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import statistics
+import sys
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+_REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
+if str(_REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(_REPO_ROOT))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default="1,16384,1024,16,1024,2", help="B,S,d,H,ffn,L (causal)")
+    parser.add_argument("--devices", type=int, default=None)
+    parser.add_argument("--query-chunk", type=int, default=1024)
+    parser.add_argument("--key-chunk", type=int, default=1024)
+    parser.add_argument("--calls", type=int, default=3)
+    parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--tag", default=None)
+    args = parser.parse_args(argv)
+
+    import jax
+    import jax.numpy as jnp
+    import ttj_jax as T
+
+    B, S, d, H, ffn, L = (int(v) for v in args.config.split(","))
+    config = T.Config(batch_size=B, seq_len=S, d_model=d, num_heads=H, ffn_dim=ffn, num_layers=L, causal=True)
+    devices = args.devices or len(jax.devices())
+    params = T.prepare_weights(T.init_params(jax.random.key(0), config), T.MIXED_FP16)
+    x = jax.random.normal(jax.random.key(1), (B, S, d), jnp.float32)
+    mask = jnp.ones((B, S), bool)
+
+    def timed(fn):
+        t = time.perf_counter()
+        out = jax.block_until_ready(fn())
+        first_s = time.perf_counter() - t
+        samples = []
+        for _ in range(args.calls):
+            t = time.perf_counter()
+            jax.block_until_ready(fn())
+            samples.append((time.perf_counter() - t) * 1e3)
+        return out, first_s, samples
+
+    one, one_first_s, one_ms = timed(lambda: T.forward(params, x, mask, config=config))
+    ring, ring_first_s, ring_ms = timed(lambda: T.sequence_parallel_forward(
+        params, x, mask, config=config, devices=devices, query_chunk=args.query_chunk, key_chunk=args.key_chunk))
+    one = jax.device_put(one, jax.devices()[0])
+    ring = jax.device_put(ring, jax.devices()[0])
+    diff = jnp.abs(ring - one)
+    failed = int((~(diff <= 0.002 + 0.02 * jnp.abs(one))).sum())
+    device = jax.devices()[0]
+    result = {
+        "config": vars(config), "devices": devices, "query_chunk": args.query_chunk, "key_chunk": args.key_chunk,
+        "one_device_ms": statistics.median(one_ms), "ring_ms": statistics.median(ring_ms),
+        "speedup": statistics.median(one_ms) / statistics.median(ring_ms),
+        "one_device_timing_ms": one_ms, "ring_timing_ms": ring_ms,
+        "first_call_s": {"one_device": one_first_s, "ring": ring_first_s},
+        "failed_vs_one_device": failed, "max_abs_diff": float(diff.max()),
+        "plan_one_device": T.model.plan_for(config, x, T.MaskKind.ALL_TRUE).explain(),
+        "device": getattr(device, "device_kind", device.platform), "jax": jax.__version__,
+        "date": datetime.date.today().isoformat(),
+        "command": "python bench/ring_check.py " + " ".join(sys.argv[1:] if argv is None else argv),
+    }
+    out_dir = pathlib.Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = args.tag or f"ring-{result['date']}-{str(result['device']).split()[-1].lower()}x{devices}"
+    path = out_dir / f"{stem}.json"
+    path.write_text(json.dumps(result, indent=1))
+    print(f"{config}: one device {result['one_device_ms']:.1f} ms, ring over {devices} "
+          f"{result['ring_ms']:.1f} ms ({result['speedup']:.2f}x); failed {failed}, max |diff| {result['max_abs_diff']:.2e}")
+    print(f"wrote {path}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
