@@ -40,10 +40,9 @@ SCRIPT = textwrap.dedent("""
     # it is a ring: the program's collectives are permutes, and no device gathers the whole sequence
     config = T.Config(2, 48, 32, 2, 48, 1, True)
     params = T.prepare_weights(T.init_params(jax.random.key(0), config), T.MIXED_FP16)
-    from ttj_jax.ring_attention import _compiled, zigzag_order
-    order = jnp.asarray(zigzag_order(48, 4), jnp.int32)
+    from ttj_jax.ring_attention import _compiled
     hlo = _compiled(config.with_input(1, 1), 4, "mixed_fp16", 4, 5, False, "cpu").lower(
-        params, jnp.zeros((2, 48, 32)), None, order, jnp.argsort(order)).as_text()
+        params, jnp.zeros((2, 48, 32)), None).as_text()
     out["hlo"] = {name: hlo.count(name) for name in ("collective_permute", "all_gather", "all_to_all")}
     for name, call in (("odd_length", lambda: sequence_parallel_forward(params, jnp.zeros((2, 46, 32)), config=config, devices=4)),
                        ("bad_devices", lambda: sequence_parallel_forward(params, jnp.zeros((2, 48, 32)), config=config, devices=0)),

@@ -151,10 +151,9 @@ def sequence_parallel_forward(weights, x: jax.Array, mask: jax.Array | None = No
         raise ValueError(f"devices must be an int >= 1; got {devices!r}")
     if not isinstance(weights, PreparedWeights):
         weights = prepare_weights(weights, get_policy(policy))
-    order = zigzag_order(x.shape[1], devices)
+    zigzag_order(x.shape[1], devices)   # checks the length before anything compiles
     return _compiled(config.with_input(1, 1), devices, policy, query_chunk, key_chunk, mask is not None,
-                     jax.default_backend())(weights, x, mask, jnp.asarray(order, jnp.int32),
-                                            jnp.asarray(np.argsort(order), jnp.int32))
+                     jax.default_backend())(weights, x, mask)
 
 
 @functools.lru_cache(maxsize=None)
@@ -188,9 +187,13 @@ def _compiled(config: Config, devices: int, policy_name: str, query_chunk: int, 
                            in_specs=(P(), along_sequence, P(SEQ_AXIS)), out_specs=along_sequence)
 
     @jax.jit
-    def run(weights, x, mask, order, inverse):
+    def run(weights, x, mask):
         # zigzag: the tokens reordered so that the sequence axis's even split gives each device its two
-        # chunks (shard_map places the operands by its in_specs); `order` doubles as the positions
+        # chunks (shard_map places the operands by its in_specs); `order` doubles as the positions. Both
+        # permutations are constants of the program (the length is static).
+        order = zigzag_order(x.shape[1], devices)
+        inverse = jnp.asarray(np.argsort(order), jnp.int32)
+        order = jnp.asarray(order, jnp.int32)
         if mask is None:
             y = mapped(weights, x[:, order], order)
         else:
