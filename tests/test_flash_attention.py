@@ -250,3 +250,39 @@ def test_kernel_lowers_through_triton_for_cuda(fused, causal, dtype, head_dim):
     else:
         text = _lower_for_cuda(lambda a, m: flash_attention(*a, causal=causal, **m), (q, q, q), masks)
     assert "triton" in text
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("seq_len, block_sizes", [(37, None), (64, SMALL_BLOCKS), (50, UNEVEN_BLOCKS)])
+def test_log_sum_exp(causal, seq_len, block_sizes):
+    """return_lse: each row's log(sum_j exp(sm_scale q.k_j)) over its allowed keys (what ring_attention
+    merges visits with), -inf where no key is allowed; the output itself is unchanged."""
+    q, k, v = _inputs(3, seq_len, 16)
+    lengths = jnp.asarray([seq_len - 5, 0])                        # the second sequence: no key at all
+    for masks in ({}, {"key_mask": _random_mask(4, BATCH, seq_len, fully_masked_row=1)}, {"kv_lengths": lengths}):
+        out, lse = flash_attention(q, k, v, causal=causal, block_sizes=block_sizes, interpret=True,
+                                   return_lse=True, **masks)
+        plain = flash_attention(q, k, v, causal=causal, block_sizes=block_sizes, interpret=True, **masks)
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(plain))
+        scores = jnp.einsum("bqhd,bkhd->bhqk", *(x.astype(jnp.float32) for x in (q, k)),
+                            precision="highest") * 16 ** -0.5
+        allowed = jnp.tril(jnp.ones((seq_len, seq_len), bool)) if causal else jnp.ones((seq_len, seq_len), bool)
+        allowed = allowed[None, None]
+        if "key_mask" in masks:
+            allowed = allowed & masks["key_mask"][:, None, None, :]
+        if "kv_lengths" in masks:
+            allowed = allowed & (jnp.arange(seq_len)[None, :] < lengths[:, None])[:, None, None, :]
+        expected = np.asarray(jax.nn.logsumexp(jnp.where(allowed, scores, -jnp.inf), axis=-1))
+        lse = np.asarray(lse)
+        assert lse.shape == (BATCH, HEADS, seq_len) and lse.dtype == np.float32
+        assert (np.isneginf(lse) == np.isneginf(expected)).all() and np.isneginf(lse[1]).any() == bool(masks)
+        finite = np.isfinite(expected)
+        np.testing.assert_allclose(lse[finite], expected[finite], rtol=0, atol=1e-4)
+
+
+def test_log_sum_exp_needs_the_generic_kernel():
+    q, k, v = _inputs(0, 16, 64)
+    with pytest.raises(ValueError, match="return_lse needs the generic kernel"):
+        flash_attention(q, k, v, causal=True, return_lse=True, implementation="mosaic")
+    with pytest.raises(ValueError, match="return_lse"):
+        flash_attention(q, k, v, causal=True, return_lse=1, interpret=True)

@@ -32,11 +32,15 @@ SCRIPT = textwrap.dedent("""
                 kwargs = dict(config=config, devices=n, query_chunk=4, key_chunk=5)
                 exact = sequence_parallel_forward(params, x, m, policy="exact_fp32", **kwargs)
                 mixed = sequence_parallel_forward(params, x, m, **kwargs)
+                # our flash kernel per zigzag-chunk pair (interpreted here), merged by log-sum-exp
+                flash = sequence_parallel_forward(params, x, m, attention="pallas", **kwargs)
                 tolerance = 0.002 + 0.02 * jnp.abs(reference)
                 out[f"{causal}/{mask_name}/{n}"] = {
                     "exact_vs_one_device": float(jnp.abs(exact - exact_one).max()),
                     "mixed_failed_vs_reference": int((~(jnp.abs(mixed - reference) <= tolerance)).sum()),
-                    "finite": bool(jnp.isfinite(mixed).all()), "shape": list(mixed.shape)}
+                    "flash_failed_vs_reference": int((~(jnp.abs(flash - reference) <= tolerance)).sum()),
+                    "flash_vs_mixed": float(jnp.abs(flash - mixed).max()),
+                    "finite": bool(jnp.isfinite(mixed).all() & jnp.isfinite(flash).all()), "shape": list(mixed.shape)}
     # it is a ring: the program's collectives are permutes, and no device gathers the whole sequence
     config = T.Config(2, 48, 32, 2, 48, 1, True)
     params = T.prepare_weights(T.init_params(jax.random.key(0), config), T.MIXED_FP16)
@@ -46,6 +50,7 @@ SCRIPT = textwrap.dedent("""
     out["hlo"] = {name: hlo.count(name) for name in ("collective_permute", "all_gather", "all_to_all")}
     for name, call in (("odd_length", lambda: sequence_parallel_forward(params, jnp.zeros((2, 46, 32)), config=config, devices=4)),
                        ("bad_devices", lambda: sequence_parallel_forward(params, jnp.zeros((2, 48, 32)), config=config, devices=0)),
+                       ("bad_attention", lambda: sequence_parallel_forward(params, jnp.zeros((2, 48, 32)), config=config, devices=2, attention="cudnn")),
                        ("bad_mask", lambda: sequence_parallel_forward(params, jnp.zeros((2, 48, 32)), jnp.ones((2, 47), bool), config=config, devices=2))):
         try:
             call()
@@ -70,11 +75,13 @@ def test_sequence_parallel_matches_one_device():
         assert case["exact_vs_one_device"] <= 1e-5, (name, case)
         # fp16 GEMMs: the harness rule against the fp32 reference, every element
         assert case["mixed_failed_vs_reference"] == 0 and case["finite"] and case["shape"] == [2, 48, 32], (name, case)
+        assert case["flash_failed_vs_reference"] == 0 and case["flash_vs_mixed"] <= 2e-3, (name, case)
     # N - 1 = 3 ring hops per attention, one layer: k/v, positions and key mask each travel (permutes of a
     # tuple may be fused into one op or stay several: at least 3); nothing gathers the sequence
     assert out["hlo"]["collective_permute"] >= 3 and out["hlo"]["all_gather"] == 0 and out["hlo"]["all_to_all"] == 0, out["hlo"]
     assert "multiple of 2 * devices" in out["odd_length"]
     assert "devices must be" in out["bad_devices"]
+    assert "'xla' or 'pallas'" in out["bad_attention"]
     assert "valid_token_mask must have shape" in out["bad_mask"]
 
 
@@ -102,5 +109,8 @@ def test_ring_check_tool_on_two_cpu_devices(tmp_path):
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads((tmp_path / "r.json").read_text())
-    assert result["devices"] == 2 and result["failed_vs_one_device"] == 0 and result["max_abs_diff"] < 2e-3
-    assert result["ring_ms"] > 0 and result["one_device_ms"] > 0 and len(result["ring_timing_ms"]) == 1
+    assert result["devices"] == 2 and result["failed_vs_one_device"] == 0 and set(result["rings"]) == {"xla", "pallas"}
+    for ring in result["rings"].values():
+        assert ring["failed_vs_one_device"] == 0 and ring["max_abs_diff"] < 2e-3
+        assert ring["ring_ms"] > 0 and len(ring["ring_timing_ms"]) == 1
+    assert result["one_device_ms"] > 0

@@ -13,7 +13,7 @@ Layout: the sequence is cut into 2N equal chunks and device i holds chunks i and
 contiguous slices the last device would do N times the first's). Positions travel with the keys, so
 causality and the key mask are decided per (query, key) pair wherever the pair meets.
 
-Inside one visit the work is bounded: queries in chunks (`lax.map`), keys in chunks (`lax.fori_loop`),
+Inside one visit ("xla" attention) the work is bounded: queries in chunks (`lax.map`), keys in chunks (`lax.fori_loop`),
 live scores [B, H, query_chunk, key_chunk]; a key chunk wholly after a query chunk's last position is
 skipped under causal attention (`lax.cond`), which halves the work over the ring.
 
@@ -22,10 +22,13 @@ accumulation, softmax statistics in fp32. Masks: the key mask (with row zeroing,
 is the general semantics of SPEC section 1, so every mask mode runs as "keys" here: the "rows" and
 "device" shortcuts of the one-device program need whole sequences.
 
-Status: correctness, CPU-tested on 2 and 4 host devices against the one-device forward
-(tests/test_ring_attention.py). Not run on a GPU; its attention is plain XLA per chunk pair, not our
-flash kernel (which would need to return its log-sum-exp: the design's step 1), so it is a working
-ring, not yet a fast one.
+The per-visit attention is one of two (`attention=`): "xla" as above, or "pallas": our generic flash
+kernel (Triton on the GPU) on each pair of zigzag chunks, returning its log-sum-exp, the visits merged by
+it (`_ring_flash`).
+
+Status: correctness, CPU-tested on 2 and 4 host devices against the one-device forward and the fp32
+reference, both attentions (tests/test_ring_attention.py; the flash kernel interpreted). Not run on a
+GPU: `bench/ring_check.py` checks and times it there next to the one-device call.
 """
 
 from __future__ import annotations
@@ -73,10 +76,17 @@ def _chunk(size: int, wanted: int) -> int:
 
 def ring_attention(qkv: jax.Array, key_valid: jax.Array | None, positions: jax.Array, *, causal: bool,
                    policy, devices: int, query_chunk: int = QUERY_CHUNK, key_chunk: int = KEY_CHUNK,
-                   axis_name: str = SEQ_AXIS) -> jax.Array:
-    """Inside shard_map over `axis_name` (`devices` long). qkv: (B, L, 3, H, hd), this device's tokens;
-    key_valid: (B, L) bool or None; positions: (L,) int32, their places in the sequence. Returns the
-    context (B, L, H, hd) fp32; a query with no allowed key gets zeros."""
+                   axis_name: str = SEQ_AXIS, attention: str = "xla") -> jax.Array:
+    """Inside shard_map over `axis_name` (`devices` long). qkv: (B, L, 3, H, hd), this device's tokens
+    (two zigzag chunks); key_valid: (B, L) bool or None; positions: (L,) int32, their places in the
+    sequence. Returns the context (B, L, H, hd) fp32; a query with no allowed key gets zeros.
+    attention: "xla" (query x key chunks, online softmax in XLA) or "pallas" (our generic flash kernel
+    per pair of zigzag chunks, merged by its log-sum-exp; see _ring_flash)."""
+    if attention == "pallas":
+        return _ring_flash(qkv, key_valid, positions, causal=causal, policy=policy, devices=devices,
+                           axis_name=axis_name)
+    if attention != "xla":
+        raise ValueError(f"ring attention={attention!r} must be 'xla' or 'pallas'")
     B, L, _, H, hd = qkv.shape
     qc, kc = _chunk(L, query_chunk), _chunk(L, key_chunk)
     nq, nk = L // qc, L // kc
@@ -137,13 +147,74 @@ def ring_attention(qkv: jax.Array, key_valid: jax.Array | None, positions: jax.A
     return context.transpose(1, 0, 2, 3, 4).reshape(B, L, H, hd)
 
 
+def _ring_flash(qkv, key_valid, positions, *, causal: bool, policy, devices: int, axis_name: str):
+    """ring_attention with our flash kernel (ttj_jax.kernels.flash_attention, generic, return_lse) on
+    each pair of (local query chunk, visiting key chunk): the two zigzag chunks a device holds are each
+    contiguous in the sequence, so a pair is wholly visible (key chunk earlier: not causal), the
+    diagonal (the same chunk: causal), or wholly masked (later: skipped) under causal attention; which,
+    is known only at run time (lax.switch). Visits are merged by their log-sum-exp: with lse = logaddexp
+    of the two, out = out_a exp(lse_a - lse) + out_b exp(lse_b - lse)."""
+    from ttj_jax.kernels import flash_attention
+    B, L, _, H, hd = qkv.shape
+    c = L // 2
+    interpret = jax.default_backend() == "cpu"
+    qkv = qkv.astype(policy.gemm_dtype)
+    queries = [qkv[:, :c, 0], qkv[:, c:, 0]]
+    query_ids = [positions[0] // c, positions[c] // c]
+    key_ok = jnp.ones((B, L), bool) if key_valid is None else key_valid
+    block = (qkv[:, :, 1:], positions, key_ok)
+
+    def pair(q, q_id, k, v, k_id, ok):   # -> (out fp32 (B, c, H, hd), lse (B, H, c))
+        mask = None if key_valid is None else ok
+
+        def attend(is_causal):
+            def run(_):
+                out, lse = flash_attention(q, k, v, causal=is_causal, key_mask=mask, interpret=interpret,
+                                           return_lse=True, implementation="generic")
+                return out.astype(jnp.float32), lse
+            return run
+
+        def skip(_):
+            return jnp.zeros((B, c, H, hd), jnp.float32), jnp.full((B, H, c), -jnp.inf, jnp.float32)
+
+        if not causal:
+            return attend(False)(None)
+        branch = jnp.where(k_id < q_id, 0, jnp.where(k_id == q_id, 1, 2))
+        return lax.switch(branch, [attend(False), attend(True), skip], None)
+
+    def merge(a, b):
+        (out_a, lse_a), (out_b, lse_b) = a, b
+        lse = jnp.logaddexp(lse_a, lse_b)
+        safe = jnp.where(jnp.isneginf(lse), 0.0, lse)         # no key on either side: stays zero, not NaN
+        weight = lambda x: jnp.exp(x - safe).transpose(0, 2, 1)[..., None]   # (B, c, H, 1)  # noqa: E731
+        return out_a * weight(lse_a) + out_b * weight(lse_b), lse
+
+    state = [(jnp.zeros((B, c, H, hd), jnp.float32), jnp.full((B, H, c), -jnp.inf, jnp.float32)) for _ in range(2)]
+    ring = [(j, (j + 1) % devices) for j in range(devices)]
+    for step in range(devices):
+        following = lax.ppermute(block, axis_name, ring) if step + 1 < devices else None
+        kv, k_pos, k_ok = block
+        for half in range(2):                                  # the visiting block's two zigzag chunks
+            rows = slice(half * c, (half + 1) * c)
+            k_id = k_pos[half * c] // c
+            for which in range(2):                             # this device's two query chunks
+                state[which] = merge(state[which], pair(queries[which], query_ids[which], kv[:, rows, 0],
+                                                        kv[:, rows, 1], k_id, k_ok[:, rows]))
+        block = following
+    return jnp.concatenate([state[0][0], state[1][0]], axis=1)
+
+
 def sequence_parallel_forward(weights, x: jax.Array, mask: jax.Array | None = None, *, config: Config,
                               devices: int, policy: str = "mixed_fp16", query_chunk: int = QUERY_CHUNK,
-                              key_chunk: int = KEY_CHUNK) -> jax.Array:
+                              key_chunk: int = KEY_CHUNK, attention: str = "xla") -> jax.Array:
     """The layer stack with each sequence split over `devices` devices (a ring per attention). weights:
     PreparedWeights or raw params; x: (B, S, d) with S a multiple of 2 * devices; mask: (B, S) bool or
     None. Returns y like `ttj_jax.forward` on one device (the same semantics and policy; fp32 rounding
-    differs, from the order of the softmax's sums)."""
+    differs, from the order of the softmax's sums). attention: the ring's per-visit attention, "xla"
+    or "pallas" (our flash kernel per pair of zigzag chunks, fp16/bf16 operands whatever the policy,
+    as the one-device Pallas path; interpreted on the CPU)."""
+    if attention not in ("xla", "pallas"):
+        raise ValueError(f"attention={attention!r} must be 'xla' or 'pallas'")
     from ttj_jax.model import validate_inputs
     validate_inputs(x.shape, str(jnp.dtype(x.dtype)), None if mask is None else mask.shape,
                     None if mask is None else str(jnp.dtype(mask.dtype)), config)
@@ -153,12 +224,12 @@ def sequence_parallel_forward(weights, x: jax.Array, mask: jax.Array | None = No
         weights = prepare_weights(weights, get_policy(policy))
     zigzag_order(x.shape[1], devices)   # checks the length before anything compiles
     return _compiled(config.with_input(1, 1), devices, policy, query_chunk, key_chunk, mask is not None,
-                     jax.default_backend())(weights, x, mask)
+                     jax.default_backend(), attention)(weights, x, mask)
 
 
 @functools.lru_cache(maxsize=None)
 def _compiled(config: Config, devices: int, policy_name: str, query_chunk: int, key_chunk: int,
-              has_mask: bool, platform: str):
+              has_mask: bool, platform: str, attention: str = "xla"):
     from ttj_jax.model import _layer   # the one-device layer, with its attention replaced
     from ttj_jax.numerics import layer_norm
     from ttj_jax.planner import Plan
@@ -168,12 +239,12 @@ def _compiled(config: Config, devices: int, policy_name: str, query_chunk: int, 
     along_sequence = P(None, SEQ_AXIS)
 
     def body(weights, x, mask, positions):   # this device's tokens: x (B, L, d), mask (B, L), positions (L,)
-        attention = functools.partial(ring_attention, positions=positions, devices=devices,
-                                      query_chunk=query_chunk, key_chunk=key_chunk)
+        ring = functools.partial(ring_attention, positions=positions, devices=devices, query_chunk=query_chunk,
+                                 key_chunk=key_chunk, attention=attention)
         row_valid = None if mask is None else mask[:, :, None]
         h = x.astype(policy.residual_dtype)
         for w in weights.layers:
-            h = _layer(w, h, row_valid, mask, config=config, plan=plan, policy=policy, attention=attention)
+            h = _layer(w, h, row_valid, mask, config=config, plan=plan, policy=policy, attention=ring)
         y = layer_norm(h, weights.final_norm["weight"], weights.final_norm["bias"])
         if row_valid is not None:
             y = jnp.where(row_valid, y, 0.0)

@@ -39,6 +39,7 @@ from jax.experimental.pallas import triton as pltriton
 # it never makes `m_prev - m_next` a NaN (-inf - -inf) while a row has seen no allowed key yet.
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 _LOG2_E = math.log2(math.e)
+_LN_2 = math.log(2.0)
 
 _SUPPORTED_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 MIN_HEAD_DIM, MAX_HEAD_DIM = 8, 256
@@ -103,11 +104,11 @@ def resolve_block_sizes(seq_len: int, head_dim: int, block_sizes: BlockSizes | N
                                block_k=min(chosen.block_k, longest_useful))
 
 
-def _flash_attention_kernel(q_ref, k_ref, v_ref, kv_lengths_ref, key_mask_ref, o_ref, *,
+def _flash_attention_kernel(q_ref, k_ref, v_ref, kv_lengths_ref, key_mask_ref, o_ref, lse_ref=None, *,
                             causal: bool, sm_scale: float, block_q: int, block_k: int,
                             num_q_blocks: int, static_key_limit: int | None, dot_dtype):
     # Refs: q (block_q, hd), k and v (S_pad, hd) for this (batch, head), kv_lengths (1,) int32 or None,
-    # key_mask (S_pad,) int32 or None, o (block_q, hd).
+    # key_mask (S_pad,) int32 or None, o (block_q, hd), lse (block_q,) fp32 or None (return_lse).
     q_block = pl.program_id(0)
     if causal:
         # Heaviest query blocks (most keys under the diagonal) first, so the light ones fill the tail.
@@ -178,7 +179,8 @@ def _flash_attention_kernel(q_ref, k_ref, v_ref, kv_lengths_ref, key_mask_ref, o
         carry = _fori_loop(num_unmasked, num_blocks, functools.partial(step, mask_causal_and_limit=True), carry)
     o, m, l = carry
 
-    if key_limit is not None or key_mask_ref is not None:
+    may_see_no_key = key_limit is not None or key_mask_ref is not None
+    if may_see_no_key:
         # A row that never saw an allowed key still has m == _MASK_VALUE (its masked scores each
         # added exp2(0) = 1 to l): it must come out as zeros, not as a mean of v or 0/0.
         saw_a_key = m > _MASK_VALUE
@@ -186,6 +188,10 @@ def _flash_attention_kernel(q_ref, k_ref, v_ref, kv_lengths_ref, key_mask_ref, o
     else:
         o = o / l[:, None]
     o_ref[...] = o.astype(o_ref.dtype)
+    if lse_ref is not None:
+        # log(sum_j exp(sm_scale q.k_j)) in natural units: m and l count in log2 units (the exp2 above)
+        lse = (m + jnp.log2(l)) * _LN_2
+        lse_ref[...] = jnp.where(saw_a_key, lse, -jnp.inf) if may_see_no_key else lse
 
 
 def _fori_loop(lower, upper, body, carry):
@@ -309,8 +315,9 @@ def _pad_seq_and_head_dim(x: jax.Array, seq_pad: int, head_dim_pad: int) -> jax.
 
 
 def _attention_pallas_call(q_src, k_src, v_src, kv_lengths, key_mask, *, fused: bool, causal: bool,
-                           sm_scale, block_sizes, interpret: bool):
-    """Pads to block multiples, runs the kernel, slices back.
+                           sm_scale, block_sizes, interpret: bool, return_lse: bool = False):
+    """Pads to block multiples, runs the kernel, slices back. return_lse: also the rows' log-sum-exp
+    [B, H, S] fp32 (see flash_attention).
 
     Separate layout: q_src, k_src, v_src are each [B, S, H, hd]. Fused layout: all three are the same
     [B, S, 3, H, hd] array and the BlockSpecs pick slot 0, 1 or 2, so nothing is sliced out in HBM.
@@ -367,26 +374,35 @@ def _attention_pallas_call(q_src, k_src, v_src, kv_lengths, key_mask, *, fused: 
         _flash_attention_kernel, causal=causal, sm_scale=sm_scale, block_q=block_q, block_k=block_k,
         num_q_blocks=num_q_blocks, static_key_limit=static_key_limit,
         dot_dtype=jnp.bfloat16 if dtype == jnp.bfloat16 else jnp.float16)
+    out_spec = pl.BlockSpec((None, block_q, None, padded_hd), lambda i, b, h: (b, q_block_index(i), h, 0))
+    out_shape = jax.ShapeDtypeStruct((batch, padded_len, num_heads, padded_hd), dtype)
+    if return_lse:
+        out_spec = (out_spec, pl.BlockSpec((None, None, block_q), lambda i, b, h: (b, h, q_block_index(i))))
+        out_shape = (out_shape, jax.ShapeDtypeStruct((batch, num_heads, padded_len), jnp.float32))
     out = pl.pallas_call(
         kernel,
         grid=(num_q_blocks, batch, num_heads),
         in_specs=in_specs,
-        out_specs=pl.BlockSpec((None, block_q, None, padded_hd), lambda i, b, h: (b, q_block_index(i), h, 0)),
-        out_shape=jax.ShapeDtypeStruct((batch, padded_len, num_heads, padded_hd), dtype),
+        out_specs=out_spec,
+        out_shape=out_shape,
         compiler_params=pltriton.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages),
         interpret=interpret,
         name="ttj_flash_attention",
     )(q_src, k_src, v_src, kv_lengths, key_mask)
+    out, lse = out if return_lse else (out, None)
     if seq_pad or head_dim_pad:
         out = out[:, :seq_len, :, :head_dim]
+    if return_lse:
+        return out, lse[:, :, :seq_len]
     return out
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "sm_scale", "block_sizes", "interpret", "implementation"))
+@functools.partial(jax.jit, static_argnames=("causal", "sm_scale", "block_sizes", "interpret", "implementation",
+                                             "return_lse"))
 def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool,
                     kv_lengths: jax.Array | None = None, key_mask: jax.Array | None = None,
                     sm_scale: float | None = None, block_sizes: BlockSizes | None = None,
-                    interpret: bool = False, implementation: str = "auto") -> jax.Array:
+                    interpret: bool = False, implementation: str = "auto", return_lse: bool = False):
     """Softmax attention `softmax(q k^T * sm_scale) v` per (batch, head), fused in one kernel.
 
     Args:
@@ -402,20 +418,30 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool,
       interpret: run the kernel in Pallas interpret mode (CPU).
       implementation: "auto" (the Hopper kernel where the module docstring's rule sends a call, else
         the generic one), "generic", or "mosaic" (raises where the Hopper kernel does not apply).
+      return_lse: also return each row's log-sum-exp, log(sum_j exp(sm_scale q.k_j)) over its allowed
+        keys, [B, H, S] fp32 (-inf for a query with no allowed key): what merging attention over
+        several key sets needs (ring_attention.py). The generic kernel only.
 
     Returns:
-      [B, S, H, head_dim] in q's dtype. A query with no allowed key gets zeros. See the module
+      [B, S, H, head_dim] in q's dtype (and the log-sum-exp with return_lse). A query with no allowed
+      key gets zeros. See the module
       docstring for the dtype of each stage. Copies: none when S is a multiple of the larger block and
       head_dim a power of two >= 16; otherwise one padded copy of q, k and v, and one of the output.
     """
     _check_statics(causal, sm_scale, block_sizes)
     _check_qkv(q, k, v)
     _check_masks(kv_lengths, key_mask, q.shape[0], q.shape[1])
-    if use_mosaic_kernel(q.dtype, q.shape[1], q.shape[-1], masked=kv_lengths is not None or key_mask is not None,
-                         block_sizes=block_sizes, interpret=interpret, implementation=implementation):
+    if not isinstance(return_lse, bool):
+        raise ValueError(f"return_lse={return_lse!r} must be a bool")
+    if return_lse and implementation == "mosaic":
+        raise ValueError("return_lse needs the generic kernel; the Hopper one does not return the log-sum-exp")
+    if not return_lse and use_mosaic_kernel(
+            q.dtype, q.shape[1], q.shape[-1], masked=kv_lengths is not None or key_mask is not None,
+            block_sizes=block_sizes, interpret=interpret, implementation=implementation):
         return _mosaic_attention(q, k, v, causal=causal, sm_scale=sm_scale)
     return _attention_pallas_call(q, k, v, kv_lengths, key_mask, fused=False, causal=causal,
-                                  sm_scale=sm_scale, block_sizes=block_sizes, interpret=interpret)
+                                  sm_scale=sm_scale, block_sizes=block_sizes, interpret=interpret,
+                                  return_lse=return_lse)
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "sm_scale", "block_sizes", "interpret", "implementation"))
