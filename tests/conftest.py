@@ -1,7 +1,10 @@
 """Shared helpers: the PyTorch reference (bench/baseline.py, written from SPEC section 1), input and
 mask builders, and a report of the worst |err|/tolerance seen per test under the harness rule."""
 
+import json
 import os
+import subprocess
+import sys
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
@@ -85,3 +88,21 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.write_line(f"{len(_HARNESS_REPORT)} checks; the five closest to failing:")
     for name, failed, ratio in worst[:5]:
         terminalreporter.write_line(f"  {ratio:6.3f}  failed={failed}  {name}")
+
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_on_host_devices(args: list[str], devices: int, timeout: int = 300) -> subprocess.CompletedProcess:
+    """`python *args` from the repository root with jax on `devices` CPU devices (XLA's host platform
+    split in that many; the count is fixed when jax starts, hence a subprocess). Asserts it succeeded."""
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+    done = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout,
+                          cwd=REPO_ROOT)
+    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-3000:])
+    return done
+
+
+def last_json_line(done: subprocess.CompletedProcess):
+    """The JSON object a script printed last."""
+    return json.loads(done.stdout.strip().splitlines()[-1])

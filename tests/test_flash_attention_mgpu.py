@@ -429,12 +429,8 @@ print(json.dumps({"same": plain == inside}))
 def test_kernel_inside_a_batch_split_is_the_single_device_kernel():
     # Regression: the grid's axis names once included "batch", which inside parallel.py's shard_map
     # (mesh axis "batch") changed the lowered kernel; on two H200s the split output was wrong.
-    import json, os, subprocess, sys
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
-    done = subprocess.run([sys.executable, "-c", SHARD_SCRIPT], env=env, capture_output=True, text=True,
-                          timeout=300, cwd=os.path.dirname(os.path.dirname(__file__)))
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert json.loads(done.stdout.strip().splitlines()[-1]) == {"same": True}
+    from conftest import last_json_line, run_on_host_devices
+    assert last_json_line(run_on_host_devices(["-c", SHARD_SCRIPT], 2)) == {"same": True}
 
 
 # --- 6. Mosaic GPU interpret mode, and the pinned GPU kernel ----------------------------------------------

@@ -358,15 +358,8 @@ print(json.dumps({"same": plain == inside}))
 def test_kernel_inside_a_batch_split_is_the_single_device_kernel():
     # The flash_attention_mgpu lesson: grid axis names share a namespace with mesh axes (parallel.py's
     # is "batch"); inside a batch split the lowered kernel must be the single-device one.
-    import json
-    import os
-    import subprocess
-    import sys
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
-    done = subprocess.run([sys.executable, "-c", SHARD_SCRIPT], env=env, capture_output=True, text=True,
-                          timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert json.loads(done.stdout.strip().splitlines()[-1]) == {"same": True}
+    from conftest import last_json_line, run_on_host_devices
+    assert last_json_line(run_on_host_devices(["-c", SHARD_SCRIPT], 2)) == {"same": True}
 
 
 # --- 5. The kernel itself, in Mosaic GPU's interpret mode ---------------------------------------------

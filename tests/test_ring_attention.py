@@ -3,14 +3,12 @@ host platform split, in a subprocess, since the device count is fixed when jax s
 one-device forward and the fp32 reference. The same code runs over GPUs; it has not been run on one."""
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
 import pytest
 
+from conftest import last_json_line, run_on_host_devices
 from ttj_jax.ring_attention import zigzag_order
 
 SCRIPT = textwrap.dedent("""
@@ -62,11 +60,7 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_sequence_parallel_matches_one_device():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
-    done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600,
-                          cwd=os.path.dirname(os.path.dirname(__file__)))
-    assert done.returncode == 0, done.stderr[-3000:]
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+    out = last_json_line(run_on_host_devices(["-c", SCRIPT], 4, timeout=600))
     cases = [k for k in out if k.count("/") == 2]
     assert len(cases) == 8
     for name in cases:
@@ -102,12 +96,8 @@ def test_zigzag_order_balances_causal_work():
 
 def test_ring_check_tool_on_two_cpu_devices(tmp_path):
     """bench/ring_check.py (the GPU check of the ring) end to end on two CPU devices, tiny config."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
-    done = subprocess.run([sys.executable, "bench/ring_check.py", "--config", "2,64,32,2,48,2", "--query-chunk", "8",
-                           "--key-chunk", "8", "--calls", "1", "--out", str(tmp_path), "--tag", "r"],
-                          env=env, capture_output=True, text=True, timeout=600,
-                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_on_host_devices(["bench/ring_check.py", "--config", "2,64,32,2,48,2", "--query-chunk", "8", "--key-chunk",
+                         "8", "--calls", "1", "--out", str(tmp_path), "--tag", "r"], 2, timeout=600)
     result = json.loads((tmp_path / "r.json").read_text())
     assert result["devices"] == 2 and result["failed_vs_one_device"] == 0 and set(result["rings"]) == {"xla", "pallas"}
     for ring in result["rings"].values():

@@ -155,17 +155,12 @@ def test_scale_streamed_from_host_memory(tmp_path):
 def test_scale_multi_device_section_on_two_host_devices(tmp_path):
     # The two-GPU section (split against one device, every chunk count) run on two CPU devices: the
     # JSON keys the issue asks for, identical-within-the-rule outputs for each chunk count.
-    import os
-    import subprocess
-    import sys
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    from conftest import run_on_host_devices
     argv = ["--config", "4,64,32,2,48,1", "--multi-second", "6,32,32,2,48,1", "--split-chunks", "1,2,3,1-2",
             "--split-chunks-first", "1,2,3", "--split-home-rows", "0,2",
             "--prefix-k", "16", "--full-ref", "1", "--timing-calls", "1", "--device", "cpu",
             "--out", str(tmp_path), "--tag", "m"]
-    done = subprocess.run([sys.executable, "-m", "bench.scale", *argv], env=env, capture_output=True, text=True,
-                          timeout=600, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_on_host_devices(["-m", "bench.scale", *argv], 2, timeout=600)
     multi = json.loads((tmp_path / "m.json").read_text())["multi_gpu"]
     assert multi["devices"] == 2 and multi["harness_failed_vs_one_gpu"] == 0
     # shape14 here: 4 sequences split as 1 or 2 chunks (not 3), or 2 home rows and 1 chunk of the other 2;

@@ -20,12 +20,17 @@ from ttj_jax.compat import shard_map
 BATCH_AXIS = "batch"
 
 
-@functools.lru_cache(maxsize=None)
 def batch_mesh(device_count: int, platform: str) -> Mesh:
+    return device_mesh(device_count, platform, BATCH_AXIS)
+
+
+@functools.lru_cache(maxsize=None)
+def device_mesh(device_count: int, platform: str, axis_name: str) -> Mesh:
+    """A 1-D mesh over the first `device_count` devices of `platform` (the batch split's, or the ring's)."""
     devices = jax.devices(platform)
     if len(devices) < device_count:
         raise ValueError(f"the plan asks for {device_count} {platform} devices; {len(devices)} are visible")
-    return Mesh(np.array(devices[:device_count]), (BATCH_AXIS,))
+    return Mesh(np.array(devices[:device_count]), (axis_name,))
 
 
 def data_parallel(body, mesh: Mesh):

@@ -39,11 +39,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 from ttj_jax.compat import shard_map
 from ttj_jax.config import Config
 from ttj_jax.numerics import get_policy
+from ttj_jax.parallel import device_mesh
 from ttj_jax.params import PreparedWeights, prepare_weights
 
 SEQ_AXIS = "seq"
@@ -59,14 +60,6 @@ def zigzag_order(seq_len: int, devices: int) -> np.ndarray:
                          "zigzag layout")
     chunks = np.arange(seq_len).reshape(2 * devices, seq_len // (2 * devices))
     return np.concatenate([np.concatenate([chunks[i], chunks[2 * devices - 1 - i]]) for i in range(devices)])
-
-
-@functools.lru_cache(maxsize=None)
-def sequence_mesh(devices: int, platform: str) -> Mesh:
-    available = jax.devices(platform)
-    if len(available) < devices:
-        raise ValueError(f"sequence parallelism over {devices} {platform} devices; {len(available)} are visible")
-    return Mesh(np.array(available[:devices]), (SEQ_AXIS,))
 
 
 def _chunk(size: int, wanted: int) -> int:
@@ -233,7 +226,7 @@ def _compiled(config: Config, devices: int, policy_name: str, query_chunk: int, 
     from ttj_jax.model import _layer   # the one-device layer, with its attention replaced
     from ttj_jax.numerics import layer_norm
     from ttj_jax.planner import Plan
-    mesh = sequence_mesh(devices, platform)
+    mesh = device_mesh(devices, platform, SEQ_AXIS)
     policy = get_policy(policy_name)
     plan = Plan(policy=policy_name, attention="xla", mask_mode="keys" if has_mask else "none")
     along_sequence = P(None, SEQ_AXIS)
