@@ -91,12 +91,10 @@ GRID_VARIANTS = [dict(lowering_semantics="lane"),
                  dict(lowering_semantics="lane", block_sizes=Blocks(128, 3, 3)),
                  dict(lowering_semantics="lane", block_sizes=Blocks(128, 5, 3))]
 # --poly: the softmax variants, checked, then timed at the main case next to the default, the lane lowering
-# and cuDNN. poly_exp_keys: part of each KV block's exp2 on the FMA units instead of the MUFU (FA4's trick;
-# at head_dim 64 a block's 8192 ex2 per consumer take, at the MUFU's 16 per clock and SM, as many clocks as
-# its two GEMMs at the tensor cores' peak): 23% slower (attention-mgpu-2026-11-30-nvidia-h200-poly.json,
-# run before the row_sum_mma entries were added), the softmax is issue-bound. row_sum_mma: the row sums
-# by a wgmma against ones, one FADD per score fewer.
-# (poly_exp_keys=64 measured 375 against 485 TFLOP/s on 2026-11-30, attention-mgpu-*-poly.json: dropped here.)
+# and cuDNN. row_sum_mma: the row sums by a wgmma against ones, one FADD per score fewer (measured 300
+# against 497 TFLOP/s: attention-mgpu-2026-11-30-nvidia-h200-rowsum.json). poly_exp_keys, part of each KV
+# block's exp2 on the FMA units instead of the MUFU (FA4's trick), was here until it measured 375 against
+# 485 TFLOP/s, the softmax being issue-bound (attention-mgpu-2026-11-30-nvidia-h200-poly.json).
 POLY_VARIANTS = [dict(lowering_semantics="lane"),
                  dict(lowering_semantics="lane", block_sizes=Blocks(128, 4, 3, row_sum_mma=True)),
                  dict(block_sizes=Blocks(128, 4, 3, row_sum_mma=True))]
@@ -419,7 +417,7 @@ def main(argv=None) -> int:
     parser.add_argument("--step-timeout-s", type=float, default=90.0, help="watchdog limit per step")
     parser.add_argument("--sweep", action="store_true", help="only the tiling sweep and the threshold cases")
     parser.add_argument("--grid", action="store_true", help="only the grid orders and the lane lowering, at shape 14's attention call and the main case")
-    parser.add_argument("--poly", action="store_true", help="only the softmax variants (poly_exp_keys, row_sum_mma), at the main case")
+    parser.add_argument("--poly", action="store_true", help="only the softmax variants (row_sum_mma), at the main case")
     args = parser.parse_args(argv)
     return gpu_check_and_time(args.out, quick=args.quick, check_only=args.check, budget_s=args.budget_s,
                               step_timeout_s=args.step_timeout_s, sweep_only=args.sweep, grid_only=args.grid,

@@ -50,6 +50,7 @@ import jax  # noqa: E402
 import ttj_jax as T  # noqa: E402
 from bench.baseline import TransformerConfig, harness_models, make_inputs  # noqa: E402
 from bench.cli import _time_jax_loop, _ttj_jax_contender  # noqa: E402
+from bench.report import slug  # noqa: E402
 from bench.timing import interleaved_host_overhead_us, time_contenders  # noqa: E402
 from bridge import runtime  # noqa: E402
 from ttj_jax.model import validate_inputs  # noqa: E402
@@ -110,10 +111,7 @@ def profile_shape(sid: str, calls: int, device: torch.device) -> dict:
         state = runtime._STATES[ours]
         call = next(iter(state.calls.values()))
         transfer = call.transfer
-        kernel_stack = call.plan.stack in ("fused", "fused_mgpu", "rows")
-        weights_of = (lambda: state.kernel_jax_weights(call.plan.stack)) if kernel_stack else (
-            lambda: state.weights(call.plan.policy))
-        weights = weights_of()
+        weights = state.call_weights(call)
         transfer.order_before_jax()
         jx = transfer.to_jax(x)
         kept = call.run(weights, jx, None)
@@ -201,7 +199,7 @@ def main(argv=None):
         print(f"shape {sid} ...", flush=True)
         result["shapes"][sid] = profile_shape(sid, args.calls, device)
     os.makedirs(args.out, exist_ok=True)
-    gpu = result["gpu"].lower().replace("nvidia ", "nvidia-").replace(" ", "-")
+    gpu = slug(result["gpu"])
     path = os.path.join(args.out, f"host-overhead-{result['date']}-{gpu}{'-' + args.tag if args.tag else ''}.json")
     with open(path, "w") as f:
         json.dump(result, f, indent=1)

@@ -325,13 +325,8 @@ def multi_device(ours, x, mask, args, device, progress) -> dict | None:
         # Both device counts are timed explicitly: with several devices visible the planner's default call
         # (the one time_bridge timed) is already split over them, so it is no one-device figure.
         variants = {"one": lambda m=model, a=xs, b=ms: bridge.forward(m, a, b, data_parallel=1)}
-        for spec in specs.split(","):
-            chunks = parse_chunks(spec)
-            for home in home_rows:
-                if home < xs.shape[0] and _splits(xs.shape[0] - home, n, chunks):
-                    variants[f"chunks{spec}" + (f"_home{home}" if home else "")] = (
-                        lambda m=model, a=xs, b=ms, c=chunks, h=home: bridge.forward(
-                            m, a, b, data_parallel=n, split_chunks=c, split_home_rows=h))
+        for (spec, home), fn in split_variants(model, xs, ms, n, specs.split(","), home_rows).items():
+            variants[f"chunks{spec}" + (f"_home{home}" if home else "")] = fn
         with torch.inference_mode():
             if name == "shape14":
                 result[f"{name}_timing_protocol"] = "one call at a time, synced (timed_calls)"
@@ -373,9 +368,18 @@ def multi_device(ours, x, mask, args, device, progress) -> dict | None:
     return result
 
 
-def parse_chunks(spec: str) -> int | tuple[int, ...]:
-    """One --split-chunks entry: "4" (four equal chunks) or "1-4-4-1" (chunk weights)."""
-    return tuple(int(w) for w in spec.split("-")) if "-" in spec else int(spec)
+def split_variants(model, x, mask, devices: int, chunk_specs: list[str], home_rows: list[int]) -> dict:
+    """{(chunk spec, home rows): a call of bridge.forward split over `devices`} for each combination that
+    x's batch takes (the others are left out). A chunk spec is one --split-chunks entry: "4" (four equal
+    chunks) or "1-4-4-1" (chunk weights); home rows: bridge.forward's split_home_rows."""
+    variants = {}
+    for spec in chunk_specs:
+        chunks = tuple(int(w) for w in spec.split("-")) if "-" in spec else int(spec)
+        for home in home_rows:
+            if home < x.shape[0] and _splits(x.shape[0] - home, devices, chunks):
+                variants[(spec, home)] = (lambda c=chunks, h=home: bridge.forward(
+                    model, x, mask, data_parallel=devices, split_chunks=c, split_home_rows=h))
+    return variants
 
 
 def _splits(rows: int, devices: int, chunks) -> bool:

@@ -10,8 +10,9 @@ all variants and the one-GPU call in one bench.timing.time_contenders run (alter
 calls; the median), its output checked against the one-GPU call's with the harness rule, then one more
 call under torch.profiler with CUDA activities. Chunk entries as in bench.scale's --split-chunks ("4", or
 weights "1-4-4-1"). --host-profile: cProfile over 20 back-to-back calls of each split variant, the top
-functions by own time printed and kept (where a split's host time goes). CUPTI sees the whole process, so jax's kernels and copies are in the trace with torch's. From
-it, per GPU: the span of its work, the time its kernels run (union of their intervals), the time copies
+functions by own time printed and kept (where a split's host time goes). CUPTI sees the whole process,
+so jax's kernels and copies are in the trace with torch's.
+From it, per GPU: the span of its work, the time its kernels run (union of their intervals), the time copies
 run, and how much of the copy time overlaps kernels on that GPU; plus the whole call's span. If the copies
 overlap compute, the split costs about max(compute per GPU) + one chunk's copies; if not, compute plus all
 copies. Writes <out>/split-timeline-<date>-<gpu>.json (summaries; the raw traces are not kept) and prints
@@ -43,7 +44,7 @@ def run(shape_id: str, chunk_specs: list[str], home_rows: list[int], rounds: int
     import jax
     import ttj_jax as T
     from bench.baseline import TransformerConfig, check_close, harness_models, make_inputs
-    from bench.scale import _splits, parse_chunks
+    from bench.scale import split_variants
     from bench.timing import time_contenders
 
     n = len(jax.devices())
@@ -55,12 +56,8 @@ def run(shape_id: str, chunk_specs: list[str], home_rows: list[int], rounds: int
     result = {"shape": T.OFFICIAL[shape_id].describe(), "devices": n, "chunks": {}}
 
     calls = {"one": lambda: bridge.forward(model, x, mask, data_parallel=1)}
-    for spec in chunk_specs:
-        chunks = parse_chunks(spec)
-        for home in home_rows:
-            if home < x.shape[0] and _splits(x.shape[0] - home, n, chunks):
-                calls[f"{spec}/{home}"] = (lambda c=chunks, h=home: bridge.forward(
-                    model, x, mask, data_parallel=n, split_chunks=c, split_home_rows=h))
+    for (spec, home), fn in split_variants(model, x, mask, n, chunk_specs, home_rows).items():
+        calls[f"{spec}/{home}"] = fn
     with torch.inference_mode():
         one = calls["one"]()
         # the harness's protocol (CUDA events per call), fewer calls: these take milliseconds

@@ -303,7 +303,7 @@ class _ModuleState:
         elif plan.stack == "fused_mgpu":
             call.direct, call.direct_note = self._mosaic_kernel(call, x.shape, x.device)
         if call.direct is not None and x.device.type == "cuda":
-            call.direct_device = x.device.index if x.device.index is not None else torch.cuda.current_device()
+            call.direct_device = x.device.index   # a CUDA tensor's device always carries its index
         return call
 
     def _mosaic_kernel(self, call: _Call, shape, device: torch.device):
@@ -617,12 +617,13 @@ def _run_split(call: _Call, weights, x: torch.Tensor, mask: torch.Tensor | None,
     home_transfer = _transfer(home)
     home_transfer.order_before_jax()   # jax on x's GPU reads x's slices in place: after x's producers
     targets = [torch.device("cuda", d.local_hardware_id) for d in devices]
+    others = [target for target in targets if target != home]
     copy_out_of_x = _side_stream(home)
     copy_out_of_x.wait_stream(torch.cuda.current_stream(home))
     moved, ready = [], []   # per chunk, per device: the slices there, and the event after their copy
     # Each stream context is entered once per call, not per chunk: entering one costs tens of us of host
     # time (bench/results/split-host-2026-11-30-h200x2.json), and a split call is host-heavy.
-    with _side_streams([home] + [t for t in targets if t != home]):   # torch syncs both devices' streams
+    with _side_streams([home] + others):   # torch syncs both devices' streams
         for c in range(chunks):
             moved.append([]), ready.append([])
             for k, target in enumerate(targets):
@@ -644,7 +645,7 @@ def _run_split(call: _Call, weights, x: torch.Tensor, mask: torch.Tensor | None,
             parts.append([transfer.to_jax(p) for p in moved[c][k]])
         results.append(run_chunk(c, parts))
     home_y = None if home_part is None else run_home_part(home_transfer)   # queued after the chunks
-    with _side_streams([t for t in targets if t != home]):   # x's GPU keeps the caller's stream current
+    with _side_streams(others):   # x's GPU keeps the caller's stream current
         for c, y in enumerate(results):
             for shard in sorted(y.addressable_shards, key=lambda s: devices.index(s.device)):
                 k = devices.index(shard.device)
@@ -657,11 +658,10 @@ def _run_split(call: _Call, weights, x: torch.Tensor, mask: torch.Tensor | None,
     # Meant: jax reuses its output buffers (freed below) only after torch has copied out of them (the
     # assumption stated in the docstring).
     home_transfer.order_before_jax()
-    for target in targets:
-        if target != home:
-            done = torch.cuda.Event()
-            done.record(_side_stream(target))
-            _transfer(target).jax_stream.wait_event(done)
+    for target in others:
+        done = torch.cuda.Event()
+        done.record(_side_stream(target))
+        _transfer(target).jax_stream.wait_event(done)
     # The moved slices (allocated on the side streams) are freed only now: every later use of those
     # streams' memory is queued after the copies above, which wait for the programs that read them.
     del moved, results, home_y

@@ -103,13 +103,14 @@ def key_mask_for(mask, *, mode: str, causal: bool):
     return None
 
 
-def _stack(weights: PreparedWeights, x, mask, *, config: Config, plan: Plan):
+def _stack(weights: PreparedWeights, x, mask, *, config: Config, plan: Plan, attention=None):
+    """The layer stack on x (B, S, d); attention: see _layer."""
     policy = get_policy(plan.policy)
     row_valid = mask[:, :, None] if plan.mask_mode != "none" else None
     key_valid = key_mask_for(mask, mode=plan.mask_mode, causal=config.causal)
     h = x.astype(policy.residual_dtype)
     for w in weights.layers:
-        h = _layer(w, h, row_valid, key_valid, config=config, plan=plan, policy=policy)
+        h = _layer(w, h, row_valid, key_valid, config=config, plan=plan, policy=policy, attention=attention)
     y = layer_norm(h, weights.final_norm["weight"], weights.final_norm["bias"])
     if row_valid is not None:
         y = jnp.where(row_valid, y, 0.0)

@@ -128,13 +128,7 @@ def ring_attention(qkv: jax.Array, key_valid: jax.Array | None, positions: jax.A
 
     state = (jnp.full((nq, B, H, qc), -jnp.inf, jnp.float32), jnp.zeros((nq, B, H, qc), jnp.float32),
              jnp.zeros((nq, B, qc, H, hd), jnp.float32))
-    ring = [(j, (j + 1) % devices) for j in range(devices)]
-    for step in range(devices):
-        # the next block is sent on before this one is used, so the transfer can run under the compute
-        following = lax.ppermute(block, axis_name, ring) if step + 1 < devices else None
-        state = visit(state, block)
-        block = following
-    _, l, acc = state
+    _, l, acc = _around_the_ring(visit, state, block, devices=devices, axis_name=axis_name)
     context = jnp.where(l.transpose(0, 1, 3, 2)[..., None] > 0,
                         acc / jnp.maximum(l, 1e-30).transpose(0, 1, 3, 2)[..., None], 0.0)
     return context.transpose(1, 0, 2, 3, 4).reshape(B, L, H, hd)
@@ -182,19 +176,32 @@ def _ring_flash(qkv, key_valid, positions, *, causal: bool, policy, devices: int
         weight = lambda x: jnp.exp(x - safe).transpose(0, 2, 1)[..., None]   # (B, c, H, 1)  # noqa: E731
         return out_a * weight(lse_a) + out_b * weight(lse_b), lse
 
-    state = [(jnp.zeros((B, c, H, hd), jnp.float32), jnp.full((B, H, c), -jnp.inf, jnp.float32)) for _ in range(2)]
-    ring = [(j, (j + 1) % devices) for j in range(devices)]
-    for step in range(devices):
-        following = lax.ppermute(block, axis_name, ring) if step + 1 < devices else None
+    def visit(state, block):
         kv, k_pos, k_ok = block
+        state = list(state)
         for half in range(2):                                  # the visiting block's two zigzag chunks
             rows = slice(half * c, (half + 1) * c)
             k_id = k_pos[half * c] // c
             for which in range(2):                             # this device's two query chunks
                 state[which] = merge(state[which], pair(queries[which], query_ids[which], kv[:, rows, 0],
                                                         kv[:, rows, 1], k_id, k_ok[:, rows]))
-        block = following
+        return tuple(state)
+
+    empty = (jnp.zeros((B, c, H, hd), jnp.float32), jnp.full((B, H, c), -jnp.inf, jnp.float32))
+    state = _around_the_ring(visit, (empty, empty), block, devices=devices, axis_name=axis_name)
     return jnp.concatenate([state[0][0], state[1][0]], axis=1)
+
+
+def _around_the_ring(visit, state, block, *, devices: int, axis_name: str):
+    """state = visit(state, block) for this device's block and then each other device's, in ring order:
+    the block travels one hop per step (lax.ppermute), sent on before this step's visit uses it, so the
+    transfer can run under the compute."""
+    ring = [(j, (j + 1) % devices) for j in range(devices)]
+    for step in range(devices):
+        following = lax.ppermute(block, axis_name, ring) if step + 1 < devices else None
+        state = visit(state, block)
+        block = following
+    return state
 
 
 def sequence_parallel_forward(weights, x: jax.Array, mask: jax.Array | None = None, *, config: Config,
@@ -223,25 +230,17 @@ def sequence_parallel_forward(weights, x: jax.Array, mask: jax.Array | None = No
 @functools.lru_cache(maxsize=None)
 def _compiled(config: Config, devices: int, policy_name: str, query_chunk: int, key_chunk: int,
               has_mask: bool, platform: str, attention: str = "xla"):
-    from ttj_jax.model import _layer   # the one-device layer, with its attention replaced
-    from ttj_jax.numerics import layer_norm
+    from ttj_jax.model import _stack   # the one-device layer stack, with its attention replaced
     from ttj_jax.planner import Plan
     mesh = device_mesh(devices, platform, SEQ_AXIS)
-    policy = get_policy(policy_name)
+    # "keys": the general masking (key mask and row zeroing), right on any slice of a sequence
     plan = Plan(policy=policy_name, attention="xla", mask_mode="keys" if has_mask else "none")
     along_sequence = P(None, SEQ_AXIS)
 
     def body(weights, x, mask, positions):   # this device's tokens: x (B, L, d), mask (B, L), positions (L,)
         ring = functools.partial(ring_attention, positions=positions, devices=devices, query_chunk=query_chunk,
                                  key_chunk=key_chunk, attention=attention)
-        row_valid = None if mask is None else mask[:, :, None]
-        h = x.astype(policy.residual_dtype)
-        for w in weights.layers:
-            h = _layer(w, h, row_valid, mask, config=config, plan=plan, policy=policy, attention=ring)
-        y = layer_norm(h, weights.final_norm["weight"], weights.final_norm["bias"])
-        if row_valid is not None:
-            y = jnp.where(row_valid, y, 0.0)
-        return y.astype(x.dtype)
+        return _stack(weights, x, mask, config=config, plan=plan, attention=ring)
 
     if has_mask:
         mapped = shard_map(body, mesh=mesh, in_specs=(P(), along_sequence, along_sequence, P(SEQ_AXIS)),
