@@ -38,7 +38,9 @@ from bench.jax_timing import stream_ms_per_call  # noqa: E402
 from bench.report import describe_error, slug  # noqa: E402
 from ttj_jax.kernels import BlockSizes, flash_attention, flash_attention_fused_qkv  # noqa: E402
 from ttj_jax.kernels import flash_attention_reference  # noqa: E402
-from ttj_jax.kernels.flash_attention import resolve_block_sizes  # noqa: E402
+from ttj_jax.kernels.flash_attention import resolve_block_sizes, use_mosaic_kernel  # noqa: E402
+from ttj_jax.kernels.flash_attention_mgpu import LOWERING_SEMANTICS as MGPU_LOWERINGS  # noqa: E402
+from ttj_jax.kernels.flash_attention_mgpu import default_lowering_semantics, flash_attention_mgpu  # noqa: E402
 
 # Timing cases, all causal fp16: (B, H, S, head_dim).
 CASES = [(1, 16, 100_000, 64), (1, 16, 16384, 64), (64, 4, 1024, 32),
@@ -178,17 +180,32 @@ class Contender:
     fn: object                       # (q, k, v) -> out
     block_sizes: BlockSizes | None = None
     skip_reason: str | None = None
+    variant: str = ""                # which build of ttj's kernel: "default (mosaic_gpu)", "generic", ...
 
 
 def _contenders(batch, heads, seq_len, head_dim, *, quick: bool, interpret: bool) -> list[Contender]:
+    """ttj first: `flash_attention` as users call it (no block sizes: the dispatcher picks the Hopper
+    kernel on sm_90 where the module docstring says, else the generic one with its default blocks); on
+    Hopper cases also the Hopper kernel with the other Mosaic GPU lowering; then the generic kernel's
+    block-size variants (how its default table gets chosen); then the other contenders."""
     scale = head_dim ** -0.5
-    variants = [resolve_block_sizes(seq_len, head_dim, None)]  # the default first
+    hopper = use_mosaic_kernel(jnp.float16, seq_len, head_dim, masked=False, block_sizes=None,
+                               interpret=interpret)
+    contenders = [Contender("ttj", _ttj(None, interpret), None if hopper else resolve_block_sizes(
+        seq_len, head_dim, None), variant=f"default ({'mosaic_gpu' if hopper else 'generic'})")]
+    if hopper:
+        default = default_lowering_semantics(head_dim)
+        other = next(semantics for semantics in MGPU_LOWERINGS if semantics != default)
+        contenders.append(Contender("ttj", functools.partial(
+            flash_attention_mgpu, causal=True, lowering_semantics=other), variant=f"mosaic_gpu {other}"))
+    variants = [] if hopper else [resolve_block_sizes(seq_len, head_dim, None)]  # the default: timed above
     for candidate in VARIANTS_BY_HEAD_DIM.get(head_dim, []):
         resolved = resolve_block_sizes(seq_len, head_dim, candidate)  # as the kernel will run it
         if resolved not in variants:
             variants.append(resolved)
     variants = variants[:2] if quick else variants[:4]
-    contenders = [Contender("ttj", _ttj(bs, interpret), bs) for bs in variants]
+    contenders += [Contender("ttj", _ttj(bs, interpret), bs, variant="generic")
+                   for bs in variants if contenders[0].block_sizes != bs]
     # Under --smoke (CPU) the contenders below fail or run on the CPU: that tests the error handling.
 
     contenders.append(Contender("cudnn", lambda q, k, v: jax.nn.dot_product_attention(
@@ -267,11 +284,11 @@ def run_case(batch, heads, seq_len, head_dim, *, quick, check_only, interpret) -
         if check_only and contender.name != "ttj":
             continue
         record = dict(shape, contender=contender.name, tflops=None, ms=None)
+        if contender.variant:
+            record["variant"] = contender.variant
         if contender.block_sizes is not None:
             record["block_sizes"] = dataclasses.asdict(contender.block_sizes)
-        blocks_text = (f" {contender.block_sizes.block_q}x{contender.block_sizes.block_k}"
-                       f" w{contender.block_sizes.num_warps} s{contender.block_sizes.num_stages}"
-                       if contender.block_sizes else "")
+        blocks_text = f" {_variant_text(record)}" if contender.variant else ""
         if contender.skip_reason:
             record["error"] = contender.skip_reason
             results.append(record)
@@ -284,7 +301,9 @@ def run_case(batch, heads, seq_len, head_dim, *, quick, check_only, interpret) -
             if contender.name == "ttj":
                 check = _check_case_output(compiled(q, k, v), q, k, v, f"{label} ttj{blocks_text}",
                                            prefix_len=64 if interpret else CHECK_PREFIX_LEN)
-                check["block_sizes"] = record["block_sizes"]
+                check["variant"] = record["variant"]
+                if "block_sizes" in record:
+                    check["block_sizes"] = record["block_sizes"]
                 checks.append(check)
                 record["check_passed"] = check["passed"]
                 log(f"  {'ok  ' if check['passed'] else 'FAIL'} {check['name']} "
@@ -302,23 +321,28 @@ def run_case(batch, heads, seq_len, head_dim, *, quick, check_only, interpret) -
     return results, checks
 
 
+def _variant_text(record: dict) -> str:
+    """'default (mosaic_gpu)', 'generic 128x64 w4 s3', ...: which build of ttj's kernel a record timed."""
+    blocks = record.get("block_sizes")
+    blocks = f" {blocks['block_q']}x{blocks['block_k']} w{blocks['num_warps']} s{blocks['num_stages']}" if blocks else ""
+    return record.get("variant", "") + blocks
+
+
 def _print_table(results: list[dict]):
     log("")
-    log(f"{'case':28s} {'contender':10s} {'blocks':16s} {'ms':>10s} {'TFLOP/s':>8s} {'vs cudnn':>8s}")
+    log(f"{'case':28s} {'contender':10s} {'variant':34s} {'ms':>10s} {'TFLOP/s':>8s} {'vs cudnn':>8s}")
     cudnn_ms = {(r["B"], r["H"], r["S"], r["head_dim"]): r["ms"] for r in results
                 if r["contender"] == "cudnn" and r["ms"]}
     for r in results:
         key = (r["B"], r["H"], r["S"], r["head_dim"])
         case = f"B={r['B']} H={r['H']} S={r['S']} hd={r['head_dim']}"
-        blocks = r.get("block_sizes")
-        blocks = (f"{blocks['block_q']}x{blocks['block_k']} w{blocks['num_warps']} s{blocks['num_stages']}"
-                  if blocks else "")
+        variant = _variant_text(r)
         if r["ms"] is None:
-            log(f"{case:28s} {r['contender']:10s} {blocks:16s} {(r.get('error') or '')[:60]}")
+            log(f"{case:28s} {r['contender']:10s} {variant:34s} {(r.get('error') or '')[:60]}")
             continue
         ratio = f"{cudnn_ms[key] / r['ms']:.2f}x" if key in cudnn_ms else ""
         flag = "  CHECK FAILED" if r.get("check_passed") is False else ""
-        log(f"{case:28s} {r['contender']:10s} {blocks:16s} {r['ms']:10.3f} {r['tflops']:8.1f} {ratio:>8s}{flag}")
+        log(f"{case:28s} {r['contender']:10s} {variant:34s} {r['ms']:10.3f} {r['tflops']:8.1f} {ratio:>8s}{flag}")
 
 
 def main(argv=None) -> int:

@@ -257,12 +257,23 @@ def consumer_plan(tile_start, wg, seq_len: int, blocks: MgpuBlockSizes, causal: 
 # --- Version-dependent Mosaic GPU API, in one place (jax 0.10.2 on CPUs, 0.11.2 on the H200) ---------
 # `jax.experimental.pallas.mosaic_gpu` imports absl (layout inference logs through it), which the
 # CPU environment may lack, so it is imported on first use, not when this module loads.
-# - Lowering semantics: the default changed from Lane (0.10) to Warpgroup (0.11); pinned here.
+# - Lowering semantics: jax's default changed from Lane (0.10) to Warpgroup (0.11); ours is chosen per
+#   head_dim below (_DEFAULT_LOWERING) and always passed.
 # - Barrier(num_barriers=...) defaulted to 1 in 0.10 and to a scalar () in 0.11; always passed.
 # - SMEM refs are transposed with `ref.transpose(...)` (0.11 deprecates `plgpu.transpose_ref`).
 # - copy_gmem_to_smem's `oob_mode` defaults to zero fill in both; passed explicitly because the
 #   kernel relies on it for sequence lengths that are not block multiples.
-LOWERING_SEMANTICS = "warpgroup"   # or "lane"
+LOWERING_SEMANTICS = ("warpgroup", "lane")
+# The default lowering per head_dim. head_dim 64: "lane", faster than "warpgroup" in all five comparisons on
+# the H200 (main case B=1, H=16, S=100000: 496.5 against 492.2, 493.6 against 486.6, 496.6 against 491.0
+# TFLOP/s; shape 14's call B=32: 488.8 against 486.2, 492.3 against 484.2; attention-mgpu-2026-11-30-nvidia-
+# h200-{grid-session4,grid-session5,rowsum}.json). 128 and 256: "warpgroup", the lowering their timings
+# were taken with (lane not compared there).
+_DEFAULT_LOWERING = {64: "lane", 128: "warpgroup", 256: "warpgroup"}
+
+
+def default_lowering_semantics(head_dim: int) -> str:
+    return _DEFAULT_LOWERING[head_dim]
 
 
 def _plgpu():
@@ -592,7 +603,7 @@ _GRID_Q_TILE, _GRID_HEAD, _GRID_SEQUENCE = "ttj_mgpu_q_tile", "ttj_mgpu_head", "
                                              "grid_order", "interpret"))
 def flash_attention_mgpu(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, interpret: bool | str = False,
                          sm_scale: float | None = None, block_sizes: MgpuBlockSizes | None = None,
-                         lowering_semantics: str = LOWERING_SEMANTICS, grid_order: str = "tiles_inner") -> jax.Array:
+                         lowering_semantics: str | None = None, grid_order: str = "tiles_inner") -> jax.Array:
     """Softmax attention `softmax(q k^T * sm_scale) v` per (batch, head) on Hopper, in one kernel.
 
     Args:
@@ -600,7 +611,8 @@ def flash_attention_mgpu(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bo
       causal: key j is excluded for query i when j > i.
       sm_scale: Python float, default head_dim ** -0.5.
       block_sizes: MgpuBlockSizes, or None for the per-head_dim default.
-      lowering_semantics: "warpgroup" or "lane" (Mosaic GPU's two lowering modes; for benchmarks).
+      lowering_semantics: "warpgroup" or "lane" (Mosaic GPU's two lowering modes), or None for the
+        per-head_dim default (`default_lowering_semantics`).
       grid_order: "tiles_outer" (grid (q tiles, heads, batch): programs launched together share a query
         tile position across heads and sequences) or "tiles_inner" (grid (batch, heads, q tiles):
         programs launched together are tiles of one head of one sequence and read the same K/V, which
@@ -614,8 +626,8 @@ def flash_attention_mgpu(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bo
       q, k, v are padded to one (`padded_seq_len`). No masks: see `ttj_jax.kernels.flash_attention`.
     """
     _check_inputs(q, k, v, causal, sm_scale, block_sizes)
-    if lowering_semantics not in ("warpgroup", "lane"):
-        raise ValueError(f"lowering_semantics={lowering_semantics!r} must be 'warpgroup' or 'lane'")
+    if lowering_semantics is not None and lowering_semantics not in LOWERING_SEMANTICS:
+        raise ValueError(f"lowering_semantics={lowering_semantics!r} must be None, 'warpgroup' or 'lane'")
     if grid_order not in GRID_ORDERS:
         raise ValueError(f"grid_order={grid_order!r} must be one of {GRID_ORDERS}")
     plgpu = _plgpu()
@@ -623,6 +635,8 @@ def flash_attention_mgpu(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bo
     dtype = jnp.dtype(q.dtype)
     sm_scale = head_dim ** -0.5 if sm_scale is None else float(sm_scale)
     blocks = resolve_block_sizes(seq_len, head_dim, dtype.itemsize, block_sizes)
+    if lowering_semantics is None:
+        lowering_semantics = default_lowering_semantics(head_dim)
     num_q_tiles = pl.cdiv(seq_len, blocks.block_q)
     num_wgs, num_stages = blocks.num_compute_wgs, blocks.num_stages
 

@@ -1,0 +1,33 @@
+"""bench/bench_attention.py's contenders: ttj's kernel as users call it comes first and is labelled with the
+implementation the dispatcher picks (the script itself runs on the H200; `--smoke` covers it on a CPU)."""
+
+import pytest
+
+import bench.bench_attention as ba
+from ttj_jax.kernels.flash_attention import resolve_block_sizes
+
+
+def _ttj(contenders):
+    return [c for c in contenders if c.name == "ttj"]
+
+
+def test_hopper_cases_time_the_dispatched_kernel_then_the_other_lowering_then_generic(monkeypatch):
+    monkeypatch.setattr(ba, "use_mosaic_kernel", lambda *args, **kwargs: True)   # as on an sm_90 GPU
+    for head_dim, other in ((64, "warpgroup"), (128, "lane")):
+        ttj = _ttj(ba._contenders(1, 16, 100_000, head_dim, quick=False, interpret=False))
+        assert ttj[0].variant == "default (mosaic_gpu)" and ttj[0].block_sizes is None
+        assert ttj[1].variant == f"mosaic_gpu {other}" and ttj[1].fn.keywords["lowering_semantics"] == other
+        generic = ttj[2:]
+        assert len(generic) == 4 and all(c.variant == "generic" and c.block_sizes is not None for c in generic)
+        assert len({c.block_sizes for c in generic}) == 4
+
+
+@pytest.mark.parametrize("quick", [False, True])
+def test_other_cases_time_the_generic_default_once(quick):
+    ttj = _ttj(ba._contenders(64, 4, 1024, 32, quick=quick, interpret=True))
+    assert ttj[0].variant == "default (generic)"
+    assert ttj[0].block_sizes == resolve_block_sizes(1024, 32, None)
+    assert all(c.variant == "generic" and c.block_sizes != ttj[0].block_sizes for c in ttj[1:])
+    assert len(ttj) == (2 if quick else 4)
+    assert [c.name for c in ba._contenders(64, 4, 1024, 32, quick=quick, interpret=True)[len(ttj):]] == [
+        "cudnn", "xla", "jax_triton", "jax_mosaic"]
