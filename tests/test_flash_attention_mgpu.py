@@ -506,6 +506,30 @@ def test_kernel_in_gpu_interpret_mode(case):
     _interpret_case(*INTERPRET_CASES[case], interpret=True)
 
 
+@pytest.mark.parametrize("batch, seq_len, causal", [(2, 113, False), (1, 200, True)])
+def test_log_sum_exp_in_gpu_interpret_mode(batch, seq_len, causal):
+    # return_lse: each row's log(sum_j exp(sm_scale q.k_j)) from the kernel's base-2 running max and sum
+    # (what the ring merges visits with); the output is the one without it, bit for bit.
+    rng = np.random.default_rng(seq_len)
+    q, k, v = (jnp.asarray(rng.standard_normal((batch, seq_len, 2, 128)).astype(np.float16)) for _ in range(3))
+    out, lse = fm.flash_attention_mgpu(q, k, v, causal=causal, interpret=True, return_lse=True)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(fm.flash_attention_mgpu(q, k, v, causal=causal,
+                                                                                      interpret=True)))
+    scores = jnp.einsum("bqhd,bkhd->bhqk", *(x.astype(jnp.float32) for x in (q, k)), precision="highest") / 128 ** 0.5
+    if causal:
+        scores = jnp.where(jnp.tril(jnp.ones((seq_len, seq_len), bool)), scores, -jnp.inf)
+    expected = np.asarray(jax.nn.logsumexp(scores, axis=-1))
+    assert lse.shape == (batch, 2, seq_len) and lse.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(lse), expected, rtol=0, atol=1e-4)
+
+
+def test_log_sum_exp_is_routed_to_the_hopper_kernel(hopper):
+    # flash_attention(return_lse=True) takes the Hopper kernel where the dispatch rule sends the call
+    shape = (1, fm.MIN_SEQ_LEN, 2, 64)
+    assert _custom_calls(_lowered_calls(lambda q, k, v: fa.flash_attention(q, k, v, causal=True, return_lse=True),
+                                        shape, shape, shape)) == ["mosaic_gpu_v2"]
+
+
 def test_kernel_in_gpu_interpret_mode_has_no_races():
     from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
     _interpret_case(1, 200, 1, 128, True, None, interpret="detect_races")

@@ -43,6 +43,7 @@ from jax.sharding import PartitionSpec as P
 
 from ttj_jax.compat import shard_map
 from ttj_jax.config import Config
+from ttj_jax.masks import MaskKind
 from ttj_jax.numerics import get_policy
 from ttj_jax.parallel import device_mesh
 from ttj_jax.params import PreparedWeights, prepare_weights
@@ -135,7 +136,9 @@ def ring_attention(qkv: jax.Array, key_valid: jax.Array | None, positions: jax.A
 
 
 def _ring_flash(qkv, key_valid, positions, *, causal: bool, policy, devices: int, axis_name: str):
-    """ring_attention with our flash kernel (ttj_jax.kernels.flash_attention, generic, return_lse) on
+    """ring_attention with our flash kernel (ttj_jax.kernels.flash_attention with return_lse: the Hopper
+    kernel where its dispatch rule sends the call, mask-free chunks of >= 4096 tokens on sm_90; else the
+    generic one) on
     each pair of (local query chunk, visiting key chunk): the two zigzag chunks a device holds are each
     contiguous in the sequence, so a pair is wholly visible (key chunk earlier: not causal), the
     diagonal (the same chunk: causal), or wholly masked (later: skipped) under causal attention; which,
@@ -157,7 +160,7 @@ def _ring_flash(qkv, key_valid, positions, *, causal: bool, policy, devices: int
         def attend(is_causal):
             def run(_):
                 out, lse = flash_attention(q, k, v, causal=is_causal, key_mask=mask, interpret=interpret,
-                                           return_lse=True, implementation="generic")
+                                           return_lse=True)
                 return out.astype(jnp.float32), lse
             return run
 
@@ -223,6 +226,9 @@ def sequence_parallel_forward(weights, x: jax.Array, mask: jax.Array | None = No
     if not isinstance(weights, PreparedWeights):
         weights = prepare_weights(weights, get_policy(policy))
     zigzag_order(x.shape[1], devices)   # checks the length before anything compiles
+    from ttj_jax.model import _mask_kind
+    if mask is not None and _mask_kind(mask) == MaskKind.ALL_TRUE:
+        mask = None   # as the one-device forward's plan: no mask work (and the Hopper kernel stays eligible)
     return _compiled(config.with_input(1, 1), devices, policy, query_chunk, key_chunk, mask is not None,
                      jax.default_backend(), attention)(weights, x, mask)
 

@@ -301,9 +301,9 @@ def use_mosaic_kernel(dtype, seq_len: int, head_dim: int, *, masked: bool, block
     return applicable and seq_len >= mgpu.MIN_SEQ_LEN and on_hopper()
 
 
-def _mosaic_attention(q, k, v, *, causal, sm_scale):
+def _mosaic_attention(q, k, v, *, causal, sm_scale, return_lse=False):
     from ttj_jax.kernels.flash_attention_mgpu import flash_attention_mgpu
-    return flash_attention_mgpu(q, k, v, causal=causal, sm_scale=sm_scale)
+    return flash_attention_mgpu(q, k, v, causal=causal, sm_scale=sm_scale, return_lse=return_lse)
 
 
 def _pad_seq_and_head_dim(x: jax.Array, seq_pad: int, head_dim_pad: int) -> jax.Array:
@@ -420,7 +420,8 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool,
         the generic one), "generic", or "mosaic" (raises where the Hopper kernel does not apply).
       return_lse: also return each row's log-sum-exp, log(sum_j exp(sm_scale q.k_j)) over its allowed
         keys, [B, H, S] fp32 (-inf for a query with no allowed key): what merging attention over
-        several key sets needs (ring_attention.py). The generic kernel only.
+        several key sets needs (ring_attention.py). Both kernels (the Hopper one from its running max
+        and sum; every row there has an allowed key).
 
     Returns:
       [B, S, H, head_dim] in q's dtype (and the log-sum-exp with return_lse). A query with no allowed
@@ -433,12 +434,10 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool,
     _check_masks(kv_lengths, key_mask, q.shape[0], q.shape[1])
     if not isinstance(return_lse, bool):
         raise ValueError(f"return_lse={return_lse!r} must be a bool")
-    if return_lse and implementation == "mosaic":
-        raise ValueError("return_lse needs the generic kernel; the Hopper one does not return the log-sum-exp")
-    if not return_lse and use_mosaic_kernel(
+    if use_mosaic_kernel(
             q.dtype, q.shape[1], q.shape[-1], masked=kv_lengths is not None or key_mask is not None,
             block_sizes=block_sizes, interpret=interpret, implementation=implementation):
-        return _mosaic_attention(q, k, v, causal=causal, sm_scale=sm_scale)
+        return _mosaic_attention(q, k, v, causal=causal, sm_scale=sm_scale, return_lse=return_lse)
     return _attention_pallas_call(q, k, v, kv_lengths, key_mask, fused=False, causal=causal,
                                   sm_scale=sm_scale, block_sizes=block_sizes, interpret=interpret,
                                   return_lse=return_lse)

@@ -78,6 +78,7 @@ _SUPPORTED_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 ROWS_PER_CONSUMER = 64          # one wgmma M tile per consumer warpgroup
 ROW_SUM_COLUMNS = 16            # MgpuBlockSizes.row_sum_mma: the width of its ones matrix and accumulator
 _LOG2_E = math.log2(math.e)
+_LN_2 = math.log(2.0)
 # Hopper's opt-in shared memory per block (227 KiB) less room for barriers and 1 KiB swizzle alignment.
 SMEM_BUDGET_BYTES = 227 * 1024 - 2 * 1024
 # Registers per thread after `set_max_registers` (sum over warpgroups * 128 threads <= 65536).
@@ -289,8 +290,10 @@ def _compiler_params(lowering_semantics: str):
 
 
 def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_scale: float,
-                      seq_len: int, num_q_tiles: int, head_dim: int, blocks: MgpuBlockSizes, dtype, interpret=False):
-    # Refs: q, k, v, out [B, S, H, hd] in GMEM. scoped: shared memory and barriers for all warpgroups.
+                      seq_len: int, num_q_tiles: int, head_dim: int, blocks: MgpuBlockSizes, dtype, interpret=False,
+                      lse_ref=None):
+    # Refs: q, k, v, out [B, S, H, hd] in GMEM; lse_ref [B, H, S] fp32 in GMEM or None (return_lse).
+    # scoped: shared memory and barriers for all warpgroups.
     plgpu, pl = (_InterpretPlgpu(scoped), _InterpretPallas()) if interpret else (_plgpu(), _PALLAS)
     (q_smem, k_smem, v_smem, *other_smem), (q_ready, k_ready, v_ready, k_consumed, v_consumed, tokens) = scoped
     num_wgs, block_kv, num_stages = blocks.num_compute_wgs, blocks.block_kv, blocks.num_stages
@@ -377,7 +380,7 @@ def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_
         m = plgpu.layout_cast(jnp.full((rows,), -jnp.inf, jnp.float32), row_layout)
         if blocks.row_sum_mma:
             # every column of P @ ones is P's row sum; the ones live in this warpgroup's SMEM
-            ones = other_smem[-1].at[wg]
+            ones = other_smem[-1 - (lse_ref is not None)].at[wg]
             ones[...] = plgpu.layout_cast(jnp.ones(ones.shape, dtype), plgpu.Layout.WGMMA)
             plgpu.commit_smem()   # visible to the tensor cores before the first wgmma reads them
             l = wgmma_zeros((rows, ROW_SUM_COLUMNS))
@@ -503,8 +506,13 @@ def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_
 
         acc = acc * lax.broadcast_in_dim(1.0 / l, acc.shape, [0])
         q_wg[...] = acc.astype(dtype)   # every wgmma reading Q has completed
+        if lse_ref is not None:   # log(sum_j exp(sm_scale q.k_j)) = (m + log2 l) ln 2: m and l are in base 2
+            lse_wg = other_smem[-1].at[wg]
+            lse_wg[...] = (m + jnp.log2(l)) * _LN_2
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(q_wg, out_ref.at[batch, pl.ds(row_start, rows), head])
+        if lse_ref is not None:
+            plgpu.copy_smem_to_gmem(lse_wg, lse_ref.at[batch, head, pl.ds(row_start, rows)])
         plgpu.wait_smem_to_gmem(0)
 
     _, tile_blocks = kv_block_range(tile_start, blocks.block_q, seq_len, block_kv, causal)
@@ -600,10 +608,11 @@ _GRID_Q_TILE, _GRID_HEAD, _GRID_SEQUENCE = "ttj_mgpu_q_tile", "ttj_mgpu_head", "
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "sm_scale", "block_sizes", "lowering_semantics",
-                                             "grid_order", "interpret"))
+                                             "grid_order", "interpret", "return_lse"))
 def flash_attention_mgpu(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, interpret: bool | str = False,
                          sm_scale: float | None = None, block_sizes: MgpuBlockSizes | None = None,
-                         lowering_semantics: str | None = None, grid_order: str = "tiles_inner") -> jax.Array:
+                         lowering_semantics: str | None = None, grid_order: str = "tiles_inner",
+                         return_lse: bool = False):
     """Softmax attention `softmax(q k^T * sm_scale) v` per (batch, head) on Hopper, in one kernel.
 
     Args:
@@ -620,12 +629,17 @@ def flash_attention_mgpu(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bo
         S=100000, head_dim 64) at 481 TFLOP/s against 405 for tiles_outer and cuDNN's 446
         (bench/results/attention-mgpu-2026-11-30-nvidia-h200-grid.json).
       interpret: True or "detect_races" (with its race detector): Mosaic GPU's interpret mode on a CPU.
+      return_lse: also return each row's log-sum-exp, log(sum_j exp(sm_scale q.k_j)) over its allowed keys,
+        [B, H, S] fp32 (as the generic kernel's return_lse; every row here has an allowed key), from the
+        kernel's running max and sum: one more TMA store per consumer.
 
     Returns:
-      [B, S, H, head_dim] in q's dtype. Read and written in place when S is a multiple of 8; otherwise
+      [B, S, H, head_dim] in q's dtype (and the log-sum-exp with return_lse). Read and written in place when S is a multiple of 8; otherwise
       q, k, v are padded to one (`padded_seq_len`). No masks: see `ttj_jax.kernels.flash_attention`.
     """
     _check_inputs(q, k, v, causal, sm_scale, block_sizes)
+    if not isinstance(return_lse, bool):
+        raise ValueError(f"return_lse={return_lse!r} must be a bool")
     if lowering_semantics is not None and lowering_semantics not in LOWERING_SEMANTICS:
         raise ValueError(f"lowering_semantics={lowering_semantics!r} must be None, 'warpgroup' or 'lane'")
     if grid_order not in GRID_ORDERS:
@@ -649,6 +663,8 @@ def flash_attention_mgpu(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bo
     if blocks.row_sum_mma:   # last: the kernel finds it at scoped[0][-1]
         smem += (plgpu.SMEM((num_wgs, blocks.block_kv, ROW_SUM_COLUMNS), dtype, transforms=(
             plgpu.TilingTransform((8, ROW_SUM_COLUMNS)), plgpu.SwizzleTransform(ROW_SUM_COLUMNS * dtype.itemsize))),)
+    if return_lse:   # after it: the kernel finds each consumer's log-sum-exp rows at scoped[0][-1]
+        smem += (plgpu.SMEM((num_wgs, ROWS_PER_CONSUMER), jnp.float32),)
     barriers = (plgpu.Barrier(num_arrivals=1, num_barriers=num_wgs),             # q_ready
                 plgpu.Barrier(num_arrivals=1, num_barriers=num_stages),          # k_ready
                 plgpu.Barrier(num_arrivals=1, num_barriers=num_stages),          # v_ready
@@ -658,18 +674,22 @@ def flash_attention_mgpu(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bo
     kernel = functools.partial(_kernel_body(interpret), causal=causal, sm_scale=sm_scale, seq_len=seq_len,
                                num_q_tiles=num_q_tiles, head_dim=head_dim, blocks=blocks, dtype=dtype)
 
-    def entry(q_ref, k_ref, v_ref, out_ref):
-        pl.run_scoped(lambda *scoped: kernel(q_ref, k_ref, v_ref, out_ref, scoped), smem, barriers,
-                      collective_axes="wg")
+    def entry(q_ref, k_ref, v_ref, out_ref, *lse_ref):
+        pl.run_scoped(lambda *scoped: kernel(q_ref, k_ref, v_ref, out_ref, scoped,
+                                             lse_ref=lse_ref[0] if lse_ref else None),
+                      smem, barriers, collective_axes="wg")
 
     # Row-major grid: the last axis varies fastest, so all heads and batch elements of the heaviest
     # query tile launch first.
     array_len = num_q_tiles * blocks.block_q if interpret else padded_seq_len(seq_len)   # see _interpret_params
     if array_len != seq_len:   # the padded keys are masked in the kernel (seq_len is the true S)
         q, k, v = (jnp.pad(x, ((0, 0), (0, array_len - seq_len), (0, 0), (0, 0))) for x in (q, k, v))
+    out_type = jax.ShapeDtypeStruct(q.shape, dtype)
+    if return_lse:
+        out_type = (out_type, jax.ShapeDtypeStruct((batch, num_heads, q.shape[1]), jnp.float32))
     out = plgpu.kernel(
         entry,
-        out_type=jax.ShapeDtypeStruct(q.shape, dtype),
+        out_type=out_type,
         grid=(num_q_tiles, num_heads, batch) if grid_order == "tiles_outer" else (batch, num_heads, num_q_tiles),
         grid_names=((_GRID_Q_TILE, _GRID_HEAD, _GRID_SEQUENCE) if grid_order == "tiles_outer"
                     else (_GRID_SEQUENCE, _GRID_HEAD, _GRID_Q_TILE)),
@@ -677,7 +697,10 @@ def flash_attention_mgpu(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bo
         thread_name="wg",
         compiler_params=_compiler_params(lowering_semantics), interpret=_interpret_params(interpret),
     )(q, k, v)
-    return out[:, :seq_len] if array_len != seq_len else out
+    out, lse = out if return_lse else (out, None)
+    if array_len != seq_len:
+        out, lse = out[:, :seq_len], None if lse is None else lse[:, :, :seq_len]
+    return (out, lse) if return_lse else out
 
 
 # --- Mosaic GPU interpret mode (`interpret=True` / "detect_races") ---------------------------------------

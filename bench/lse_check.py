@@ -1,0 +1,72 @@
+"""flash_attention(..., return_lse=True) on the GPU: each row's log-sum-exp against jax's logsumexp of the
+fp32 scores (the last 256 rows of each case, which see the most keys), and the output against the call
+without return_lse (bit for bit). On sm_90 these cases run the Hopper kernel (ring_attention merges its
+visits with that log-sum-exp).
+
+    PYTHONPATH=. python3 bench/lse_check.py [--out bench/results]
+
+Writes <out>/lse-check-<date>-<gpu>.json; exit 1 if a check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import pathlib
+import sys
+
+_REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
+if str(_REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(_REPO_ROOT))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from bench.report import slug  # noqa: E402
+from ttj_jax.kernels import flash_attention  # noqa: E402
+from ttj_jax.kernels.flash_attention import use_mosaic_kernel  # noqa: E402
+
+CASES = ((4096, 64, True), (5000, 128, False), (8192, 256, True), (100_000, 64, True))   # (S, head_dim, causal)
+ROWS = 256
+TOLERANCE = 1e-3
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=str(_REPO_ROOT / "bench" / "results"))
+    args = parser.parse_args(argv)
+    checks = []
+    for seq_len, head_dim, causal in CASES:
+        keys = jax.random.split(jax.random.key(seq_len + head_dim), 3)
+        q, k, v = (jax.random.normal(key, (1, seq_len, 2, head_dim), jnp.float32).astype(jnp.float16) for key in keys)
+        out, lse = flash_attention(q, k, v, causal=causal, return_lse=True)
+        plain = flash_attention(q, k, v, causal=causal)
+        first = max(seq_len - ROWS, 0)
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q[:, first:].astype(jnp.float32), k.astype(jnp.float32),
+                            precision="highest") * head_dim ** -0.5
+        if causal:
+            scores = jnp.where(jnp.arange(seq_len)[None, :] <= jnp.arange(first, seq_len)[:, None], scores, -jnp.inf)
+        err = float(jnp.max(jnp.abs(lse[:, :, first:] - jax.nn.logsumexp(scores, axis=-1))))
+        identical = bool(jnp.array_equal(out, plain))
+        kernel = "mosaic_gpu" if use_mosaic_kernel(q.dtype, seq_len, head_dim, masked=False, block_sizes=None,
+                                                   interpret=False) else "generic"
+        checks.append({"S": seq_len, "head_dim": head_dim, "causal": causal, "kernel": kernel,
+                       "lse_max_abs_err_last_rows": err, "rows_checked": seq_len - first,
+                       "out_bit_identical_without_lse": identical, "passed": err <= TOLERANCE and identical})
+        print(checks[-1], flush=True)
+    device = jax.devices()[0]
+    gpu = getattr(device, "device_kind", device.platform)
+    date = datetime.date.today().isoformat()
+    path = pathlib.Path(args.out) / f"lse-check-{date}-{slug(gpu)}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"gpu": gpu, "jax": jax.__version__, "date": date, "tolerance": TOLERANCE,
+                                "command": "python bench/lse_check.py " + " ".join(sys.argv[1:] if argv is None else argv),
+                                "checks": checks}, indent=1) + "\n")
+    failed = [c for c in checks if not c["passed"]]
+    print(f"{len(checks) - len(failed)}/{len(checks)} passed; wrote {path}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
