@@ -1,6 +1,6 @@
 """flash_attention(..., return_lse=True) on the GPU: each row's log-sum-exp against jax's logsumexp of the
-fp32 scores (the last 256 rows of each case, which see the most keys), and the output against the call
-without return_lse (bit for bit). On sm_90 these cases run the Hopper kernel (ring_attention merges its
+fp32 scores (every row, or the last 8192 of S=100000: the rows that see the most keys), and the output
+against the call without return_lse (bit for bit). On sm_90 these cases run the Hopper kernel (ring_attention merges its
 visits with that log-sum-exp).
 
     PYTHONPATH=. python3 bench/lse_check.py [--out bench/results]
@@ -27,8 +27,11 @@ from bench.report import slug  # noqa: E402
 from ttj_jax.kernels import flash_attention  # noqa: E402
 from ttj_jax.kernels.flash_attention import use_mosaic_kernel  # noqa: E402
 
-CASES = ((4096, 64, True), (5000, 128, False), (8192, 256, True), (100_000, 64, True))   # (S, head_dim, causal)
-ROWS = 256
+# (S, head_dim, causal). Every row of the shorter cases, the last ROWS of S=100000: a first version
+# wrote rows past S into the next head's first rows, which only a check of all rows (and heads) saw.
+CASES = ((4096, 64, True), (4096, 64, False), (1000, 64, False), (5000, 128, False), (8192, 256, True),
+         (100_000, 64, True))
+ROWS = 8192
 TOLERANCE = 1e-3
 
 
@@ -39,7 +42,7 @@ def main(argv=None) -> int:
     checks = []
     for seq_len, head_dim, causal in CASES:
         keys = jax.random.split(jax.random.key(seq_len + head_dim), 3)
-        q, k, v = (jax.random.normal(key, (1, seq_len, 2, head_dim), jnp.float32).astype(jnp.float16) for key in keys)
+        q, k, v = (jax.random.normal(key, (1, seq_len, 4, head_dim), jnp.float32).astype(jnp.float16) for key in keys)
         out, lse = flash_attention(q, k, v, causal=causal, return_lse=True)
         plain = flash_attention(q, k, v, causal=causal)
         first = max(seq_len - ROWS, 0)

@@ -686,7 +686,10 @@ def flash_attention_mgpu(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bo
         q, k, v = (jnp.pad(x, ((0, 0), (0, array_len - seq_len), (0, 0), (0, 0))) for x in (q, k, v))
     out_type = jax.ShapeDtypeStruct(q.shape, dtype)
     if return_lse:
-        out_type = (out_type, jax.ShapeDtypeStruct((batch, num_heads, q.shape[1]), jnp.float32))
+        # Whole query tiles long: every consumer's 64 rows are in bounds. (With [B, H, S] the TMA stores of
+        # rows past S were not dropped but landed in the next head's first rows, on the H200 with three
+        # consumers: bench/results/mgpu-lse-rows-2026-11-30-h200.json.)
+        out_type = (out_type, jax.ShapeDtypeStruct((batch, num_heads, num_q_tiles * blocks.block_q), jnp.float32))
     out = plgpu.kernel(
         entry,
         out_type=out_type,
@@ -697,10 +700,10 @@ def flash_attention_mgpu(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bo
         thread_name="wg",
         compiler_params=_compiler_params(lowering_semantics), interpret=_interpret_params(interpret),
     )(q, k, v)
-    out, lse = out if return_lse else (out, None)
-    if array_len != seq_len:
-        out, lse = out[:, :seq_len], None if lse is None else lse[:, :, :seq_len]
-    return (out, lse) if return_lse else out
+    if not return_lse:
+        return out[:, :seq_len] if array_len != seq_len else out
+    out, lse = out
+    return (out[:, :seq_len] if array_len != seq_len else out), lse[:, :, :seq_len]
 
 
 # --- Mosaic GPU interpret mode (`interpret=True` / "detect_races") ---------------------------------------
