@@ -53,6 +53,7 @@ MIN_TIMING_S = 0.05
 IN_GRAPH_THRESHOLD_MS = 1.0   # calls shorter than this are timed IN_GRAPH_REPEATS at a time in one program
 IN_GRAPH_REPEATS = 50
 TIMING_REPEATS = 5
+BUNDLED_SEQ_MULTIPLE = 256   # jax's bundled kernels: S a multiple of their query and key blocks
 FP16_UNIT_ROUNDOFF = 2.0 ** -11
 # Same pass rule as tests/test_flash_attention.py: |err| <= units * u * max|v|.
 TOLERANCE_UNITS = {"float16": (2, 2.0 ** -11), "float32": (4, 2.0 ** -11), "bfloat16": (2, 2.0 ** -8)}
@@ -181,6 +182,7 @@ class Contender:
     block_sizes: BlockSizes | None = None
     skip_reason: str | None = None
     variant: str = ""                # which build of ttj's kernel: "default (mosaic_gpu)", "generic", ...
+    seq_multiple: int = 1            # the kernel takes only S a multiple of this: timed at the next one up
 
 
 def _contenders(batch, heads, seq_len, head_dim, *, quick: bool, interpret: bool) -> list[Contender]:
@@ -226,8 +228,10 @@ def _contenders(batch, heads, seq_len, head_dim, *, quick: bool, interpret: bool
         config = attention_mgpu.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2, causal=True)
         return attention_mgpu.attention(q, k, v, config)
 
-    contenders.append(Contender("jax_triton", jax_triton))
-    contenders.append(Contender("jax_mosaic", jax_mosaic))
+    # jax's bundled kernels take only whole blocks: where S is not a multiple of their blocks they are timed
+    # at the next multiple of BUNDLED_SEQ_MULTIPLE (zero-padded inputs, FLOPs counted at that length)
+    contenders.append(Contender("jax_triton", jax_triton, seq_multiple=BUNDLED_SEQ_MULTIPLE))
+    contenders.append(Contender("jax_mosaic", jax_mosaic, seq_multiple=BUNDLED_SEQ_MULTIPLE))
     return contenders
 
 
@@ -294,9 +298,15 @@ def run_case(batch, heads, seq_len, head_dim, *, quick, check_only, interpret) -
             results.append(record)
             log(f"  {contender.name:10s}{blocks_text}: {contender.skip_reason}")
             continue
+        args, case_flops = (q, k, v), flops
+        if seq_len % contender.seq_multiple:
+            run_len = seq_len + (-seq_len % contender.seq_multiple)
+            args = tuple(jnp.pad(x, ((0, 0), (0, run_len - seq_len), (0, 0), (0, 0))) for x in (q, k, v))
+            case_flops = flops * (run_len / seq_len) ** 2
+            record["S_run"] = run_len
         try:
             start = time.perf_counter()
-            compiled = jax.jit(contender.fn).lower(q, k, v).compile()
+            compiled = jax.jit(contender.fn).lower(*args).compile()
             record["compile_s"] = round(time.perf_counter() - start, 3)
             if contender.name == "ttj":
                 check = _check_case_output(compiled(q, k, v), q, k, v, f"{label} ttj{blocks_text}",
@@ -309,8 +319,8 @@ def run_case(batch, heads, seq_len, head_dim, *, quick, check_only, interpret) -
                 log(f"  {'ok  ' if check['passed'] else 'FAIL'} {check['name']} "
                     f"err={check['max_abs_err']:.3g} atol={check['atol']:.3g}")
             if not check_only:
-                record.update(_measure(contender.fn, compiled, (q, k, v)))
-                record["tflops"] = flops / (record["ms"] * 1e-3) / 1e12
+                record.update(_measure(contender.fn, compiled, args))
+                record["tflops"] = case_flops / (record["ms"] * 1e-3) / 1e12
                 log(f"  {contender.name:10s}{blocks_text}: {record['ms']:9.3f} ms  {record['tflops']:7.1f} TFLOP/s "
                     f"(x{record['in_graph_repeats']} in graph; {record['ms_per_dispatch']:.3f} ms per dispatch; "
                     f"compile {record['compile_s']:.1f} s)")
@@ -325,7 +335,8 @@ def _variant_text(record: dict) -> str:
     """'default (mosaic_gpu)', 'generic 128x64 w4 s3', ...: which build of ttj's kernel a record timed."""
     blocks = record.get("block_sizes")
     blocks = f" {blocks['block_q']}x{blocks['block_k']} w{blocks['num_warps']} s{blocks['num_stages']}" if blocks else ""
-    return record.get("variant", "") + blocks
+    padded = f"at S={record['S_run']}" if "S_run" in record else ""
+    return record.get("variant", "") + blocks + padded
 
 
 def _print_table(results: list[dict]):

@@ -29,5 +29,8 @@ def test_other_cases_time_the_generic_default_once(quick):
     assert ttj[0].block_sizes == resolve_block_sizes(1024, 32, None)
     assert all(c.variant == "generic" and c.block_sizes != ttj[0].block_sizes for c in ttj[1:])
     assert len(ttj) == (2 if quick else 4)
-    assert [c.name for c in ba._contenders(64, 4, 1024, 32, quick=quick, interpret=True)[len(ttj):]] == [
-        "cudnn", "xla", "jax_triton", "jax_mosaic"]
+    others = ba._contenders(64, 4, 1024, 32, quick=quick, interpret=True)[len(ttj):]
+    assert [c.name for c in others] == ["cudnn", "xla", "jax_triton", "jax_mosaic"]
+    # jax's bundled kernels take whole blocks only: timed at the next multiple where S is not one
+    assert [c.seq_multiple for c in others] == [1, 1, ba.BUNDLED_SEQ_MULTIPLE, ba.BUNDLED_SEQ_MULTIPLE]
+    assert all(c.seq_multiple == 1 for c in ttj)

@@ -1,5 +1,7 @@
 """The planner is a pure function: same facts, same plan; each rule tested by the facts that trigger it."""
 
+import dataclasses
+
 import pytest
 
 import ttj_jax as T
@@ -105,3 +107,32 @@ def test_device_facts_read_the_compute_capability():
     assert facts_cpu.platform == "cpu" and not facts_cpu.is_hopper
     assert T.DeviceFacts(platform="gpu", compute_capability="9.0").is_hopper
     assert not T.DeviceFacts(platform="gpu", compute_capability="8.0").is_hopper
+
+
+def test_a_long_single_sequence_from_jax_is_split_over_two_gpus_as_a_ring():
+    two = T.DeviceFacts(platform="gpu", device_kind="NVIDIA H200", memory_bytes=100 * 2**30,
+                        compute_capability="9.0", device_count=2)
+    long = SHAPE_14.with_input(1, 100_000)
+    ring = T.plan(long, facts(long), two)
+    assert ring.sequence_parallel == 2 and ring.attention == "pallas" and ring.batch_chunk is None
+    assert ring.name.endswith("/ring-x2-devices") and "ring of k/v blocks" in ring.explain()
+    assert T.plan(long.with_input(1, 1_000_000), facts(long.with_input(1, 1_000_000)), two).sequence_parallel == 2
+    one = dataclasses.replace(two, device_count=1)
+    # not: one GPU, the bridge (torch), a batch of two, a shorter sequence (measured slower at 16384),
+    # a key mask, a length that does not split into 4 zigzag chunks, a forced attention
+    for config, inputs, device in (
+            (long, facts(long), one),
+            (long, dataclasses.replace(facts(long), caller="torch"), two),
+            (long.with_input(2, 100_000), facts(long.with_input(2, 100_000)), two),
+            (long.with_input(1, 16_384), facts(long.with_input(1, 16_384)), two),
+            (long, facts(long, MaskKind.GENERAL), two),
+            (long.with_input(1, 100_002), facts(long.with_input(1, 100_002)), two)):
+        assert T.plan(config, inputs, device).sequence_parallel == 1, (config, inputs, device)
+    assert T.plan(long, facts(long), two, attention="cudnn").sequence_parallel == 1
+    assert "measured mask-free only" in T.plan(long, facts(long, MaskKind.GENERAL), two).explain()
+    with pytest.raises(ValueError, match="multiple of 2"):
+        T.plan(long.with_input(1, 100_002), facts(long.with_input(1, 100_002)), two, sequence_parallel=2)
+    with pytest.raises(ValueError, match="no batch split"):
+        T.plan(long, facts(long), two, sequence_parallel=2, data_parallel=1, stack="rows")
+    with pytest.raises(ValueError, match="sequence_parallel"):
+        T.Plan(policy="mixed_fp16", attention="pallas", mask_mode="none", sequence_parallel=2, data_parallel=2)

@@ -1,6 +1,7 @@
 """Sequence parallelism (ttj_jax/ring_attention.py): one sequence split over 2 and 4 CPU devices (XLA's
 host platform split, in a subprocess, since the device count is fixed when jax starts), against the
-one-device forward and the fp32 reference. The same code runs over GPUs; it has not been run on one."""
+one-device forward and the fp32 reference. The same code ran over two H200s (bench/ring_check.py; results
+in bench/results/ring-2026-11-30-h200x2-*.json)."""
 
 import json
 import textwrap
@@ -39,6 +40,27 @@ SCRIPT = textwrap.dedent("""
                     "flash_failed_vs_reference": int((~(jnp.abs(flash - reference) <= tolerance)).sum()),
                     "flash_vs_mixed": float(jnp.abs(flash - mixed).max()),
                     "finite": bool(jnp.isfinite(mixed).all() & jnp.isfinite(flash).all()), "shape": list(mixed.shape)}
+    # through ttj_jax.forward: the plan's sequence_parallel (the planner picks it on GPUs; asked for here)
+    config = T.Config(1, 48, 32, 2, 48, 2, True)
+    params = T.init_params(jax.random.key(2), config)
+    x = jax.random.normal(jax.random.key(3), (1, 48, 32))
+    via_forward = T.forward(params, x, config=config, sequence_parallel=2)
+    direct = sequence_parallel_forward(params, x, config=config, devices=2, attention="pallas")
+    all_true = sequence_parallel_forward(params, x, jnp.ones((1, 48), bool), config=config, devices=2,
+                                         attention="pallas")
+    reference = T.reference(params, x, None, config=config)
+    out["forward"] = {"vs_direct": float(jnp.abs(via_forward - direct).max()),
+                      "all_true_mask_vs_none": float(jnp.abs(all_true - direct).max()),
+                      "failed_vs_reference": int((~(jnp.abs(via_forward - reference) <= 0.002 + 0.02 * jnp.abs(reference))).sum()),
+                      "plan": T.model.plan_for(config, x, T.MaskKind.NONE, sequence_parallel=2).name}
+    two = jnp.concatenate([x, x])
+    for name, call in (("with_batch_split", lambda: T.forward(params, two, config=config, sequence_parallel=2, data_parallel=2)),
+                       ("odd_for_ring", lambda: T.forward(params, x[:, :46], config=config, sequence_parallel=4))):
+        try:
+            call()
+            out[name] = None
+        except ValueError as e:
+            out[name] = str(e)
     # it is a ring: the program's collectives are permutes, and no device gathers the whole sequence
     config = T.Config(2, 48, 32, 2, 48, 1, True)
     params = T.prepare_weights(T.init_params(jax.random.key(0), config), T.MIXED_FP16)
@@ -77,6 +99,11 @@ def test_sequence_parallel_matches_one_device():
     assert "devices must be" in out["bad_devices"]
     assert "'xla' or 'pallas'" in out["bad_attention"]
     assert "valid_token_mask must have shape" in out["bad_mask"]
+    forward = out["forward"]
+    assert forward["vs_direct"] <= 1e-6 and forward["all_true_mask_vs_none"] == 0.0, forward
+    assert forward["failed_vs_reference"] == 0 and forward["plan"].endswith("/ring-x2-devices"), forward
+    assert "sequence_parallel needs no batch split" in out["with_batch_split"]
+    assert "multiple of 2 * sequence_parallel" in out["odd_for_ring"]
 
 
 def test_zigzag_order_balances_causal_work():

@@ -212,6 +212,9 @@ def executable(plan: Plan, config: Config, prepared: bool = True, compiler_optio
     `model_key(config)` so that one executable serves every input shape of a model. The program is
     compiled with the plan's XLA options (`plan.xla_options`) and `compiler_options` on top:
     ((name, value), ...), bench/ablate.py's experiments."""
+    if plan.sequence_parallel > 1:   # each sequence over several devices: the ring (ring_attention.py)
+        from ttj_jax.ring_attention import sequence_parallel_forward
+        return functools.partial(_run_ring, config=config, plan=plan, ring=sequence_parallel_forward)
     run = {"fused": _run_fused, "rows": _run_rows, "fused_mgpu": _run_fused_mgpu}.get(
         plan.stack, _run_prepared if prepared else _run_raw)
     body = functools.partial(run, config=config, plan=plan)
@@ -219,6 +222,12 @@ def executable(plan: Plan, config: Config, prepared: bool = True, compiler_optio
         from ttj_jax.parallel import batch_mesh, data_parallel
         return data_parallel(body, batch_mesh(plan.data_parallel, jax.default_backend()))
     return jax.jit(body, compiler_options={**dict(plan.xla_options), **dict(compiler_options)} or None)
+
+
+def _run_ring(weights, x, mask, *, config: Config, plan: Plan, ring):
+    # x's batch and length come from x (config is the model key); the ring prepares raw params itself
+    return ring(weights, x, mask, config=config.with_input(x.shape[0], x.shape[1]),
+                devices=plan.sequence_parallel, policy=plan.policy, attention="pallas")
 
 
 def model_key(config: Config) -> Config:
@@ -281,7 +290,7 @@ def _mask_kind(mask) -> MaskKind:
 
 def forward(params: Any, x, valid_token_mask=None, *, config, mask_kind: MaskKind | str | None = None,
             policy: str | None = None, attention: str | None = None, data_parallel: int | None = None,
-            stack: str | None = None):
+            stack: str | None = None, sequence_parallel: int | None = None):
     """y = Transformer(x) per SPEC section 1, same shape and dtype as x.
 
     params: raw params (init_params / params_from_state_dict; prepared inside the same jitted call) or
@@ -290,6 +299,9 @@ def forward(params: Any, x, valid_token_mask=None, *, config, mask_kind: MaskKin
     NaN/inf in x are not hidden: they propagate to the output rows they reach.
     data_parallel: split the batch over that many devices (default: the planner's choice); the output
     is then batch-sharded over them.
+    sequence_parallel: split each sequence over that many devices, attention as a ring (default: the
+    planner's choice, a long single sequence on one of several GPUs); the output may then be spread
+    over them.
     """
     config = Config.from_object(config)
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
@@ -303,7 +315,7 @@ def forward(params: Any, x, valid_token_mask=None, *, config, mask_kind: MaskKin
     mask = None if mask is None else jnp.asarray(mask)
     kind = MaskKind(mask_kind) if mask_kind is not None else _mask_kind(mask)
     chosen = plan_for(config, x, kind, policy=policy, attention=attention, data_parallel=data_parallel,
-                      stack=stack)
+                      stack=stack, sequence_parallel=sequence_parallel)
     mask = mask if chosen.mask_mode != "none" else None
     prepared = isinstance(params, PreparedWeights)
     if prepared:

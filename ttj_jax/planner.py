@@ -33,6 +33,13 @@ ROWS_BLOCK = 64   # rows per program of the "rows" stack: batch * seq_len must b
 # ~2 GB/s (shape 14 0.26x, shape 6 0.02x: bench/results/scale-2026-11-30-h200x2.json).
 DATA_PARALLEL_MIN_ELEMENTS = 64 * 2**20
 SPLIT_FROM_ONE_DEVICE_MAX = 2
+# One long sequence from JAX, several GPUs: the sequence split over SPLIT_FROM_ONE_DEVICE_MAX of them,
+# attention as a ring (ring_attention.py, our flash kernel per chunk pair). Measured on two H200s from a
+# one-device x (B=1, d=1024, 16 heads, 2 layers, mask-free): S=100000 1.70x, S=1,000,000 1.87x, and
+# S=16384 0.77x, i.e. slower (bench/results/ring-2026-11-30-h200x2-{s100k-hopper-fixed,s1m,hopper-fixed}.json);
+# from this length on, and for the batch of one measured.
+SEQUENCE_PARALLEL_MIN_LEN = 100_000
+SEQUENCE_PARALLEL_MAX_BATCH = 1
 # Activations of one chunk may take at most this share of the device's memory.
 ACTIVATION_MEMORY_SHARE = 0.25
 # Attention on the GPU, from bench/results/attention-2026-11-30-nvidia-h200.json (fp16, causal, H200):
@@ -159,6 +166,7 @@ class Plan:
     #                                "device": rows, and keys for the sequences the device finds non-prefix
     batch_chunk: int | None = None  # run the stack over batch chunks of this size (lax.map), or all at once
     data_parallel: int = 1         # devices the batch is split over (parallel.py); chunks are per device
+    sequence_parallel: int = 1     # devices each sequence is split over (ring_attention.py)
     reason: str = ""
     stack: str = "layers"          # one of STACKS
     xla_options: tuple = ()        # ((name, value), ...): XLA compile options for this plan's program
@@ -179,7 +187,13 @@ class Plan:
         if not (isinstance(self.xla_options, tuple)
                 and all(isinstance(o, tuple) and len(o) == 2 and isinstance(o[0], str) for o in self.xla_options)):
             raise ValueError(f"Plan.xla_options={self.xla_options!r} must be a tuple of (name, value) pairs")
-        if self.xla_options and (self.stack != "layers" or self.data_parallel > 1):
+        if not isinstance(self.sequence_parallel, int) or self.sequence_parallel < 1:
+            raise ValueError(f"Plan.sequence_parallel={self.sequence_parallel!r} must be an int >= 1")
+        if self.sequence_parallel > 1 and (self.data_parallel > 1 or self.stack != "layers" or self.batch_chunk
+                                           or self.attention != "pallas" or self.mask_mode != "none"):
+            raise ValueError("Plan.sequence_parallel runs the layer stack with our flash kernel in a ring, "
+                             "mask-free, without a batch split or batch chunks")
+        if self.xla_options and (self.stack != "layers" or self.data_parallel > 1 or self.sequence_parallel > 1):
             raise ValueError("Plan.xla_options apply to the one-device layer-by-layer XLA program only")
 
     @property
@@ -192,6 +206,8 @@ class Plan:
             return f"row-kernels/{self.attention}-attention/{self.policy}/mask-{self.mask_mode}"
         chunk = f"/chunk{self.batch_chunk}" if self.batch_chunk else ""
         devices = f"/x{self.data_parallel}-devices" if self.data_parallel > 1 else ""
+        if self.sequence_parallel > 1:
+            devices = f"/ring-x{self.sequence_parallel}-devices"
         options = "/xla-options" if self.xla_options else ""
         return f"{self.attention}-attention/{self.policy}/mask-{self.mask_mode}{chunk}{devices}{options}"
 
@@ -201,10 +217,10 @@ class Plan:
 
 def plan(config: Config, inputs: InputFacts, device: DeviceFacts = CPU, *,
          policy: str | None = None, attention: str | None = None, data_parallel: int | None = None,
-         stack: str | None = None) -> Plan:
+         stack: str | None = None, sequence_parallel: int | None = None) -> Plan:
     """Chooses numerics, attention implementation, masking work, devices and chunking for one call
-    shape. `policy` / `attention` / `data_parallel` / `stack` force a choice (tests, ablations); the rest
-    is derived."""
+    shape. `policy` / `attention` / `data_parallel` / `stack` / `sequence_parallel` force a choice (tests,
+    ablations); the rest is derived."""
     reasons = []
     attention_requested = attention is not None
     policy_requested = policy is not None
@@ -237,6 +253,25 @@ def plan(config: Config, inputs: InputFacts, device: DeviceFacts = CPU, *,
             reasons.append(why)
     if inputs.batch_size % data_parallel:
         raise ValueError(f"batch {inputs.batch_size} cannot be split evenly over {data_parallel} devices")
+    if sequence_parallel is not None:
+        if sequence_parallel > 1 and (data_parallel > 1 or stack not in (None, "layers") or mask_mode != "none"
+                                      or attention not in (None, "pallas")):
+            raise ValueError("sequence_parallel needs no batch split, the 'layers' stack, our 'pallas' "
+                             f"attention and no mask work; got data_parallel={data_parallel}, stack={stack}, "
+                             f"attention={attention}, mask mode {mask_mode}")
+        if inputs.seq_len % (2 * sequence_parallel):
+            raise ValueError(f"seq_len {inputs.seq_len} must be a multiple of 2 * sequence_parallel = "
+                             f"{2 * sequence_parallel} (two zigzag chunks per device)")
+        reasons.append(f"sequence split over {sequence_parallel} device(s) requested")
+    elif data_parallel == 1 and attention is None and stack is None and not policy_requested:
+        sequence_parallel, why = _sequence_parallel(config, inputs, device, mask_mode)
+        if why:
+            reasons.append(why)
+    else:
+        sequence_parallel = 1
+    if sequence_parallel > 1:   # the ring's own path: our flash kernel per chunk pair, each device S/n tokens
+        return Plan(policy=policy, attention="pallas", mask_mode=mask_mode, sequence_parallel=sequence_parallel,
+                    reason="; ".join(reasons))
 
     if attention is not None:
         reasons.append(f"attention {attention} requested")
@@ -376,6 +411,22 @@ def _data_parallel(config: Config, inputs: InputFacts, device: DeviceFacts) -> t
     if inputs.batch_size % n:
         return 1, f"one device: batch {inputs.batch_size} does not split evenly over {n} devices"
     return n, f"batch split over {where} (SPMD)"
+
+
+def _sequence_parallel(config: Config, inputs: InputFacts, device: DeviceFacts, mask_mode: str) -> tuple[int, str]:
+    """(devices to split each sequence over, why; "" where that is not considered): a JAX caller's long
+    mask-free sequence on one of several GPUs (see SEQUENCE_PARALLEL_MIN_LEN)."""
+    if not device.is_gpu or device.device_count < 2 or inputs.caller != "jax" or inputs.input_devices > 1:
+        return 1, ""
+    if inputs.seq_len < SEQUENCE_PARALLEL_MIN_LEN or inputs.batch_size > SEQUENCE_PARALLEL_MAX_BATCH:
+        return 1, ""
+    n = min(SPLIT_FROM_ONE_DEVICE_MAX, device.device_count)
+    if mask_mode != "none":
+        return 1, "one device: the ring is measured mask-free only"
+    if inputs.seq_len % (2 * n):
+        return 1, f"one device: S={inputs.seq_len} does not split into {2 * n} equal zigzag chunks"
+    return n, (f"one long sequence: split over {n} devices, attention as a ring of k/v blocks with our flash "
+               f"kernel (measured 1.70x at S=100000 and 1.87x at S=1,000,000 on two H200s)")
 
 
 def activation_bytes_per_sequence(config: Config, seq_len: int, attention: str) -> int:
