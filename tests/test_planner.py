@@ -116,6 +116,7 @@ def test_a_long_single_sequence_from_jax_is_split_over_two_gpus_as_a_ring():
     ring = T.plan(long, facts(long), two)
     assert ring.sequence_parallel == 2 and ring.attention == "pallas" and ring.batch_chunk is None
     assert ring.name.endswith("/ring-x2-devices") and "ring of k/v blocks" in ring.explain()
+    assert "one device" not in ring.explain()   # the batch split's "stays on one device" does not apply
     assert T.plan(long.with_input(1, 1_000_000), facts(long.with_input(1, 1_000_000)), two).sequence_parallel == 2
     one = dataclasses.replace(two, device_count=1)
     # not: one GPU, the bridge (torch), a batch of two, a shorter sequence (measured slower at 16384),

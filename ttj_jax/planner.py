@@ -245,12 +245,13 @@ def plan(config: Config, inputs: InputFacts, device: DeviceFacts = CPU, *,
         reasons.append(f"{inputs.mask_kind.value} mask{'' if config.causal else ' without causal'} "
                        "needs key masking")
 
+    batch_split_reason = ""
     if data_parallel is not None:
         reasons.append(f"{data_parallel} device(s) requested")
     else:
-        data_parallel, why = _data_parallel(config, inputs, device)
-        if why:
-            reasons.append(why)
+        data_parallel, batch_split_reason = _data_parallel(config, inputs, device)
+        if batch_split_reason:
+            reasons.append(batch_split_reason)
     if inputs.batch_size % data_parallel:
         raise ValueError(f"batch {inputs.batch_size} cannot be split evenly over {data_parallel} devices")
     if sequence_parallel is not None:
@@ -265,6 +266,8 @@ def plan(config: Config, inputs: InputFacts, device: DeviceFacts = CPU, *,
         reasons.append(f"sequence split over {sequence_parallel} device(s) requested")
     elif data_parallel == 1 and attention is None and stack is None and not policy_requested:
         sequence_parallel, why = _sequence_parallel(config, inputs, device, mask_mode)
+        if sequence_parallel > 1 and batch_split_reason in reasons:   # the batch stays whole: the sequence splits
+            reasons.remove(batch_split_reason)
         if why:
             reasons.append(why)
     else:
