@@ -334,7 +334,8 @@ def run_case(batch, heads, seq_len, head_dim, *, quick, check_only, interpret) -
 def _variant_text(record: dict) -> str:
     """'default (mosaic_gpu)', 'generic 128x64 w4 s3', ...: which build of ttj's kernel a record timed."""
     blocks = record.get("block_sizes")
-    blocks = f" {blocks['block_q']}x{blocks['block_k']} w{blocks['num_warps']} s{blocks['num_stages']}" if blocks else ""
+    blocks = (f" {blocks['block_q']}x{blocks['block_k']} w{blocks['num_warps']} s{blocks['num_stages']}"
+              if blocks else "")
     padded = f"at S={record['S_run']}" if "S_run" in record else ""
     return record.get("variant", "") + blocks + padded
 

@@ -63,9 +63,9 @@ def main(argv=None) -> int:
     date = datetime.date.today().isoformat()
     path = pathlib.Path(args.out) / f"lse-check-{date}-{slug(gpu)}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
+    command = "python bench/lse_check.py " + " ".join(sys.argv[1:] if argv is None else argv)
     path.write_text(json.dumps({"gpu": gpu, "jax": jax.__version__, "date": date, "tolerance": TOLERANCE,
-                                "command": "python bench/lse_check.py " + " ".join(sys.argv[1:] if argv is None else argv),
-                                "checks": checks}, indent=1) + "\n")
+                                "command": command, "checks": checks}, indent=1) + "\n")
     failed = [c for c in checks if not c["passed"]]
     print(f"{len(checks) - len(failed)}/{len(checks)} passed; wrote {path}")
     return 1 if failed else 0

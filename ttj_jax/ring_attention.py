@@ -138,8 +138,7 @@ def ring_attention(qkv: jax.Array, key_valid: jax.Array | None, positions: jax.A
 def _ring_flash(qkv, key_valid, positions, *, causal: bool, policy, devices: int, axis_name: str):
     """ring_attention with our flash kernel (ttj_jax.kernels.flash_attention with return_lse: the Hopper
     kernel where its dispatch rule sends the call, mask-free chunks of >= 4096 tokens on sm_90; else the
-    generic one) on
-    each pair of (local query chunk, visiting key chunk): the two zigzag chunks a device holds are each
+    generic one) on each pair of (local query chunk, visiting key chunk): the two zigzag chunks a device holds are each
     contiguous in the sequence, so a pair is wholly visible (key chunk earlier: not causal), the
     diagonal (the same chunk: causal), or wholly masked (later: skipped) under causal attention; which,
     is known only at run time (lax.switch). Visits are merged by their log-sum-exp: with lse = logaddexp
@@ -227,7 +226,7 @@ def sequence_parallel_forward(weights, x: jax.Array, mask: jax.Array | None = No
         weights = prepare_weights(weights, get_policy(policy))
     zigzag_order(x.shape[1], devices)   # checks the length before anything compiles
     from ttj_jax.model import _mask_kind
-    if mask is not None and _mask_kind(mask) == MaskKind.ALL_TRUE:
+    if mask is not None and not isinstance(mask, jax.core.Tracer) and _mask_kind(mask) == MaskKind.ALL_TRUE:
         mask = None   # as the one-device forward's plan: no mask work (and the Hopper kernel stays eligible)
     return _compiled(config.with_input(1, 1), devices, policy, query_chunk, key_chunk, mask is not None,
                      jax.default_backend(), attention)(weights, x, mask)

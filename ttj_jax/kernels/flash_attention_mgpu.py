@@ -634,8 +634,9 @@ def flash_attention_mgpu(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bo
         kernel's running max and sum: one more TMA store per consumer.
 
     Returns:
-      [B, S, H, head_dim] in q's dtype (and the log-sum-exp with return_lse). Read and written in place when S is a multiple of 8; otherwise
-      q, k, v are padded to one (`padded_seq_len`). No masks: see `ttj_jax.kernels.flash_attention`.
+      [B, S, H, head_dim] in q's dtype (and the log-sum-exp with return_lse). Read and written in place
+      when S is a multiple of 8; otherwise q, k, v are padded to one (`padded_seq_len`). No masks: see
+      `ttj_jax.kernels.flash_attention`.
     """
     _check_inputs(q, k, v, causal, sm_scale, block_sizes)
     if not isinstance(return_lse, bool):
