@@ -67,10 +67,13 @@ class BlockSizes:
 
 # Default block sizes, keyed by (padded head_dim, "short" for S <= _SHORT_SEQ_LEN else "long").
 # Start points from Triton's Hopper flash-attention tutorial, checked on the H200 where measured
-# (bench/results/attention-2026-11-30-nvidia-h200.json, fp16, causal): the short entries for head_dim
-# 16 (8 padded), 32, 128 and 256 and the long entry for 32 won against the variant tried; the long entry
-# for 64 is the variant that won (346 against 325 TFLOP/s at S=16384). Entries not named are unmeasured.
-# bench/bench_attention.py times variants per case; update this table from its JSON.
+# (an earlier quick run of bench/bench_attention.py, fp16, causal): the short entries for head_dim
+# 16 (8 padded), 32 and 256 and the long entry for 32 won against the variant tried; the long entry
+# for 64 is the variant that won (346 against 325 TFLOP/s at S=16384). The short entry for 128 is the
+# variant that won in both of session 10's runs (B=64, H=4, S=128: 74.3 and 68.2 TFLOP/s against 56.1 and
+# 48.9 for the earlier 64x64 w4 s2; attention-2026-11-30-nvidia-h200{,-session10b}.json); no official
+# shape runs it (head_dim 128 at S=128 is shape 9, planned as the whole-stack kernel on Hopper). Entries
+# not named are unmeasured. bench/bench_attention.py times variants per case; update this table from its JSON.
 _SHORT_SEQ_LEN = 256
 _DEFAULT_BLOCK_SIZES: dict[tuple[int, str], BlockSizes] = {
     (16, "short"): BlockSizes(block_q=64, block_k=64, num_warps=4, num_stages=2),
@@ -79,7 +82,7 @@ _DEFAULT_BLOCK_SIZES: dict[tuple[int, str], BlockSizes] = {
     (32, "long"): BlockSizes(block_q=128, block_k=64, num_warps=4, num_stages=3),
     (64, "short"): BlockSizes(block_q=64, block_k=64, num_warps=4, num_stages=2),
     (64, "long"): BlockSizes(block_q=128, block_k=128, num_warps=8, num_stages=3),
-    (128, "short"): BlockSizes(block_q=64, block_k=64, num_warps=4, num_stages=2),
+    (128, "short"): BlockSizes(block_q=128, block_k=128, num_warps=8, num_stages=2),
     (128, "long"): BlockSizes(block_q=128, block_k=64, num_warps=8, num_stages=3),
     (256, "short"): BlockSizes(block_q=64, block_k=32, num_warps=4, num_stages=2),
     (256, "long"): BlockSizes(block_q=64, block_k=64, num_warps=8, num_stages=2),
