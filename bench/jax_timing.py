@@ -8,6 +8,21 @@ import time
 import jax
 
 
+def synced_calls_ms(fn, calls: int):
+    """fn() once (compile and first run: its output and seconds), then `calls` warm calls, each closed by
+    block_until_ready: (output, first-call seconds, [ms per warm call]). For calls long enough that one
+    call's dispatch does not matter (seconds of GPU work)."""
+    start = time.perf_counter()
+    out = jax.block_until_ready(fn())
+    first_s = time.perf_counter() - start
+    samples = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        samples.append((time.perf_counter() - start) * 1e3)
+    return out, first_s, samples
+
+
 def stream_ms_per_call(fn, args, *, min_seconds: float, repeats: int) -> tuple[float, int]:
     """Median ms per call over `repeats` timings of N back-to-back calls closed by one block_until_ready;
     N grows until one timing lasts at least `min_seconds`, so dispatch pipelining is what is timed.

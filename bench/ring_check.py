@@ -24,7 +24,6 @@ import os
 import pathlib
 import statistics
 import sys
-import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
@@ -49,6 +48,7 @@ def main(argv=None) -> int:
     import jax
     import jax.numpy as jnp
     import ttj_jax as T
+    from bench.jax_timing import synced_calls_ms
 
     B, S, d, H, ffn, L = (int(v) for v in args.config.split(","))
     config = T.Config(batch_size=B, seq_len=S, d_model=d, num_heads=H, ffn_dim=ffn, num_layers=L, causal=True)
@@ -58,15 +58,11 @@ def main(argv=None) -> int:
     mask = jnp.ones((B, S), bool)
 
     def timed(fn):
-        t = time.perf_counter()
-        out = jax.block_until_ready(fn())
-        first_s = time.perf_counter() - t
-        samples = []
-        for _ in range(args.calls):
-            t = time.perf_counter()
-            jax.block_until_ready(fn())
-            samples.append((time.perf_counter() - t) * 1e3)
-        return out, first_s, samples
+        return synced_calls_ms(fn, args.calls)
+
+    def against_one_device(y):   # (elements outside the harness rule, max |diff|) against the one-GPU output
+        diff = jnp.abs(jax.device_put(y, jax.devices()[0]) - one)
+        return int((~(diff <= 0.002 + 0.02 * jnp.abs(one))).sum()), float(diff.max())
 
     # the planner now picks the ring itself for long single sequences on several GPUs: the one-device
     # figure asks for one device, and the planner's own choice is timed beside the explicit rings
@@ -77,24 +73,22 @@ def main(argv=None) -> int:
         ring, ring_first_s, ring_ms = timed(lambda a=attention: T.sequence_parallel_forward(
             params, x, mask, config=config, devices=devices, query_chunk=args.query_chunk,
             key_chunk=args.key_chunk, attention=a))
-        diff = jnp.abs(jax.device_put(ring, jax.devices()[0]) - one)
-        ring_failed = int((~(diff <= 0.002 + 0.02 * jnp.abs(one))).sum())
+        ring_failed, max_diff = against_one_device(ring)
         failed += ring_failed
         rings[attention] = {"ring_ms": statistics.median(ring_ms), "ring_timing_ms": ring_ms,
                             "speedup": statistics.median(one_ms) / statistics.median(ring_ms),
                             "first_call_s": ring_first_s, "failed_vs_one_device": ring_failed,
-                            "max_abs_diff": float(diff.max())}
+                            "max_abs_diff": max_diff}
         del ring
     default_plan = T.model.plan_for(config, x, T.MaskKind.ALL_TRUE)
     planner = None
     if default_plan.sequence_parallel > 1:
         chosen, chosen_first_s, chosen_ms = timed(lambda: T.forward(params, x, mask, config=config))
-        diff = jnp.abs(jax.device_put(chosen, jax.devices()[0]) - one)
-        chosen_failed = int((~(diff <= 0.002 + 0.02 * jnp.abs(one))).sum())
+        chosen_failed, max_diff = against_one_device(chosen)
         failed += chosen_failed
         planner = {"ms": statistics.median(chosen_ms), "timing_ms": chosen_ms, "first_call_s": chosen_first_s,
                    "speedup": statistics.median(one_ms) / statistics.median(chosen_ms),
-                   "failed_vs_one_device": chosen_failed, "max_abs_diff": float(diff.max())}
+                   "failed_vs_one_device": chosen_failed, "max_abs_diff": max_diff}
         del chosen
     device = jax.devices()[0]
     result = {

@@ -11,7 +11,6 @@ import os
 import pathlib
 import statistics
 import sys
-import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -20,6 +19,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import ttj_jax as T  # noqa: E402
+from bench.jax_timing import synced_calls_ms  # noqa: E402
 from bench.report import slug  # noqa: E402
 
 
@@ -36,15 +36,8 @@ def main(argv=None) -> int:
               "command": "python bench/shape14_attention.py", "runs": {}}
     outputs = {}
     for attention in ("cudnn", "pallas"):
-        run = lambda: T.forward(prepared, x, config=config, attention=attention)
-        start = time.perf_counter()
-        outputs[attention] = jax.block_until_ready(run())
-        first = time.perf_counter() - start
-        times = []
-        for _ in range(args.calls):
-            start = time.perf_counter()
-            jax.block_until_ready(run())
-            times.append((time.perf_counter() - start) * 1e3)
+        outputs[attention], first, times = synced_calls_ms(
+            lambda: T.forward(prepared, x, config=config, attention=attention), args.calls)
         plan = T.model.plan_for(config, x, T.MaskKind.NONE, attention=attention)
         result["runs"][attention] = {"ms": statistics.median(times), "timing_ms": times, "first_call_s": first,
                                      "plan": plan.name}

@@ -213,8 +213,7 @@ def executable(plan: Plan, config: Config, prepared: bool = True, compiler_optio
     compiled with the plan's XLA options (`plan.xla_options`) and `compiler_options` on top:
     ((name, value), ...), bench/ablate.py's experiments."""
     if plan.sequence_parallel > 1:   # each sequence over several devices: the ring (ring_attention.py)
-        from ttj_jax.ring_attention import sequence_parallel_forward
-        return functools.partial(_run_ring, config=config, plan=plan, ring=sequence_parallel_forward)
+        return functools.partial(_run_ring, config=config, plan=plan)
     run = {"fused": _run_fused, "rows": _run_rows, "fused_mgpu": _run_fused_mgpu}.get(
         plan.stack, _run_prepared if prepared else _run_raw)
     body = functools.partial(run, config=config, plan=plan)
@@ -224,10 +223,12 @@ def executable(plan: Plan, config: Config, prepared: bool = True, compiler_optio
     return jax.jit(body, compiler_options={**dict(plan.xla_options), **dict(compiler_options)} or None)
 
 
-def _run_ring(weights, x, mask, *, config: Config, plan: Plan, ring):
-    # x's batch and length come from x (config is the model key); the ring prepares raw params itself
-    return ring(weights, x, mask, config=config.with_input(x.shape[0], x.shape[1]),
-                devices=plan.sequence_parallel, policy=plan.policy, attention="pallas")
+def _run_ring(weights, x, mask, *, config: Config, plan: Plan):
+    # x's batch and length come from x (config is the model key); the ring prepares raw params itself.
+    # Imported here: ring_attention imports this module (inside its functions).
+    from ttj_jax.ring_attention import sequence_parallel_forward
+    return sequence_parallel_forward(weights, x, mask, config=config.with_input(x.shape[0], x.shape[1]),
+                                     devices=plan.sequence_parallel, policy=plan.policy, attention="pallas")
 
 
 def model_key(config: Config) -> Config:

@@ -245,15 +245,14 @@ def plan(config: Config, inputs: InputFacts, device: DeviceFacts = CPU, *,
         reasons.append(f"{inputs.mask_kind.value} mask{'' if config.causal else ' without causal'} "
                        "needs key masking")
 
-    batch_split_reason = ""
+    batch_split_why = ""
     if data_parallel is not None:
         reasons.append(f"{data_parallel} device(s) requested")
     else:
-        data_parallel, batch_split_reason = _data_parallel(config, inputs, device)
-        if batch_split_reason:
-            reasons.append(batch_split_reason)
+        data_parallel, batch_split_why = _data_parallel(config, inputs, device)
     if inputs.batch_size % data_parallel:
         raise ValueError(f"batch {inputs.batch_size} cannot be split evenly over {data_parallel} devices")
+    sequence_split_why = ""
     if sequence_parallel is not None:
         if sequence_parallel > 1 and (data_parallel > 1 or stack not in (None, "layers") or mask_mode != "none"
                                       or attention not in (None, "pallas")):
@@ -263,15 +262,13 @@ def plan(config: Config, inputs: InputFacts, device: DeviceFacts = CPU, *,
         if inputs.seq_len % (2 * sequence_parallel):
             raise ValueError(f"seq_len {inputs.seq_len} must be a multiple of 2 * sequence_parallel = "
                              f"{2 * sequence_parallel} (two zigzag chunks per device)")
-        reasons.append(f"sequence split over {sequence_parallel} device(s) requested")
+        sequence_split_why = f"sequence split over {sequence_parallel} device(s) requested"
     elif data_parallel == 1 and attention is None and stack is None and not policy_requested:
-        sequence_parallel, why = _sequence_parallel(config, inputs, device, mask_mode)
-        if sequence_parallel > 1 and batch_split_reason in reasons:   # the batch stays whole: the sequence splits
-            reasons.remove(batch_split_reason)
-        if why:
-            reasons.append(why)
+        sequence_parallel, sequence_split_why = _sequence_parallel(config, inputs, device, mask_mode)
     else:
         sequence_parallel = 1
+    # When the sequence splits, the batch split's reason (why the batch stays on one device) does not apply.
+    reasons += [why for why in (batch_split_why if sequence_parallel == 1 else "", sequence_split_why) if why]
     if sequence_parallel > 1:   # the ring's own path: our flash kernel per chunk pair, each device S/n tokens
         return Plan(policy=policy, attention="pallas", mask_mode=mask_mode, sequence_parallel=sequence_parallel,
                     reason="; ".join(reasons))

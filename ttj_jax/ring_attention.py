@@ -53,12 +53,17 @@ QUERY_CHUNK = 512
 KEY_CHUNK = 512
 
 
-def zigzag_order(seq_len: int, devices: int) -> np.ndarray:
-    """The sequence's token positions in the order they are laid out over `devices` (device-major): of
-    2 * devices equal chunks, device i holds chunk i then chunk 2 * devices - 1 - i."""
+def check_ring_length(seq_len: int, devices: int) -> None:
+    """Raises ValueError unless the sequence splits into 2 * devices equal zigzag chunks."""
     if devices < 1 or seq_len % (2 * devices):
         raise ValueError(f"seq_len {seq_len} must be a multiple of 2 * devices = {2 * devices} for the ring's "
                          "zigzag layout")
+
+
+def zigzag_order(seq_len: int, devices: int) -> np.ndarray:
+    """The sequence's token positions in the order they are laid out over `devices` (device-major): of
+    2 * devices equal chunks, device i holds chunk i then chunk 2 * devices - 1 - i."""
+    check_ring_length(seq_len, devices)
     chunks = np.arange(seq_len).reshape(2 * devices, seq_len // (2 * devices))
     return np.concatenate([np.concatenate([chunks[i], chunks[2 * devices - 1 - i]]) for i in range(devices)])
 
@@ -74,8 +79,8 @@ def ring_attention(qkv: jax.Array, key_valid: jax.Array | None, positions: jax.A
     """Inside shard_map over `axis_name` (`devices` long). qkv: (B, L, 3, H, hd), this device's tokens
     (two zigzag chunks); key_valid: (B, L) bool or None; positions: (L,) int32, their places in the
     sequence. Returns the context (B, L, H, hd) fp32; a query with no allowed key gets zeros.
-    attention: "xla" (query x key chunks, online softmax in XLA) or "pallas" (our generic flash kernel
-    per pair of zigzag chunks, merged by its log-sum-exp; see _ring_flash)."""
+    attention: "xla" (query x key chunks, online softmax in XLA) or "pallas" (our flash kernel per pair
+    of zigzag chunks, merged by its log-sum-exp; see _ring_flash)."""
     if attention == "pallas":
         return _ring_flash(qkv, key_valid, positions, causal=causal, policy=policy, devices=devices,
                            axis_name=axis_name)
@@ -217,15 +222,14 @@ def sequence_parallel_forward(weights, x: jax.Array, mask: jax.Array | None = No
     as the one-device Pallas path; interpreted on the CPU)."""
     if attention not in ("xla", "pallas"):
         raise ValueError(f"attention={attention!r} must be 'xla' or 'pallas'")
-    from ttj_jax.model import validate_inputs
+    from ttj_jax.model import _mask_kind, validate_inputs
     validate_inputs(x.shape, str(jnp.dtype(x.dtype)), None if mask is None else mask.shape,
                     None if mask is None else str(jnp.dtype(mask.dtype)), config)
     if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
         raise ValueError(f"devices must be an int >= 1; got {devices!r}")
     if not isinstance(weights, PreparedWeights):
         weights = prepare_weights(weights, get_policy(policy))
-    zigzag_order(x.shape[1], devices)   # checks the length before anything compiles
-    from ttj_jax.model import _mask_kind
+    check_ring_length(x.shape[1], devices)   # before anything compiles (the order itself is built at trace time)
     if mask is not None and not isinstance(mask, jax.core.Tracer) and _mask_kind(mask) == MaskKind.ALL_TRUE:
         mask = None   # as the one-device forward's plan: no mask work (and the Hopper kernel stays eligible)
     return _compiled(config.with_input(1, 1), devices, policy, query_chunk, key_chunk, mask is not None,
