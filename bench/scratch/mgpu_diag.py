@@ -21,4 +21,6 @@ for S, causal, sem, H in ((4096, False, "lane", 16), (4096, False, "warpgroup", 
          "lse_err_max": max(e[1] for e in errs), "bad_rows_example": [e[2] for e in errs if e[2]][:3],
          "generic_vs_mgpu_max": float(jnp.abs(gen.astype(jnp.float32) - out.astype(jnp.float32)).max())}
     print(r, flush=True); res.append(r)
-json.dump(res, open(os.path.join(os.environ["OUT"], "mgpu-diag.json"), "w"), indent=1)
+import datetime
+meta = {"gpu": jax.devices()[0].device_kind, "jax": jax.__version__, "date": datetime.date.today().isoformat()}
+json.dump({**meta, "results": res}, open(os.path.join(os.environ["OUT"], "mgpu-diag.json"), "w"), indent=1)

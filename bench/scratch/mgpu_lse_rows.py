@@ -17,4 +17,6 @@ for S, causal, blocks in ((4096, False, None), (4096, True, None), (1000, False,
                 "tile192": np.bincount(rows // 192).tolist() if len(rows) else [], "got_sample": got[0, rows[:6]].tolist(), "ref_sample": ref[0, rows[:6]].tolist()}
     print(key, {k: v for k, v in res[key].items() if k != "mod64"}, flush=True)
     print("  mod64", res[key]["mod64"], flush=True)
-json.dump(res, open(os.path.join(os.environ["OUT"], "mgpu-lse-rows.json"), "w"), indent=1)
+import datetime
+meta = {"gpu": jax.devices()[0].device_kind, "jax": jax.__version__, "date": datetime.date.today().isoformat()}
+json.dump({**meta, "results": res}, open(os.path.join(os.environ["OUT"], "mgpu-lse-rows.json"), "w"), indent=1)
