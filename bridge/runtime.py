@@ -17,6 +17,7 @@ therefore ordered after jax's reads too.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import weakref
 from operator import attrgetter
@@ -55,18 +56,24 @@ class _Transfer:
     Elsewhere (the CPU) both directions use the plain protocol.
     The ordering rides on the import itself: the event wait is put on jax's stream for external ready
     events, and the import records the new array's definition event on that stream, which the program
-    waits for before reading the array. So x is imported anew on every call, even when it is the same
-    tensor: an array imported earlier carries an old, completed definition event, and a program reading
-    it would no longer wait for torch's writes. (A per-call import cache tried on 2026-11-30 broke the
-    harness timing of shape 13, 0.0013 ms, and slowed shapes 7 and 11: bench/results/official-2026-11-30-
-    h200-session5-cachebug.json; reverted.) Tried again in session 8, reusing the import only while x's
-    version counter was unchanged (so no torch write could be pending): the harness loop again saw calls
-    where torch's stream did not wait for jax's output at all, 0.0013 ms, on every jax-path shape (p10 of
-    shapes 8 and 11, median of 13: official-2026-11-30-h200-session8-cachebug.json), although a short
-    event test of the same build (host-overhead-...-session8-cache.json) had looked right. A missing wait
-    for the output is not what a stale input ordering alone would show (that would let jax read x early,
-    not let torch's events skip jax's work), so the export's wait too seems to depend on x being imported
-    anew: cause not found; do not cache.
+    waits for before reading the array. That stream is not the one jax's programs run on, and nothing
+    else joins the two: measured on the H200 (bench/scratch/hotpath_parts.py, bench/results/hotpath-
+    parts-2026-12-01-nvidia-h200.json, "ordering"), an event recorded on it right after a long jax
+    program completed at once, and a jax program on an array imported *earlier* finished while torch's
+    queued work, which the ordering event had been put in front of, was still running; on a fresh
+    import it waited. So x is imported anew on every call, even when it is the same tensor. That is also
+    what broke the two per-call import caches tried before (session 5: bench/results/official-2026-11-30-
+    h200-session5-cachebug.json; session 8, reusing the import while x's version counter was unchanged:
+    official-2026-11-30-h200-session8-cachebug.json): with a cached x, jax's program no longer waited
+    for torch's stream, ran ahead of the harness's start event, and the export's wait was already met
+    when torch's stream reached it: 0.0013 ms "calls". (Session 8 read that as the export's wait
+    failing; it is the missing torch -> jax edge.) Do not cache the import.
+
+    The ordering event goes through the CUDA driver (cuEventRecord on torch's current stream,
+    cuStreamWaitEvent on jax's, raw handles, one cached event): 12.8-13.8 us of drained host time
+    against 24.5-28.4 for torch's Event and ExternalStream wrappers, whose `torch.cuda.current_stream()`
+    alone took 14-17 us (same file; the same check of x rewritten behind busy torch work gave equal
+    outputs on shapes 11, 13 and 8). torch's wrappers stay as the fallback.
     """
 
     def __init__(self, device: torch.device):
@@ -78,15 +85,19 @@ class _Transfer:
         # torch's side of the export: the capsule converter and the current stream's raw handle without
         # the public wrappers' argument handling (a few us per call on the H200 host); public fallbacks.
         self.capsule_to_tensor = getattr(torch._C, "_from_dlpack", torch.utils.dlpack.from_dlpack)
+        self.driver_order = None
         if self.on_cuda:
             self.jax_stream = torch.cuda.ExternalStream(self.importer.stream, device=device)
             self.event = torch.cuda.Event()
             from bridge.mosaic_launch import current_stream_getter
             self.current_raw_stream = current_stream_getter(device)
+            self.driver_order = _driver_ordering(device, self.current_raw_stream, self.importer.stream)
 
     def order_before_jax(self) -> None:
         """Makes jax's stream wait for everything torch's current stream has queued so far."""
         if self.on_cuda:
+            if self.driver_order is not None and self.driver_order():
+                return
             self.event.record(torch.cuda.current_stream(self.device))
             self.jax_stream.wait_event(self.event)
 
@@ -106,6 +117,38 @@ class _Transfer:
             # this jax's native export wants something else: use the array's own protocol from now on
             self.export_capsule = lambda a, s: a.__dlpack__(stream=s)
             return torch.utils.dlpack.from_dlpack(self.export_capsule(array, stream))
+
+
+def _driver_ordering(device: torch.device, torch_raw_stream: Callable[[], int], jax_stream: int):
+    """order() -> bool: one cuEventRecord of a cached event on torch's current stream and one
+    cuStreamWaitEvent of jax's stream on it, through the CUDA driver (see _Transfer); False when the
+    driver refused (e.g. a thread with no CUDA context current), and the caller then orders through
+    torch. None where libcuda or the event cannot be had."""
+    try:
+        from bridge.direct import _driver
+        driver = _driver()
+        create, record, wait = driver.cuEventCreate, driver.cuEventRecord, driver.cuStreamWaitEvent
+        create.argtypes = [ctypes.c_void_p, ctypes.c_uint]
+        record.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        wait.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
+        event = ctypes.c_void_p()
+        with torch.cuda.device(device):
+            torch.cuda.current_stream(device)   # torch's context for the device current on this thread
+            if create(ctypes.byref(event), 0x2):   # CU_EVENT_DISABLE_TIMING
+                return None
+    except (OSError, AttributeError):
+        return None
+
+    index = device.index
+
+    def order() -> bool:
+        # torch's default stream is handle 0, which the driver resolves in the current context: only
+        # when the device's own is current (else torch's wrappers, which switch devices, do it)
+        if _current_cuda_device() != index:
+            return False
+        return not record(event, torch_raw_stream()) and not wait(jax_stream, event, 0)
+    order.event = event   # kept alive with the closure (never destroyed: one per device)
+    return order
 
 
 def _start_jax_keeping_torch_device() -> None:

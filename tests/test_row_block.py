@@ -16,7 +16,7 @@ import ttj_jax as T
 from ttj_jax.masks import MaskKind
 from ttj_jax.planner import CPU
 from conftest import to_torch
-from ttj_jax.kernels.row_block import rows_forward, rows_weights, supports
+from ttj_jax.kernels.row_block import RowsWeights, rows_forward, rows_weights, stacked_weights, supports
 
 CASES = {   # (B, S, d, H, ffn, L, causal, mask kind)
     "causal-no-mask": (2, 32, 64, 4, 128, 2, True, None),
@@ -66,13 +66,14 @@ def test_padded_heads_give_the_unpadded_result(mask_kind, harness_rule):
     params = T.init_params(jax.random.key(3), config)
     prepared = T.prepare_weights(params, T.MIXED_FP16)
     padded = rows_weights(prepared, H)
-    assert padded.layers[0]["qkv_weight"].shape == (d, 3 * H * 16)
-    assert padded.layers[0]["out_weight"].shape == (H * 16, d)
-    w = np.asarray(padded.layers[0]["qkv_weight"], np.float32).reshape(d, 3, H, 16)
-    assert (w[..., 8:] == 0).all() and np.array_equal(w[..., :8].reshape(d, -1),
-                                                      np.asarray(prepared.layers[0]["qkv_weight"], np.float32))
+    assert padded.layers["qkv_weight"].shape == (L, d, 3 * H * 16)
+    assert padded.layers["out_weight"].shape == (L, H * 16, d)
+    for layer in range(L):
+        w = np.asarray(padded.layers["qkv_weight"][layer], np.float32).reshape(d, 3, H, 16)
+        assert (w[..., 8:] == 0).all() and np.array_equal(
+            w[..., :8].reshape(d, -1), np.asarray(prepared.layers[layer]["qkv_weight"], np.float32))
     assert rows_weights(T.prepare_weights(T.init_params(jax.random.key(0), T.Config(1, 16, 64, 4, 64, 1, True)),
-                                          T.MIXED_FP16), 4).layers[0]["qkv_weight"].shape == (64, 192)   # hd 16: as is
+                                          T.MIXED_FP16), 4).layers["qkv_weight"].shape == (1, 64, 192)   # hd 16: as is
     x = jax.random.normal(jax.random.key(5), (B, S, d), jnp.float32)
     mask = _mask(mask_kind, B, S)
     key_valid = None if mask is None else mask
@@ -80,10 +81,33 @@ def test_padded_heads_give_the_unpadded_result(mask_kind, harness_rule):
                                                   interpret=True))
     np.testing.assert_allclose(run(padded), run(prepared), rtol=0, atol=2e-4)
     y = np.asarray(T.forward(prepared, x, mask, config=config, stack="rows"))
-    assert T.model.kernel_weights(prepared, T.model_key(config), "rows").layers[0]["qkv_weight"].shape[1] == 3 * H * 16
+    assert T.model.kernel_weights(prepared, T.model_key(config), "rows").layers["qkv_weight"].shape[-1] == 3 * H * 16
     harness_rule(to_torch(y), to_torch(T.forward(params, x, mask, config=config, stack="layers")))
     with pytest.raises(ValueError, match="width"):
         rows_forward(padded, x, num_heads=4, causal=True, interpret=True)
+
+
+def test_stacked_weights_are_fourteen_arrays_and_give_the_per_layer_result():
+    """RowsWeights holds each per-layer weight stacked over the layers: the program takes 14 arrays at
+    any depth (jax's dispatch costs ~1 us of host time per argument), and each kernel reads its layer's
+    slice in place. The output equals running the same kernels on PreparedWeights (stacked inside the
+    call), bit for bit: the kernels read the same values."""
+    B, S, d, H, ffn, L = 2, 32, 64, 4, 128, 3
+    config = T.Config(B, S, d, H, ffn, L, True)
+    prepared = T.prepare_weights(T.init_params(jax.random.key(11), config), T.MIXED_FP16)
+    stacked = stacked_weights(prepared)
+    assert isinstance(stacked, RowsWeights) and stacked.num_layers == L
+    assert len(jax.tree_util.tree_leaves(stacked)) == 14 and len(jax.tree_util.tree_leaves(prepared)) == 12 * L + 2
+    for name, array in stacked.layers.items():
+        for layer in range(L):
+            assert np.array_equal(np.asarray(array[layer]), np.asarray(prepared.layers[layer][name])), name
+    x = jax.random.normal(jax.random.key(2), (B, S, d), jnp.float32)
+    run = lambda w: np.asarray(rows_forward(w, x, num_heads=H, causal=True, interpret=True))  # noqa: E731
+    assert np.array_equal(run(stacked), run(prepared))
+    # the layers are distinct: swapping two layers' weights changes the output
+    swapped = RowsWeights({k: v[jnp.array([1, 0, 2])] for k, v in stacked.layers.items()}, stacked.final_norm,
+                          stacked.policy_name)
+    assert not np.allclose(run(swapped), run(stacked))
 
 
 def test_padded_heads_lower_with_no_copies_around_attention():
@@ -129,12 +153,13 @@ def test_rows_stack_lowers_through_triton_for_cuda():
     # (jit outlines repeated identical calls, so the text names each kernel rather than counting calls).
     config = T.OFFICIAL["13"].config
     params = jax.eval_shape(lambda: T.init_params(jax.random.key(0), config))
-    prepared = jax.eval_shape(lambda p: T.prepare_weights(p, T.MIXED_FP16), params)
+    weights = jax.eval_shape(lambda p: rows_weights(T.prepare_weights(p, T.MIXED_FP16), 4), params)
     x = jax.ShapeDtypeStruct((2, 1024, 128), jnp.float32)
     forward = lambda w, x: rows_forward(w, x, num_heads=4, causal=True)
-    text = jax.jit(forward).trace(prepared, x).lower(lowering_platforms=("cuda",)).as_text()
+    text = jax.jit(forward).trace(weights, x).lower(lowering_platforms=("cuda",)).as_text()
     assert "ttj_rows_entry" in text and "ttj_rows_between" in text
-    # nothing around the kernels but free reshapes: the weights go in as prepared (no per-call slicing)
+    # nothing around the kernels but free reshapes: the kernels read their layer of the stacked weights
+    # in place (no per-call slicing or stacking)
     assert set(re.findall(r"stablehlo\.(\w+)", text)) <= {"custom_call", "reshape", "return", "call"}
 
 

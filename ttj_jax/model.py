@@ -172,9 +172,9 @@ def _run_fused_mgpu(weights, x, mask, *, config: Config, plan: Plan):
 
 def _run_rows(weights, x, mask, *, config: Config, plan: Plan):
     """Per layer our flash attention and one row-tile kernel for everything else (plan.stack == "rows")."""
-    from ttj_jax.kernels.row_block import rows_forward
+    from ttj_jax.kernels.row_block import RowsWeights, rows_forward
     from ttj_jax.planner import ROWS_BLOCK
-    if not isinstance(weights, PreparedWeights):
+    if not isinstance(weights, (PreparedWeights, RowsWeights)):
         weights = prepare_weights(weights, get_policy(plan.policy))
     row_valid = mask if plan.mask_mode != "none" else None
     key_valid = key_mask_for(mask, mode=plan.mask_mode, causal=config.causal) if row_valid is not None else None
@@ -187,8 +187,9 @@ _KERNEL_WEIGHTS: "weakref.WeakKeyDictionary[PreparedWeights, dict]" = weakref.We
 
 def kernel_weights(prepared: PreparedWeights, config: Config, stack: str):
     """What the plan's executable takes for `prepared`: the whole-stack kernels' own weight layouts
-    ("fused": FusedWeights, "fused_mgpu": MgpuStackWeights; "rows": heads narrower than the flash
-    kernel's smallest width zero-padded, row_block.rows_weights), built once per PreparedWeights object
+    ("fused": FusedWeights, "fused_mgpu": MgpuStackWeights; "rows": RowsWeights, the layers stacked and
+    heads narrower than the flash kernel's smallest width zero-padded, row_block.rows_weights), built
+    once per PreparedWeights object
     (they are immutable) and kept as long as it lives; `prepared` itself for the other stacks."""
     if stack not in ("fused", "fused_mgpu", "rows"):
         return prepared

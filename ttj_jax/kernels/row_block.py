@@ -67,6 +67,11 @@ def _row_spec(rows: int, width: int):
     return pl.BlockSpec((rows, width), lambda i: (i, 0))
 
 
+def _layer_block(stacked: jax.Array, layer: int):
+    """Layer `layer` of a weight stacked over layers ([L, ...]): the whole of it in every program."""
+    return pl.BlockSpec((None,) + stacked.shape[1:], lambda i, ndim=stacked.ndim: (layer,) + (0,) * (ndim - 1))
+
+
 def _whole(array):
     return pl.BlockSpec(array.shape, lambda i, ndim=array.ndim: (0,) * ndim)
 
@@ -125,10 +130,49 @@ def _between_kernel(*refs, d_model: int, ffn_block: int, masked: bool, last: boo
     _project_qkv(h, qkv_w_ref, qkv_b_ref, q_ref, k_ref, v_ref, d_model)
 
 
-def rows_weights(prepared: PreparedWeights, num_heads: int) -> PreparedWeights:
-    """`prepared` with each head's q/k/v columns (weights and biases) and out-projection rows zero-padded
-    to `padded_head_dim(head_dim)` (module docstring), or `prepared` itself when the heads need no
-    padding. Traceable: build it once under jit (model.kernel_weights does) and keep it."""
+@jax.tree_util.register_pytree_node_class
+class RowsWeights:
+    """The rows stack's weights: PreparedWeights' per-layer arrays stacked over the layers (`layers[name]`
+    is [L, ...]), and the final LayerNorm's two vectors. Fourteen arrays whatever the depth, where
+    PreparedWeights has twelve per layer: jax's dispatch costs about 1 us of host time per argument on the
+    H200 host (32 us for a 1-argument program, 86 us for 50: bench/results/hotpath-parts-2026-12-01-
+    nvidia-h200.json), and shapes 11 and 13 call this program with 51 arguments before. Each kernel reads
+    its layer's slice in place (a BlockSpec on the stacked array), so stacking adds no copy to the call."""
+
+    def __init__(self, layers: dict, final_norm: dict, policy_name: str):
+        self.layers = layers
+        self.final_norm = final_norm
+        self.policy_name = policy_name
+
+    def tree_flatten(self):
+        return (self.layers, self.final_norm), self.policy_name
+
+    @classmethod
+    def tree_unflatten(cls, policy_name, children):
+        return cls(*children, policy_name)
+
+    @property
+    def num_layers(self) -> int:
+        return next(iter(self.layers.values())).shape[0]
+
+
+def stacked_weights(prepared: PreparedWeights) -> RowsWeights:
+    """`prepared`'s layers stacked, as they are (no padding). Traceable."""
+    layers = {name: jnp.stack([layer[name] for layer in prepared.layers]) for name in prepared.layers[0]}
+    return RowsWeights(layers, dict(prepared.final_norm), prepared.policy_name)
+
+
+def rows_weights(prepared: PreparedWeights, num_heads: int) -> RowsWeights:
+    """`prepared` stacked over the layers (RowsWeights), with each head's q/k/v columns (weights and
+    biases) and out-projection rows zero-padded to `padded_head_dim(head_dim)` (module docstring) where
+    the heads are narrower than that. Traceable: build it once under jit (model.kernel_weights does)
+    and keep it."""
+    return stacked_weights(padded_heads(prepared, num_heads))
+
+
+def padded_heads(prepared: PreparedWeights, num_heads: int) -> PreparedWeights:
+    """`prepared` with narrow heads zero-padded (see rows_weights), or `prepared` itself when the heads
+    need no padding."""
     from ttj_jax.kernels.flash_attention import padded_head_dim
     d = prepared.layers[0]["qkv_weight"].shape[0]
     hd = d // num_heads
@@ -157,31 +201,35 @@ def _compiler(blocks: RowBlocks):
 
 @functools.partial(jax.jit, static_argnames=("num_heads", "causal", "block_rows", "ffn_block", "num_warps",
                                              "interpret"))
-def rows_forward(prepared: PreparedWeights, x: jax.Array, row_valid: jax.Array | None = None,
+def rows_forward(weights: RowsWeights | PreparedWeights, x: jax.Array, row_valid: jax.Array | None = None,
                  key_valid: jax.Array | None = None, *, num_heads: int, causal: bool, block_rows: int = 64,
                  ffn_block: int = 64, num_warps: int = 4, interpret: bool = False) -> jax.Array:
     """y = LN_final(layers(x)) per SPEC section 1: per layer our flash-attention kernel and one row-tile
     kernel for everything else (module docstring).
 
-    prepared: PreparedWeights of the mixed_fp16 policy, as they are or with padded heads (`rows_weights`:
-    no copies around attention; without them the flash kernel pads heads narrower than 16 itself).
+    weights: RowsWeights of the mixed_fp16 policy (`rows_weights`: heads padded, so no copies around
+    attention; `stacked_weights`: as they are, and the flash kernel pads heads narrower than 16 itself),
+    or PreparedWeights, stacked here as they are (copies inside the call: build RowsWeights once instead).
     x: [B, S, d] (any float dtype; computed with an fp32 residual, returned in x's dtype). row_valid: None or bool [B, S]: invalid rows are zeroed as
     SPEC 1 says. key_valid: None or bool [B, S]: keys attention may see (see model.key_mask_for).
     B * S must be a multiple of block_rows (the caller pads; the planner only plans shapes that are).
     """
     from ttj_jax.kernels.flash_attention import flash_attention, padded_head_dim
-    if prepared.policy_name != MIXED_FP16.name:
-        raise ValueError(f"prepared.policy_name={prepared.policy_name!r} must be {MIXED_FP16.name!r}")
+    if weights.policy_name != MIXED_FP16.name:
+        raise ValueError(f"weights.policy_name={weights.policy_name!r} must be {MIXED_FP16.name!r}")
+    if isinstance(weights, PreparedWeights):
+        weights = stacked_weights(weights)
+    stack = weights.layers
     B, S, d = x.shape
     n = B * S
-    ffn = prepared.layers[0]["ffn_in_weight"].shape[1]
+    ffn = stack["ffn_in_weight"].shape[-1]
     if not (_power_of_two(d) and d <= MAX_D_MODEL and _power_of_two(ffn) and ffn <= MAX_FFN_DIM):
         raise ValueError(f"d_model={d} and ffn_dim={ffn} must be powers of two >= 16, at most "
                          f"{MAX_D_MODEL} and {MAX_FFN_DIM}")
     if n % block_rows:
         raise ValueError(f"batch * seq_len = {n} must be a multiple of block_rows={block_rows}")
     head_dim = d // num_heads
-    width = prepared.layers[0]["qkv_weight"].shape[1] // 3   # d, or num_heads * padded head width
+    width = stack["qkv_weight"].shape[-1] // 3   # d, or num_heads * padded head width
     if width not in (d, num_heads * padded_head_dim(head_dim)):
         raise ValueError(f"q/k/v width {width}: expected {d} or, padded by rows_weights, "
                          f"{num_heads * padded_head_dim(head_dim)}")
@@ -194,40 +242,40 @@ def rows_forward(prepared: PreparedWeights, x: jax.Array, row_valid: jax.Array |
     mask_specs = [pl.BlockSpec((block_rows,), lambda i: (i,))] if masked else []
     qkv_shapes = [jax.ShapeDtypeStruct((n, width), _GEMM_DTYPE)] * 3
 
-    first = prepared.layers[0]
-    entry_inputs = [first["norm1_weight"], first["norm1_bias"], first["qkv_weight"], first["qkv_bias"]]
+    entry_names = ("norm1_weight", "norm1_bias", "qkv_weight", "qkv_bias")
     q, k, v = pl.pallas_call(
         functools.partial(_entry_kernel, d_model=d), grid=grid,
-        in_specs=[_row_spec(block_rows, d)] + [_whole(a) for a in entry_inputs],
+        in_specs=[_row_spec(block_rows, d)] + [_layer_block(stack[name], 0) for name in entry_names],
         out_specs=[_row_spec(block_rows, width)] * 3, out_shape=qkv_shapes,
         compiler_params=_compiler(blocks), interpret=interpret, name="ttj_rows_entry",
-    )(rows, *entry_inputs)
+    )(rows, *[stack[name] for name in entry_names])
 
-    for index, layer in enumerate(prepared.layers):
+    num_layers = weights.num_layers
+    for index in range(num_layers):
         heads = lambda a: a.reshape(B, S, num_heads, head_width)
         context = flash_attention(heads(q), heads(k), heads(v), causal=causal, key_mask=key_valid,
                                   sm_scale=head_dim ** -0.5, interpret=interpret).reshape(n, width)
-        last = index == len(prepared.layers) - 1
-        layer_inputs = [layer["out_weight"], layer["out_bias"], layer["norm2_weight"], layer["norm2_bias"],
-                        layer["ffn_in_weight"], layer["ffn_in_bias"], layer["ffn_out_weight"], layer["ffn_out_bias"]]
+        last = index == num_layers - 1
+        layer_names = ("out_weight", "out_bias", "norm2_weight", "norm2_bias", "ffn_in_weight", "ffn_in_bias",
+                       "ffn_out_weight", "ffn_out_bias")
+        inputs = [stack[name] for name in layer_names]
+        specs = [_layer_block(a, index) for a in inputs]
         if last:
-            tail_inputs = [prepared.final_norm["weight"], prepared.final_norm["bias"]]
+            tail = [weights.final_norm["weight"], weights.final_norm["bias"]]
+            inputs, specs = inputs + tail, specs + [_whole(a) for a in tail]
             out_specs, out_shape = _row_spec(block_rows, d), jax.ShapeDtypeStruct((n, d), x.dtype)
-        else:
-            following = prepared.layers[index + 1]
-            tail_inputs = [following["norm1_weight"], following["norm1_bias"], following["qkv_weight"],
-                           following["qkv_bias"]]
+        else:   # the next layer's LayerNorm 1 and q/k/v projection
+            tail = [stack[name] for name in entry_names]
+            inputs, specs = inputs + tail, specs + [_layer_block(a, index + 1) for a in tail]
             out_specs = [_row_spec(block_rows, d)] + [_row_spec(block_rows, width)] * 3
             out_shape = [jax.ShapeDtypeStruct((n, d), jnp.float32)] + qkv_shapes
-        weights = layer_inputs + tail_inputs
         result = pl.pallas_call(
             functools.partial(_between_kernel, d_model=d, ffn_block=blocks.ffn_block, masked=masked, last=last),
             grid=grid,
-            in_specs=[_row_spec(block_rows, d), _row_spec(block_rows, width)] + mask_specs
-            + [_whole(a) for a in weights],
+            in_specs=[_row_spec(block_rows, d), _row_spec(block_rows, width)] + mask_specs + specs,
             out_specs=out_specs, out_shape=out_shape, compiler_params=_compiler(blocks), interpret=interpret,
             name="ttj_rows_between",
-        )(rows, context, *mask_inputs, *weights)
+        )(rows, context, *mask_inputs, *inputs)
         if last:
             return result.reshape(B, S, d)
         rows, q, k, v = result
