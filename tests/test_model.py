@@ -140,6 +140,41 @@ def test_deterministic_and_no_recompilation():
     assert warm >= 1   # the counter itself works: the first masked call compiled
 
 
+def test_forward_plans_each_input_signature_once(monkeypatch):
+    """forward keeps its plan and executable per input signature (model._forward_call): a repeated call
+    does not plan again, and anything plan_for reads (shape, dtype, mask kind, options) gets its own
+    plan, never a stale one. Inside a caller's jit (traced x) it plans every time and still works."""
+    import jax
+    from ttj_jax import model
+    config = CONFIGS["hd16-S7"]
+    _, params = baseline_and_params(config)
+    prepared = T.prepare_weights(params, T.MIXED_FP16)
+    x = to_jax(random_input(config, seed=5))
+    calls = []
+    real = model.plan_for
+    monkeypatch.setattr(model, "plan_for", lambda *a, **k: calls.append(k) or real(*a, **k))
+    model._FORWARD_CALLS.clear()
+    first = np.asarray(T.forward(prepared, x, config=config))
+    assert len(calls) == 1
+    np.testing.assert_array_equal(np.asarray(T.forward(prepared, x, config=config)), first)
+    assert len(calls) == 1                                             # same signature: no planning
+    T.forward(prepared, x[:1], config=config)                          # another batch
+    T.forward(prepared, x.astype(jnp.float16), config=config)          # another dtype
+    T.forward(prepared, x, jnp.ones(x.shape[:2], bool).at[0, -1].set(False), config=config)   # a prefix mask
+    T.forward(prepared, x, config=config, stack="layers", attention="xla")                   # options
+    assert len(calls) == 5 and calls[-1]["attention"] == "xla"
+    T.forward(prepared, x, config=config, stack="layers", attention="xla")
+    assert len(calls) == 5
+    # the cached entry is the plan a fresh planning gives
+    key_plan = next(v[0] for k, v in model._FORWARD_CALLS.items() if k[1] == x.shape and k[6] == (
+        ("policy", None), ("attention", None), ("data_parallel", None), ("stack", None),
+        ("sequence_parallel", None)) and k[4] == T.MaskKind.NONE and k[2] == x.dtype)
+    assert key_plan == real(config, x, T.MaskKind.NONE)
+    traced = jax.jit(lambda v: T.forward(prepared, v, config=config))(x)
+    np.testing.assert_allclose(np.asarray(traced), first, rtol=0, atol=1e-6)
+    assert len(calls) == 6                                             # planned under the trace
+
+
 def test_batch_chunked_plan_matches_whole_batch():
     config = dataclasses.replace(CONFIGS["hd16-S7"], batch_size=6)
     _, params = baseline_and_params(config)

@@ -263,9 +263,10 @@ def validate_inputs(x_shape, x_dtype: str, mask_shape, mask_dtype: str | None, c
 
 
 def plan_for(config: Config, x, mask_kind: MaskKind, device=None, caller: str = "jax", **overrides) -> Plan:
-    device = device if device is not None else next(iter(x.devices())) if hasattr(x, "devices") \
-        else jax.devices()[0]
-    devices = x.devices() if hasattr(x, "devices") and callable(x.devices) else ()
+    # a traced x (forward inside a caller's jit) has no devices yet: planned for the default device
+    placed = hasattr(x, "devices") and callable(x.devices) and not isinstance(x, jax.core.Tracer)
+    devices = x.devices() if placed else ()
+    device = device if device is not None else next(iter(devices)) if devices else jax.devices()[0]
     facts = InputFacts(batch_size=int(x.shape[0]), seq_len=int(x.shape[1]), dtype=str(jnp.dtype(x.dtype)),
                        mask_kind=mask_kind, input_devices=max(1, len(devices)), caller=caller)
     return make_plan(config, facts, device_facts(device), **overrides)
@@ -313,13 +314,39 @@ def forward(params: Any, x, valid_token_mask=None, *, config, mask_kind: MaskKin
                     None if mask is None else jnp.dtype(mask.dtype).name, config)
     if jnp.dtype(x.dtype) == jnp.float64:
         raise TypeError("x is float64, which jax computes only with x64 mode on; pass float32")
-    x = jnp.asarray(x)
-    mask = None if mask is None else jnp.asarray(mask)
+    x = x if isinstance(x, jax.Array) else jnp.asarray(x)   # asarray of an Array: ~8 us for nothing
+    mask = mask if mask is None or isinstance(mask, jax.Array) else jnp.asarray(mask)
     kind = MaskKind(mask_kind) if mask_kind is not None else _mask_kind(mask)
-    chosen = plan_for(config, x, kind, policy=policy, attention=attention, data_parallel=data_parallel,
-                      stack=stack, sequence_parallel=sequence_parallel)
-    mask = mask if chosen.mask_mode != "none" else None
     prepared = isinstance(params, PreparedWeights)
+    chosen, run, key_config = _forward_call(config, x, kind, prepared, (
+        ("policy", policy), ("attention", attention), ("data_parallel", data_parallel), ("stack", stack),
+        ("sequence_parallel", sequence_parallel)))
+    mask = mask if chosen.mask_mode != "none" else None
     if prepared:
-        params = kernel_weights(params, model_key(config), chosen.stack)
-    return executable(chosen, model_key(config), prepared)(params, x, mask)
+        params = kernel_weights(params, key_config, chosen.stack)
+    return run(params, x, mask)
+
+
+# forward's plan and executable per input signature. Planning (x's device facts, the plan and its
+# reasons, the executable cache's hash of the plan) took ~70 us of Python per call on a CPU, beside
+# ~42 us for the compiled program's own dispatch (tests/test_model.py's signature test keeps the
+# cache honest): a JAX user's repeated calls pay it once. The key holds everything plan_for reads:
+# the config, x's shape, dtype and sharding (its devices), the mask's kind and the options; the
+# device facts read there (kind, count, memory limit) do not change while the process runs. Traced
+# x (forward inside a caller's jit) is planned every time (cheap next to tracing).
+_FORWARD_CALLS: dict[tuple, tuple] = {}
+
+
+def _forward_call(config: Config, x, kind: MaskKind, prepared: bool, overrides: tuple):
+    key = None
+    if not isinstance(x, jax.core.Tracer):
+        key = (config, x.shape, x.dtype, x.sharding, kind, prepared, overrides)
+        found = _FORWARD_CALLS.get(key)
+        if found is not None:
+            return found
+    chosen = plan_for(config, x, kind, **{name: value for name, value in overrides})
+    key_config = model_key(config)
+    found = (chosen, executable(chosen, key_config, prepared), key_config)
+    if key is not None:
+        _FORWARD_CALLS[key] = found
+    return found
