@@ -1,5 +1,7 @@
 """Host time of a JAX user's call: `ttj_jax.forward(prepared, x, config=...)` against the compiled
-executable it ends in (`ttj_jax.executable(plan, ...)(weights, x, None)`), per shape.
+executable it ends in (`ttj_jax.executable(plan, ...)(weights, x, None)`), per shape; and forward with its
+plan cache emptied before every call ("forward_replanning": how every call went before session 11,
+less the ~8 us jnp.asarray of an Array it also dropped).
 
 forward validates, plans and looks the executable up; since session 11 it keeps the plan and executable
 per input signature (model._forward_call), so a repeated call should cost little more than the
@@ -27,6 +29,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import ttj_jax as T  # noqa: E402
 from bench.report import slug  # noqa: E402
+from ttj_jax import model  # noqa: E402
 from ttj_jax.model import executable, kernel_weights, model_key, plan_for  # noqa: E402
 
 
@@ -37,8 +40,13 @@ def measure(shape: T.Shape, calls: int) -> dict:
     plan = plan_for(config, x, T.MaskKind.NONE)
     run = executable(plan, model_key(config), True)
     weights = kernel_weights(prepared, model_key(config), plan.stack)
+    def forward_replanning():   # forward as it was before session 11: planned on every call
+        model._FORWARD_CALLS.clear()
+        return T.forward(prepared, x, config=config)
+
     contenders = {"forward": lambda: T.forward(prepared, x, config=config),
-                  "executable": lambda: run(weights, x, None)}
+                  "executable": lambda: run(weights, x, None),
+                  "forward_replanning": forward_replanning}
     for fn in contenders.values():
         for _ in range(20):
             fn()
@@ -79,11 +87,11 @@ def main(argv=None):
                                   f"{'-' + args.tag if args.tag else ''}.json")
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
-    print(f"{'shape':>8} {'plan':>12} {'forward us':>11} {'executable us':>14} {'difference':>11}")
+    print(f"{'shape':>8} {'plan':>12} {'forward us':>11} {'executable us':>14} {'difference':>11} {'replanning us':>14}")
     for sid, r in result["shapes"].items():
         m = r["median_us"]
         print(f"{sid:>8} {r['plan']:>12} {m['forward']:11.1f} {m['executable']:14.1f} "
-              f"{r['forward_minus_executable_us']:+11.1f}")
+              f"{r['forward_minus_executable_us']:+11.1f} {m['forward_replanning']:14.1f}")
     print("->", path)
 
 

@@ -327,10 +327,13 @@ def forward(params: Any, x, valid_token_mask=None, *, config, mask_kind: MaskKin
     return run(params, x, mask)
 
 
-# forward's plan and executable per input signature. Planning (x's device facts, the plan and its
-# reasons, the executable cache's hash of the plan) took ~70 us of Python per call on a CPU, beside
-# ~42 us for the compiled program's own dispatch (tests/test_model.py's signature test keeps the
-# cache honest): a JAX user's repeated calls pay it once. The key holds everything plan_for reads:
+# forward's plan and executable per input signature. Planning on every call (x's device facts, the
+# plan and its reasons, the executable cache's hash of the plan) cost a JAX user ~70-150 us of host
+# time per call on the H200 machine: forward took 204.8 us at shape 2 when replanning, 89.0 with this
+# cache, the executable alone 57.0 (shape 11: 210.8, 130.6, 106.4; 12: 139.5, 69.1, 57.9;
+# bench/results/forward-overhead-2026-12-01-nvidia-h200.json, `python -m bench.forward_overhead`).
+# What is left is mostly validate_inputs (~6 us; forward-pieces-2026-12-01-nvidia-h200.json).
+# tests/test_model.py's signature test keeps the cache honest. The key holds everything plan_for reads:
 # the config, x's shape, dtype and sharding (its devices), the mask's kind and the options; the
 # device facts read there (kind, count, memory limit) do not change while the process runs. Traced
 # x (forward inside a caller's jit) is planned every time (cheap next to tracing).

@@ -155,11 +155,12 @@ def _unflatten(flat: Mapping[str, Any], num_layers: int) -> dict:
     return params
 
 
-@jax.tree_util.register_pytree_node_class
-class PreparedWeights:
-    """Weights in the layout and dtypes the forward pass consumes, for one numerics policy."""
+class LayerStackWeights:
+    """Per-layer weights, the final LayerNorm's and the numerics policy's name, as a pytree (the name is
+    static). Subclasses say how `layers` is laid out; register each with
+    jax.tree_util.register_pytree_node_class."""
 
-    def __init__(self, layers: list[dict], final_norm: dict, policy_name: str):
+    def __init__(self, layers, final_norm: dict, policy_name: str):
         self.layers = layers
         self.final_norm = final_norm
         self.policy_name = policy_name
@@ -170,6 +171,12 @@ class PreparedWeights:
     @classmethod
     def tree_unflatten(cls, policy_name, children):
         return cls(*children, policy_name)
+
+
+@jax.tree_util.register_pytree_node_class
+class PreparedWeights(LayerStackWeights):
+    """Weights in the layout and dtypes the forward pass consumes, for one numerics policy: `layers` is a
+    list of one dict per layer."""
 
     @property
     def num_layers(self) -> int:

@@ -39,7 +39,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from ttj_jax.kernels.fused_stack import _dot, _gelu, _layer_norm_rows, _loop
 from ttj_jax.numerics import MIXED_FP16
-from ttj_jax.params import PreparedWeights
+from ttj_jax.params import LayerStackWeights, PreparedWeights
 
 MAX_D_MODEL = 128
 MAX_FFN_DIM = 1024
@@ -131,25 +131,13 @@ def _between_kernel(*refs, d_model: int, ffn_block: int, masked: bool, last: boo
 
 
 @jax.tree_util.register_pytree_node_class
-class RowsWeights:
+class RowsWeights(LayerStackWeights):
     """The rows stack's weights: PreparedWeights' per-layer arrays stacked over the layers (`layers[name]`
     is [L, ...]), and the final LayerNorm's two vectors. Fourteen arrays whatever the depth, where
     PreparedWeights has twelve per layer: jax's dispatch costs about 1 us of host time per argument on the
     H200 host (32 us for a 1-argument program, 86 us for 50: bench/results/hotpath-parts-2026-12-01-
     nvidia-h200.json), and shapes 11 and 13 call this program with 51 arguments before. Each kernel reads
     its layer's slice in place (a BlockSpec on the stacked array), so stacking adds no copy to the call."""
-
-    def __init__(self, layers: dict, final_norm: dict, policy_name: str):
-        self.layers = layers
-        self.final_norm = final_norm
-        self.policy_name = policy_name
-
-    def tree_flatten(self):
-        return (self.layers, self.final_norm), self.policy_name
-
-    @classmethod
-    def tree_unflatten(cls, policy_name, children):
-        return cls(*children, policy_name)
 
     @property
     def num_layers(self) -> int:
