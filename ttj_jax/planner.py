@@ -80,6 +80,9 @@ FUSED_STACK_MAX_ROWS = 10000 * 128
 # heads padded in the weights instead (row_block.rows_weights: 9 kernels, no copies) the program took
 # 0.1555 ms (XLA program 0.2153, ablate11-padded-2026-11-30-nvidia-h200-session6.json) and the bridge
 # 0.1756 against the peer's 0.2259 (official-2026-11-30-h200-session6, part 3), zero failing elements.
+# With its weights stacked over the layers (row_block.RowsWeights: a 15-argument program instead of 51)
+# the bridge took 0.152 ms against the peer's 0.229, level with the JAX loop's 0.155
+# (official-2026-12-01-h200-session11), zero failing elements.
 FUSED_STACK_MAX_HEADS = 4
 # The fused kernel's mask path (valid_token_mask: keys excluded, invalid rows zeroed) ran on the H200 with
 # zero failing elements on prefix and general masks (shape 2, 3 seeds each,
