@@ -136,7 +136,7 @@ def _driver_ordering(device: torch.device, torch_raw_stream: Callable[[], int], 
             torch.cuda.current_stream(device)   # torch's context for the device current on this thread
             if create(ctypes.byref(event), 0x2):   # CU_EVENT_DISABLE_TIMING
                 return None
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, RuntimeError):   # no libcuda, an old driver, torch without CUDA
         return None
 
     index = device.index

@@ -191,3 +191,18 @@ def test_host_overhead_script_on_the_cpu(tmp_path, capsys):
     assert shape["bridge_minus_jax_us"] == shape["host_us"]["bridge"]["median_us"] - shape["host_us"]["jax_direct"]["median_us"]
     assert {"jax_array_idle", "exported_tensor_busy", "bridge_output_idle"} <= set(shape["free_us"])
     assert "bridge-jax" in capsys.readouterr().out
+
+
+def test_forward_overhead_script_on_the_cpu(tmp_path, capsys):
+    """bench/forward_overhead.py (its H200 numbers are in bench/results/forward-overhead-*.json) runs end
+    to end on a CPU-sized shape and records the three contenders; the cache it times leaves forward's
+    plan in place after the replanning contender has emptied it."""
+    from bench import forward_overhead
+    from ttj_jax import model
+    forward_overhead.main(["--shapes", "cpu-2", "--calls", "6", "--out", str(tmp_path)])
+    (path,) = tmp_path.glob("forward-overhead-*.json")
+    record = json.loads(path.read_text())["shapes"]["cpu-2"]
+    assert set(record["median_us"]) == {"forward", "executable", "forward_replanning"}
+    assert all(v > 0 for v in record["median_us"].values()) and record["plan"] == "layers"
+    assert len(model._FORWARD_CALLS) >= 1
+    assert "replanning us" in capsys.readouterr().out

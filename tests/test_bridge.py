@@ -268,3 +268,52 @@ def test_weights_fast_path_drops_old_weights_on_change(harness_rule):
             p.mul_(0.9), q.mul_(0.9)
     harness_rule(ours(x), torch_reference(base, x, None))
     assert call.weights is not before
+
+
+def test_driver_ordering_records_on_torchs_stream_then_waits_on_jaxs(monkeypatch):
+    """The CUDA ordering of runtime._driver_ordering, with a fake driver (no GPU in CI; on the H200 the
+    real one kept x's writes before jax's reads: bench/results/hotpath-parts-2026-12-01-nvidia-h200*.json):
+    one event made once, then per call cuEventRecord on torch's current raw stream and cuStreamWaitEvent
+    of jax's stream on that event, in that order; False (so the caller falls back to torch's wrappers)
+    when the driver refuses either, or when another device is current (handle 0, torch's default
+    stream, would then name that device's stream); None when the driver is missing."""
+    import ctypes
+    from bridge import direct, runtime
+
+    calls = []
+
+    class FakeFunction:
+        def __init__(self, name, result=0):
+            self.name, self.result, self.argtypes = name, result, None
+
+        def __call__(self, *args):
+            if self.name == "cuEventCreate":
+                ctypes.cast(args[0], ctypes.POINTER(ctypes.c_void_p))[0] = 0xE1
+            calls.append((self.name,) + (() if self.name == "cuEventCreate" else tuple(getattr(a, "value", a) for a in args)))
+            return self.result
+
+    class FakeDriver:
+        def __init__(self):
+            self.cuEventCreate = FakeFunction("cuEventCreate")
+            self.cuEventRecord = FakeFunction("cuEventRecord")
+            self.cuStreamWaitEvent = FakeFunction("cuStreamWaitEvent")
+
+    fake = FakeDriver()
+    monkeypatch.setattr(direct, "_driver", lambda: fake)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: __import__("contextlib").nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: None)
+    current = [3]
+    monkeypatch.setattr(runtime, "_current_cuda_device", lambda: current[0])
+    order = runtime._driver_ordering(torch.device("cuda", 3), lambda: 0x5A, 0x7B)
+    assert order is not None and [c[0] for c in calls] == ["cuEventCreate"]
+    calls.clear()
+    assert order() is True
+    assert calls == [("cuEventRecord", 0xE1, 0x5A), ("cuStreamWaitEvent", 0x7B, 0xE1, 0)]
+    calls.clear()
+    current[0] = 0                                   # another GPU current: torch's wrappers do it
+    assert order() is False and calls == []
+    current[0] = 3
+    fake.cuStreamWaitEvent.result = 1                # the driver refuses the wait
+    assert order() is False
+    monkeypatch.setattr(direct, "_driver", lambda: (_ for _ in ()).throw(OSError("no libcuda")))
+    assert runtime._driver_ordering(torch.device("cuda", 3), lambda: 0, 0x7B) is None
