@@ -20,7 +20,6 @@ import argparse
 import dataclasses
 import datetime
 import functools
-import json
 import math
 import pathlib
 import sys
@@ -35,7 +34,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench.jax_timing import stream_ms_per_call  # noqa: E402
-from bench.report import describe_error, slug  # noqa: E402
+from bench.report import describe_error, slug, write_json  # noqa: E402
 from ttj_jax.kernels import BlockSizes, flash_attention, flash_attention_fused_qkv  # noqa: E402
 from ttj_jax.kernels import flash_attention_reference  # noqa: E402
 from ttj_jax.kernels.flash_attention import resolve_block_sizes, use_mosaic_kernel  # noqa: E402
@@ -389,13 +388,10 @@ def main(argv=None) -> int:
         checks += case_checks
 
     date = datetime.date.today().isoformat()
-    out_dir = pathlib.Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
     suffix = "-smoke" if args.smoke else ("-check" if args.check else "")
-    path = out_dir / f"attention-{date}-{slug(gpu_name)}{suffix}.json"
     payload = {"gpu": gpu_name, "jax": jax.__version__, "date": date, "quick": args.quick,
                "check_only": args.check, "cases": results, "checks": checks}
-    path.write_text(json.dumps(payload, indent=1, default=str) + "\n")
+    path = write_json(payload, args.out, f"attention-{date}-{slug(gpu_name)}{suffix}")
 
     if not args.check:
         _print_table(results)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import statistics
 import time
@@ -28,7 +27,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import ttj_jax as T  # noqa: E402
-from bench.report import slug  # noqa: E402
+from bench.report import slug, write_json  # noqa: E402
 from ttj_jax import model  # noqa: E402
 from ttj_jax.model import executable, kernel_weights, model_key, plan_for  # noqa: E402
 
@@ -82,11 +81,8 @@ def main(argv=None):
     for sid in ids:
         print(f"shape {sid} ...", flush=True)
         result["shapes"][sid] = measure(suite[sid], args.calls)
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"forward-overhead-{result['date']}-{slug(result['device'])}"
-                                  f"{'-' + args.tag if args.tag else ''}.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
+    path = write_json(result, args.out, f"forward-overhead-{result['date']}-{slug(result['device'])}"
+                                        f"{'-' + args.tag if args.tag else ''}")
     print(f"{'shape':>8} {'plan':>12} {'forward us':>11} {'executable us':>14} {'difference':>11} {'replanning us':>14}")
     for sid, r in result["shapes"].items():
         m = r["median_us"]

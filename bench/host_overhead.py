@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import statistics
 import sys
@@ -50,7 +49,7 @@ import jax  # noqa: E402
 import ttj_jax as T  # noqa: E402
 from bench.baseline import TransformerConfig, harness_models, make_inputs  # noqa: E402
 from bench.cli import _time_jax_loop, _ttj_jax_contender  # noqa: E402
-from bench.report import slug  # noqa: E402
+from bench.report import slug, write_json  # noqa: E402
 from bench.timing import interleaved_host_overhead_us, time_contenders  # noqa: E402
 from bridge import runtime  # noqa: E402
 from ttj_jax.model import validate_inputs  # noqa: E402
@@ -198,11 +197,8 @@ def main(argv=None):
     for sid in args.shapes.split(","):
         print(f"shape {sid} ...", flush=True)
         result["shapes"][sid] = profile_shape(sid, args.calls, device)
-    os.makedirs(args.out, exist_ok=True)
-    gpu = slug(result["gpu"])
-    path = os.path.join(args.out, f"host-overhead-{result['date']}-{gpu}{'-' + args.tag if args.tag else ''}.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
+    path = str(write_json(result, args.out, f"host-overhead-{result['date']}-{slug(result['gpu'])}"
+                                            f"{'-' + args.tag if args.tag else ''}"))
     names = [n for n in CUMULATIVE] + ["alone_weights_check", "alone_front", "alone_import", "alone_export_kept"]
     print("drained host us (median), interleaved; " + path)
     print("shape " + " ".join(f"{n[:14]:>14}" for n in names) + "   bridge-jax")

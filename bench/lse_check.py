@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import pathlib
 import sys
 
@@ -23,7 +22,7 @@ if str(_REPO_ROOT) not in sys.path:
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from bench.report import slug  # noqa: E402
+from bench.report import slug, write_json  # noqa: E402
 from ttj_jax.kernels import flash_attention  # noqa: E402
 from ttj_jax.kernels.flash_attention import use_mosaic_kernel  # noqa: E402
 
@@ -61,11 +60,9 @@ def main(argv=None) -> int:
     device = jax.devices()[0]
     gpu = getattr(device, "device_kind", device.platform)
     date = datetime.date.today().isoformat()
-    path = pathlib.Path(args.out) / f"lse-check-{date}-{slug(gpu)}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
     command = "python bench/lse_check.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    path.write_text(json.dumps({"gpu": gpu, "jax": jax.__version__, "date": date, "tolerance": TOLERANCE,
-                                "command": command, "checks": checks}, indent=1) + "\n")
+    path = write_json({"gpu": gpu, "jax": jax.__version__, "date": date, "tolerance": TOLERANCE,
+                       "command": command, "checks": checks}, args.out, f"lse-check-{date}-{slug(gpu)}")
     failed = [c for c in checks if not c["passed"]]
     print(f"{len(checks) - len(failed)}/{len(checks)} passed; wrote {path}")
     return 1 if failed else 0

@@ -1,6 +1,7 @@
 """What the benchmark scripts write besides numbers: result-file names, error summaries, the per-shape loop."""
 
 import json
+import pathlib
 import re
 import time
 import traceback
@@ -9,6 +10,15 @@ import traceback
 def slug(text: str) -> str:
     """'NVIDIA H200' -> 'nvidia-h200': lower case, runs of other characters as one '-'."""
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "unknown"
+
+
+def write_json(document: dict, out_dir, stem: str) -> pathlib.Path:
+    """Writes `document` as `<out_dir>/<stem>.json` (folders made as needed, indent 1, values JSON cannot
+    hold written as their str) and returns the path: every bench script's result file goes this way."""
+    path = pathlib.Path(out_dir) / f"{stem}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(document, indent=1, default=str) + "\n")
+    return path
 
 
 def describe_error(exc: BaseException) -> str:

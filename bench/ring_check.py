@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import pathlib
 import statistics
@@ -49,6 +48,7 @@ def main(argv=None) -> int:
     import jax.numpy as jnp
     import ttj_jax as T
     from bench.jax_timing import synced_calls_ms
+    from bench.report import write_json
 
     B, S, d, H, ffn, L = (int(v) for v in args.config.split(","))
     config = T.Config(batch_size=B, seq_len=S, d_model=d, num_heads=H, ffn_dim=ffn, num_layers=L, causal=True)
@@ -101,11 +101,8 @@ def main(argv=None) -> int:
         "date": datetime.date.today().isoformat(),
         "command": "python bench/ring_check.py " + " ".join(sys.argv[1:] if argv is None else argv),
     }
-    out_dir = pathlib.Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
     stem = args.tag or f"ring-{result['date']}-{str(result['device']).split()[-1].lower()}x{devices}"
-    path = out_dir / f"{stem}.json"
-    path.write_text(json.dumps(result, indent=1))
+    path = write_json(result, args.out, stem)
     print(f"{config}: one device {result['one_device_ms']:.1f} ms")
     for attention, r in rings.items():
         print(f"  ring over {devices} devices, {attention} attention: {r['ring_ms']:.1f} ms ({r['speedup']:.2f}x); "

@@ -6,7 +6,6 @@ Median of 3 timed calls after one warm-up each; writes <out>/shape14-attention-<
 
 import argparse
 import datetime
-import json
 import os
 import pathlib
 import statistics
@@ -20,7 +19,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import ttj_jax as T  # noqa: E402
 from bench.jax_timing import synced_calls_ms  # noqa: E402
-from bench.report import slug  # noqa: E402
+from bench.report import slug, write_json  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -45,10 +44,7 @@ def main(argv=None) -> int:
     diff = float(jnp.max(jnp.abs(outputs["cudnn"] - outputs["pallas"])))
     result["max_abs_diff_between"] = diff
     print(f"max |cudnn - pallas| = {diff:.3g}")
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"shape14-attention-{result['date']}-{slug(device.device_kind)}.json"
-    path.write_text(json.dumps(result, indent=1))
+    path = write_json(result, args.out, f"shape14-attention-{result['date']}-{slug(device.device_kind)}")
     print(f"wrote {path}")
     return 0
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import pathlib
 import sys
@@ -35,6 +34,7 @@ if str(_REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(_REPO_ROOT))
 
 from bench.cuda_trace import profile_cuda, summarize_activity  # noqa: E402
+from bench.report import write_json  # noqa: E402
 
 
 def run(shape_id: str, chunk_specs: list[str], home_rows: list[int], rounds: int = 3,
@@ -128,11 +128,8 @@ def main(argv=None) -> int:
     result.update({"gpu": gpu, "jax": jax.__version__, "torch": torch.__version__,
                    "date": datetime.date.today().isoformat(),
                    "command": "python bench/split_timeline.py " + " ".join(sys.argv[1:] if argv is None else argv)})
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     stem = args.tag or f"split-timeline-{result['date']}-{gpu.split()[-1].lower()}x{result['devices']}"
-    path = out / f"{stem}.json"
-    path.write_text(json.dumps(result, indent=1))
+    path = write_json(result, args.out, stem)
     print(f"{result['shape']}: one device {result['one_device_ms']:.2f} ms")
     print(f"{'chunks/home':>11} {'share':>6} {'ms':>7} {'speedup':>7} {'fail':>4} {'span':>7}  "
           "per GPU: span / kernels / copies / copies under kernels (ms)")
