@@ -373,6 +373,9 @@ def test_dispatch_rule_on_hopper(hopper):
         dtype, s, hd, **{"masked": False, "block_sizes": None, "interpret": False, **kw})
     assert rule() and rule(jnp.bfloat16, hd=128) and rule(s=100_000, hd=256)
     assert not rule(s=fm.MIN_SEQ_LEN - 1)                      # short: the generic kernel, measured there
+    assert rule(s=128, hd=256, fused=True)                     # ... but a fused head_dim-256 call at any S
+    assert not rule(s=128, hd=256) and not rule(s=128, hd=128, fused=True)
+    assert not rule(s=128, hd=256, fused=True, masked=True)
     assert not rule(jnp.float32)                               # fp32 inputs: the generic kernel's fp16 path
     assert not rule(hd=32) and not rule(hd=96)                 # head_dims the Hopper kernel lacks
     assert not rule(masked=True)                               # no masks in the Hopper kernel
@@ -395,7 +398,12 @@ def test_flash_attention_runs_the_hopper_kernel_where_the_rule_says(hopper):
     shape = (1, fm.MIN_SEQ_LEN, 2, 64)
     assert _custom_calls(_lowered_calls(fa.flash_attention, shape, shape, shape, causal=True)) == ["mosaic_gpu_v2"]
     fused = (1, fm.MIN_SEQ_LEN, 3, 2, 64)
-    assert _custom_calls(_lowered_calls(fa.flash_attention_fused_qkv, fused, causal=True)) == ["mosaic_gpu_v2"]
+    text = _lowered_calls(fa.flash_attention_fused_qkv, fused, causal=True)
+    assert _custom_calls(text) == ["mosaic_gpu_v2"] and "stablehlo.slice" not in text   # read in place
+    shape_8 = (2, 128, 3, 4, 256)   # shape 8's call: the Hopper kernel at S=128 too, read in place
+    text = _lowered_calls(fa.flash_attention_fused_qkv, shape_8, causal=True)
+    assert _custom_calls(text) == ["mosaic_gpu_v2"] and "stablehlo.slice" not in text
+    assert "mosaic_gpu" not in _lowered_calls(fa.flash_attention_fused_qkv, (2, 128, 3, 4, 128), causal=True)
     short = (1, 1024, 2, 64)
     assert "mosaic_gpu" not in _lowered_calls(fa.flash_attention, short, short, short, causal=True)
     assert "mosaic_gpu" not in _lowered_calls(fa.flash_attention, shape, shape, shape, causal=True,
@@ -528,6 +536,27 @@ def test_log_sum_exp_is_routed_to_the_hopper_kernel(hopper):
     shape = (1, fm.MIN_SEQ_LEN, 2, 64)
     assert _custom_calls(_lowered_calls(lambda q, k, v: fa.flash_attention(q, k, v, causal=True, return_lse=True),
                                         shape, shape, shape)) == ["mosaic_gpu_v2"]
+
+
+@pytest.mark.parametrize("batch, seq_len, num_heads, head_dim, causal",
+                         [(2, 113, 2, 128, True), (1, 200, 1, 128, False)])
+def test_fused_qkv_entry_reads_q_k_v_in_place(batch, seq_len, num_heads, head_dim, causal):
+    # flash_attention_mgpu_fused_qkv: the same kernel with its TMA copies indexing slot 0/1/2 of one
+    # [B, S, 3, H, hd] array: equal to the kernel on the three arrays sliced out, bit for bit (GPU
+    # interpret mode; odd S pads the fused array once), and lowered for CUDA with nothing sliced.
+    rng = np.random.default_rng(seq_len + head_dim)
+    qkv = jnp.asarray(rng.standard_normal((batch, seq_len, 3, num_heads, head_dim)).astype(np.float16))
+    fused = fm.flash_attention_mgpu_fused_qkv(qkv, causal=causal, interpret=True)
+    split = fm.flash_attention_mgpu(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], causal=causal, interpret=True)
+    assert fused.shape == (batch, seq_len, num_heads, head_dim)
+    np.testing.assert_array_equal(np.asarray(fused), np.asarray(split))
+    spec = jax.ShapeDtypeStruct((2, 128, 3, 4, 256), jnp.float16)   # shape 8's call
+    text = jax.jit(lambda a: fm.flash_attention_mgpu_fused_qkv(a, causal=True)).trace(spec).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert _custom_calls(text) == ["mosaic_gpu_v2"]
+    assert "stablehlo.slice" not in text and "stablehlo.pad" not in text
+    with pytest.raises(ValueError, match="3, num_heads"):
+        fm.flash_attention_mgpu_fused_qkv(qkv[:, :, :2], causal=True)
 
 
 def test_kernel_in_gpu_interpret_mode_has_no_races():

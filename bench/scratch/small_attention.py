@@ -11,6 +11,10 @@ import jax, jax.numpy as jnp, numpy as np
 from bench.cuda_trace import kernel_table, profile_cuda
 from ttj_jax.kernels.flash_attention import attention_reference, flash_attention, flash_attention_fused_qkv
 from ttj_jax.kernels.flash_attention_mgpu import MgpuBlockSizes, flash_attention_mgpu
+try:   # session 11's in-place fused entry (absent from the first run's build)
+    from ttj_jax.kernels.flash_attention_mgpu import flash_attention_mgpu_fused_qkv
+except ImportError:
+    flash_attention_mgpu_fused_qkv = None
 
 CASES = [(64, 128, 4, 256), (64, 128, 4, 128), (64, 128, 2, 64), (64, 1024, 4, 64)]
 results = []
@@ -24,6 +28,10 @@ for B, S, H, hd in CASES:
         "generic_qkv": jax.jit(lambda a: flash_attention(a[:, :, 0], a[:, :, 1], a[:, :, 2], causal=True, implementation="generic")),
         "cudnn_qkv": jax.jit(lambda a: jax.nn.dot_product_attention(a[:, :, 0], a[:, :, 1], a[:, :, 2], is_causal=True, implementation="cudnn")),
     }
+    if flash_attention_mgpu_fused_qkv is not None:
+        variants["mosaic_fused_qkv_in_place"] = jax.jit(lambda a: flash_attention_mgpu_fused_qkv(a, causal=True))
+        variants["generic_fused_qkv_forced"] = jax.jit(
+            lambda a: flash_attention_fused_qkv(a, causal=True, implementation="generic"))
     for lowering in ("warpgroup", "lane"):
         variants[f"mosaic_qkv_{lowering}"] = jax.jit(lambda a, l=lowering: flash_attention_mgpu(
             a[:, :, 0], a[:, :, 1], a[:, :, 2], causal=True, lowering_semantics=l))
@@ -52,6 +60,7 @@ for r in results:
     case = f"{r['B']}x{r['S']}x{r['H']}x{r['head_dim']}"
     print(f"{case:>22} {r['variant']:>26} {r.get('kernel_us_per_call', float('nan')):10.2f} "
           f"{r.get('tflops_kernels', float('nan')):8.1f} {r.get('max_abs_err', float('nan')):8.1e} {r.get('error', '')[:60]}")
-json.dump({"gpu": jax.devices()[0].device_kind, "jax": jax.__version__, "date": datetime.date.today().isoformat(),
+json.dump({"gpu": jax.devices()[0].device_kind, "note": "generic_fused_qkv is flash_attention_fused_qkv's "
+           "automatic choice (since session 11 the Hopper kernel in place at head_dim 256)", "jax": jax.__version__, "date": datetime.date.today().isoformat(),
            "command": "PYTHONPATH=. python3 bench/scratch/small_attention.py", "results": results},
           open(os.path.join(os.environ.get("OUT", "."), "small-attention.json"), "w"), indent=1)

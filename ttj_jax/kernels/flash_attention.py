@@ -6,7 +6,8 @@ for free); `flash_attention_fused_qkv` reads q, k and v straight out of a fused 
 projection.
 
 On a Hopper GPU (sm_90) `flash_attention` and `flash_attention_fused_qkv` hand mask-free fp16/bf16 calls
-with head_dim 64, 128 or 256 and S >= `flash_attention_mgpu.MIN_SEQ_LEN` to the Mosaic GPU kernel in
+with head_dim 64, 128 or 256 and S >= `flash_attention_mgpu.MIN_SEQ_LEN` (fused-layout calls with head_dim
+256 at any S: `FUSED_ANY_SEQ_LEN_HEAD_DIMS`) to the Mosaic GPU kernel in
 `flash_attention_mgpu.py` (wgmma, TMA, warp specialization), measured faster there; `implementation=`
 forces one kernel ("generic" or "mosaic"). Everything below describes the generic kernel.
 
@@ -282,7 +283,7 @@ def on_hopper() -> bool:
 
 
 def use_mosaic_kernel(dtype, seq_len: int, head_dim: int, *, masked: bool, block_sizes, interpret: bool,
-                      implementation: str = "auto") -> bool:
+                      implementation: str = "auto", fused: bool = False) -> bool:
     """The dispatch rule between the two kernels (module docstring); raises when `implementation`
     forces the Mosaic kernel onto a call it cannot take."""
     # deferred (that module imports this one); by module path: the package exports a function of its name
@@ -301,7 +302,8 @@ def use_mosaic_kernel(dtype, seq_len: int, head_dim: int, *, masked: bool, block
                              f"interpret mode; got dtype={jnp.dtype(dtype)}, head_dim={head_dim}, "
                              f"masked={masked}, block_sizes={block_sizes}, interpret={interpret}")
         return True
-    return applicable and seq_len >= mgpu.MIN_SEQ_LEN and on_hopper()
+    long_enough = seq_len >= mgpu.MIN_SEQ_LEN or (fused and head_dim in mgpu.FUSED_ANY_SEQ_LEN_HEAD_DIMS)
+    return applicable and long_enough and on_hopper()
 
 
 def _mosaic_attention(q, k, v, *, causal, sm_scale, return_lse=False):
@@ -459,8 +461,9 @@ def flash_attention_fused_qkv(qkv: jax.Array, *, causal: bool, kv_lengths: jax.A
         place, so this layout costs no copy (except the padding copy described in `flash_attention`,
         made once for the whole qkv array). A `[3, B, S, H, hd]` or `[B, S, H, 3, hd]` layout would need
         a transpose first; give those to `flash_attention` as three arrays instead. The Hopper kernel
-        (where the dispatch rule picks it) reads three separate arrays: q, k and v are sliced out first,
-        one copy each (a few ms per 100,000-token batch, against seconds of attention).
+        (where the dispatch rule picks it: as `flash_attention`'s, and also head_dim 256 at any S,
+        flash_attention_mgpu.FUSED_ANY_SEQ_LEN_HEAD_DIMS) reads this layout in place too
+        (`flash_attention_mgpu_fused_qkv`; until session 11 q, k and v were sliced out first).
       Other arguments: as in `flash_attention`.
 
     Returns:
@@ -472,8 +475,9 @@ def flash_attention_fused_qkv(qkv: jax.Array, *, causal: bool, kv_lengths: jax.A
     _check_dtype_and_head_dim("qkv", qkv)
     _check_masks(kv_lengths, key_mask, qkv.shape[0], qkv.shape[1])
     if use_mosaic_kernel(qkv.dtype, qkv.shape[1], qkv.shape[-1], masked=kv_lengths is not None or key_mask is not None,
-                         block_sizes=block_sizes, interpret=interpret, implementation=implementation):
-        return _mosaic_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], causal=causal, sm_scale=sm_scale)
+                         block_sizes=block_sizes, interpret=interpret, implementation=implementation, fused=True):
+        from ttj_jax.kernels.flash_attention_mgpu import flash_attention_mgpu_fused_qkv
+        return flash_attention_mgpu_fused_qkv(qkv, causal=causal, sm_scale=sm_scale)
     return _attention_pallas_call(qkv, qkv, qkv, kv_lengths, key_mask, fused=True, causal=causal,
                                   sm_scale=sm_scale, block_sizes=block_sizes, interpret=interpret)
 

@@ -155,6 +155,12 @@ _DEFAULT_BLOCK_SIZES = {
 # 64: 476 against 350); level at S=1024 (head_dim 64, B=64: 0.163 against 0.165 ms). Shorter sequences,
 # where the official shapes' timings were taken with the generic kernel, stay there.
 MIN_SEQ_LEN = 4096
+# ... and fused-layout calls ([B, S, 3, H, hd] straight from the QKV projection, read in place by
+# `flash_attention_mgpu_fused_qkv`) with these head_dims at any S: at shape 8's call (B=64, S=128, 4 heads
+# of 256) the kernel took 22.4 us against the generic kernel's 27.9 (bench/results/small-attention-
+# 2026-12-01-nvidia-h200.json); at head_dim 128 and 64 there it was level or slower (11.2-11.5 against
+# 11.3; 5.9 against 4.7), so those keep the rule above.
+FUSED_ANY_SEQ_LEN_HEAD_DIMS = (256,)
 
 
 def smem_bytes(head_dim: int, itemsize: int, blocks: MgpuBlockSizes) -> int:
@@ -639,15 +645,67 @@ def flash_attention_mgpu(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bo
       `ttj_jax.kernels.flash_attention`.
     """
     _check_inputs(q, k, v, causal, sm_scale, block_sizes)
+    _check_options(return_lse, lowering_semantics, grid_order)
+    return _launch((q, k, v), q.shape, causal=causal, interpret=interpret, sm_scale=sm_scale,
+                   block_sizes=block_sizes, lowering_semantics=lowering_semantics, grid_order=grid_order,
+                   return_lse=return_lse)
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "sm_scale", "block_sizes", "lowering_semantics",
+                                             "grid_order", "interpret"))
+def flash_attention_mgpu_fused_qkv(qkv: jax.Array, *, causal: bool, interpret: bool | str = False,
+                                   sm_scale: float | None = None, block_sizes: MgpuBlockSizes | None = None,
+                                   lowering_semantics: str | None = None, grid_order: str = "tiles_inner"):
+    """`flash_attention_mgpu` on q, k, v read in place out of one fused projection: qkv [B, S, 3, H,
+    head_dim] (the free reshape of a [B, S, 3 d] output of x @ W_qkv, columns ordered q | k | v, each
+    head-major), as `flash_attention.flash_attention_fused_qkv` takes it. The TMA copies index slot 0, 1
+    or 2 of the array itself, so nothing is sliced out first (three copies of [B, S, H, head_dim] before;
+    at shape 8's call, B=64, S=128, 4 heads of 256, 3 x 11.4 us against a 22.4 us kernel:
+    bench/results/small-attention-2026-12-01-nvidia-h200.json). The kernel is the same: this changes only
+    where its q, k and v tiles are read from. Returns [B, S, H, head_dim] in qkv's dtype."""
+    if qkv.ndim != 5 or qkv.shape[2] != 3:
+        raise ValueError(f"qkv.shape={qkv.shape} must be [batch, seq_len, 3, num_heads, head_dim]")
+    view = jax.ShapeDtypeStruct(qkv.shape[:2] + qkv.shape[3:], qkv.dtype)
+    _check_inputs(view, view, view, causal, sm_scale, block_sizes)
+    _check_options(False, lowering_semantics, grid_order)
+    return _launch((qkv,), view.shape, causal=causal, interpret=interpret, sm_scale=sm_scale,
+                   block_sizes=block_sizes, lowering_semantics=lowering_semantics, grid_order=grid_order,
+                   return_lse=False)
+
+
+class _SlotRef:
+    """q, k or v inside a fused [B, S, 3, H, head_dim] GMEM ref: `.at[b, rows, h]` (all the kernel asks
+    of its q/k/v refs) is the fused ref's `.at[b, rows, slot, h]`, one TMA copy out of the big array."""
+
+    def __init__(self, ref, slot: int):
+        self.ref, self.slot = ref, slot
+
+    @property
+    def at(self):
+        return self
+
+    def __getitem__(self, index):
+        batch, rows, head = index
+        return self.ref.at[batch, rows, self.slot, head]
+
+
+def _check_options(return_lse, lowering_semantics, grid_order):
     if not isinstance(return_lse, bool):
         raise ValueError(f"return_lse={return_lse!r} must be a bool")
     if lowering_semantics is not None and lowering_semantics not in LOWERING_SEMANTICS:
         raise ValueError(f"lowering_semantics={lowering_semantics!r} must be None, 'warpgroup' or 'lane'")
     if grid_order not in GRID_ORDERS:
         raise ValueError(f"grid_order={grid_order!r} must be one of {GRID_ORDERS}")
+
+
+def _launch(operands: tuple, shape: tuple, *, causal, interpret, sm_scale, block_sizes, lowering_semantics,
+            grid_order, return_lse):
+    """The kernel call: operands are (q, k, v) [B, S, H, hd] or (qkv,) [B, S, 3, H, hd] (fused);
+    shape is q's [B, S, H, hd]."""
     plgpu = _plgpu()
-    batch, seq_len, num_heads, head_dim = q.shape
-    dtype = jnp.dtype(q.dtype)
+    fused = len(operands) == 1
+    batch, seq_len, num_heads, head_dim = shape
+    dtype = jnp.dtype(operands[0].dtype)
     sm_scale = head_dim ** -0.5 if sm_scale is None else float(sm_scale)
     blocks = resolve_block_sizes(seq_len, head_dim, dtype.itemsize, block_sizes)
     if lowering_semantics is None:
@@ -680,19 +738,23 @@ def flash_attention_mgpu(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bo
                                              lse_ref=lse_ref[0] if lse_ref else None),
                       smem, barriers, collective_axes="wg")
 
+    def fused_entry(qkv_ref, out_ref):
+        entry(_SlotRef(qkv_ref, 0), _SlotRef(qkv_ref, 1), _SlotRef(qkv_ref, 2), out_ref)
+
     # Row-major grid: the last axis varies fastest, so all heads and batch elements of the heaviest
     # query tile launch first.
     array_len = num_q_tiles * blocks.block_q if interpret else padded_seq_len(seq_len)   # see _interpret_params
     if array_len != seq_len:   # the padded keys are masked in the kernel (seq_len is the true S)
-        q, k, v = (jnp.pad(x, ((0, 0), (0, array_len - seq_len), (0, 0), (0, 0))) for x in (q, k, v))
-    out_type = jax.ShapeDtypeStruct(q.shape, dtype)
+        operands = tuple(jnp.pad(x, ((0, 0), (0, array_len - seq_len)) + ((0, 0),) * (x.ndim - 2))
+                         for x in operands)
+    out_type = jax.ShapeDtypeStruct((batch, array_len, num_heads, head_dim), dtype)
     if return_lse:
         # Whole query tiles long: every consumer's 64 rows are in bounds. (With [B, H, S] the TMA stores of
         # rows past S were not dropped but landed in the next head's first rows, on the H200 with three
         # consumers: bench/results/mgpu-lse-rows-2026-11-30-h200.json.)
         out_type = (out_type, jax.ShapeDtypeStruct((batch, num_heads, num_q_tiles * blocks.block_q), jnp.float32))
     out = plgpu.kernel(
-        entry,
+        fused_entry if fused else entry,
         out_type=out_type,
         grid=(num_q_tiles, num_heads, batch) if grid_order == "tiles_outer" else (batch, num_heads, num_q_tiles),
         grid_names=((_GRID_Q_TILE, _GRID_HEAD, _GRID_SEQUENCE) if grid_order == "tiles_outer"
@@ -700,7 +762,7 @@ def flash_attention_mgpu(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bo
         num_threads=num_wgs + 1,
         thread_name="wg",
         compiler_params=_compiler_params(lowering_semantics), interpret=_interpret_params(interpret),
-    )(q, k, v)
+    )(*operands)
     if not return_lse:
         return out[:, :seq_len] if array_len != seq_len else out
     out, lse = out
