@@ -373,8 +373,9 @@ def test_dispatch_rule_on_hopper(hopper):
         dtype, s, hd, **{"masked": False, "block_sizes": None, "interpret": False, **kw})
     assert rule() and rule(jnp.bfloat16, hd=128) and rule(s=100_000, hd=256)
     assert not rule(s=fm.MIN_SEQ_LEN - 1)                      # short: the generic kernel, measured there
-    assert rule(s=128, hd=256, fused=True)                     # ... but a fused head_dim-256 call at any S
-    assert not rule(s=128, hd=256) and not rule(s=128, hd=128, fused=True)
+    # ... but fused-layout calls, read in place, from the shorter lengths measured for them
+    assert rule(s=128, hd=256, fused=True) and rule(s=1, hd=128, fused=True) and rule(s=1024, hd=64, fused=True)
+    assert not rule(s=128, hd=256) and not rule(s=1023, hd=64, fused=True)
     assert not rule(s=128, hd=256, fused=True, masked=True)
     assert not rule(jnp.float32)                               # fp32 inputs: the generic kernel's fp16 path
     assert not rule(hd=32) and not rule(hd=96)                 # head_dims the Hopper kernel lacks
@@ -403,7 +404,7 @@ def test_flash_attention_runs_the_hopper_kernel_where_the_rule_says(hopper):
     shape_8 = (2, 128, 3, 4, 256)   # shape 8's call: the Hopper kernel at S=128 too, read in place
     text = _lowered_calls(fa.flash_attention_fused_qkv, shape_8, causal=True)
     assert _custom_calls(text) == ["mosaic_gpu_v2"] and "stablehlo.slice" not in text
-    assert "mosaic_gpu" not in _lowered_calls(fa.flash_attention_fused_qkv, (2, 128, 3, 4, 128), causal=True)
+    assert "mosaic_gpu" not in _lowered_calls(fa.flash_attention_fused_qkv, (2, 128, 3, 2, 64), causal=True)
     short = (1, 1024, 2, 64)
     assert "mosaic_gpu" not in _lowered_calls(fa.flash_attention, short, short, short, causal=True)
     assert "mosaic_gpu" not in _lowered_calls(fa.flash_attention, shape, shape, shape, causal=True,

@@ -6,8 +6,8 @@ for free); `flash_attention_fused_qkv` reads q, k and v straight out of a fused 
 projection.
 
 On a Hopper GPU (sm_90) `flash_attention` and `flash_attention_fused_qkv` hand mask-free fp16/bf16 calls
-with head_dim 64, 128 or 256 and S >= `flash_attention_mgpu.MIN_SEQ_LEN` (fused-layout calls with head_dim
-256 at any S: `FUSED_ANY_SEQ_LEN_HEAD_DIMS`) to the Mosaic GPU kernel in
+with head_dim 64, 128 or 256 and S >= `flash_attention_mgpu.MIN_SEQ_LEN` (fused-layout calls from the
+shorter lengths of `FUSED_MIN_SEQ_LEN`) to the Mosaic GPU kernel in
 `flash_attention_mgpu.py` (wgmma, TMA, warp specialization), measured faster there; `implementation=`
 forces one kernel ("generic" or "mosaic"). Everything below describes the generic kernel.
 
@@ -302,7 +302,7 @@ def use_mosaic_kernel(dtype, seq_len: int, head_dim: int, *, masked: bool, block
                              f"interpret mode; got dtype={jnp.dtype(dtype)}, head_dim={head_dim}, "
                              f"masked={masked}, block_sizes={block_sizes}, interpret={interpret}")
         return True
-    long_enough = seq_len >= mgpu.MIN_SEQ_LEN or (fused and head_dim in mgpu.FUSED_ANY_SEQ_LEN_HEAD_DIMS)
+    long_enough = seq_len >= (mgpu.FUSED_MIN_SEQ_LEN.get(head_dim, mgpu.MIN_SEQ_LEN) if fused else mgpu.MIN_SEQ_LEN)
     return applicable and long_enough and on_hopper()
 
 
@@ -461,8 +461,8 @@ def flash_attention_fused_qkv(qkv: jax.Array, *, causal: bool, kv_lengths: jax.A
         place, so this layout costs no copy (except the padding copy described in `flash_attention`,
         made once for the whole qkv array). A `[3, B, S, H, hd]` or `[B, S, H, 3, hd]` layout would need
         a transpose first; give those to `flash_attention` as three arrays instead. The Hopper kernel
-        (where the dispatch rule picks it: as `flash_attention`'s, and also head_dim 256 at any S,
-        flash_attention_mgpu.FUSED_ANY_SEQ_LEN_HEAD_DIMS) reads this layout in place too
+        (where the dispatch rule picks it: from the lengths of flash_attention_mgpu.FUSED_MIN_SEQ_LEN,
+        shorter than `flash_attention`'s) reads this layout in place too
         (`flash_attention_mgpu_fused_qkv`; until session 11 q, k and v were sliced out first).
       Other arguments: as in `flash_attention`.
 

@@ -155,12 +155,13 @@ _DEFAULT_BLOCK_SIZES = {
 # 64: 476 against 350); level at S=1024 (head_dim 64, B=64: 0.163 against 0.165 ms). Shorter sequences,
 # where the official shapes' timings were taken with the generic kernel, stay there.
 MIN_SEQ_LEN = 4096
-# ... and fused-layout calls ([B, S, 3, H, hd] straight from the QKV projection, read in place by
-# `flash_attention_mgpu_fused_qkv`) with these head_dims at any S: at shape 8's call (B=64, S=128, 4 heads
-# of 256) the kernel took 22.4 us against the generic kernel's 27.9 (bench/results/small-attention-
-# 2026-12-01-nvidia-h200.json); at head_dim 128 and 64 there it was level or slower (11.2-11.5 against
-# 11.3; 5.9 against 4.7), so those keep the rule above.
-FUSED_ANY_SEQ_LEN_HEAD_DIMS = (256,)
+# Fused-layout calls ([B, S, 3, H, hd] straight from the QKV projection, read in place by
+# `flash_attention_mgpu_fused_qkv`) go to this kernel from these lengths on, per head_dim. Measured on the
+# H200, B=64, 4 heads (2 at head_dim 64), causal, kernel time per call in place against our generic
+# kernel on the same layout (bench/results/small-attention-2026-12-01-nvidia-h200-fused.json): S=128,
+# head_dim 256 (shape 8's call) 24.3 against 27.9 us; 128: 10.6 against 11.4; 64: 5.6 against 4.6
+# (slower); S=1024, head_dim 64: 146.3 against 165.2. Longer sequences were already faster here (above).
+FUSED_MIN_SEQ_LEN = {64: 1024, 128: 1, 256: 1}
 
 
 def smem_bytes(head_dim: int, itemsize: int, blocks: MgpuBlockSizes) -> int:
@@ -661,8 +662,9 @@ def flash_attention_mgpu_fused_qkv(qkv: jax.Array, *, causal: bool, interpret: b
     head-major), as `flash_attention.flash_attention_fused_qkv` takes it. The TMA copies index slot 0, 1
     or 2 of the array itself, so nothing is sliced out first (three copies of [B, S, H, head_dim] before;
     at shape 8's call, B=64, S=128, 4 heads of 256, 3 x 11.4 us against a 22.4 us kernel:
-    bench/results/small-attention-2026-12-01-nvidia-h200.json). The kernel is the same: this changes only
-    where its q, k and v tiles are read from. Returns [B, S, H, head_dim] in qkv's dtype."""
+    bench/results/small-attention-2026-12-01-nvidia-h200.json; in place 24.3 us in all against 57-58 with
+    the slices, small-attention-...-fused.json). The kernel is the same: this changes only where its q,
+    k and v tiles are read from. Returns [B, S, H, head_dim] in qkv's dtype."""
     if qkv.ndim != 5 or qkv.shape[2] != 3:
         raise ValueError(f"qkv.shape={qkv.shape} must be [batch, seq_len, 3, num_heads, head_dim]")
     view = jax.ShapeDtypeStruct(qkv.shape[:2] + qkv.shape[3:], qkv.dtype)
