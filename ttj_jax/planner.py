@@ -22,6 +22,10 @@ MASK_MODES = ("none", "rows", "keys", "device")
 # which the torch bridge launches on torch's stream with no JAX dispatch (bridge/mosaic_launch.py).
 STACKS = ("layers", "fused", "rows", "fused_mgpu")
 CALLERS = ("jax", "torch")
+# ROWS_BLOCK and row_block.RowBlocks' defaults (4 warps, 64-column MLP blocks): the fastest of 12 tilings
+# at shape 13 (774.2 us of kernels per call, the other 11 793.5-1363.5; 32 or 128 rows, 8 warps) and within
+# 1% of the fastest at shape 11 (150.5 against 149.3), every one within the harness rule of the XLA
+# program (bench/results/rows-sweep-2026-12-01-nvidia-h200.json, bench/scratch/rows_sweep.py).
 ROWS_BLOCK = 64   # rows per program of the "rows" stack: batch * seq_len must be a multiple
 
 # Split the batch over several devices only when one call moves at least this many elements: smaller
