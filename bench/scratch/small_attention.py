@@ -61,6 +61,7 @@ for r in results:
     print(f"{case:>22} {r['variant']:>26} {r.get('kernel_us_per_call', float('nan')):10.2f} "
           f"{r.get('tflops_kernels', float('nan')):8.1f} {r.get('max_abs_err', float('nan')):8.1e} {r.get('error', '')[:60]}")
 json.dump({"gpu": jax.devices()[0].device_kind, "note": "generic_fused_qkv is flash_attention_fused_qkv's "
-           "automatic choice (since session 11 the Hopper kernel in place at head_dim 256)", "jax": jax.__version__, "date": datetime.date.today().isoformat(),
+           "automatic choice (since session 11 the Hopper kernel in place from FUSED_MIN_SEQ_LEN; the first "
+           "-fused run had head_dim 256 only)", "jax": jax.__version__, "date": datetime.date.today().isoformat(),
            "command": "PYTHONPATH=. python3 bench/scratch/small_attention.py", "results": results},
           open(os.path.join(os.environ.get("OUT", "."), "small-attention.json"), "w"), indent=1)
