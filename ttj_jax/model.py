@@ -347,7 +347,7 @@ def _forward_call(config: Config, x, kind: MaskKind, prepared: bool, overrides: 
         found = _FORWARD_CALLS.get(key)
         if found is not None:
             return found
-    chosen = plan_for(config, x, kind, **{name: value for name, value in overrides})
+    chosen = plan_for(config, x, kind, **dict(overrides))
     key_config = model_key(config)
     found = (chosen, executable(chosen, key_config, prepared), key_config)
     if key is not None:
