@@ -112,7 +112,9 @@ def test_lowers_in_both_semantics_and_dtypes(lowering_semantics, dtype):
 @pytest.mark.parametrize("lowering_semantics", ["lane", "warpgroup"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("blocks", [Blocks(block_kv=128, num_stages=4, num_compute_wgs=3, poly_exp_keys=64),
-                                    Blocks(block_kv=128, num_stages=4, num_compute_wgs=3, row_sum_mma=True)])
+                                    Blocks(block_kv=128, num_stages=4, num_compute_wgs=3, row_sum_mma=True),
+                                    Blocks(block_kv=128, num_stages=4, num_compute_wgs=3, half_exp2=True),
+                                    Blocks(block_kv=128, num_stages=2, overlap_softmax=True, half_exp2=True)])
 def test_lowers_with_the_softmax_variants(lowering_semantics, causal, blocks):
     # poly_exp_keys: two key parts per block, their own Q @ K^T and P @ V wgmmas over slices of the K/V
     # slots; row_sum_mma: a third wgmma, P @ ones, in every GEMM phase
@@ -187,7 +189,10 @@ def test_block_sizes_validate_themselves():
                 dict(block_kv=128, num_stages=2, overlap_softmax=True, poly_exp_keys=64),
                 dict(block_kv=128, num_stages=2, row_sum_mma=1),
                 dict(block_kv=128, num_stages=2, row_sum_mma=True, poly_exp_keys=64),
-                dict(block_kv=128, num_stages=2, row_sum_mma=True, overlap_softmax=True)):
+                dict(block_kv=128, num_stages=2, row_sum_mma=True, overlap_softmax=True),
+                dict(block_kv=128, num_stages=2, half_exp2=1),
+                dict(block_kv=128, num_stages=2, half_exp2=True, poly_exp_keys=64),
+                dict(block_kv=128, num_stages=2, half_exp2=True, row_sum_mma=True)):
         with pytest.raises(ValueError):
             Blocks(**bad)
     assert Blocks(block_kv=128, num_stages=2, num_compute_wgs=3).block_q == 192
@@ -491,6 +496,8 @@ INTERPRET_CASES = {
     "hd128-S113-poly-exp": (1, 113, 1, 128, False, Blocks(block_kv=128, num_stages=2, poly_exp_keys=64)),
     "hd64-S200-row-sum-mma-causal": (1, 200, 1, 64, True, Blocks(block_kv=64, num_stages=2, row_sum_mma=True)),
     "hd128-S113-row-sum-mma": (2, 113, 1, 128, False, Blocks(block_kv=64, num_stages=2, row_sum_mma=True)),
+    "hd64-S200-half-exp2-causal": (1, 200, 1, 64, True, Blocks(block_kv=64, num_stages=2, half_exp2=True)),
+    "hd128-S113-half-exp2": (2, 113, 1, 128, False, Blocks(block_kv=64, num_stages=2, half_exp2=True)),
 }
 
 

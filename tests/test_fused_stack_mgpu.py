@@ -442,6 +442,33 @@ def test_rational_erf_variant_lowers_and_runs_in_gpu_interpret_mode():
     assert failed == 0, f"{failed} elements fail, worst err/tol {worst:.2f}"
 
 
+def test_half_softmax_variant_lowers_and_runs_in_gpu_interpret_mode():
+    """half_softmax=True (P from the packed fp16 exp2, fp16 sums and normalisation): a different single
+    kernel (both key layouts lower, the packed exp2 inlined); in GPU interpret mode it matches
+    `emulate(half_softmax=True)` and the harness rule; its emulation meets the rule at the official
+    layouts too."""
+    for batch, seq_len in ((2, 128), (8, 32)):
+        weights_s, x_s = _structs(4, batch, seq_len)
+        build = lambda h: fsm.kernel_function(batch, seq_len, 4, 4, True, half_softmax=h)  # noqa: E731
+        texts = [jax.jit(build(h)).trace(x_s, weights_s.mats, weights_s.vecs).lower(
+            lowering_platforms=("cuda",)).as_text() for h in (False, True)]
+        assert _custom_calls(texts[1]).count("mosaic_gpu_v2") == 1 and texts[0] != texts[1]
+    num_heads, seq_len, batch, num_layers = 2, 128, 1, 2   # 2 heads: see INTERPRET_CASES
+    config, params, x = _model(num_heads, seq_len, batch, True, num_layers=num_layers)
+    weights = fsm.stack_weights_mgpu(params, num_heads)
+    y = np.asarray(fsm.kernel_function(batch, seq_len, num_heads, num_layers, True, True,
+                                       half_softmax=True)(x, weights.mats, weights.vecs))
+    assert np.max(np.abs(y - fsm.emulate(weights, x, half_softmax=True))) < 2e-3
+    failed, worst = _harness_failures(y, T.reference(params, x, config=config))
+    assert failed == 0, f"{failed} elements fail, worst err/tol {worst:.2f}"
+    for case in ("shape2-B1-S128-H4", "shape12-S32-H4-B6-padded", "shape7-d32-H4"):
+        num_heads, seq_len, batch, causal, *d_model = EMULATION_CASES[case]
+        config, params, x = _model(num_heads, seq_len, batch, causal, d_model=d_model[0] if d_model else 128)
+        out = fsm.emulate(fsm.stack_weights_mgpu(params, num_heads), x, causal=causal, half_softmax=True)
+        failed, worst = _harness_failures(out, T.reference(params, x, config=config))
+        assert failed == 0, f"{case}: {failed} elements fail, worst err/tol {worst:.2f}"
+
+
 def test_overlap_variant_in_gpu_interpret_mode():
     # The same products, issued together, and the per-head sums accumulated in one accumulator (fp32,
     # another order): the output must match the default kernel's to fp32 noise (an fp16 flip of an

@@ -352,3 +352,32 @@ def mosaic_gpu_module(fn, *arg_structs) -> bytes:
             return bytes(call.attributes["mhlo.backend_config"]["module"].value_bytes)
         except (KeyError, AttributeError) as e:
             raise RuntimeError(f"this jax ({jax.__version__}) stores the Mosaic GPU module elsewhere: {e}") from e
+
+
+# PTX's packed 16-bit exponentials (two elements per special-function-unit instruction, sm_75+ for f16,
+# sm_90 for bf16), by element type.
+_HALF_EXP2_INSTRUCTIONS = {"float16": ("ex2.approx.f16x2", "ex2.approx.f16"),
+                           "bfloat16": ("ex2.approx.ftz.bf16x2", "ex2.approx.ftz.bf16")}
+
+
+def mosaic_half_exp2(x):
+    """exp2 of a float16 or bfloat16 array in the WGMMA register layout, inside a Mosaic GPU kernel: one
+    packed `ex2.approx` per pair of elements (jax's own exp2 takes fp32 only under approx_math). Through
+    `plgpu.inline_mgpu` and two private FragmentedArray helpers (jax 0.10-0.11); raises RuntimeError when
+    this jax has neither."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu  # noqa: PLC0415 - imports absl; lazily
+    instructions = _HALF_EXP2_INSTRUCTIONS.get(jax.numpy.dtype(x.dtype).name)
+    if instructions is None:
+        raise ValueError(f"mosaic_half_exp2 takes float16 or bfloat16, not {x.dtype}")
+    if not hasattr(plgpu, "inline_mgpu") or not hasattr(plgpu, "ShapeDtypeStruct"):
+        raise RuntimeError(f"this jax ({jax.__version__}) has no plgpu.inline_mgpu")
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,),
+                       return_type=plgpu.ShapeDtypeStruct(x.shape, x.dtype, layout=plgpu.Layout.WGMMA))
+    def exp2(_, array):
+        lift = getattr(array, "_lift_fast_packed_instr", None)
+        if lift is None or not hasattr(array, "_pointwise"):
+            raise RuntimeError(f"this jax ({jax.__version__}) has no FragmentedArray._lift_fast_packed_instr")
+        return array._pointwise(lift(*instructions))
+
+    return exp2(x)

@@ -71,6 +71,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from ttj_jax.compat import mosaic_half_exp2
 from ttj_jax.kernels.flash_attention import check_causal_and_scale, check_qkv_layout
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
@@ -107,6 +108,13 @@ class MgpuBlockSizes:
     # checks; attention-mgpu-2026-11-30-nvidia-h200-rowsum.json). Why was not measured (a register spill
     # or the extra wgmma group's wait are the suspects); kept for that study.
     row_sum_mma: bool = False
+    # P by PTX's packed half-precision exp2 (`compat.mosaic_half_exp2`: ex2.approx.f16x2, two elements per
+    # special-function-unit instruction) of the exponent rounded to the input dtype, and the row sums
+    # of that P added in the input dtype (packed adds) before the fp32 running sum: per score one
+    # conversion, half an exp2 and half an add instead of an exp2, an fp32 add and half a conversion,
+    # for the issue-bound softmax above. Costs accuracy: the exponent's rounding (2^-11 relative, so up
+    # to ~0.7% of P where the exponent is near -16, P near 2^-16) and the 16-bit partial sums.
+    half_exp2: bool = False
 
     def __post_init__(self):
         def is_int(value):
@@ -132,6 +140,11 @@ class MgpuBlockSizes:
             raise ValueError(f"MgpuBlockSizes.row_sum_mma={self.row_sum_mma!r} must be a bool")
         if self.row_sum_mma and (self.overlap_softmax or self.poly_exp_keys):
             raise ValueError("row_sum_mma is built for one key part and the non-overlapped softmax")
+        if not isinstance(self.half_exp2, bool):
+            raise ValueError(f"MgpuBlockSizes.half_exp2={self.half_exp2!r} must be a bool")
+        if self.half_exp2 and (self.poly_exp_keys or self.row_sum_mma):
+            raise ValueError("half_exp2 replaces the softmax's exp2 and row sums: not with poly_exp_keys "
+                             "or row_sum_mma")
 
     @property
     def block_q(self) -> int:
@@ -365,6 +378,11 @@ def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_
                 row_max = jnp.maximum(row_max, part.max(axis=1))
             m_new = jnp.maximum(m_prev, row_max * score_scale)
             alpha = jnp.exp2(m_prev - m_new)
+            if blocks.half_exp2:   # one key part (MgpuBlockSizes refuses poly_exp_keys here)
+                exponent = (scores[0] * score_scale - lax.broadcast_in_dim(m_new, scores[0].shape, [0])).astype(dtype)
+                p = (jnp.exp2(exponent.astype(jnp.float32)).astype(dtype) if interpret
+                     else mosaic_half_exp2(exponent))
+                return m_new, l_prev * alpha + p.sum(axis=1).astype(jnp.float32), (p,), alpha
             # the first part's exp2 on the MUFU (ex2.approx), the second's from a polynomial on the FMA
             # units (poly_exp_keys): the two pipes share the work
             poly = functools.partial(_exp2_poly, exact_round=bool(interpret))

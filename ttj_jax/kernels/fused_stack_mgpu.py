@@ -317,7 +317,7 @@ ABLATIONS = {
 def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, num_layers: int, num_heads: int,
                   seq_len: int, causal: bool, interpret: bool = False, overlap: bool = False,
                   profile: bool = False, d_model: int = D_MODEL, fast_erf: bool = False,
-                  ablate: frozenset = frozenset(), key_blocks: str = "all"):
+                  ablate: frozenset = frozenset(), key_blocks: str = "all", half_softmax: bool = False):
     plgpu = _plgpu()
 
     def phase(name):
@@ -577,6 +577,19 @@ def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, num_layers: int, 
                 for s in scores[1:]:
                     m = jnp.maximum(m, s.max(axis=1))
                 m = m * score_scale
+                if half_softmax:   # see kernel_function: P in fp16 from the packed exp2, fp16 sums
+                    ps = [_half_exp2((s * score_scale - col_bcast(m, s.shape)).astype(_GEMM_DTYPE), interpret)
+                          for s in scores]
+                    total = ps[0].sum(axis=1)
+                    for p in ps[1:]:
+                        total = total + p.sum(axis=1)
+                    inverse = (1.0 / total.astype(jnp.float32)).astype(_GEMM_DTYPE)
+                    ps = [p * col_bcast(inverse, p.shape) for p in ps]
+                    out = None
+                    for p, block in zip(ps, blocks):
+                        out = matmul(out, p, kv(v_smem, block))
+                    ctx.append(out.astype(_GEMM_DTYPE))
+                    continue
                 ps = [jnp.exp2(s * score_scale - col_bcast(m, s.shape)) for s in scores]
                 total = ps[0].sum(axis=1)
                 for p in ps[1:]:
@@ -666,9 +679,19 @@ def _staging_shapes(d_model: int, width: int, keys: int = TILE_ROWS) -> list[tup
     return sorted(set(shapes))
 
 
+def _half_exp2(x, interpret):
+    """exp2 of an fp16 array: PTX's packed ex2.approx.f16x2 on the GPU (compat.mosaic_half_exp2), in fp32
+    and rounded back in GPU interpret mode (which runs the body with XLA on a CPU)."""
+    if interpret:
+        return jnp.exp2(x.astype(jnp.float32)).astype(x.dtype)
+    from ttj_jax.compat import mosaic_half_exp2  # noqa: PLC0415
+    return mosaic_half_exp2(x)
+
+
 def kernel_function(batch: int, seq_len: int, num_heads: int, num_layers: int, causal: bool,
                     interpret: bool = False, overlap: bool = False, profile_dir: str | None = None,
-                    d_model: int = D_MODEL, fast_erf: bool | None = None, ablate: frozenset = frozenset()):
+                    d_model: int = D_MODEL, fast_erf: bool | None = None, ablate: frozenset = frozenset(),
+                    half_softmax: bool = False):
     """The bare kernel for x [batch, seq_len, d_model] fp32: f(x, mats, vecs) -> y. Nothing but the Mosaic
     GPU call (what `plgpu.as_torch_kernel` needs); batch must be a multiple of 128 // seq_len.
     interpret: False (the GPU kernel), True or "detect_races" (Mosaic GPU's interpret mode on a CPU,
@@ -687,7 +710,11 @@ def kernel_function(batch: int, seq_len: int, num_heads: int, num_layers: int, c
     default): `default_fast_erf`, the fast one exactly where the key blocks are split (SPLIT_MAX_TILES).
     ablate: names from ABLATIONS, for bench/fused_stack_mgpu_ablate.py: each removes or changes one piece
     of work; all but "all_keys" and "shift_mask" give WRONG outputs (they measure what that piece
-    costs). Empty (the default): the verified build."""
+    costs). Empty (the default): the verified build.
+    half_softmax: the softmax's exponentials by PTX's packed fp16 exp2 (two per special-function-unit
+    instruction) of the exponent rounded to fp16, the row sums and the normalisation in fp16 (packed
+    adds and multiplies): about half the instructions per score of the fp32 softmax. An experiment
+    (`emulate(..., half_softmax=True)` models its rounding points up to the order of the fp16 sums)."""
     unknown = set(ablate) - set(ABLATIONS)
     if unknown:
         raise ValueError(f"unknown ablations {sorted(unknown)}; known: {sorted(ABLATIONS)}")
@@ -734,7 +761,8 @@ def kernel_function(batch: int, seq_len: int, num_heads: int, num_layers: int, c
                 plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=1))               # kv_free
     body = functools.partial(_stack_kernel, num_layers=num_layers, num_heads=num_heads, seq_len=seq_len,
                              causal=causal, interpret=interpret, overlap=overlap, profile=bool(profile_dir),
-                             d_model=d_model, fast_erf=fast_erf, ablate=frozenset(ablate), key_blocks=key_blocks)
+                             d_model=d_model, fast_erf=fast_erf, ablate=frozenset(ablate), key_blocks=key_blocks,
+                             half_softmax=half_softmax)
 
     def entry(x_ref, mats_ref, vecs_ref, y_ref):
         pl.run_scoped(lambda *scoped: body(x_ref, mats_ref, vecs_ref, y_ref, scoped), smem, barriers,
@@ -843,7 +871,8 @@ def _np_one_plus_erf_fast(z):
     return np.where(z >= 0, np.float32(2.0) - q, q).astype(np.float32)
 
 
-def emulate(weights: MgpuStackWeights, x, *, causal: bool = True, fast_erf: bool | None = None) -> np.ndarray:
+def emulate(weights: MgpuStackWeights, x, *, causal: bool = True, fast_erf: bool | None = None,
+            half_softmax: bool = False) -> np.ndarray:
     """The kernel's algorithm in NumPy, tile by tile and warpgroup by warpgroup, with its dtypes: fp16
     GEMM operands (rounded where the kernel rounds), fp32 accumulation, the out-projection and the
     MLP's second GEMM accumulated head (block) by head onto x + bias, the 128-row tile's masked
@@ -900,6 +929,12 @@ def emulate(weights: MgpuStackWeights, x, *, causal: bool = True, fast_erf: bool
                     scores = dot(q[i][r], k[i].T)
                     scores = np.where(allowed[r], scores, -np.inf).astype(np.float32)
                     m = scores.max(axis=1, keepdims=True) * scale
+                    if half_softmax:   # fp16 exponent, exp2, sums and normalisation (sums in fp32 here)
+                        p = f16(np.exp2(f16(scores * scale - m)))
+                        total = f16(p.sum(axis=1, keepdims=True, dtype=np.float32))
+                        p = f16(p * f16(np.float32(1.0) / total))
+                        ctx.append(f16(dot(p, v[i])))
+                        continue
                     p = np.exp2(scores * scale - m).astype(np.float32)
                     p = p * (np.float32(1.0) / p.sum(axis=1, keepdims=True, dtype=np.float32))
                     ctx.append(f16(dot(f16(p), v[i])))
