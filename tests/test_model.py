@@ -267,3 +267,26 @@ def test_fp16_projection_policy_is_requested_only_and_meets_the_rule(harness_rul
     y = T.forward(params, to_jax(x), config=config, policy="mixed_fp16_qkv16")
     harness_rule(to_torch(y), baseline(x, None))
     assert T.plan(config, T.InputFacts(2, 24, "float32")).policy == "mixed_fp16"
+
+
+def test_fp16_hidden_policy_rounds_only_the_mlp_pre_activation_and_meets_the_rule(harness_rule):
+    # mixed_fp16_gemm16: q/k/v and the MLP's pre-activation written in fp16 (an experiment for shape 8;
+    # the planner never picks it on its own). Its hidden layer is GELU of the fp16-rounded
+    # pre-activation, rounded to fp16; the default policies keep the fp32 pre-activation.
+    from ttj_jax.numerics import MIXED_FP16_GEMM16, gelu_exact
+    rng = np.random.default_rng(0)
+    h = jnp.asarray(rng.standard_normal((4, 16)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((16, 8)) * 0.3, jnp.float16)
+    b = jnp.asarray(rng.standard_normal(8), jnp.float32)
+    hidden = MIXED_FP16_GEMM16.mlp_hidden(h, w, b)
+    assert hidden.dtype == jnp.float16
+    pre = (jnp.matmul(h.astype(jnp.float16), w, preferred_element_type=jnp.float16) + b.astype(jnp.float16))
+    np.testing.assert_array_equal(np.asarray(hidden), np.asarray(gelu_exact(pre.astype(jnp.float32)).astype(jnp.float16)))
+    exact = gelu_exact(T.MIXED_FP16.matmul(h, w) + b)
+    np.testing.assert_array_equal(np.asarray(T.MIXED_FP16.mlp_hidden(h, w, b)), np.asarray(exact))
+    assert float(jnp.max(jnp.abs(hidden.astype(jnp.float32) - exact))) < 2e-2
+    config = T.Config(2, 24, 32, 2, 48, 2, True)
+    baseline, params = baseline_and_params(config)
+    x = random_input(config, seed=4)
+    y = T.forward(params, to_jax(x), config=config, policy="mixed_fp16_gemm16")
+    harness_rule(to_torch(y), baseline(x, None))

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from ttj_jax.config import Config
 from ttj_jax.masks import MaskKind, classify_mask
-from ttj_jax.numerics import NumericsPolicy, gelu_exact, get_policy, layer_norm
+from ttj_jax.numerics import NumericsPolicy, get_policy, layer_norm
 from ttj_jax.params import PreparedWeights, prepare_weights
 from ttj_jax.planner import InputFacts, Plan, device_facts, plan as make_plan
 
@@ -85,7 +85,7 @@ def _layer(w: Mapping[str, jax.Array], x, row_valid, key_valid, *, config: Confi
         a = jnp.where(row_valid, a, 0.0)
     x = x + a
     h = layer_norm(x, w["norm2_weight"], w["norm2_bias"])
-    h = gelu_exact(policy.matmul(h, w["ffn_in_weight"]) + w["ffn_in_bias"])
+    h = policy.mlp_hidden(h, w["ffn_in_weight"], w["ffn_in_bias"])
     x = x + policy.matmul(h, w["ffn_out_weight"]) + w["ffn_out_bias"]
     if row_valid is not None:
         x = jnp.where(row_valid, x, 0.0)

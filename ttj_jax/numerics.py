@@ -33,6 +33,10 @@ class NumericsPolicy:
     # that fp32 tensor is ~100 MB per layer; the program adds the bias after the GEMM, which cuBLAS
     # takes into its epilogue: see planner.GEMM_BOUND_XLA_OPTIONS).
     projection_dtype: np.dtype = np.dtype(np.float32)
+    # The MLP's pre-activation (first GEMM plus bias), which only the GELU reads and whose output the
+    # second GEMM takes in gemm_dtype: fp32, or gemm_dtype so the GEMM writes half the bytes and the
+    # GELU pass reads half (one more fp16 rounding, of the GELU's input).
+    hidden_dtype: np.dtype = np.dtype(np.float32)
 
     def shares_weights_with(self, other: "NumericsPolicy") -> bool:
         """Whether weights prepared for this policy serve `other` too: params.prepare_weights depends
@@ -53,6 +57,15 @@ class NumericsPolicy:
                        preferred_element_type=self.projection_dtype)
         return y + b.astype(self.projection_dtype)
 
+    def mlp_hidden(self, x: jax.Array, w: jax.Array, b: jax.Array) -> jax.Array:
+        """GELU(x @ w + b), the MLP's hidden layer: the pre-activation in hidden_dtype (fp32
+        accumulation), the GELU evaluated in fp32 and returned in hidden_dtype."""
+        if self.hidden_dtype == self.accumulate_dtype:
+            return gelu_exact(self.matmul(x, w) + b)
+        pre = jnp.matmul(x.astype(self.gemm_dtype), w.astype(self.gemm_dtype), precision=self.precision,
+                         preferred_element_type=self.hidden_dtype) + b.astype(self.hidden_dtype)
+        return gelu_exact(pre.astype(jnp.float32)).astype(self.hidden_dtype)
+
     def einsum(self, spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
         return jnp.einsum(spec, a.astype(self.gemm_dtype), b.astype(self.gemm_dtype),
                           precision=self.precision, preferred_element_type=self.accumulate_dtype)
@@ -67,7 +80,13 @@ EXACT_FP32 = NumericsPolicy("exact_fp32", gemm_dtype=np.dtype(np.float32),
 MIXED_FP16_QKV16 = NumericsPolicy("mixed_fp16_qkv16", gemm_dtype=np.dtype(np.float16),
                                   precision=jax.lax.Precision.DEFAULT, projection_dtype=np.dtype(np.float16))
 
-POLICIES: dict[str, NumericsPolicy] = {p.name: p for p in (MIXED_FP16, EXACT_FP32, MIXED_FP16_QKV16)}
+# An experiment for the same GEMM-bound calls: q/k/v and the MLP's pre-activation both written in fp16.
+MIXED_FP16_GEMM16 = NumericsPolicy("mixed_fp16_gemm16", gemm_dtype=np.dtype(np.float16),
+                                   precision=jax.lax.Precision.DEFAULT, projection_dtype=np.dtype(np.float16),
+                                   hidden_dtype=np.dtype(np.float16))
+
+POLICIES: dict[str, NumericsPolicy] = {p.name: p for p in (MIXED_FP16, EXACT_FP32, MIXED_FP16_QKV16,
+                                                           MIXED_FP16_GEMM16)}
 
 
 def get_policy(policy: "str | NumericsPolicy") -> NumericsPolicy:
