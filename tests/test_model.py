@@ -290,3 +290,25 @@ def test_fp16_hidden_policy_rounds_only_the_mlp_pre_activation_and_meets_the_rul
     x = random_input(config, seed=4)
     y = T.forward(params, to_jax(x), config=config, policy="mixed_fp16_gemm16")
     harness_rule(to_torch(y), baseline(x, None))
+
+
+def test_tanh_gelu_policy_is_the_gemm_bound_choice_and_meets_the_rule(harness_rule):
+    # mixed_fp16_gemm16_tanh (the planner's GEMM-bound policy): the tanh GELU on the fp16 pre-activation,
+    # as one expression on the GEMM's output (what cuBLASLt takes into its epilogue), within 2e-3 of the
+    # erf GELU's hidden values here, and the whole model within the harness rule
+    from ttj_jax.numerics import MIXED_FP16_GEMM16, MIXED_FP16_GEMM16_TANH, get_policy
+    from ttj_jax.planner import GEMM_BOUND_POLICY
+    assert get_policy(GEMM_BOUND_POLICY) is MIXED_FP16_GEMM16_TANH
+    rng = np.random.default_rng(1)
+    h = jnp.asarray(rng.standard_normal((8, 32)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((32, 16)) * 0.4, jnp.float16)
+    b = jnp.asarray(rng.standard_normal(16), jnp.float32)
+    tanh, erf = MIXED_FP16_GEMM16_TANH.mlp_hidden(h, w, b), MIXED_FP16_GEMM16.mlp_hidden(h, w, b)
+    assert tanh.dtype == jnp.float16
+    difference = np.abs(np.asarray(tanh, np.float32) - np.asarray(erf, np.float32))
+    assert 0 < difference.max() < 2e-3
+    config = T.Config(2, 24, 32, 2, 48, 2, True)
+    baseline, params = baseline_and_params(config)
+    x = random_input(config, seed=5)
+    y = T.forward(params, to_jax(x), config=config, policy="mixed_fp16_gemm16_tanh")
+    harness_rule(to_torch(y), baseline(x, None))

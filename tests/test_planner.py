@@ -67,12 +67,13 @@ def test_batch_chunks_are_divisors_that_fit():
 
 
 def test_gemm_bound_calls_take_fp16_qkv_and_cublas():
-    """Shape 8 (d_model 1024, S=128) on a GPU: the mixed_fp16_qkv16 policy and XLA's Triton GEMMs off (both
-    measured); not on the CPU, not for short-d shapes, long sequences, chunked calls or a requested policy."""
+    """Shape 8 (d_model 1024, S=128) on a GPU: the mixed_fp16_gemm16_tanh policy (fp16 q/k/v and MLP
+    pre-activation, tanh GELU) and XLA's Triton GEMMs off (both measured); not on the CPU, not for short-d
+    shapes, long sequences, chunked calls or a requested policy."""
     from ttj_jax.planner import GEMM_BOUND_POLICY, GEMM_BOUND_XLA_OPTIONS
     shape_8 = T.OFFICIAL["8"].config
     plan = T.plan(shape_8, facts(shape_8), H200)
-    assert plan.policy == GEMM_BOUND_POLICY == "mixed_fp16_qkv16" and plan.stack == "layers"
+    assert plan.policy == GEMM_BOUND_POLICY == "mixed_fp16_gemm16_tanh" and plan.stack == "layers"
     assert plan.xla_options == GEMM_BOUND_XLA_OPTIONS and "GEMM-bound" in plan.explain()
     assert plan.name.endswith("/xla-options")
     masked = T.plan(shape_8, facts(shape_8, MaskKind.GENERAL), H200)   # masks change nothing here
