@@ -114,6 +114,10 @@ class MgpuBlockSizes:
     # conversion, half an exp2 and half an add instead of an exp2, an fp32 add and half a conversion,
     # for the issue-bound softmax above. Costs accuracy: the exponent's rounding (2^-11 relative, so up
     # to ~0.7% of P where the exponent is near -16, P near 2^-16) and the 16-bit partial sums.
+    # Opt-in and slower: predicted ~5% faster at head_dim 64, measured on the H200 at 444 TFLOP/s against
+    # 490 for the default in the same run (main case; 429/432 with 3/5 stages; 9/9 checks passed, worst
+    # err/tol 0.16: bench/results/attention-mgpu-2026-12-01-nvidia-h200-half-exp2.json). Why not
+    # measured; the suspects are the packed exp2's own throughput and the conversions around it.
     half_exp2: bool = False
 
     def __post_init__(self):

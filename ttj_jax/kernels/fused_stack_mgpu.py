@@ -714,7 +714,10 @@ def kernel_function(batch: int, seq_len: int, num_heads: int, num_layers: int, c
     half_softmax: the softmax's exponentials by PTX's packed fp16 exp2 (two per special-function-unit
     instruction) of the exponent rounded to fp16, the row sums and the normalisation in fp16 (packed
     adds and multiplies): about half the instructions per score of the fp32 softmax. An experiment
-    (`emulate(..., half_softmax=True)` models its rounding points up to the order of the fp16 sums)."""
+    (`emulate(..., half_softmax=True)` models its rounding points up to the order of the fp16 sums),
+    slower on the H200 where it mattered: kernel time per call 82.8 against 77.9 us at shape 2, 89.8
+    against 80.4 at shape 1, 8.84 against 7.41 ms at shape 6, level at 9 and 10 (zero failing elements
+    everywhere; bench/results/fused-stack-mgpu-ablate-2026-12-01-nvidia-h200-session12-half.json)."""
     unknown = set(ablate) - set(ABLATIONS)
     if unknown:
         raise ValueError(f"unknown ablations {sorted(unknown)}; known: {sorted(ABLATIONS)}")
