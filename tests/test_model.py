@@ -312,3 +312,9 @@ def test_tanh_gelu_policy_is_the_gemm_bound_choice_and_meets_the_rule(harness_ru
     x = random_input(config, seed=5)
     y = T.forward(params, to_jax(x), config=config, policy="mixed_fp16_gemm16_tanh")
     harness_rule(to_torch(y), baseline(x, None))
+
+
+def test_numerics_policy_refuses_an_unknown_gelu():
+    import dataclasses
+    with pytest.raises(ValueError, match="gelu"):
+        dataclasses.replace(T.MIXED_FP16, gelu="sigmoid")
