@@ -99,7 +99,9 @@ def free_us(make, calls: int, *, busy: bool, device: torch.device) -> float:
     return statistics.median(samples)
 
 
-def profile_shape(sid: str, calls: int, device: torch.device) -> dict:
+def warm_bridge(sid: str, device: torch.device):
+    """Official shape `sid` as the harness builds it, through the bridge, its first call made (under
+    inference_mode) and finished: (config, module, x, mask, the module's bridge state, its one call)."""
     config = T.OFFICIAL[sid].config
     hc = TransformerConfig(**vars(config))
     _, ours = harness_models(hc, bridge.TTJTransformer, device=device)
@@ -107,8 +109,13 @@ def profile_shape(sid: str, calls: int, device: torch.device) -> dict:
     with torch.inference_mode():
         ours(x, mask)
         _sync(device)
-        state = runtime._STATES[ours]
-        call = next(iter(state.calls.values()))
+    state = runtime._STATES[ours]
+    return config, ours, x, mask, state, next(iter(state.calls.values()))
+
+
+def profile_shape(sid: str, calls: int, device: torch.device) -> dict:
+    config, ours, x, mask, state, call = warm_bridge(sid, device)
+    with torch.inference_mode():
         transfer = call.transfer
         weights = state.call_weights(call)
         transfer.order_before_jax()

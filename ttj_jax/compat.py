@@ -360,15 +360,18 @@ _HALF_EXP2_INSTRUCTIONS = {"float16": ("ex2.approx.f16x2", "ex2.approx.f16"),
                            "bfloat16": ("ex2.approx.ftz.bf16x2", "ex2.approx.ftz.bf16")}
 
 
-def mosaic_half_exp2(x):
+def mosaic_half_exp2(x, *, interpret: bool = False):
     """exp2 of a float16 or bfloat16 array in the WGMMA register layout, inside a Mosaic GPU kernel: one
     packed `ex2.approx` per pair of elements (jax's own exp2 takes fp32 only under approx_math). Through
     `plgpu.inline_mgpu` and two private FragmentedArray helpers (jax 0.10-0.11); raises RuntimeError when
-    this jax has neither."""
-    import jax.experimental.pallas.mosaic_gpu as plgpu  # noqa: PLC0415 - imports absl; lazily
+    this jax has neither. interpret: the kernel body runs in GPU interpret mode (XLA on a CPU): exp2 in
+    fp32, rounded back to x's dtype."""
     instructions = _HALF_EXP2_INSTRUCTIONS.get(jax.numpy.dtype(x.dtype).name)
     if instructions is None:
         raise ValueError(f"mosaic_half_exp2 takes float16 or bfloat16, not {x.dtype}")
+    if interpret:
+        return jax.numpy.exp2(x.astype(jax.numpy.float32)).astype(x.dtype)
+    import jax.experimental.pallas.mosaic_gpu as plgpu  # noqa: PLC0415 - imports absl; lazily
     if not hasattr(plgpu, "inline_mgpu") or not hasattr(plgpu, "ShapeDtypeStruct"):
         raise RuntimeError(f"this jax ({jax.__version__}) has no plgpu.inline_mgpu")
 

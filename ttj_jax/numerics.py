@@ -63,9 +63,13 @@ class NumericsPolicy:
         """x @ w + b for the q/k/v projection, returned in projection_dtype (fp32 accumulation)."""
         if self.projection_dtype == self.accumulate_dtype:
             return self.matmul(x, w) + b
+        return self._affine_in(x, w, b, self.projection_dtype)
+
+    def _affine_in(self, x: jax.Array, w: jax.Array, b: jax.Array, dtype) -> jax.Array:
+        """x @ w + b written in `dtype` by the GEMM (fp32 accumulation), the bias added in `dtype`."""
         y = jnp.matmul(x.astype(self.gemm_dtype), w.astype(self.gemm_dtype), precision=self.precision,
-                       preferred_element_type=self.projection_dtype)
-        return y + b.astype(self.projection_dtype)
+                       preferred_element_type=dtype)
+        return y + b.astype(dtype)
 
     def mlp_hidden(self, x: jax.Array, w: jax.Array, b: jax.Array) -> jax.Array:
         """GELU(x @ w + b), the MLP's hidden layer in hidden_dtype: the pre-activation accumulated in
@@ -73,8 +77,7 @@ class NumericsPolicy:
         pre-activation (XLA hands that expression to cuBLASLt's epilogue where it can)."""
         if self.hidden_dtype == self.accumulate_dtype and self.gelu == "erf":
             return gelu_exact(self.matmul(x, w) + b)
-        pre = jnp.matmul(x.astype(self.gemm_dtype), w.astype(self.gemm_dtype), precision=self.precision,
-                         preferred_element_type=self.hidden_dtype) + b.astype(self.hidden_dtype)
+        pre = self._affine_in(x, w, b, self.hidden_dtype)
         if self.gelu == "tanh":
             return jax.nn.gelu(pre, approximate=True)
         return gelu_exact(pre.astype(jnp.float32)).astype(self.hidden_dtype)

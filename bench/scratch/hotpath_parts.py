@@ -34,11 +34,9 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-import bridge  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import ttj_jax as T  # noqa: E402
-from bench.baseline import TransformerConfig, harness_models, make_inputs  # noqa: E402
+from bench.host_overhead import warm_bridge  # noqa: E402
 from bridge import runtime  # noqa: E402
 
 
@@ -141,15 +139,8 @@ def ordering(device) -> dict:
 
 
 def shape_parts(sid: str, calls: int, device) -> dict:
-    config = T.OFFICIAL[sid].config
-    hc = TransformerConfig(**vars(config))
-    _, ours = harness_models(hc, bridge.TTJTransformer, device=device)
-    x, mask = make_inputs(hc, 1234 + 100000, device=device)
+    _, ours, x, mask, state, call = warm_bridge(sid, device)
     with torch.inference_mode():
-        ours(x, mask)
-        torch.cuda.synchronize(device)
-        state = runtime._STATES[ours]
-        call = next(iter(state.calls.values()))
         assert call.direct is None, f"shape {sid} is a direct launch; this script times the jax path"
         transfer = call.transfer
         weights = state.call_weights(call)

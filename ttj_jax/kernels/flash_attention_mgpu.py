@@ -384,8 +384,7 @@ def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_
             alpha = jnp.exp2(m_prev - m_new)
             if blocks.half_exp2:   # one key part (MgpuBlockSizes refuses poly_exp_keys here)
                 exponent = (scores[0] * score_scale - lax.broadcast_in_dim(m_new, scores[0].shape, [0])).astype(dtype)
-                p = (jnp.exp2(exponent.astype(jnp.float32)).astype(dtype) if interpret
-                     else mosaic_half_exp2(exponent))
+                p = mosaic_half_exp2(exponent, interpret=bool(interpret))
                 return m_new, l_prev * alpha + p.sum(axis=1).astype(jnp.float32), (p,), alpha
             # the first part's exp2 on the MUFU (ex2.approx), the second's from a polynomial on the FMA
             # units (poly_exp_keys): the two pipes share the work

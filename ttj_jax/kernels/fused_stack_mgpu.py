@@ -88,6 +88,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
+from ttj_jax.compat import mosaic_half_exp2
 from ttj_jax.kernels.fused_stack import _erf, checked_prepared
 from ttj_jax.numerics import LAYER_NORM_EPS, MIXED_FP16
 from ttj_jax.params import PreparedWeights
@@ -577,24 +578,19 @@ def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, num_layers: int, 
                 for s in scores[1:]:
                     m = jnp.maximum(m, s.max(axis=1))
                 m = m * score_scale
-                if half_softmax:   # see kernel_function: P in fp16 from the packed exp2, fp16 sums
-                    ps = [_half_exp2((s * score_scale - col_bcast(m, s.shape)).astype(_GEMM_DTYPE), interpret)
-                          for s in scores]
-                    total = ps[0].sum(axis=1)
-                    for p in ps[1:]:
-                        total = total + p.sum(axis=1)
-                    inverse = (1.0 / total.astype(jnp.float32)).astype(_GEMM_DTYPE)
-                    ps = [p * col_bcast(inverse, p.shape) for p in ps]
-                    out = None
-                    for p, block in zip(ps, blocks):
-                        out = matmul(out, p, kv(v_smem, block))
-                    ctx.append(out.astype(_GEMM_DTYPE))
-                    continue
-                ps = [jnp.exp2(s * score_scale - col_bcast(m, s.shape)) for s in scores]
+
+                def exp2(s, m=m):   # half_softmax (see kernel_function): fp16 P from the packed exp2
+                    exponent = s * score_scale - col_bcast(m, s.shape)
+                    if half_softmax:
+                        return mosaic_half_exp2(exponent.astype(_GEMM_DTYPE), interpret=bool(interpret))
+                    return jnp.exp2(exponent)
+                ps = [exp2(s) for s in scores]
                 total = ps[0].sum(axis=1)
                 for p in ps[1:]:
                     total = total + p.sum(axis=1)
-                inverse = 1.0 / total
+                inverse = 1.0 / total.astype(jnp.float32)   # fp32 either way; fp16 for the fp16 P
+                if half_softmax:
+                    inverse = inverse.astype(_GEMM_DTYPE)
                 ps = [(p * col_bcast(inverse, p.shape)).astype(_GEMM_DTYPE) for p in ps]
                 out = None
                 for p, block in zip(ps, blocks):   # fp32 sum of the blocks' products, block 0 first
@@ -677,15 +673,6 @@ def _staging_shapes(d_model: int, width: int, keys: int = TILE_ROWS) -> list[tup
     shapes = [("a", (WG_ROWS, d_model)), ("a", (WG_ROWS, width)), ("a", (WG_ROWS, keys)),
               ("bt", (width, keys)), ("bt", (width, d_model))]
     return sorted(set(shapes))
-
-
-def _half_exp2(x, interpret):
-    """exp2 of an fp16 array: PTX's packed ex2.approx.f16x2 on the GPU (compat.mosaic_half_exp2), in fp32
-    and rounded back in GPU interpret mode (which runs the body with XLA on a CPU)."""
-    if interpret:
-        return jnp.exp2(x.astype(jnp.float32)).astype(x.dtype)
-    from ttj_jax.compat import mosaic_half_exp2  # noqa: PLC0415
-    return mosaic_half_exp2(x)
 
 
 def kernel_function(batch: int, seq_len: int, num_heads: int, num_layers: int, causal: bool,
