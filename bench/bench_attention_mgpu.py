@@ -99,6 +99,19 @@ GRID_VARIANTS = [dict(lowering_semantics="lane"),
 POLY_VARIANTS = [dict(block_sizes=Blocks(128, 4, 3, half_exp2=True)),
                  dict(block_sizes=Blocks(128, 3, 3, half_exp2=True)),
                  dict(block_sizes=Blocks(128, 5, 3, half_exp2=True))]
+# --overlap: FA3's intra-warpgroup overlap with one output accumulator (MgpuBlockSizes.overlap_one_accumulator):
+# three consumers at head_dim 64 (FA3's head_dim-64 tiling), two at 64 and 128; each checked, then timed at
+# its case next to the default and cuDNN.
+OVERLAP_VARIANTS = {
+    64: [dict(block_sizes=Blocks(128, 4, 3, overlap_softmax=True, overlap_one_accumulator=True)),
+         dict(block_sizes=Blocks(128, 4, 3, overlap_softmax=True, overlap_one_accumulator=True),
+              lowering_semantics="warpgroup"),
+         dict(block_sizes=Blocks(128, 3, 3, overlap_softmax=True, overlap_one_accumulator=True)),
+         dict(block_sizes=Blocks(128, 4, 2, overlap_softmax=True, overlap_one_accumulator=True))],
+    128: [dict(block_sizes=Blocks(128, 2, 2, overlap_softmax=True, overlap_one_accumulator=True)),
+          dict(block_sizes=Blocks(128, 3, 2, overlap_softmax=True, overlap_one_accumulator=True))],
+}
+OVERLAP_CASES = {64: MAIN_CASE, 128: (1, 16, 16384, 128)}
 THRESHOLD_CASES = [(64, 4, 1024, 64), (4, 16, 4096, 64), (4, 16, 8192, 64), (4, 16, 4096, 128)]
 
 
@@ -345,9 +358,23 @@ def grid_orders(run: Run, variants=GRID_VARIANTS, cases=GRID_CASES) -> None:
         _time_case(run, *case, variants=passing)
 
 
+def overlap_study(run: Run) -> None:
+    """--overlap: each OVERLAP_VARIANTS entry checked at its head_dim (S=1000, causal and not; at 64 also
+    rows of S=100000), then the passing ones timed at OVERLAP_CASES next to the default and cuDNN."""
+    for head_dim, variants in OVERLAP_VARIANTS.items():
+        passing = [{}]
+        for kwargs in variants:
+            checks = [_check(run, 2, 3, 1000, head_dim, causal, kernel_kwargs=kwargs) for causal in (True, False)]
+            if head_dim == 64:
+                checks.append(_check(run, 2, 2, LONG_SEQ_LEN, 64, True, kernel_kwargs=kwargs))
+            if all(checks):
+                passing.append(kwargs)
+        _time_case(run, *OVERLAP_CASES[head_dim], variants=passing)
+
+
 def gpu_check_and_time(out_dir: str | None = None, *, quick: bool = False, check_only: bool = False,
                        budget_s: float = 420.0, step_timeout_s: float = 90.0, sweep_only: bool = False,
-                       grid_only: bool = False, poly_only: bool = False) -> int:
+                       grid_only: bool = False, poly_only: bool = False, overlap_only: bool = False) -> int:
     """Checks the Mosaic kernel on the GPU, times it, writes JSON, prints a table. Returns an exit status."""
     device = jax.devices()[0]
     if device.platform != "gpu":
@@ -357,7 +384,8 @@ def gpu_check_and_time(out_dir: str | None = None, *, quick: bool = False, check
     date = datetime.date.today().isoformat()
     out = pathlib.Path(out_dir or _REPO_ROOT / "bench" / "results")
     out.mkdir(parents=True, exist_ok=True)
-    suffix = ("-grid" if grid_only else "-poly" if poly_only else "-sweep" if sweep_only
+    suffix = ("-grid" if grid_only else "-poly" if poly_only else "-overlap" if overlap_only
+              else "-sweep" if sweep_only
               else "-check" if check_only else "-quick" if quick else "")
     import jaxlib  # noqa: PLC0415
     header = {"gpu": gpu_name, "jax": jax.__version__, "jaxlib": jaxlib.__version__,
@@ -365,9 +393,11 @@ def gpu_check_and_time(out_dir: str | None = None, *, quick: bool = False, check
     run = Run(out / f"attention-mgpu-{date}-{slug(gpu_name)}{suffix}.json", header, step_timeout_s, budget_s)
     log(f"device: {gpu_name}, jax {jax.__version__}; writing {run.path}")
 
-    if sweep_only or grid_only or poly_only:
+    if sweep_only or grid_only or poly_only or overlap_only:
         if sweep_only:
             sweep(run)
+        elif overlap_only:
+            overlap_study(run)
         elif grid_only:
             grid_orders(run)
         else:
@@ -419,10 +449,11 @@ def main(argv=None) -> int:
     parser.add_argument("--sweep", action="store_true", help="only the tiling sweep and the threshold cases")
     parser.add_argument("--grid", action="store_true", help="only the grid orders and the lane lowering, at shape 14's attention call and the main case")
     parser.add_argument("--poly", action="store_true", help="only the softmax variants (POLY_VARIANTS), at the main case")
+    parser.add_argument("--overlap", action="store_true", help="only the one-accumulator overlap variants (OVERLAP_VARIANTS)")
     args = parser.parse_args(argv)
     return gpu_check_and_time(args.out, quick=args.quick, check_only=args.check, budget_s=args.budget_s,
                               step_timeout_s=args.step_timeout_s, sweep_only=args.sweep, grid_only=args.grid,
-                              poly_only=args.poly)
+                              poly_only=args.poly, overlap_only=args.overlap)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ installs absl-py for it, as the GPU machine has.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import itertools
 import re
@@ -114,7 +115,9 @@ def test_lowers_in_both_semantics_and_dtypes(lowering_semantics, dtype):
 @pytest.mark.parametrize("blocks", [Blocks(block_kv=128, num_stages=4, num_compute_wgs=3, poly_exp_keys=64),
                                     Blocks(block_kv=128, num_stages=4, num_compute_wgs=3, row_sum_mma=True),
                                     Blocks(block_kv=128, num_stages=4, num_compute_wgs=3, half_exp2=True),
-                                    Blocks(block_kv=128, num_stages=2, overlap_softmax=True, half_exp2=True)])
+                                    Blocks(block_kv=128, num_stages=2, overlap_softmax=True, half_exp2=True),
+                                    Blocks(block_kv=128, num_stages=4, num_compute_wgs=3, overlap_softmax=True,
+                                           overlap_one_accumulator=True)])
 def test_lowers_with_the_softmax_variants(lowering_semantics, causal, blocks):
     # poly_exp_keys: two key parts per block, their own Q @ K^T and P @ V wgmmas over slices of the K/V
     # slots; row_sum_mma: a third wgmma, P @ ones, in every GEMM phase
@@ -192,10 +195,14 @@ def test_block_sizes_validate_themselves():
                 dict(block_kv=128, num_stages=2, row_sum_mma=True, overlap_softmax=True),
                 dict(block_kv=128, num_stages=2, half_exp2=1),
                 dict(block_kv=128, num_stages=2, half_exp2=True, poly_exp_keys=64),
-                dict(block_kv=128, num_stages=2, half_exp2=True, row_sum_mma=True)):
+                dict(block_kv=128, num_stages=2, half_exp2=True, row_sum_mma=True),
+                dict(block_kv=128, num_stages=2, overlap_one_accumulator=True),        # needs overlap_softmax
+                dict(block_kv=128, num_stages=2, overlap_softmax=True, overlap_one_accumulator=1)):
         with pytest.raises(ValueError):
             Blocks(**bad)
     assert Blocks(block_kv=128, num_stages=2, num_compute_wgs=3).block_q == 192
+    # three consumers overlap only with one accumulator
+    assert Blocks(128, 2, 3, overlap_softmax=True, overlap_one_accumulator=True).block_q == 192
 
 
 @pytest.mark.parametrize("head_dim", fm.SUPPORTED_HEAD_DIMS)
@@ -215,6 +222,24 @@ def test_register_bound_variants_are_refused():
         fm.check_block_sizes(64, 2, Blocks(block_kv=256, num_stages=2, overlap_softmax=True))
     with pytest.raises(ValueError, match="head_dim=256 must be <= 128"):
         fm.check_block_sizes(256, 2, Blocks(block_kv=64, num_stages=2, num_compute_wgs=3))
+    # one accumulator: head_dim 128 with two consumers fits (FA3's budget), with three or at 256 not
+    one_acc = functools.partial(Blocks, overlap_softmax=True, overlap_one_accumulator=True)
+    fm.check_block_sizes(128, 2, one_acc(128, 2, 2))
+    fm.check_block_sizes(64, 2, one_acc(128, 4, 3))
+    for head_dim, blocks in ((128, one_acc(128, 2, 3)), (256, one_acc(64, 2, 2)), (64, one_acc(192, 2, 2))):
+        with pytest.raises(ValueError, match="overlap_one_accumulator keeps"):
+            fm.check_block_sizes(head_dim, 2, blocks)
+
+
+def test_long_sequences_at_head_dim_128_default_to_the_one_accumulator_overlap():
+    long_blocks = fm.default_block_sizes(128, 4096)
+    assert long_blocks.overlap_softmax and long_blocks.overlap_one_accumulator
+    assert fm.default_block_sizes(128, 4095) == fm.default_block_sizes(128) == Blocks(128, 2, 2)
+    assert fm.default_block_sizes(64, 100_000) == fm.default_block_sizes(64)   # lost at head_dim 64
+    # and a call without block sizes lowers to exactly that build
+    explicit = _lower_for_cuda(16384, 128, True, block_sizes=long_blocks)
+    assert _lower_for_cuda(16384, 128, True) == explicit
+    assert _lower_for_cuda(16384, 128, True, block_sizes=Blocks(128, 2, 2)) != explicit
 
 
 def test_stages_are_clamped_to_the_sequence():
@@ -498,6 +523,12 @@ INTERPRET_CASES = {
     "hd128-S113-row-sum-mma": (2, 113, 1, 128, False, Blocks(block_kv=64, num_stages=2, row_sum_mma=True)),
     "hd64-S200-half-exp2-causal": (1, 200, 1, 64, True, Blocks(block_kv=64, num_stages=2, half_exp2=True)),
     "hd128-S113-half-exp2": (2, 113, 1, 128, False, Blocks(block_kv=64, num_stages=2, half_exp2=True)),
+    # the one-accumulator overlap's schedule and its fp32 P held until P @ V completes (the interpreter
+    # takes its accumulator store as a zero accumulator plus an add: see the kernel file's list)
+    "hd64-S200-one-acc-causal": (1, 200, 1, 64, True, Blocks(block_kv=64, num_stages=2, overlap_softmax=True,
+                                                             overlap_one_accumulator=True)),
+    "hd128-S113-one-acc": (2, 113, 1, 128, False, Blocks(block_kv=64, num_stages=2, overlap_softmax=True,
+                                                         overlap_one_accumulator=True)),
 }
 
 

@@ -23,7 +23,12 @@ Design (one CUDA block per (query tile, head, batch element)):
   accumulates into a fresh accumulator, so the softmax of block j runs while that PV GEMM is still on
   the tensor core (FA3's intra-warpgroup overlap). The rescale of the running output by the previous
   block's correction is then one fused multiply-add after the GEMM: out = out * alpha_{j-1} + P V.
-  It costs a second head_dim-wide fp32 accumulator in registers, which only head_dim 64 affords.
+  It costs a second head_dim-wide fp32 accumulator in registers, which only head_dim 64 affords;
+  `overlap_one_accumulator` instead rescales the output before the GEMM phase and lets P @ V add to it
+  (one accumulator: head_dim 128 with two consumers, or 64 with three). Either way P stays fp32 until
+  P @ V_{j-1} has completed: converting it while that wgmma was in flight made ptxas serialize every
+  wgmma (its C7513 report; `bench/scratch/ptxas_dump.py` prints ptxas's report per build), which had
+  held every overlap build near 350 TFLOP/s at head_dim 64. The head_dim-128 default from S=4096 on.
 - Causal attention. Tiles are launched heaviest first (the last query tile is the first program), so
   the light tiles fill the tail of the launch. A tile only visits KV blocks that start at or before its
   last row; a consumer applies the causal mask only on blocks that straddle its own diagonal, and
@@ -119,6 +124,14 @@ class MgpuBlockSizes:
     # err/tol 0.16: bench/results/attention-mgpu-2026-12-01-nvidia-h200-half-exp2.json). Why not
     # measured; the suspects are the packed exp2's own throughput and the conversions around it.
     half_exp2: bool = False
+    # With overlap_softmax: the running output is rescaled by the previous block's alpha in registers
+    # before Q @ K_j^T and P_{j-1} @ V_{j-1} are issued, and P @ V accumulates into that output itself
+    # instead of into a fresh accumulator (FlashAttention-3 rescales while Q @ K^T runs; here ptxas then
+    # serialized the wgmmas, C7513 "non wgmma instructions defining input registers of a wgmma"):
+    # one [64, head_dim] fp32 accumulator instead of two, 32 registers per thread fewer at head_dim 64,
+    # which is what lets three consumers (160 registers each) overlap, FA3's head_dim-64 configuration
+    # (192 query rows, 128 keys, P from registers, intra-warpgroup overlap).
+    overlap_one_accumulator: bool = False
 
     def __post_init__(self):
         def is_int(value):
@@ -131,8 +144,13 @@ class MgpuBlockSizes:
             raise ValueError(f"MgpuBlockSizes.num_compute_wgs={self.num_compute_wgs!r} must be 2 or 3")
         if not isinstance(self.overlap_softmax, bool):
             raise ValueError(f"MgpuBlockSizes.overlap_softmax={self.overlap_softmax!r} must be a bool")
-        if self.overlap_softmax and self.num_compute_wgs != 2:
-            raise ValueError("overlap_softmax needs num_compute_wgs=2 (3 consumers have too few registers)")
+        if not isinstance(self.overlap_one_accumulator, bool):
+            raise ValueError(f"MgpuBlockSizes.overlap_one_accumulator={self.overlap_one_accumulator!r} must be a bool")
+        if self.overlap_one_accumulator and not self.overlap_softmax:
+            raise ValueError("overlap_one_accumulator is an order of overlap_softmax: set both")
+        if self.overlap_softmax and self.num_compute_wgs != 2 and not self.overlap_one_accumulator:
+            raise ValueError("overlap_softmax with a second accumulator needs num_compute_wgs=2 (3 consumers "
+                             "have too few registers); overlap_one_accumulator=True keeps one")
         if (not is_int(self.poly_exp_keys) or self.poly_exp_keys < 0 or self.poly_exp_keys % 64
                 or self.poly_exp_keys >= self.block_kv):
             raise ValueError(f"MgpuBlockSizes.poly_exp_keys={self.poly_exp_keys!r} must be a multiple of 64 "
@@ -195,9 +213,15 @@ def check_block_sizes(head_dim: int, itemsize: int, blocks: MgpuBlockSizes) -> N
     if smem_bytes(head_dim, itemsize, blocks) > SMEM_BUDGET_BYTES:
         raise ValueError(f"{blocks} at head_dim={head_dim} needs {smem_bytes(head_dim, itemsize, blocks)} "
                          f"bytes of shared memory, more than {SMEM_BUDGET_BYTES}")
-    if blocks.overlap_softmax and (head_dim > 64 or blocks.block_kv > 128):
+    if blocks.overlap_softmax and not blocks.overlap_one_accumulator and (head_dim > 64 or blocks.block_kv > 128):
         raise ValueError(f"overlap_softmax keeps two [64, head_dim] fp32 accumulators and two P blocks in "
                          f"registers: head_dim={head_dim} must be 64 and block_kv={blocks.block_kv} <= 128")
+    # one accumulator: FA3's budgets (head_dim 64 with three consumers, 128 with two)
+    if blocks.overlap_one_accumulator and (head_dim > 128 or blocks.block_kv > 128
+                                           or (blocks.num_compute_wgs == 3 and head_dim > 64)):
+        raise ValueError(f"overlap_one_accumulator keeps the output, the scores and two P blocks in registers: "
+                         f"head_dim={head_dim} must be 64 (128 with two consumers) and block_kv={blocks.block_kv} "
+                         f"<= 128")
     if blocks.num_compute_wgs == 3 and head_dim > 128:
         raise ValueError(f"num_compute_wgs=3 leaves 160 registers per thread: head_dim={head_dim} must be <= 128")
     if blocks.num_compute_wgs == 3 and blocks.block_kv > 192:
@@ -205,14 +229,35 @@ def check_block_sizes(head_dim: int, itemsize: int, blocks: MgpuBlockSizes) -> N
                          "(bench/results/attention-mgpu-2026-11-30-nvidia-h200-sweep.json): at most 192")
 
 
-def default_block_sizes(head_dim: int) -> MgpuBlockSizes:
+# From these lengths on, per head_dim, the defaults above give way to these. head_dim 128: the one-
+# accumulator softmax overlap (overlap_one_accumulator), 1.5-2.3% faster than the two-consumer build
+# above at S=16384 and 32768 and level at S=4096 on the H200 (B=1 H=16 S=16384: 583.6 and 586.2 against
+# 574.7 and 574.5 TFLOP/s, cuDNN 527.8; S=32768: 597.9 and 599.2 against 584.4 and 588.3; B=4 S=4096:
+# 497.5 and 498.5 against 492.0 and 496.2; two rounds in alternating order, 5/5 checks passed:
+# bench/results/attention-mgpu-2026-12-01-nvidia-h200-hd128-overlap.json). Shorter sequences (the
+# fused-layout calls at S=128) keep the build their timings were taken with. At head_dim 64 the same
+# overlap with three consumers lost (479 against 494 TFLOP/s: attention-mgpu-2026-12-01-nvidia-h200-
+# overlap.json), so 64 has no entry.
+_LONG_SEQ_BLOCK_SIZES = {
+    128: (4096, MgpuBlockSizes(block_kv=128, num_stages=2, num_compute_wgs=2, overlap_softmax=True,
+                               overlap_one_accumulator=True)),
+}
+
+
+def default_block_sizes(head_dim: int, seq_len: int | None = None) -> MgpuBlockSizes:
+    """The default block sizes at this head_dim (and sequence length, where the table has a long-sequence
+    entry for it; None: the short-sequence default)."""
+    if seq_len is not None and head_dim in _LONG_SEQ_BLOCK_SIZES:
+        min_len, blocks = _LONG_SEQ_BLOCK_SIZES[head_dim]
+        if seq_len >= min_len:
+            return blocks
     return _DEFAULT_BLOCK_SIZES[head_dim]
 
 
 def resolve_block_sizes(seq_len: int, head_dim: int, itemsize: int,
                         block_sizes: MgpuBlockSizes | None) -> MgpuBlockSizes:
     """The block sizes a call runs with: given or default, stages clamped to the number of KV blocks."""
-    blocks = default_block_sizes(head_dim) if block_sizes is None else block_sizes
+    blocks = default_block_sizes(head_dim, seq_len) if block_sizes is None else block_sizes
     check_block_sizes(head_dim, itemsize, blocks)
     num_kv_blocks = pl.cdiv(seq_len, blocks.block_kv)
     # A ring longer than the sequence would only preload nothing; 2 stays the minimum for overlap.
@@ -360,10 +405,11 @@ def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_
         def wgmma_zeros(shape):
             return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
 
-        def softmax(scores, block, m_prev, l_prev, masked: bool):
+        def softmax(scores, block, m_prev, l_prev, masked: bool, p_dtype=dtype):
             # scores: the (64, width) fp32 raw q.k of each key part (one part of block_kv keys, or two:
-            # see key_parts). Returns the new running max and sum, P per part in the input dtype, and
-            # alpha = exp2(m_prev - m_new), the factor for what was accumulated before.
+            # see key_parts). Returns the new running max and sum, P per part in p_dtype (the input
+            # dtype unless asked), and alpha = exp2(m_prev - m_new), the factor for what was accumulated
+            # before.
             if masked:
                 def mask(part, offset):
                     # no "+ 0" for the first part: the pinned lowerings (tests) are of the build without it
@@ -396,10 +442,14 @@ def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_
             l_new = l_prev * alpha + ps[0].sum(axis=1)
             for part in ps[1:]:
                 l_new = l_new + part.sum(axis=1)
-            return m_new, l_new, tuple(part.astype(dtype) for part in ps), alpha
+            return m_new, l_new, tuple(part.astype(p_dtype) for part in ps), alpha
 
         def next_token():
             plgpu.barrier_arrive(tokens.at[lax.rem(wg + 1, jnp.int32(num_wgs))])
+
+        # The interpreter cannot store into an accumulator: there P @ V goes into a zero one and is
+        # added after (the same fp32 sum, init + (0 + P @ V), as its run_state substitute).
+        one_accumulator = blocks.overlap_one_accumulator and not interpret
 
         def rescale(acc, alpha):
             return acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
@@ -446,17 +496,23 @@ def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_
             vs = key_parts(v_smem.at[prev_slot])
             if blocks.overlap_softmax:   # one key part (MgpuBlockSizes refuses poly_exp_keys here)
                 def gemms(s_ref, pv_ref):
+                    if one_accumulator:   # rescaled before the GEMMs (see MgpuBlockSizes); P @ V adds to it
+                        pv_ref[...] = rescale(acc, alpha)
                     plgpu.wgmma(s_ref, q_wg, k_ts[0])
                     plgpu.wgmma(pv_ref, p[0], vs[0])   # returns once Q @ K^T is done; P @ V keeps running
                     next_token()
                     scores = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)
                     plgpu.barrier_arrive(k_consumed.at[slot])
-                    softmax_out = softmax((scores,), block, m, l, masked)
+                    # P stays fp32 until P @ V has completed: registers that feed a later wgmma, written
+                    # while one is in flight, made ptxas serialize every wgmma (C7513)
+                    softmax_out = softmax((scores,), block, m, l, masked, p_dtype=jnp.float32)
                     return softmax_out, pv_ref[...]
                 (m, l, p_next, alpha_next), pv = pl.run_scoped(
                     gemms, plgpu.ACC((rows, block_kv), jnp.float32), plgpu.ACC((rows, head_dim), jnp.float32))
+                p_next = tuple(part.astype(dtype) for part in p_next)
                 plgpu.barrier_arrive(v_consumed.at[prev_slot])
-                acc = rescale(acc, alpha) + pv   # alpha of block - 1: P_{block-1} is relative to its max
+                # alpha of block - 1: P_{block-1} is relative to its max
+                acc = pv if one_accumulator else rescale(acc, alpha) + pv
                 return acc, m, l, p_next, alpha_next
 
             if blocks.row_sum_mma:
@@ -498,11 +554,13 @@ def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_
         plgpu.barrier_wait(tokens.at[wg])
         if blocks.overlap_softmax:
             def last_pv(pv_ref):
+                if one_accumulator:
+                    pv_ref[...] = rescale(acc, alpha)
                 plgpu.wgmma(pv_ref, p[0], v_smem.at[last_slot])
                 next_token()
                 return pv_ref[...]
             pv = pl.run_scoped(last_pv, plgpu.ACC((rows, head_dim), jnp.float32))
-            acc = rescale(acc, alpha) + pv
+            acc = pv if one_accumulator else rescale(acc, alpha) + pv
         elif blocks.row_sum_mma:
             def last_pv(refs):
                 acc_ref, l_ref = refs
@@ -804,7 +862,8 @@ def _launch(operands: tuple, shape: tuple, *, causal, interpret, sm_scale, block
 # - wgmma operands: A must be an SMEM ref (the kernel's P is in registers) and B cannot be a transposed
 #   view (the kernel's K^T): both are staged in untiled SMEM buffers of the warpgroup first.
 # - `pl.run_state` with accumulator initial values: a zero accumulator (run_scoped) whose result is added
-#   to the initial value in registers (the same fp32 sum: init + (0 + P @ V)).
+#   to the initial value in registers (the same fp32 sum: init + (0 + P @ V)); the same for the
+#   accumulator store of `overlap_one_accumulator` (jax 0.10.2's interpreter rejects that store).
 # - TMA: zero fill past the array and partial out-of-bounds writes (see `_interpret_params`).
 # - Barrier phases the GPU kernel leaves unobserved at its end (see `_interpret_kernel`).
 # What this leaves unverified by interpret mode, and checked only by lowering and on the H200: the
