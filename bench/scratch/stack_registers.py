@@ -4,6 +4,13 @@ process's output, in build order: 232-40 then 240-32 per shape), outputs compare
 time by alternating rounds of back-to-back calls (bench.jax_timing). (MOSAIC_GPU_DUMP_TO is not used: it
 turns on every dump, the MLIR passes and SASS included, ~30 s per build of this kernel.)
 
+Result on the H200 (2026-12-01, bench/results/stack-registers-2026-12-01-nvidia-h200.log): at shape 2
+ptxas spilled 868/1172 bytes (stores/loads) at 232 registers and 784/1060 at 240, and the 240-32 build
+never finished its first call (the run hit its 250 s limit there): the kernel is launched with the 168
+registers per thread ptxas reports for 384 threads (64512 per block), and 2 * 240 + 32 = 512 per lane
+asks for more than that, so the consumers' setmaxnreg increase waits forever. 232-40 (504 = 3 * 168)
+is the ceiling; fewer spills need fewer live values, not a bigger budget.
+
     PYTHONPATH=. python3 bench/scratch/stack_registers.py OUT_DIR [shapes, default 2,1,12,5]
 """
 import datetime

@@ -110,7 +110,7 @@ CHUNKS_PER_LAYER = 6         # Wq, Wk, Wv, Wout^T, W1, W2^T
 NUM_VECS = 10                # vecs rows per layer, in this order:
 LN1_W, LN1_B, BQ, BK, BV, BOUT, LN2_W, LN2_B, B1, B2 = range(NUM_VECS)
 SMEM_BUDGET_BYTES = 227 * 1024 - 2 * 1024
-_REGISTERS = (232, 40)       # consumer, producer (as the attention kernel: 2 * 232 + 40 <= 512 per lane)
+_REGISTERS = (232, 40)       # consumer, producer: 2 * 232 + 40 = 504 = 3 * 168, the launch allotment (240, 32 hung)
 _LOG2_E = math.log2(math.e)
 _GEMM_DTYPE = jnp.dtype(MIXED_FP16.gemm_dtype)
 # Grid axis names share a namespace with enclosing mesh axes (see flash_attention_mgpu.py): never "batch".
