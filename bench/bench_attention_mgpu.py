@@ -1,6 +1,6 @@
 """Check and time the Mosaic GPU flash-attention kernel (ttj_jax/kernels/flash_attention_mgpu.py) on an H200.
 
-    PYTHONPATH=. python3 bench/bench_attention_mgpu.py [--quick] [--check] [--sweep | --grid] [--out DIR]
+    PYTHONPATH=. python3 bench/bench_attention_mgpu.py [--quick] [--check] [--sweep | --grid | --poly | --overlap] [--out DIR]
         [--budget-s 420]
 
 In order (most important first): head_dim 64 checks, the main timing case, the other head_dim checks,
