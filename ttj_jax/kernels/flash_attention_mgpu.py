@@ -19,7 +19,7 @@ Design (one CUDA block per (query tile, head, batch element)):
   The GEMM phases of the consumers are ordered round-robin by a token ring of barriers (consumer w
   waits for token w, issues, passes the token to w+1), so while one warpgroup runs its softmax on the
   ALU/SFU, another's GEMMs run on the tensor core (FA3's ping-pong).
-- `overlap_softmax` (2 consumers, head_dim 64): Q @ K_j^T is issued first and P_{j-1} @ V_{j-1}
+- `overlap_softmax` (two consumers at head_dim 64; see below for one accumulator): Q @ K_j^T is issued first and P_{j-1} @ V_{j-1}
   accumulates into a fresh accumulator, so the softmax of block j runs while that PV GEMM is still on
   the tensor core (FA3's intra-warpgroup overlap). The rescale of the running output by the previous
   block's correction is then one fused multiply-add after the GEMM: out = out * alpha_{j-1} + P V.
@@ -130,7 +130,8 @@ class MgpuBlockSizes:
     # serialized the wgmmas, C7513 "non wgmma instructions defining input registers of a wgmma"):
     # one [64, head_dim] fp32 accumulator instead of two, 32 registers per thread fewer at head_dim 64,
     # which is what lets three consumers (160 registers each) overlap, FA3's head_dim-64 configuration
-    # (192 query rows, 128 keys, P from registers, intra-warpgroup overlap).
+    # (192 query rows, 128 keys, P from registers, intra-warpgroup overlap). Measured on the H200: slower
+    # at head_dim 64, faster at 128 on long sequences (see _LONG_SEQ_BLOCK_SIZES).
     overlap_one_accumulator: bool = False
 
     def __post_init__(self):
@@ -454,6 +455,16 @@ def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_
         def rescale(acc, alpha):
             return acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
 
+        # The two halves of an overlapped P @ V (overlap_softmax) around its wgmma into pv_ref: with one
+        # accumulator the output, rescaled by the previous block's alpha, is stored there before the
+        # GEMMs and P @ V adds to it; with two, pv_ref starts at zero and the sum is taken after.
+        def seed_pv(pv_ref, acc, alpha):
+            if one_accumulator:
+                pv_ref[...] = rescale(acc, alpha)
+
+        def merge_pv(acc, alpha, pv):
+            return pv if one_accumulator else rescale(acc, alpha) + pv
+
         # Prologue: S_0 = Q @ K_0^T alone. Consumer 0 holds the token first.
         m = plgpu.layout_cast(jnp.full((rows,), -jnp.inf, jnp.float32), row_layout)
         if blocks.row_sum_mma:
@@ -496,8 +507,7 @@ def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_
             vs = key_parts(v_smem.at[prev_slot])
             if blocks.overlap_softmax:   # one key part (MgpuBlockSizes refuses poly_exp_keys here)
                 def gemms(s_ref, pv_ref):
-                    if one_accumulator:   # rescaled before the GEMMs (see MgpuBlockSizes); P @ V adds to it
-                        pv_ref[...] = rescale(acc, alpha)
+                    seed_pv(pv_ref, acc, alpha)   # before the GEMMs (see MgpuBlockSizes)
                     plgpu.wgmma(s_ref, q_wg, k_ts[0])
                     plgpu.wgmma(pv_ref, p[0], vs[0])   # returns once Q @ K^T is done; P @ V keeps running
                     next_token()
@@ -512,8 +522,7 @@ def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_
                 p_next = tuple(part.astype(dtype) for part in p_next)
                 plgpu.barrier_arrive(v_consumed.at[prev_slot])
                 # alpha of block - 1: P_{block-1} is relative to its max
-                acc = pv if one_accumulator else rescale(acc, alpha) + pv
-                return acc, m, l, p_next, alpha_next
+                return merge_pv(acc, alpha, pv), m, l, p_next, alpha_next
 
             if blocks.row_sum_mma:
                 def gemms(refs):
@@ -554,13 +563,12 @@ def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_
         plgpu.barrier_wait(tokens.at[wg])
         if blocks.overlap_softmax:
             def last_pv(pv_ref):
-                if one_accumulator:
-                    pv_ref[...] = rescale(acc, alpha)
+                seed_pv(pv_ref, acc, alpha)
                 plgpu.wgmma(pv_ref, p[0], v_smem.at[last_slot])
                 next_token()
                 return pv_ref[...]
             pv = pl.run_scoped(last_pv, plgpu.ACC((rows, head_dim), jnp.float32))
-            acc = pv if one_accumulator else rescale(acc, alpha) + pv
+            acc = merge_pv(acc, alpha, pv)
         elif blocks.row_sum_mma:
             def last_pv(refs):
                 acc_ref, l_ref = refs
