@@ -421,6 +421,29 @@ def test_overlap_variant_lowers_to_one_kernel_and_differs(num_heads):
     assert texts[False] != texts[True]
 
 
+@pytest.mark.parametrize("batch,seq_len", [(2, 128), (8, 32)])
+def test_residual_accumulator_variant_lowers_to_one_kernel_and_differs(batch, seq_len):
+    """residual_accumulator=True (the out-projection's and MLP-out's products chained into an accumulator
+    that starts as the residual): one kernel, a different one, for both key layouts. The GPU path (an
+    accumulator with an initial value) is checked here by lowering only; interpret mode runs the overlap
+    path's zero accumulator plus x (the next test) and the H200 runs the real one."""
+    weights, x = _structs(4, batch, seq_len)
+    texts = [jax.jit(lambda w, x, r=r: fsm.fused_stack_mgpu_forward(w, x, num_heads=4, residual_accumulator=r))
+             .trace(weights, x).lower(lowering_platforms=("cuda",)).as_text() for r in (False, True)]
+    assert _custom_calls(texts[1]).count("mosaic_gpu_v2") == 1 and texts[0] != texts[1]
+
+
+def test_residual_accumulator_variant_in_gpu_interpret_mode():
+    num_heads, seq_len, batch, num_layers = 2, 128, 1, 2   # 2 heads: see INTERPRET_CASES
+    config, params, x = _model(num_heads, seq_len, batch, True, num_layers=num_layers)
+    weights = fsm.stack_weights_mgpu(params, num_heads)
+    y = np.asarray(fsm.fused_stack_mgpu_forward(weights, x, num_heads=num_heads, interpret=True,
+                                                residual_accumulator=True))
+    assert np.max(np.abs(y - fsm.emulate(weights, x))) < 2e-3
+    failed, worst = _harness_failures(y, T.reference(params, x, config=config))
+    assert failed == 0, f"{failed} elements fail, worst err/tol {worst:.2f}"
+
+
 def test_rational_erf_variant_lowers_and_runs_in_gpu_interpret_mode():
     """fast_erf=False (the rational erf, the build before session 7): a different single kernel; in GPU
     interpret mode (race detector on) it matches `emulate(fast_erf=False)`, the default (fast erf)

@@ -1,6 +1,6 @@
 """ptxas's report (registers, spills, wgmma serialization warnings) for Mosaic GPU attention builds.
 
-    PYTHONPATH=. python3 bench/scratch/ptxas_dump.py OUT_DIR
+    PYTHONPATH=. python3 bench/scratch/ptxas_dump.py OUT_DIR [NAME,NAME,...]   (default: every variant)
 
 Each variant compiles in its own process with MOSAIC_GPU_DUMP_PTXAS / MOSAIC_GPU_DUMP_SASS set and its
 dump in OUT_DIR/<name>/; prints, per variant, ptxas's lines about registers, spills and wgmma, and SASS
@@ -23,6 +23,11 @@ VARIANTS = {
     "stack_shape1": "dict(shape='1')",
     "stack_shape12": "dict(shape='12')",
     "stack_shape7": "dict(shape='7')",
+    # session 14: the residual as the out-projection's / MLP-out's accumulator (residual_accumulator)
+    "stack_shape2_resacc": "dict(shape='2', residual_accumulator=True)",
+    "stack_shape2_overlap_resacc": "dict(shape='2', overlap=True, residual_accumulator=True)",
+    "stack_shape6": "dict(shape='6')",
+    "stack_shape6_resacc": "dict(shape='6', residual_accumulator=True)",
 }
 
 CHILD = r"""
@@ -31,13 +36,14 @@ fm = importlib.import_module("ttj_jax.kernels.flash_attention_mgpu")
 B = fm.MgpuBlockSizes
 kwargs = eval(sys.argv[2])
 if "shape" in kwargs:
+    options = {k: v for k, v in kwargs.items() if k != "shape"}
     import ttj_jax as T
     fsm = importlib.import_module("ttj_jax.kernels.fused_stack_mgpu")
     shape = T.OFFICIAL[kwargs["shape"]]
     c = shape.config
     weights = fsm.stack_weights_mgpu(T.init_params(jax.random.key(0), c), c.num_heads)
     x = jnp.ones((c.batch_size, c.seq_len, c.d_model), jnp.float32)
-    fsm.fused_stack_mgpu_forward(weights, x, num_heads=c.num_heads, causal=True).block_until_ready()
+    fsm.fused_stack_mgpu_forward(weights, x, num_heads=c.num_heads, causal=True, **options).block_until_ready()
 else:
     hd = int(sys.argv[1])
     q = jnp.ones((1, 4096, 2, hd), jnp.float16)
@@ -84,10 +90,15 @@ def disassemble(dump: pathlib.Path) -> str:
     return sass
 
 
-def main(out_dir: str) -> int:
+def main(out_dir: str, only: str = "") -> int:
     out = pathlib.Path(out_dir)
     summary = {}
-    for name, kwargs in VARIANTS.items():
+    names = only.split(",") if only else list(VARIANTS)
+    unknown = set(names) - set(VARIANTS)
+    if unknown:
+        raise SystemExit(f"unknown variants {sorted(unknown)}; known: {list(VARIANTS)}")
+    for name in names:
+        kwargs = VARIANTS[name]
         dump = out / name
         dump.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ, MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_SASS="1", MOSAIC_GPU_DUMP_TO=str(dump))
@@ -116,4 +127,4 @@ def main(out_dir: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    sys.exit(main(*sys.argv[1:3]))

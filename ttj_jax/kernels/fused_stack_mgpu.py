@@ -318,7 +318,8 @@ ABLATIONS = {
 def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, num_layers: int, num_heads: int,
                   seq_len: int, causal: bool, interpret: bool = False, overlap: bool = False,
                   profile: bool = False, d_model: int = D_MODEL, fast_erf: bool = False,
-                  ablate: frozenset = frozenset(), key_blocks: str = "all", half_softmax: bool = False):
+                  ablate: frozenset = frozenset(), key_blocks: str = "all", half_softmax: bool = False,
+                  residual_accumulator: bool = False):
     plgpu = _plgpu()
 
     def phase(name):
@@ -433,8 +434,18 @@ def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, num_layers: int, 
             """x + sum_i a_i @ b_i^T (pairs of a register value and an SMEM ref). overlap=False: one product
             at a time in a fresh accumulator, added to x in registers in order (as fused_stack_reference
             adds them); overlap=True: every product chained into one zero-initialised wgmma accumulator
-            (no wait in between), added to x once: the same fp32 sums in another order."""
-            if not overlap:
+            (no wait in between), added to x once: the same fp32 sums in another order.
+            residual_accumulator=True: x itself is the accumulator's initial value and every product
+            is chained into it, so no second [64, d] fp32 value is live beside x (in GPU interpret
+            mode, which cannot store into an accumulator, the overlap path's zero accumulator plus x)."""
+            if residual_accumulator and not interpret:
+                def chained(acc_ref):   # (not pl.run_state: its closure over the head's ints fails to lower)
+                    acc_ref[...] = x
+                    for a, b in pairs:
+                        plgpu.wgmma(acc_ref, a, b.transpose((1, 0)))
+                    return acc_ref[...]
+                return pl.run_scoped(chained, plgpu.ACC(x.shape, jnp.float32))
+            if not overlap and not residual_accumulator:
                 for a, b in pairs:
                     x = matmul(x, a, b, transpose_b=True)
                 return x
@@ -678,7 +689,7 @@ def _staging_shapes(d_model: int, width: int, keys: int = TILE_ROWS) -> list[tup
 def kernel_function(batch: int, seq_len: int, num_heads: int, num_layers: int, causal: bool,
                     interpret: bool = False, overlap: bool = False, profile_dir: str | None = None,
                     d_model: int = D_MODEL, fast_erf: bool | None = None, ablate: frozenset = frozenset(),
-                    half_softmax: bool = False):
+                    half_softmax: bool = False, residual_accumulator: bool = False):
     """The bare kernel for x [batch, seq_len, d_model] fp32: f(x, mats, vecs) -> y. Nothing but the Mosaic
     GPU call (what `plgpu.as_torch_kernel` needs); batch must be a multiple of 128 // seq_len.
     interpret: False (the GPU kernel), True or "detect_races" (Mosaic GPU's interpret mode on a CPU,
@@ -704,7 +715,12 @@ def kernel_function(batch: int, seq_len: int, num_heads: int, num_layers: int, c
     (`emulate(..., half_softmax=True)` models its rounding points up to the order of the fp16 sums),
     slower on the H200 where it mattered: kernel time per call 82.8 against 77.9 us at shape 2, 89.8
     against 80.4 at shape 1, 8.84 against 7.41 ms at shape 6, level at 9 and 10 (zero failing elements
-    everywhere; bench/results/fused-stack-mgpu-ablate-2026-12-01-nvidia-h200-session12-half.json)."""
+    everywhere; bench/results/fused-stack-mgpu-ablate-2026-12-01-nvidia-h200-session12-half.json).
+    residual_accumulator: the out-projection's and the MLP-out's per-head products chained, with no wait
+    in between, into one wgmma accumulator that starts as the residual (x + bias) itself, instead of
+    each product in a fresh accumulator added to x in registers: one [64, d] fp32 value live instead of
+    two where the kernel's register pressure peaks (ptxas spills 868 bytes per thread at shape 2 without
+    it; bench/results/ptxas-2026-12-01-nvidia-h200.json). fp32 sums in another order, as `overlap`'s."""
     unknown = set(ablate) - set(ABLATIONS)
     if unknown:
         raise ValueError(f"unknown ablations {sorted(unknown)}; known: {sorted(ABLATIONS)}")
@@ -752,7 +768,7 @@ def kernel_function(batch: int, seq_len: int, num_heads: int, num_layers: int, c
     body = functools.partial(_stack_kernel, num_layers=num_layers, num_heads=num_heads, seq_len=seq_len,
                              causal=causal, interpret=interpret, overlap=overlap, profile=bool(profile_dir),
                              d_model=d_model, fast_erf=fast_erf, ablate=frozenset(ablate), key_blocks=key_blocks,
-                             half_softmax=half_softmax)
+                             half_softmax=half_softmax, residual_accumulator=residual_accumulator)
 
     def entry(x_ref, mats_ref, vecs_ref, y_ref):
         pl.run_scoped(lambda *scoped: body(x_ref, mats_ref, vecs_ref, y_ref, scoped), smem, barriers,
@@ -795,10 +811,11 @@ def _check_call(weights, x, num_heads, causal):
         raise ValueError(f"x.shape={x.shape} must have batch >= 1")
 
 
-@functools.partial(jax.jit, static_argnames=("num_heads", "causal", "interpret", "overlap", "fast_erf"))
+@functools.partial(jax.jit, static_argnames=("num_heads", "causal", "interpret", "overlap", "fast_erf",
+                                             "residual_accumulator"))
 def fused_stack_mgpu_forward(weights: MgpuStackWeights, x: jax.Array, *, num_heads: int,
                              causal: bool = True, interpret: bool = False, overlap: bool = False,
-                             fast_erf: bool | None = None) -> jax.Array:
+                             fast_erf: bool | None = None, residual_accumulator: bool = False) -> jax.Array:
     """y = LN_final(layers(x)) (SPEC section 1, mask-free) in one Mosaic GPU kernel; fp32 [B, S, d].
 
     S in {32, 64, 128}; any B (for S < 128 a B that is not a multiple of 128 // S is padded: one copy
@@ -810,7 +827,8 @@ def fused_stack_mgpu_forward(weights: MgpuStackWeights, x: jax.Array, *, num_hea
     if batch_pad:
         x = jnp.pad(x, ((0, batch_pad), (0, 0), (0, 0)))
     y = kernel_function(batch + batch_pad, seq_len, num_heads, weights.num_layers, causal, interpret,
-                        overlap, d_model=weights.d_model, fast_erf=fast_erf)(x, weights.mats, weights.vecs)
+                        overlap, d_model=weights.d_model, fast_erf=fast_erf,
+                        residual_accumulator=residual_accumulator)(x, weights.mats, weights.vecs)
     return y[:batch] if batch_pad else y
 
 
