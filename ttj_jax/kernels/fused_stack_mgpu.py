@@ -42,11 +42,12 @@ Design (one CUDA block per 128-row tile; three warpgroups):
   keys 0-63 unmasked plus 64-127; else all 128) in 64 x 64 (or 64 x 128) fp32 blocks, mask, softmax
   (fp32, base 2, over all its blocks),
   P = softmax normalised in fp32 then rounded to fp16, ctx_h = P v_h (fp32) -> fp16. Then
-  x + bout + sum_h ctx_h Wout_h (each head's product in a fresh fp32 wgmma accumulator, added to the
-  residual in registers, heads in order, as `fused_stack_reference` adds them), LN2, the MLP blocks
-  (bias, GELU in fp32, fp16), x + b2 + sum_j hidden_j W2_j (same way). Finally LN of the residual -> y.
-- Every wgmma is waited for at once (no overlap inside a warpgroup; the two consumers overlap each
-  other). Elementwise work (softmax, GELU, LayerNorm) is about half a tile's time (session 7's
+  x + bout + sum_h ctx_h Wout_h (the residual plus bias is the initial value of one fp32 wgmma
+  accumulator into which every head's product is chained, heads in order, waited for once:
+  `residual_accumulator`, the default since session 14), LN2, the MLP blocks (bias, GELU in fp32,
+  fp16), x + b2 + sum_j hidden_j W2_j (same way). Finally LN of the residual -> y.
+- Every other wgmma is waited for at once (no overlap inside a warpgroup; the two consumers overlap
+  each other). Elementwise work (softmax, GELU, LayerNorm) is about half a tile's time (session 7's
   ablations, bench/fused_stack_mgpu_ablate.py), which is why the key blocks skip what causality masks.
 - SMEM: x 64 KB + k, v 64 KB + ring 64 KB + vectors 25 KB (L=4) = ~217 KiB of the 227 KiB
   (`smem_bytes`); a third ring slot does not fit.
@@ -319,7 +320,7 @@ def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, num_layers: int, 
                   seq_len: int, causal: bool, interpret: bool = False, overlap: bool = False,
                   profile: bool = False, d_model: int = D_MODEL, fast_erf: bool = False,
                   ablate: frozenset = frozenset(), key_blocks: str = "all", half_softmax: bool = False,
-                  residual_accumulator: bool = False):
+                  residual_accumulator: bool = True):
     plgpu = _plgpu()
 
     def phase(name):
@@ -689,7 +690,7 @@ def _staging_shapes(d_model: int, width: int, keys: int = TILE_ROWS) -> list[tup
 def kernel_function(batch: int, seq_len: int, num_heads: int, num_layers: int, causal: bool,
                     interpret: bool = False, overlap: bool = False, profile_dir: str | None = None,
                     d_model: int = D_MODEL, fast_erf: bool | None = None, ablate: frozenset = frozenset(),
-                    half_softmax: bool = False, residual_accumulator: bool = False):
+                    half_softmax: bool = False, residual_accumulator: bool = True):
     """The bare kernel for x [batch, seq_len, d_model] fp32: f(x, mats, vecs) -> y. Nothing but the Mosaic
     GPU call (what `plgpu.as_torch_kernel` needs); batch must be a multiple of 128 // seq_len.
     interpret: False (the GPU kernel), True or "detect_races" (Mosaic GPU's interpret mode on a CPU,
@@ -697,8 +698,11 @@ def kernel_function(batch: int, seq_len: int, num_heads: int, num_layers: int, c
     overlap: issue each layer's per-head q/k/v projections and MLP-in blocks together (one chunk's H
     wgmmas in flight) instead of one at a time, and chain the per-head out-projection and MLP-out
     products in one accumulator (fp32 sums in another order: within ~1e-6 relative, not bitwise). An
-    experiment: on the H200 it was no faster (shape 2: 90.4 against 87.6 us, bench/results/fused-stack-
-    mgpu-2026-11-30-nvidia-h200-session5.json), so the waits are not where the tile's time goes.
+    experiment: on the H200 it was no faster in session 5 (shape 2: 90.4 against 87.6 us, bench/results/
+    fused-stack-mgpu-2026-11-30-nvidia-h200-session5.json); in session 14's run (kernel times against the
+    build without residual_accumulator) 76.5 against 78.3 us at shape 2, 7.00 against 7.71 ms at shape 6,
+    79.5 against 71.7 at shape 12 (...-session14-resacc.json). With residual_accumulator (the default)
+    the out-projection and MLP-out take that path whatever `overlap` says.
     profile_dir: a build instrumented for Mosaic GPU's profiler: each layer phase (ln1, q_proj, kv_proj,
     attention, out_proj, ln2, mlp_in, mlp_out, and the waits for weights and for the other consumer) is a
     named region per warpgroup, and every call writes a Perfetto trace (JSON) into that folder
@@ -716,11 +720,18 @@ def kernel_function(batch: int, seq_len: int, num_heads: int, num_layers: int, c
     slower on the H200 where it mattered: kernel time per call 82.8 against 77.9 us at shape 2, 89.8
     against 80.4 at shape 1, 8.84 against 7.41 ms at shape 6, level at 9 and 10 (zero failing elements
     everywhere; bench/results/fused-stack-mgpu-ablate-2026-12-01-nvidia-h200-session12-half.json).
-    residual_accumulator: the out-projection's and the MLP-out's per-head products chained, with no wait
-    in between, into one wgmma accumulator that starts as the residual (x + bias) itself, instead of
-    each product in a fresh accumulator added to x in registers: one [64, d] fp32 value live instead of
-    two where the kernel's register pressure peaks (ptxas spills 868 bytes per thread at shape 2 without
-    it; bench/results/ptxas-2026-12-01-nvidia-h200.json). fp32 sums in another order, as `overlap`'s."""
+    residual_accumulator (default True since session 14): the out-projection's and the MLP-out's
+    per-head products chained, with no wait in between, into one wgmma accumulator that starts as the
+    residual (x + bias) itself; False: each product in a fresh accumulator, waited for and added to x in
+    registers (the build verified before session 14; `fused_stack_reference`'s order). fp32 sums in
+    another order (as `overlap`'s). Predicted from ptxas's report (shape 2 spills 868 bytes per thread,
+    half the spill instructions near a wgmma) to cut spills; it barely did (820 bytes; bench/results/
+    ptxas-2026-12-01-nvidia-h200-session14-stack.json) but the tile got faster, kernel time per call
+    72.3 against 78.3 us at shape 2, 73.9 against 80.5 at shape 1, 7.02 against 7.71 ms at shape 6,
+    level at 12 and 9 (71.8/71.7, 44.9/45.2), zero failing elements at all five (bench/results/fused-
+    stack-mgpu-ablate-2026-12-01-nvidia-h200-session14-resacc.json): 2 x 4 fewer waits and adds of a
+    [64, 128] fp32 value per layer, not fewer spills. `overlap` on top: 6.86 ms at shape 6, but slower
+    at 12 (78.2) and 9, so not the default."""
     unknown = set(ablate) - set(ABLATIONS)
     if unknown:
         raise ValueError(f"unknown ablations {sorted(unknown)}; known: {sorted(ABLATIONS)}")
@@ -815,7 +826,7 @@ def _check_call(weights, x, num_heads, causal):
                                              "residual_accumulator"))
 def fused_stack_mgpu_forward(weights: MgpuStackWeights, x: jax.Array, *, num_heads: int,
                              causal: bool = True, interpret: bool = False, overlap: bool = False,
-                             fast_erf: bool | None = None, residual_accumulator: bool = False) -> jax.Array:
+                             fast_erf: bool | None = None, residual_accumulator: bool = True) -> jax.Array:
     """y = LN_final(layers(x)) (SPEC section 1, mask-free) in one Mosaic GPU kernel; fp32 [B, S, d].
 
     S in {32, 64, 128}; any B (for S < 128 a B that is not a multiple of 128 // S is padded: one copy
