@@ -54,7 +54,8 @@ MIN_TIMING_S = 0.04
 # kernel_function's own switches: the check script's variants, and the fast erf by name
 KERNEL_OPTIONS = {**VARIANTS, "fast_erf": {"fast_erf": True}, "half_softmax": {"half_softmax": True},
                   "residual_acc": {"residual_accumulator": True},      # the default since session 14
-                  "no_residual_acc": {"residual_accumulator": False}}  # the build before it
+                  "no_residual_acc": {"residual_accumulator": False},  # the build before it
+                  "pipeline": {"pipeline": True}}
 
 
 def parse_variant(text: str) -> dict:

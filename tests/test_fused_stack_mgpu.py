@@ -444,6 +444,27 @@ def test_residual_accumulator_variant_in_gpu_interpret_mode():
     assert failed == 0, f"{failed} elements fail, worst err/tol {worst:.2f}"
 
 
+def test_pipeline_variant_lowers_and_runs_in_gpu_interpret_mode():
+    """pipeline=True (each projection's next product issued before the current one is read): a different
+    single kernel at 1, 2 and 4 heads (one head has nothing to pipeline, yet lowers), and in GPU interpret
+    mode the same output as the default build (same products, same rounding) within fp32 noise."""
+    for heads in (1, 4):
+        weights_s, x_s = _structs(heads, 2, 128)
+        texts = [jax.jit(fsm.kernel_function(2, 128, heads, 4, True, pipeline=p)).trace(
+            x_s, weights_s.mats, weights_s.vecs).lower(lowering_platforms=("cuda",)).as_text() for p in (False, True)]
+        assert _custom_calls(texts[1]).count("mosaic_gpu_v2") == 1
+        assert (texts[0] != texts[1]) == (heads > 1)
+    num_heads, seq_len, batch, num_layers = 2, 128, 1, 2   # 2 heads: see INTERPRET_CASES
+    config, params, x = _model(num_heads, seq_len, batch, True, num_layers=num_layers)
+    weights = fsm.stack_weights_mgpu(params, num_heads)
+    run = lambda p: np.asarray(fsm.kernel_function(batch, seq_len, num_heads, num_layers, True, True,  # noqa: E731
+                                                   pipeline=p)(x, weights.mats, weights.vecs))
+    y = run(True)
+    assert np.max(np.abs(y - run(False))) < 1e-5
+    failed, worst = _harness_failures(y, T.reference(params, x, config=config))
+    assert failed == 0, f"{failed} elements fail, worst err/tol {worst:.2f}"
+
+
 def test_rational_erf_variant_lowers_and_runs_in_gpu_interpret_mode():
     """fast_erf=False (the rational erf, the build before session 7): a different single kernel; in GPU
     interpret mode (race detector on) it matches `emulate(fast_erf=False)`, the default (fast erf)

@@ -28,6 +28,7 @@ VARIANTS = {
     "stack_shape2_overlap_resacc": "dict(shape='2', overlap=True, residual_accumulator=True)",
     "stack_shape6": "dict(shape='6')",
     "stack_shape6_resacc": "dict(shape='6', residual_accumulator=True)",
+    "stack_shape2_pipeline": "dict(shape='2', pipeline=True)",
 }
 
 CHILD = r"""

@@ -320,7 +320,7 @@ def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, num_layers: int, 
                   seq_len: int, causal: bool, interpret: bool = False, overlap: bool = False,
                   profile: bool = False, d_model: int = D_MODEL, fast_erf: bool = False,
                   ablate: frozenset = frozenset(), key_blocks: str = "all", half_softmax: bool = False,
-                  residual_accumulator: bool = True):
+                  residual_accumulator: bool = True, pipeline: bool = False):
     plgpu = _plgpu()
 
     def phase(name):
@@ -417,7 +417,7 @@ def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, num_layers: int, 
             if "one_head_proj" in ablate:   # one product, reused for every head (timing only)
                 product = matmul(None, a, bs[0])
                 return [then(i, product) for i in range(len(bs))]
-            if not overlap:
+            if not overlap and not (pipeline and len(bs) > 1):
                 return [then(i, matmul(None, a, b)) for i, b in enumerate(bs)]
 
             def body(*acc_refs):
@@ -425,9 +425,23 @@ def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, num_layers: int, 
                 if interpret:   # as in matmul: A staged in SMEM for GPU interpret mode's wgmma
                     a_operand = stage(a.shape)
                     a_operand[...] = a
+                if pipeline and not overlap:
+                    # Product i + 1 issued before product i is read (wait until one is in flight) and
+                    # finished by `then`, so `then` runs while the tensor core works on the next one.
+                    # Every accumulator starts at zero here, before any wgmma is in flight.
+                    plgpu.wgmma(acc_refs[0], a_operand, bs[0])
+                    results = []
+                    for i in range(len(bs)):
+                        if i + 1 < len(bs):
+                            plgpu.wgmma(acc_refs[i + 1], a_operand, bs[i + 1])
+                        product = plgpu.wgmma_accumulator_load(acc_refs[i], wait_n=1 if i + 1 < len(bs) else 0)
+                        results.append(then(i, product))
+                    return results
                 for acc_ref, b in zip(acc_refs, bs):
                     plgpu.wgmma(acc_ref, a_operand, b)
                 return [acc_ref[...] for acc_ref in acc_refs]
+            if pipeline and not overlap:
+                return pl.run_scoped(body, *[plgpu.ACC((a.shape[0], b.shape[1]), jnp.float32) for b in bs])
             products = pl.run_scoped(body, *[plgpu.ACC((a.shape[0], b.shape[1]), jnp.float32) for b in bs])
             return [then(i, product) for i, product in enumerate(products)]
 
@@ -690,7 +704,7 @@ def _staging_shapes(d_model: int, width: int, keys: int = TILE_ROWS) -> list[tup
 def kernel_function(batch: int, seq_len: int, num_heads: int, num_layers: int, causal: bool,
                     interpret: bool = False, overlap: bool = False, profile_dir: str | None = None,
                     d_model: int = D_MODEL, fast_erf: bool | None = None, ablate: frozenset = frozenset(),
-                    half_softmax: bool = False, residual_accumulator: bool = True):
+                    half_softmax: bool = False, residual_accumulator: bool = True, pipeline: bool = False):
     """The bare kernel for x [batch, seq_len, d_model] fp32: f(x, mats, vecs) -> y. Nothing but the Mosaic
     GPU call (what `plgpu.as_torch_kernel` needs); batch must be a multiple of 128 // seq_len.
     interpret: False (the GPU kernel), True or "detect_races" (Mosaic GPU's interpret mode on a CPU,
@@ -731,7 +745,10 @@ def kernel_function(batch: int, seq_len: int, num_heads: int, num_layers: int, c
     level at 12 and 9 (71.8/71.7, 44.9/45.2), zero failing elements at all five (bench/results/fused-
     stack-mgpu-ablate-2026-12-01-nvidia-h200-session14-resacc.json): 2 x 4 fewer waits and adds of a
     [64, 128] fp32 value per layer, not fewer spills. `overlap` on top: 6.86 ms at shape 6, but slower
-    at 12 (78.2) and 9, so not the default."""
+    at 12 (78.2) and 9, so not the default.
+    pipeline: the per-head q/k/v projections and MLP-in blocks software-pipelined: product i + 1 is issued
+    before product i is read, so its bias, fp16 conversion (and GELU, or k/v store) run while the tensor
+    core computes the next. Same products and rounding as the default. An experiment (session 14)."""
     unknown = set(ablate) - set(ABLATIONS)
     if unknown:
         raise ValueError(f"unknown ablations {sorted(unknown)}; known: {sorted(ABLATIONS)}")
@@ -779,7 +796,8 @@ def kernel_function(batch: int, seq_len: int, num_heads: int, num_layers: int, c
     body = functools.partial(_stack_kernel, num_layers=num_layers, num_heads=num_heads, seq_len=seq_len,
                              causal=causal, interpret=interpret, overlap=overlap, profile=bool(profile_dir),
                              d_model=d_model, fast_erf=fast_erf, ablate=frozenset(ablate), key_blocks=key_blocks,
-                             half_softmax=half_softmax, residual_accumulator=residual_accumulator)
+                             half_softmax=half_softmax, residual_accumulator=residual_accumulator,
+                             pipeline=pipeline)
 
     def entry(x_ref, mats_ref, vecs_ref, y_ref):
         pl.run_scoped(lambda *scoped: body(x_ref, mats_ref, vecs_ref, y_ref, scoped), smem, barriers,
@@ -823,10 +841,11 @@ def _check_call(weights, x, num_heads, causal):
 
 
 @functools.partial(jax.jit, static_argnames=("num_heads", "causal", "interpret", "overlap", "fast_erf",
-                                             "residual_accumulator"))
+                                             "residual_accumulator", "pipeline"))
 def fused_stack_mgpu_forward(weights: MgpuStackWeights, x: jax.Array, *, num_heads: int,
                              causal: bool = True, interpret: bool = False, overlap: bool = False,
-                             fast_erf: bool | None = None, residual_accumulator: bool = True) -> jax.Array:
+                             fast_erf: bool | None = None, residual_accumulator: bool = True,
+                             pipeline: bool = False) -> jax.Array:
     """y = LN_final(layers(x)) (SPEC section 1, mask-free) in one Mosaic GPU kernel; fp32 [B, S, d].
 
     S in {32, 64, 128}; any B (for S < 128 a B that is not a multiple of 128 // S is padded: one copy
@@ -839,7 +858,7 @@ def fused_stack_mgpu_forward(weights: MgpuStackWeights, x: jax.Array, *, num_hea
         x = jnp.pad(x, ((0, batch_pad), (0, 0), (0, 0)))
     y = kernel_function(batch + batch_pad, seq_len, num_heads, weights.num_layers, causal, interpret,
                         overlap, d_model=weights.d_model, fast_erf=fast_erf,
-                        residual_accumulator=residual_accumulator)(x, weights.mats, weights.vecs)
+                        residual_accumulator=residual_accumulator, pipeline=pipeline)(x, weights.mats, weights.vecs)
     return y[:batch] if batch_pad else y
 
 
