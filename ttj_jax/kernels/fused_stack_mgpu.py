@@ -751,8 +751,8 @@ def kernel_function(batch: int, seq_len: int, num_heads: int, num_layers: int, c
     core computes the next. Same products and rounding as the default. An experiment (session 14),
     not faster: kernel time per call 71.8 against 72.6 us at shape 2, 73.0/73.5 at 1, 44.5/44.6 at 9,
     6.98/7.07 ms at 6, but slower at 12 (74.0/71.0) and 5 (92.9/90.7); ptxas's SASS counts for it at
-    shape 2 equal the default's (42 wgmma waits, 820 bytes of spills), so ptxas may have kept the waits
-    where they were (not checked). `overlap` in the same run: 6.79 ms at shape 6, slower at 2 (76.3),
+    shape 2 equal the default's (42 wgmma waits, one per product either way, and 820 bytes of spills);
+    why the overlap it allows does not pay was not measured. `overlap` in the same run: 6.79 ms at shape 6, slower at 2 (76.3),
     1, 12 and 5 (97.2) (bench/results/fused-stack-mgpu-ablate-2026-12-01-nvidia-h200-session14-pipeline.
     json, `bash bench/scratch/pipeline_run.sh $OUT`)."""
     unknown = set(ablate) - set(ABLATIONS)
