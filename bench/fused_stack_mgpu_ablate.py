@@ -55,7 +55,8 @@ MIN_TIMING_S = 0.04
 KERNEL_OPTIONS = {**VARIANTS, "fast_erf": {"fast_erf": True}, "half_softmax": {"half_softmax": True},
                   "residual_acc": {"residual_accumulator": True},      # the default since session 14
                   "no_residual_acc": {"residual_accumulator": False},  # the build before it
-                  "pipeline": {"pipeline": True}}
+                  "pipeline": {"pipeline": True},
+                  "no_chain_keys": {"chain_key_blocks": False}}   # the build before session 14's second change
 
 
 def parse_variant(text: str) -> dict:

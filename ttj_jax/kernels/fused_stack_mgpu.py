@@ -320,7 +320,7 @@ def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, num_layers: int, 
                   seq_len: int, causal: bool, interpret: bool = False, overlap: bool = False,
                   profile: bool = False, d_model: int = D_MODEL, fast_erf: bool = False,
                   ablate: frozenset = frozenset(), key_blocks: str = "all", half_softmax: bool = False,
-                  residual_accumulator: bool = True, pipeline: bool = False):
+                  residual_accumulator: bool = True, pipeline: bool = False, chain_key_blocks: bool = True):
     plgpu = _plgpu()
 
     def phase(name):
@@ -592,7 +592,7 @@ def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, num_layers: int, 
             for head in range(num_heads):
                 def kv(ref, block, head=head):
                     return ref.at[head] if block is None else ref.at[head, block]
-                scores = [matmul(None, q[head], kv(k_smem, block), transpose_b=True) for block in blocks]
+                scores = block_scores(q[head], [kv(k_smem, block) for block in blocks])
                 if "no_softmax" in ablate:
                     out = matmul(None, scores[-1].astype(_GEMM_DTYPE), kv(v_smem, blocks[-1]))
                     ctx.append(out.astype(_GEMM_DTYPE))
@@ -618,11 +618,38 @@ def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, num_layers: int, 
                 if half_softmax:
                     inverse = inverse.astype(_GEMM_DTYPE)
                 ps = [(p * col_bcast(inverse, p.shape)).astype(_GEMM_DTYPE) for p in ps]
-                out = None
-                for p, block in zip(ps, blocks):   # fp32 sum of the blocks' products, block 0 first
-                    out = matmul(out, p, kv(v_smem, block))
+                out = block_context(ps, [kv(v_smem, block) for block in blocks])
                 ctx.append(out.astype(_GEMM_DTYPE))
             return ctx
+
+        # Two key blocks (consumer 1 of the split layout): with chain_key_blocks both Q @ K^T wgmmas are
+        # issued before either is read, and both P @ V products go into one accumulator, one wait each
+        # instead of two (and no add of two accumulators). In GPU interpret mode (and with one block) the
+        # products one at a time, as before: the same fp32 values, the P @ V sum in another order.
+        chain = chain_key_blocks and not interpret
+
+        def block_scores(q_head, k_refs):
+            if not (chain and len(k_refs) > 1):
+                return [matmul(None, q_head, k_ref, transpose_b=True) for k_ref in k_refs]
+
+            def body(*acc_refs):
+                for acc_ref, k_ref in zip(acc_refs, k_refs):
+                    plgpu.wgmma(acc_ref, q_head, k_ref.transpose((1, 0)))
+                return [acc_ref[...] for acc_ref in acc_refs]
+            return pl.run_scoped(body, *[plgpu.ACC((WG_ROWS, k_ref.shape[0]), jnp.float32) for k_ref in k_refs])
+
+        def block_context(ps, v_refs):   # fp32 sum of the blocks' P @ V, block 0 first
+            if not (chain and len(v_refs) > 1):
+                out = None
+                for p, v_ref in zip(ps, v_refs):
+                    out = matmul(out, p, v_ref)
+                return out
+
+            def body(acc_ref):
+                for p, v_ref in zip(ps, v_refs):
+                    plgpu.wgmma(acc_ref, p, v_ref)
+                return acc_ref[...]
+            return pl.run_scoped(body, plgpu.ACC((WG_ROWS, v_refs[0].shape[1]), jnp.float32))
 
         @pl.loop(0, num_layers)
         def _layer(layer):
@@ -704,7 +731,8 @@ def _staging_shapes(d_model: int, width: int, keys: int = TILE_ROWS) -> list[tup
 def kernel_function(batch: int, seq_len: int, num_heads: int, num_layers: int, causal: bool,
                     interpret: bool = False, overlap: bool = False, profile_dir: str | None = None,
                     d_model: int = D_MODEL, fast_erf: bool | None = None, ablate: frozenset = frozenset(),
-                    half_softmax: bool = False, residual_accumulator: bool = True, pipeline: bool = False):
+                    half_softmax: bool = False, residual_accumulator: bool = True, pipeline: bool = False,
+                    chain_key_blocks: bool = True):
     """The bare kernel for x [batch, seq_len, d_model] fp32: f(x, mats, vecs) -> y. Nothing but the Mosaic
     GPU call (what `plgpu.as_torch_kernel` needs); batch must be a multiple of 128 // seq_len.
     interpret: False (the GPU kernel), True or "detect_races" (Mosaic GPU's interpret mode on a CPU,
@@ -754,7 +782,11 @@ def kernel_function(batch: int, seq_len: int, num_heads: int, num_layers: int, c
     shape 2 equal the default's (42 wgmma waits, one per product either way, and 820 bytes of spills);
     why the overlap it allows does not pay was not measured. `overlap` in the same run: 6.79 ms at shape 6, slower at 2 (76.3),
     1, 12 and 5 (97.2) (bench/results/fused-stack-mgpu-ablate-2026-12-01-nvidia-h200-session14-pipeline.
-    json, `bash bench/scratch/pipeline_run.sh $OUT`)."""
+    json, `bash bench/scratch/pipeline_run.sh $OUT`).
+    chain_key_blocks (default True since session 14): where a consumer scores two key blocks (consumer 1
+    of the split layout, shapes 1-4, 7, 9, 10), both Q @ K^T products issued before either is read and
+    both P @ V products chained in one accumulator; False: each in its own accumulator, waited for, and
+    the two P @ V added in registers (the build before)."""
     unknown = set(ablate) - set(ABLATIONS)
     if unknown:
         raise ValueError(f"unknown ablations {sorted(unknown)}; known: {sorted(ABLATIONS)}")
@@ -803,7 +835,7 @@ def kernel_function(batch: int, seq_len: int, num_heads: int, num_layers: int, c
                              causal=causal, interpret=interpret, overlap=overlap, profile=bool(profile_dir),
                              d_model=d_model, fast_erf=fast_erf, ablate=frozenset(ablate), key_blocks=key_blocks,
                              half_softmax=half_softmax, residual_accumulator=residual_accumulator,
-                             pipeline=pipeline)
+                             pipeline=pipeline, chain_key_blocks=chain_key_blocks)
 
     def entry(x_ref, mats_ref, vecs_ref, y_ref):
         pl.run_scoped(lambda *scoped: body(x_ref, mats_ref, vecs_ref, y_ref, scoped), smem, barriers,
