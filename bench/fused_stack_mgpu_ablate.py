@@ -25,6 +25,12 @@ Questions asked with it (session 7, H200; kernel times from --kernels):
    0-63 (its others are all in the future) with the fast erf: 6-17% faster up to 64 tiles, slower at
    128 and 10000 (...-session7-defaults.json; fused_stack_mgpu.SPLIT_MAX_TILES).
 
+3. Session 14: where the default build's waits for wgmma cost time. Chaining the out-projection's and
+   MLP-out's products into an accumulator seeded with the residual (residual_acc, now the default) took
+   shape 2 from 78.3 to 72.3 us of kernel time, consumer 1's two key blocks chained (no_chain_keys is
+   the build without) another ~2-3 us; pipelining the projections did not pay (pipeline; ...-session14-
+   {resacc,chain,pipeline}.json, README "Official shapes 1-13").
+
 Writes <out>/fused-stack-mgpu-ablate-<date>-<gpu>[-<tag>].json after every shape; prints a table last.
 """
 
