@@ -441,9 +441,9 @@ def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, num_layers: int, 
                 for acc_ref, b in zip(acc_refs, bs):
                     plgpu.wgmma(acc_ref, a_operand, b)
                 return [acc_ref[...] for acc_ref in acc_refs]
-            if pipeline and not overlap:
-                return pl.run_scoped(body, *[plgpu.ACC((a.shape[0], b.shape[1]), jnp.float32) for b in bs])
             products = pl.run_scoped(body, *[plgpu.ACC((a.shape[0], b.shape[1]), jnp.float32) for b in bs])
+            if pipeline and not overlap:   # `then` already ran inside
+                return products
             return [then(i, product) for i, product in enumerate(products)]
 
         def add_products(x, pairs):
@@ -781,9 +781,9 @@ def kernel_function(batch: int, seq_len: int, num_heads: int, num_layers: int, c
     not faster: kernel time per call 71.8 against 72.6 us at shape 2, 73.0/73.5 at 1, 44.5/44.6 at 9,
     6.98/7.07 ms at 6, but slower at 12 (74.0/71.0) and 5 (92.9/90.7); ptxas's SASS counts for it at
     shape 2 equal the default's (42 wgmma waits, one per product either way, and 820 bytes of spills);
-    why the overlap it allows does not pay was not measured. `overlap` in the same run: 6.79 ms at shape 6, slower at 2 (76.3),
-    1, 12 and 5 (97.2) (bench/results/fused-stack-mgpu-ablate-2026-12-01-nvidia-h200-session14-pipeline.
-    json, `bash bench/scratch/pipeline_run.sh $OUT`).
+    why the overlap it allows does not pay was not measured. `overlap` in the same run: 6.79 ms at
+    shape 6, slower at 2 (76.3), 1, 12 and 5 (97.2) (bench/results/fused-stack-mgpu-ablate-2026-12-01-
+    nvidia-h200-session14-pipeline.json, `bash bench/scratch/pipeline_run.sh $OUT`).
     chain_key_blocks (default True since session 14): where a consumer scores two key blocks (consumer 1
     of the split layout, shapes 1-4, 7, 9, 10), both Q @ K^T products issued before either is read and
     both P @ V products chained in one accumulator; False: each in its own accumulator, waited for, and
