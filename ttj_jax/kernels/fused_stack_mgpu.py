@@ -418,7 +418,8 @@ def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, num_layers: int, 
             if "one_head_proj" in ablate:   # one product, reused for every head (timing only)
                 product = matmul(None, a, bs[0])
                 return [then(i, product) for i in range(len(bs))]
-            if not overlap and not (pipeline and len(bs) > 1):
+            pipelined = pipeline and not overlap and len(bs) > 1
+            if not (overlap or pipelined):
                 return [then(i, matmul(None, a, b)) for i, b in enumerate(bs)]
 
             def body(*acc_refs):
@@ -426,7 +427,7 @@ def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, num_layers: int, 
                 if interpret:   # as in matmul: A staged in SMEM for GPU interpret mode's wgmma
                     a_operand = stage(a.shape)
                     a_operand[...] = a
-                if pipeline and not overlap:
+                if pipelined:
                     # Product i + 1 issued before product i is read (wait until one is in flight) and
                     # finished by `then`, so `then` runs while the tensor core works on the next one.
                     # Every accumulator starts at zero here, before any wgmma is in flight.
@@ -442,9 +443,23 @@ def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, num_layers: int, 
                     plgpu.wgmma(acc_ref, a_operand, b)
                 return [acc_ref[...] for acc_ref in acc_refs]
             products = pl.run_scoped(body, *[plgpu.ACC((a.shape[0], b.shape[1]), jnp.float32) for b in bs])
-            if pipeline and not overlap:   # `then` already ran inside
+            if pipelined:   # `then` already ran inside
                 return products
             return [then(i, product) for i, product in enumerate(products)]
+
+        def chained_products(pairs, shape, transpose_b, init=None):
+            """sum_i a_i @ b_i (b_i^T with transpose_b) in one wgmma accumulator of `shape`, all issued
+            with no wait in between, starting from `init` (stored into the accumulator; zero if None).
+            GPU build only: GPU interpret mode can neither store into an accumulator nor take
+            register-A or transposed-view operands. (Not pl.run_state for the initial value: its closure
+            over the head's ints fails to lower.)"""
+            def body(acc_ref):
+                if init is not None:
+                    acc_ref[...] = init
+                for a, b in pairs:
+                    plgpu.wgmma(acc_ref, a, b.transpose((1, 0)) if transpose_b else b)
+                return acc_ref[...]
+            return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
 
         def add_products(x, pairs):
             """x + sum_i a_i @ b_i^T (pairs of a register value and an SMEM ref). overlap=False: one product
@@ -455,12 +470,7 @@ def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, num_layers: int, 
             is chained into it, so no second [64, d] fp32 value is live beside x (in GPU interpret
             mode, which cannot store into an accumulator, the overlap path's zero accumulator plus x)."""
             if residual_accumulator and not interpret:
-                def chained(acc_ref):   # (not pl.run_state: its closure over the head's ints fails to lower)
-                    acc_ref[...] = x
-                    for a, b in pairs:
-                        plgpu.wgmma(acc_ref, a, b.transpose((1, 0)))
-                    return acc_ref[...]
-                return pl.run_scoped(chained, plgpu.ACC(x.shape, jnp.float32))
+                return chained_products(pairs, x.shape, transpose_b=True, init=x)
             if not overlap and not residual_accumulator:
                 for a, b in pairs:
                     x = matmul(x, a, b, transpose_b=True)
@@ -640,17 +650,12 @@ def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, num_layers: int, 
             return pl.run_scoped(body, *[plgpu.ACC((WG_ROWS, k_ref.shape[0]), jnp.float32) for k_ref in k_refs])
 
         def block_context(ps, v_refs):   # fp32 sum of the blocks' P @ V, block 0 first
-            if not (chain and len(v_refs) > 1):
-                out = None
-                for p, v_ref in zip(ps, v_refs):
-                    out = matmul(out, p, v_ref)
-                return out
-
-            def body(acc_ref):
-                for p, v_ref in zip(ps, v_refs):
-                    plgpu.wgmma(acc_ref, p, v_ref)
-                return acc_ref[...]
-            return pl.run_scoped(body, plgpu.ACC((WG_ROWS, v_refs[0].shape[1]), jnp.float32))
+            if chain and len(v_refs) > 1:
+                return chained_products(list(zip(ps, v_refs)), (WG_ROWS, v_refs[0].shape[1]), transpose_b=False)
+            out = None
+            for p, v_ref in zip(ps, v_refs):
+                out = matmul(out, p, v_ref)
+            return out
 
         @pl.loop(0, num_layers)
         def _layer(layer):
@@ -745,7 +750,8 @@ def kernel_function(batch: int, seq_len: int, num_heads: int, num_layers: int, c
     fused-stack-mgpu-2026-11-30-nvidia-h200-session5.json); in session 14's run (kernel times against the
     build without residual_accumulator) 76.5 against 78.3 us at shape 2, 7.00 against 7.71 ms at shape 6,
     79.5 against 71.7 at shape 12 (...-session14-resacc.json). With residual_accumulator (the default)
-    the out-projection and MLP-out take that path whatever `overlap` says.
+    `overlap` changes only the projections: the out-projection and MLP-out take the residual
+    accumulator either way.
     profile_dir: a build instrumented for Mosaic GPU's profiler: each layer phase (ln1, q_proj, kv_proj,
     attention, out_proj, ln2, mlp_in, mlp_out, and the waits for weights and for the other consumer) is a
     named region per warpgroup, and every call writes a Perfetto trace (JSON) into that folder
