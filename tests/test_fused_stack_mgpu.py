@@ -54,6 +54,13 @@ def _lower(num_heads, batch, seq_len, causal=True, d_model=128) -> str:
     return call.trace(weights, x).lower(lowering_platforms=("cuda",)).as_text()
 
 
+def _lower_kernel(num_heads, batch, seq_len, **options) -> str:
+    """The bare kernel (kernel_function, 4 layers, causal) with these options, lowered for CUDA."""
+    weights, x = _structs(num_heads, batch, seq_len)
+    call = jax.jit(fsm.kernel_function(batch, seq_len, num_heads, 4, True, **options))
+    return call.trace(x, weights.mats, weights.vecs).lower(lowering_platforms=("cuda",)).as_text()
+
+
 def _custom_calls(text: str) -> list[str]:
     return re.findall(r"stablehlo\.custom_call @(\w+)", text)
 
@@ -427,9 +434,7 @@ def test_residual_accumulator_variant_lowers_to_one_kernel_and_differs(batch, se
     that starts as the residual): one kernel, a different one, for both key layouts. The GPU path (an
     accumulator with an initial value) is checked here by lowering only; interpret mode runs the overlap
     path's zero accumulator plus x (the next test) and the H200 runs the real one."""
-    weights, x = _structs(4, batch, seq_len)
-    texts = [jax.jit(lambda w, x, r=r: fsm.fused_stack_mgpu_forward(w, x, num_heads=4, residual_accumulator=r))
-             .trace(weights, x).lower(lowering_platforms=("cuda",)).as_text() for r in (False, True)]
+    texts = [_lower_kernel(4, batch, seq_len, residual_accumulator=r) for r in (False, True)]
     assert _custom_calls(texts[1]).count("mosaic_gpu_v2") == 1 and texts[0] != texts[1]
 
 
@@ -450,9 +455,7 @@ def test_chain_key_blocks_changes_only_the_split_layout():
     lowers to a different single kernel and the own-keys (S=32) and all-keys (many tiles) builds are
     unchanged. GPU interpret mode runs the unchained products (checked by the interpret-mode tests)."""
     for batch, seq_len, heads, changed in ((2, 128, 4, True), (8, 32, 4, False), (130, 128, 4, False)):
-        weights_s, x_s = _structs(heads, batch, seq_len)
-        texts = [jax.jit(fsm.kernel_function(batch, seq_len, heads, 4, True, chain_key_blocks=c)).trace(
-            x_s, weights_s.mats, weights_s.vecs).lower(lowering_platforms=("cuda",)).as_text() for c in (False, True)]
+        texts = [_lower_kernel(heads, batch, seq_len, chain_key_blocks=c) for c in (False, True)]
         assert _custom_calls(texts[1]).count("mosaic_gpu_v2") == 1
         assert (texts[0] != texts[1]) == changed, (batch, seq_len, heads)
 
@@ -462,9 +465,7 @@ def test_pipeline_variant_lowers_and_runs_in_gpu_interpret_mode():
     single kernel at 1, 2 and 4 heads (one head has nothing to pipeline, yet lowers), and in GPU interpret
     mode the same output as the default build (same products, same rounding) within fp32 noise."""
     for heads in (1, 4):
-        weights_s, x_s = _structs(heads, 2, 128)
-        texts = [jax.jit(fsm.kernel_function(2, 128, heads, 4, True, pipeline=p)).trace(
-            x_s, weights_s.mats, weights_s.vecs).lower(lowering_platforms=("cuda",)).as_text() for p in (False, True)]
+        texts = [_lower_kernel(heads, 2, 128, pipeline=p) for p in (False, True)]
         assert _custom_calls(texts[1]).count("mosaic_gpu_v2") == 1
         assert (texts[0] != texts[1]) == (heads > 1)
     num_heads, seq_len, batch, num_layers = 2, 128, 1, 2   # 2 heads: see INTERPRET_CASES
@@ -505,10 +506,7 @@ def test_half_softmax_variant_lowers_and_runs_in_gpu_interpret_mode():
     `emulate(half_softmax=True)` and the harness rule; its emulation meets the rule at the official
     layouts too."""
     for batch, seq_len in ((2, 128), (8, 32)):
-        weights_s, x_s = _structs(4, batch, seq_len)
-        build = lambda h: fsm.kernel_function(batch, seq_len, 4, 4, True, half_softmax=h)  # noqa: E731
-        texts = [jax.jit(build(h)).trace(x_s, weights_s.mats, weights_s.vecs).lower(
-            lowering_platforms=("cuda",)).as_text() for h in (False, True)]
+        texts = [_lower_kernel(4, batch, seq_len, half_softmax=h) for h in (False, True)]
         assert _custom_calls(texts[1]).count("mosaic_gpu_v2") == 1 and texts[0] != texts[1]
     num_heads, seq_len, batch, num_layers = 2, 128, 1, 2   # 2 heads: see INTERPRET_CASES
     config, params, x = _model(num_heads, seq_len, batch, True, num_layers=num_layers)
