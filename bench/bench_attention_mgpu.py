@@ -1,6 +1,6 @@
 """Check and time the Mosaic GPU flash-attention kernel (ttj_jax/kernels/flash_attention_mgpu.py) on an H200.
 
-    PYTHONPATH=. python3 bench/bench_attention_mgpu.py [--quick] [--check] [--sweep | --grid | --poly | --overlap] [--out DIR]
+    PYTHONPATH=. python3 bench/bench_attention_mgpu.py [--quick] [--check] [--sweep | --grid | --poly | --overlap | --softmax] [--out DIR]
         [--budget-s 420]
 
 In order (most important first): head_dim 64 checks, the main timing case, the other head_dim checks,
@@ -112,6 +112,14 @@ OVERLAP_VARIANTS = {
           dict(block_sizes=Blocks(128, 3, 2, overlap_softmax=True, overlap_one_accumulator=True))],
 }
 OVERLAP_CASES = {64: MAIN_CASE, 128: (1, 16, 16384, 128)}
+# --softmax (session 15): fewer instructions per score in the issue-bound softmax, at the main case.
+# prescaled_q: Q scaled to base-2 score units once per tile in SMEM (score - max, not score * c - max);
+# half_row_sum: each block's row sums of P in packed fp16 adds. Checked, then timed in SOFTMAX_ROUNDS
+# alternating rounds next to the default (cuDNN in the first), since the gap to the target is ~1%.
+SOFTMAX_VARIANTS = [dict(block_sizes=Blocks(128, 4, 3, prescaled_q=True)),
+                    dict(block_sizes=Blocks(128, 4, 3, half_row_sum=True)),
+                    dict(block_sizes=Blocks(128, 4, 3, prescaled_q=True, half_row_sum=True))]
+SOFTMAX_ROUNDS = 3
 THRESHOLD_CASES = [(64, 4, 1024, 64), (4, 16, 4096, 64), (4, 16, 8192, 64), (4, 16, 4096, 128)]
 
 
@@ -125,6 +133,7 @@ class Run:
     def __init__(self, path: pathlib.Path, header: dict, step_timeout_s: float, budget_s: float):
         self.path, self.header = path, header
         self.checks, self.timings = [], []
+        self.extra = {}   # more top-level entries of the JSON (a study's summary)
         self.step_timeout_s, self.budget_s = step_timeout_s, budget_s
         self.started = time.perf_counter()
         self._step, self._deadline = None, None
@@ -145,7 +154,7 @@ class Run:
 
     def write(self, **extra):
         payload = dict(self.header, elapsed_s=round(self.elapsed(), 1), checks=self.checks,
-                       timings=self.timings, **extra)
+                       timings=self.timings, **self.extra, **extra)
         self.path.write_text(json.dumps(payload, indent=1, default=str) + "\n")
 
     def _watch(self):
@@ -235,7 +244,8 @@ def _kwargs_text(kwargs) -> str:
         b = kwargs["block_sizes"]
         parts.append(f"kv{b.block_kv} s{b.num_stages} wg{b.num_compute_wgs}{' ovl' if b.overlap_softmax else ''}"
                      + (f" poly{b.poly_exp_keys}" if b.poly_exp_keys else "")
-                     + (" rowsum-mma" if b.row_sum_mma else "") + (" half-exp2" if b.half_exp2 else ""))
+                     + (" rowsum-mma" if b.row_sum_mma else "") + (" half-exp2" if b.half_exp2 else "")
+                     + (" prescaled-q" if b.prescaled_q else "") + (" half-row-sum" if b.half_row_sum else ""))
     if "lowering_semantics" in kwargs:
         parts.append(kwargs["lowering_semantics"])
     if "grid_order" in kwargs:
@@ -273,12 +283,15 @@ def _contenders(seq_len, head_dim, variants, baselines: bool):
     return contenders
 
 
-def _time_case(run: Run, batch, heads, seq_len, head_dim, variants, baselines: bool = True):
+def _time_case(run: Run, batch, heads, seq_len, head_dim, variants, baselines: bool = True,
+               round_index: int | None = None):
     log(f"timing B={batch} H={heads} S={seq_len} hd={head_dim} causal fp16 ({run.elapsed():.0f} s so far):")
     inputs = {}
     for name, fn, kwargs, run_len, skip in _contenders(seq_len, head_dim, variants, baselines):
         record = dict(B=batch, H=heads, S=run_len, head_dim=head_dim, causal=True, contender=name,
                       variant=_kwargs_json(kwargs), ms=None, tflops=None)
+        if round_index is not None:
+            record["round"] = round_index
         text = f"{name} {_kwargs_text(kwargs)}".strip()
         if skip is None and run.over_budget():
             skip = f"skipped: time budget of {run.budget_s:.0f} s spent"
@@ -372,9 +385,39 @@ def overlap_study(run: Run) -> None:
         _time_case(run, *OVERLAP_CASES[head_dim], variants=passing)
 
 
+def softmax_study(run: Run) -> None:
+    """--softmax: each SOFTMAX_VARIANTS entry checked (S=1000, causal and not; rows of S=100000; the
+    repeat is bit-identical), then the passing ones and the default timed at the main case in
+    SOFTMAX_ROUNDS alternating rounds; the table ends with each contender's median over the rounds."""
+    passing = [{}]
+    for kwargs in SOFTMAX_VARIANTS:
+        checks = [_check(run, 2, 3, 1000, 64, causal, kernel_kwargs=kwargs, repeat=causal) for causal in (True, False)]
+        checks.append(_check(run, 1, 2, LONG_SEQ_LEN, 64, True, kernel_kwargs=kwargs))
+        if all(checks):
+            passing.append(kwargs)
+    for round_index in range(SOFTMAX_ROUNDS):
+        order = passing if round_index % 2 == 0 else passing[::-1]
+        _time_case(run, *MAIN_CASE, variants=order, baselines=round_index == 0, round_index=round_index)
+    log("")
+    log("median over rounds, main case:")
+    by_variant = {}
+    for r in run.timings:
+        if r.get("round") is not None and r["tflops"]:
+            key = (r["contender"], json.dumps(r["variant"], sort_keys=True))
+            by_variant.setdefault(key, []).append(r["tflops"])
+    medians = run.extra.setdefault("medians_over_rounds", [])
+    for (contender, variant), values in by_variant.items():
+        median = float(np.median(values))
+        medians.append(dict(contender=contender, variant=json.loads(variant), tflops_median=median,
+                                tflops_rounds=values))
+        text = _kwargs_text({k: (Blocks(**v) if k == "block_sizes" else v) for k, v in json.loads(variant).items()})
+        log(f"  {contender:12s} {text:40s} {median:7.1f} TFLOP/s  rounds {['%.1f' % x for x in values]}")
+
+
 def gpu_check_and_time(out_dir: str | None = None, *, quick: bool = False, check_only: bool = False,
                        budget_s: float = 420.0, step_timeout_s: float = 90.0, sweep_only: bool = False,
-                       grid_only: bool = False, poly_only: bool = False, overlap_only: bool = False) -> int:
+                       grid_only: bool = False, poly_only: bool = False, overlap_only: bool = False,
+                       softmax_only: bool = False) -> int:
     """Checks the Mosaic kernel on the GPU, times it, writes JSON, prints a table. Returns an exit status."""
     device = jax.devices()[0]
     if device.platform != "gpu":
@@ -385,6 +428,7 @@ def gpu_check_and_time(out_dir: str | None = None, *, quick: bool = False, check
     out = pathlib.Path(out_dir or _REPO_ROOT / "bench" / "results")
     out.mkdir(parents=True, exist_ok=True)
     suffix = ("-grid" if grid_only else "-poly" if poly_only else "-overlap" if overlap_only
+              else "-softmax" if softmax_only
               else "-sweep" if sweep_only
               else "-check" if check_only else "-quick" if quick else "")
     import jaxlib  # noqa: PLC0415
@@ -393,9 +437,11 @@ def gpu_check_and_time(out_dir: str | None = None, *, quick: bool = False, check
     run = Run(out / f"attention-mgpu-{date}-{slug(gpu_name)}{suffix}.json", header, step_timeout_s, budget_s)
     log(f"device: {gpu_name}, jax {jax.__version__}; writing {run.path}")
 
-    if sweep_only or grid_only or poly_only or overlap_only:
+    if sweep_only or grid_only or poly_only or overlap_only or softmax_only:
         if sweep_only:
             sweep(run)
+        elif softmax_only:
+            softmax_study(run)
         elif overlap_only:
             overlap_study(run)
         elif grid_only:
@@ -450,10 +496,12 @@ def main(argv=None) -> int:
     parser.add_argument("--grid", action="store_true", help="only the grid orders and the lane lowering, at shape 14's attention call and the main case")
     parser.add_argument("--poly", action="store_true", help="only the softmax variants (POLY_VARIANTS), at the main case")
     parser.add_argument("--overlap", action="store_true", help="only the one-accumulator overlap variants (OVERLAP_VARIANTS)")
+    parser.add_argument("--softmax", action="store_true",
+                        help="only the softmax instruction-count variants (SOFTMAX_VARIANTS), in alternating rounds")
     args = parser.parse_args(argv)
     return gpu_check_and_time(args.out, quick=args.quick, check_only=args.check, budget_s=args.budget_s,
                               step_timeout_s=args.step_timeout_s, sweep_only=args.sweep, grid_only=args.grid,
-                              poly_only=args.poly, overlap_only=args.overlap)
+                              poly_only=args.poly, overlap_only=args.overlap, softmax_only=args.softmax)
 
 
 if __name__ == "__main__":

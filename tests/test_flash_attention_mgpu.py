@@ -117,7 +117,11 @@ def test_lowers_in_both_semantics_and_dtypes(lowering_semantics, dtype):
                                     Blocks(block_kv=128, num_stages=4, num_compute_wgs=3, half_exp2=True),
                                     Blocks(block_kv=128, num_stages=2, overlap_softmax=True, half_exp2=True),
                                     Blocks(block_kv=128, num_stages=4, num_compute_wgs=3, overlap_softmax=True,
-                                           overlap_one_accumulator=True)])
+                                           overlap_one_accumulator=True),
+                                    Blocks(block_kv=128, num_stages=4, num_compute_wgs=3, prescaled_q=True),
+                                    Blocks(block_kv=128, num_stages=4, num_compute_wgs=3, half_row_sum=True),
+                                    Blocks(block_kv=128, num_stages=4, num_compute_wgs=3, prescaled_q=True,
+                                           half_row_sum=True)])
 def test_lowers_with_the_softmax_variants(lowering_semantics, causal, blocks):
     # poly_exp_keys: two key parts per block, their own Q @ K^T and P @ V wgmmas over slices of the K/V
     # slots; row_sum_mma: a third wgmma, P @ ones, in every GEMM phase
@@ -529,6 +533,11 @@ INTERPRET_CASES = {
                                                              overlap_one_accumulator=True)),
     "hd128-S113-one-acc": (2, 113, 1, 128, False, Blocks(block_kv=64, num_stages=2, overlap_softmax=True,
                                                          overlap_one_accumulator=True)),
+    # Q scaled in SMEM before its first wgmma; the row sums in fp16 (session 15)
+    "hd64-S200-prescaled-q-causal": (1, 200, 1, 64, True, Blocks(block_kv=64, num_stages=2, prescaled_q=True)),
+    "hd128-S113-prescaled-q-half-row-sum": (2, 113, 1, 128, False, Blocks(block_kv=64, num_stages=2,
+                                                                          prescaled_q=True, half_row_sum=True)),
+    "hd64-S200-half-row-sum-causal": (1, 200, 1, 64, True, Blocks(block_kv=64, num_stages=2, half_row_sum=True)),
 }
 
 

@@ -15,6 +15,10 @@ import sys
 VARIANTS = {
     "hd64_default": "dict()",
     "hd64_half_exp2": "dict(block_sizes=B(128, 4, 3, half_exp2=True))",
+    # session 15: fewer instructions per score (MgpuBlockSizes.prescaled_q / half_row_sum)
+    "hd64_prescaled_q": "dict(block_sizes=B(128, 4, 3, prescaled_q=True))",
+    "hd64_half_row_sum": "dict(block_sizes=B(128, 4, 3, half_row_sum=True))",
+    "hd64_prescaled_q_half_row_sum": "dict(block_sizes=B(128, 4, 3, prescaled_q=True, half_row_sum=True))",
     "hd64_ovl3_one_acc": "dict(block_sizes=B(128, 4, 3, overlap_softmax=True, overlap_one_accumulator=True))",
     "hd128_default": "dict()",
     "hd128_ovl2_one_acc": "dict(block_sizes=B(128, 2, 2, overlap_softmax=True, overlap_one_accumulator=True))",
@@ -91,6 +95,16 @@ def disassemble(dump: pathlib.Path) -> str:
     return sass
 
 
+def opcode_histogram(sass: str) -> dict:
+    """Static count of each SASS opcode (the mnemonic before its first '.', predicates dropped), most
+    frequent first: what the softmax's per-score instructions compile to (FFMA or FMUL + FADD, ...)."""
+    import collections, re  # noqa: PLC0415, E401
+    counts = collections.Counter()
+    for match in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass):
+        counts[match.group(1)] += 1
+    return dict(counts.most_common())
+
+
 def main(out_dir: str, only: str = "") -> int:
     out = pathlib.Path(out_dir)
     summary = {}
@@ -116,7 +130,7 @@ def main(out_dir: str, only: str = "") -> int:
         counts = {op: sass.count(op) for op in ("HGMMA", "WARPGROUP.DEPBAR", "WARPGROUP.ARRIVE", "MUFU.EX2",
                                                 "STL", "LDL", "BAR.SYNC", "SYNCS", "USETMAXREG")}
         summary[name] = {"rc": done.returncode, "ptxas": lines[:40], "sass_counts": counts,
-                         "files": sorted(f.name for f in dump.iterdir())}
+                         "opcodes": opcode_histogram(sass), "files": sorted(f.name for f in dump.iterdir())}
         print(f"== {name} rc={done.returncode} files={summary[name]['files']}")
         for line in lines[:20]:
             print("  ", line[:200])

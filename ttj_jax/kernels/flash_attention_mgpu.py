@@ -133,6 +133,19 @@ class MgpuBlockSizes:
     # (192 query rows, 128 keys, P from registers, intra-warpgroup overlap). Measured on the H200: slower
     # at head_dim 64, faster at 128 on long sequences (see _LONG_SEQ_BLOCK_SIZES).
     overlap_one_accumulator: bool = False
+    # Q multiplied by sm_scale * log2(e) once per tile, in shared memory (each consumer its own 64 rows,
+    # before its first wgmma), so the scores come out of Q @ K^T already in the softmax's base-2 units:
+    # the exponent is score - max instead of score * scale - max, and the max needs no scaling. Worth
+    # one instruction per score only where the compiler did not contract that multiply and subtract
+    # into one FFMA (bench/scratch/ptxas_dump.py counts them). Numerics: Q is rounded to the input
+    # dtype once more after the scaling (2^-11 relative in fp16, as P is for P @ V).
+    prescaled_q: bool = False
+    # The row sums of P added in the input dtype: P as rounded for P @ V, summed with packed half adds
+    # (two keys per instruction), each block's row sum in fp16 before it joins the fp32 running sum,
+    # instead of one fp32 add per score. fp16 only (bf16's 8-bit mantissa would cost ~1% of a sum);
+    # a block's sum of at most block_kv values <= 1 in fp16: a relative error of at most ~33 * 2^-12
+    # in the worst order (31 adds in a thread, 2 across its 4 lanes), typically far less.
+    half_row_sum: bool = False
 
     def __post_init__(self):
         def is_int(value):
@@ -168,6 +181,13 @@ class MgpuBlockSizes:
         if self.half_exp2 and (self.poly_exp_keys or self.row_sum_mma):
             raise ValueError("half_exp2 replaces the softmax's exp2 and row sums: not with poly_exp_keys "
                              "or row_sum_mma")
+        for name in ("prescaled_q", "half_row_sum"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"MgpuBlockSizes.{name}={getattr(self, name)!r} must be a bool")
+        if self.half_row_sum and (self.overlap_softmax or self.poly_exp_keys or self.row_sum_mma
+                                  or self.half_exp2):
+            raise ValueError("half_row_sum is built for one key part and the non-overlapped softmax with "
+                             "fp32 exp2 (not with overlap_softmax, poly_exp_keys, row_sum_mma or half_exp2)")
 
     @property
     def block_q(self) -> int:
@@ -403,6 +423,9 @@ def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_
         score_scale = sm_scale * _LOG2_E
         row_layout = plgpu.Layout.WGMMA.reduce(1)
 
+        def scaled(x):   # raw scores (or their row max) in the softmax's base-2 units
+            return x if blocks.prescaled_q else x * score_scale
+
         def wgmma_zeros(shape):
             return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
 
@@ -427,19 +450,22 @@ def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_
             row_max = scores[0].max(axis=1)
             for part in scores[1:]:
                 row_max = jnp.maximum(row_max, part.max(axis=1))
-            m_new = jnp.maximum(m_prev, row_max * score_scale)
+            m_new = jnp.maximum(m_prev, scaled(row_max))
             alpha = jnp.exp2(m_prev - m_new)
             if blocks.half_exp2:   # one key part (MgpuBlockSizes refuses poly_exp_keys here)
-                exponent = (scores[0] * score_scale - lax.broadcast_in_dim(m_new, scores[0].shape, [0])).astype(dtype)
+                exponent = (scaled(scores[0]) - lax.broadcast_in_dim(m_new, scores[0].shape, [0])).astype(dtype)
                 p = mosaic_half_exp2(exponent, interpret=bool(interpret))
                 return m_new, l_prev * alpha + p.sum(axis=1).astype(jnp.float32), (p,), alpha
             # the first part's exp2 on the MUFU (ex2.approx), the second's from a polynomial on the FMA
             # units (poly_exp_keys): the two pipes share the work
             poly = functools.partial(_exp2_poly, exact_round=bool(interpret))
-            ps = tuple((jnp.exp2 if i == 0 else poly)(part * score_scale - lax.broadcast_in_dim(
+            ps = tuple((jnp.exp2 if i == 0 else poly)(scaled(part) - lax.broadcast_in_dim(
                 m_new, part.shape, [0])) for i, part in enumerate(scores))
             if blocks.row_sum_mma:   # l is the [64, 16] accumulator: the P @ V phase adds P's sums
                 return m_new, l_prev, tuple(part.astype(dtype) for part in ps), alpha
+            if blocks.half_row_sum:   # one key part, fp16, not overlapped (MgpuBlockSizes, _check_inputs)
+                p_half = ps[0].astype(dtype)
+                return m_new, l_prev * alpha + p_half.sum(axis=1).astype(jnp.float32), (p_half,), alpha
             l_new = l_prev * alpha + ps[0].sum(axis=1)
             for part in ps[1:]:
                 l_new = l_new + part.sum(axis=1)
@@ -477,6 +503,9 @@ def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_
             l = plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), row_layout)
         acc = wgmma_zeros((rows, head_dim))
         plgpu.barrier_wait(q_ready.at[wg])
+        if blocks.prescaled_q:   # this warpgroup's Q in base-2 score units, visible to its wgmmas
+            q_wg[...] = (q_wg[...].astype(jnp.float32) * score_scale).astype(dtype)
+            plgpu.commit_smem()
         plgpu.barrier_wait(k_ready.at[0])
 
         @pl.when(wg > 0)
@@ -691,6 +720,9 @@ def _check_inputs(q, k, v, causal, sm_scale, block_sizes):
         raise ValueError(f"q.shape={q.shape}: head_dim={q.shape[-1]} must be one of {SUPPORTED_HEAD_DIMS}")
     if any(size < 1 for size in q.shape):
         raise ValueError(f"q.shape={q.shape} must have no empty dimension")
+    if block_sizes is not None and block_sizes.half_row_sum and jnp.dtype(q.dtype) != jnp.float16:
+        raise ValueError(f"MgpuBlockSizes.half_row_sum sums P in float16: q.dtype={jnp.dtype(q.dtype)} "
+                         "must be float16")
 
 
 GRID_ORDERS = ("tiles_outer", "tiles_inner")
