@@ -1,14 +1,15 @@
 #!/bin/bash
 # Session 15, issue 3: the softmax instruction-count variants (MgpuBlockSizes.prescaled_q, half_row_sum)
 # checked and timed at the main case in alternating rounds, then ptxas's report and SASS opcode counts
-# of each build. Usage (on the H200, from the repository root): bash bench/scratch/softmax_run.sh OUT
+# of each build (DUMPS=name,... picks them). Usage (on the H200, from the repository root):
+#   [DUMPS=...] bash bench/scratch/softmax_run.sh OUT
 set -u
 OUT=$1
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 timeout 330 python3 bench/bench_attention_mgpu.py --softmax --out "$OUT" --budget-s 280 > "$OUT/softmax.log" 2>&1
 echo "bench rc=$?"
 timeout 200 python3 bench/scratch/ptxas_dump.py /tmp/dumps \
-  hd64_default,hd64_prescaled_q,hd64_half_row_sum,hd64_prescaled_q_half_row_sum > "$OUT/ptxas.log" 2>&1
+  ${DUMPS:-hd64_default,hd64_prescaled_q,hd64_half_row_sum,hd64_prescaled_q_half_row_sum} > "$OUT/ptxas.log" 2>&1
 echo "ptxas_dump rc=$?"
 cp /tmp/dumps/ptxas-summary.json "$OUT/" 2>/dev/null
 (cd /tmp/dumps && tar czf "$OUT/sass.tgz" hd64_*/entry_0.sass hd64_default/entry_0.ptx 2>/dev/null)

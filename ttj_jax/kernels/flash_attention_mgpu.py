@@ -140,11 +140,11 @@ class MgpuBlockSizes:
     # into one FFMA (bench/scratch/ptxas_dump.py counts them). Numerics: Q is rounded to the input
     # dtype once more after the scaling (2^-11 relative in fp16, as P is for P @ V).
     prescaled_q: bool = False
-    # The row sums of P added in the input dtype: P as rounded for P @ V, summed with packed half adds
-    # (two keys per instruction), each block's row sum in fp16 before it joins the fp32 running sum,
-    # instead of one fp32 add per score. fp16 only (bf16's 8-bit mantissa would cost ~1% of a sum);
-    # a block's sum of at most block_kv values <= 1 in fp16: a relative error of at most ~33 * 2^-12
-    # in the worst order (31 adds in a thread, 2 across its 4 lanes), typically far less.
+    # The row sums of P added in the input dtype: P as rounded for P @ V, its column halves added with
+    # packed half adds (two keys per instruction) down to 8 columns (`_packed_row_sum`), then fp32,
+    # instead of one fp32 add per score: ~30 instructions per thread and block instead of 64. fp16 only
+    # (bf16's 8-bit mantissa would cost ~1% of a sum); a tree of depth log2(block_kv / 8) over values
+    # <= 1 in fp16: a relative error of at most ~4 * 2^-11 at 128 keys.
     half_row_sum: bool = False
 
     def __post_init__(self):
@@ -465,7 +465,7 @@ def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_
                 return m_new, l_prev, tuple(part.astype(dtype) for part in ps), alpha
             if blocks.half_row_sum:   # one key part, fp16, not overlapped (MgpuBlockSizes, _check_inputs)
                 p_half = ps[0].astype(dtype)
-                return m_new, l_prev * alpha + p_half.sum(axis=1).astype(jnp.float32), (p_half,), alpha
+                return m_new, l_prev * alpha + _packed_row_sum(p_half), (p_half,), alpha
             l_new = l_prev * alpha + ps[0].sum(axis=1)
             for part in ps[1:]:
                 l_new = l_new + part.sum(axis=1)
@@ -701,6 +701,17 @@ def _exp2_poly(x, *, exact_round: bool = False):
     for c in reversed(_EXP2_POLY[:4]):
         poly = poly * f + c
     return lax.bitcast_convert_type(lax.bitcast_convert_type(poly, jnp.int32) + exponent, jnp.float32)
+
+
+def _packed_row_sum(p):
+    """Row sums of a [64, n] fp16 P in the WGMMA layout, as fp32: the column halves added elementwise
+    (registers holding two fp16 keys each, so one packed HADD2 per two keys) down to one 8-column
+    tile, then converted and summed in fp32. A plain `p.sum(axis=1)` converts every element to fp32
+    first (one HADD2.F32 per key on the H200: session 15's SASS), which is slower than fp32 sums."""
+    while p.shape[1] > 8:
+        half = p.shape[1] // 2
+        p = p[:, :half] + p[:, half:]
+    return p.astype(jnp.float32).sum(axis=1)
 
 
 def _fori_loop(lower, upper, body, carry):
