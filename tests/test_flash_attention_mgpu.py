@@ -121,7 +121,8 @@ def test_lowers_in_both_semantics_and_dtypes(lowering_semantics, dtype):
                                     Blocks(block_kv=128, num_stages=4, num_compute_wgs=3, prescaled_q=True),
                                     Blocks(block_kv=128, num_stages=4, num_compute_wgs=3, half_row_sum=True),
                                     Blocks(block_kv=128, num_stages=4, num_compute_wgs=3, prescaled_q=True,
-                                           half_row_sum=True)])
+                                           half_row_sum=True),
+                                    Blocks(block_kv=128, num_stages=4, num_compute_wgs=3, pingpong=False)])
 def test_lowers_with_the_softmax_variants(lowering_semantics, causal, blocks):
     # poly_exp_keys: two key parts per block, their own Q @ K^T and P @ V wgmmas over slices of the K/V
     # slots; row_sum_mma: a third wgmma, P @ ones, in every GEMM phase
@@ -538,6 +539,8 @@ INTERPRET_CASES = {
     "hd128-S113-prescaled-q-half-row-sum": (2, 113, 1, 128, False, Blocks(block_kv=64, num_stages=2,
                                                                           prescaled_q=True, half_row_sum=True)),
     "hd64-S200-half-row-sum-causal": (1, 200, 1, 64, True, Blocks(block_kv=64, num_stages=2, half_row_sum=True)),
+    # no token ring: the consumers' GEMM phases in any order
+    "hd64-S200-no-pingpong-causal": (1, 200, 1, 64, True, Blocks(block_kv=64, num_stages=2, pingpong=False)),
 }
 
 

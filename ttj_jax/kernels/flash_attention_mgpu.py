@@ -146,6 +146,10 @@ class MgpuBlockSizes:
     # (bf16's 8-bit mantissa would cost ~1% of a sum); a tree of depth log2(block_kv / 8) over values
     # <= 1 in fp16: a relative error of at most ~4 * 2^-11 at 128 keys.
     half_row_sum: bool = False
+    # The consumers' GEMM phases ordered round-robin by the token ring (FA3's ping-pong, the default);
+    # False: each consumer issues its GEMMs as soon as its own data is ready, in whatever order the
+    # consumers get there. Opt-in study.
+    pingpong: bool = True
 
     def __post_init__(self):
         def is_int(value):
@@ -181,7 +185,7 @@ class MgpuBlockSizes:
         if self.half_exp2 and (self.poly_exp_keys or self.row_sum_mma):
             raise ValueError("half_exp2 replaces the softmax's exp2 and row sums: not with poly_exp_keys "
                              "or row_sum_mma")
-        for name in ("prescaled_q", "half_row_sum"):
+        for name in ("prescaled_q", "half_row_sum", "pingpong"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"MgpuBlockSizes.{name}={getattr(self, name)!r} must be a bool")
         if self.half_row_sum and (self.overlap_softmax or self.poly_exp_keys or self.row_sum_mma
@@ -472,7 +476,12 @@ def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_
             return m_new, l_new, tuple(part.astype(p_dtype) for part in ps), alpha
 
         def next_token():
-            plgpu.barrier_arrive(tokens.at[lax.rem(wg + 1, jnp.int32(num_wgs))])
+            if blocks.pingpong:
+                plgpu.barrier_arrive(tokens.at[lax.rem(wg + 1, jnp.int32(num_wgs))])
+
+        def wait_token():
+            if blocks.pingpong:
+                plgpu.barrier_wait(tokens.at[wg])
 
         # The interpreter cannot store into an accumulator: there P @ V goes into a zero one and is
         # added after (the same fp32 sum, init + (0 + P @ V), as its run_state substitute).
@@ -510,7 +519,7 @@ def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_
 
         @pl.when(wg > 0)
         def _():
-            plgpu.barrier_wait(tokens.at[wg])
+            wait_token()
 
         def first_scores(*s_refs):
             for s_ref, k_part in zip(s_refs, key_parts(k_smem.at[0])):
@@ -531,7 +540,7 @@ def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_
             prev_slot, slot = slot_of(block - 1), slot_of(block)
             plgpu.barrier_wait(v_ready.at[prev_slot])
             plgpu.barrier_wait(k_ready.at[slot])
-            plgpu.barrier_wait(tokens.at[wg])
+            wait_token()
             k_ts = tuple(part.transpose((1, 0)) for part in key_parts(k_smem.at[slot]))
             vs = key_parts(v_smem.at[prev_slot])
             if blocks.overlap_softmax:   # one key part (MgpuBlockSizes refuses poly_exp_keys here)
@@ -589,7 +598,7 @@ def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_
         # Epilogue: the last P @ V.
         last_slot = slot_of(plan.num_visited - 1)
         plgpu.barrier_wait(v_ready.at[last_slot])
-        plgpu.barrier_wait(tokens.at[wg])
+        wait_token()
         if blocks.overlap_softmax:
             def last_pv(pv_ref):
                 seed_pv(pv_ref, acc, alpha)
@@ -622,7 +631,7 @@ def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_
             plgpu.barrier_arrive(k_consumed.at[slot])
             plgpu.barrier_wait(v_ready.at[slot])
             plgpu.barrier_arrive(v_consumed.at[slot])
-            plgpu.barrier_wait(tokens.at[wg])
+            wait_token()
             next_token()
         if causal:
             lax.fori_loop(plan.num_visited, plan.tile_blocks, skip, None)
@@ -1031,9 +1040,10 @@ def _interpret_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, seq
         tile = num_q_tiles - 1 - tile
     _, tile_blocks = kv_block_range(tile * blocks.block_q, blocks.block_q, seq_len, blocks.block_kv, causal)
 
-    @pl.when(wg == 0)
-    def _():
-        plgpu.barrier_wait(tokens.at[0])
+    if blocks.pingpong:
+        @pl.when(wg == 0)
+        def _():
+            plgpu.barrier_wait(tokens.at[0])
 
     @pl.when(wg == num_wgs)
     def _():
