@@ -138,6 +138,9 @@ def main(argv=None) -> int:
     p.add_argument("--kernels", action="store_true", help="CUDA: GPU time per kernel name (torch.profiler)")
     p.add_argument("--hlo", action="store_true", help="write each program's optimized HLO to <tag>-hlo.txt")
     p.add_argument("--out", default="bench/results")
+    p.add_argument("--variant-sep", default=",",
+                   help="what separates the variants (another character when an XLA option's value holds "
+                        "commas, e.g. xla_gpu_enable_command_buffer=FUSION,CUBLAS)")
     args = p.parse_args(argv)
     if args.kernels and args.device != "cuda":
         p.error("--kernels needs --device cuda")
@@ -151,7 +154,7 @@ def main(argv=None) -> int:
                 "shapes": {}}
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    variants = args.variants.split(",")
+    variants = args.variants.split(args.variant_sep)
     for v in variants:   # a typo fails before any GPU work
         T.get_policy(parse_variant(v)["policy"])
     path = out / f"{args.tag or 'ablate-' + document['date'] + '-' + slug(gpu)}.json"
