@@ -119,8 +119,13 @@ OVERLAP_CASES = {64: MAIN_CASE, 128: (1, 16, 16384, 128)}
 # First run (attention-mgpu-2026-12-01-nvidia-h200-softmax.json, 3 rounds, 9/9 checks): default 495.1,
 # prescaled_q 491.2 (ptxas had already contracted score * c - max into one FFMA: the FMUL it removes
 # did not exist), half_row_sum summed by `p.sum(axis=1)` 442.7 (Mosaic converts each fp16 key to fp32
-# before adding: one HADD2.F32 more per key); now `_packed_row_sum`, timed here.
-SOFTMAX_VARIANTS = [dict(block_sizes=Blocks(128, 4, 3, half_row_sum=True))]
+# before adding: one HADD2.F32 more per key). Second run (...-softmax-run2.json, 5 rounds): half_row_sum
+# with `_packed_row_sum` 474.8 against 497.2: 16 instructions fewer per iteration and 4.5% slower.
+# Third (this list): the row sum's chain and shuffles off the end of every iteration (deferred_row_sum),
+# the row max as a tree over 8-column chunks (tree_row_max), and both.
+SOFTMAX_VARIANTS = [dict(block_sizes=Blocks(128, 4, 3, deferred_row_sum=True)),
+                    dict(block_sizes=Blocks(128, 4, 3, tree_row_max=True)),
+                    dict(block_sizes=Blocks(128, 4, 3, deferred_row_sum=True, tree_row_max=True))]
 SOFTMAX_ROUNDS = 5
 THRESHOLD_CASES = [(64, 4, 1024, 64), (4, 16, 4096, 64), (4, 16, 8192, 64), (4, 16, 4096, 128)]
 
@@ -247,7 +252,9 @@ def _kwargs_text(kwargs) -> str:
         parts.append(f"kv{b.block_kv} s{b.num_stages} wg{b.num_compute_wgs}{' ovl' if b.overlap_softmax else ''}"
                      + (f" poly{b.poly_exp_keys}" if b.poly_exp_keys else "")
                      + (" rowsum-mma" if b.row_sum_mma else "") + (" half-exp2" if b.half_exp2 else "")
-                     + (" prescaled-q" if b.prescaled_q else "") + (" half-row-sum" if b.half_row_sum else ""))
+                     + (" prescaled-q" if b.prescaled_q else "") + (" half-row-sum" if b.half_row_sum else "")
+                     + (" deferred-sum" if b.deferred_row_sum else "") + (" tree-max" if b.tree_row_max else "")
+                     + ("" if b.pingpong else " no-pingpong"))
     if "lowering_semantics" in kwargs:
         parts.append(kwargs["lowering_semantics"])
     if "grid_order" in kwargs:

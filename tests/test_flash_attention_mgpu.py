@@ -122,7 +122,14 @@ def test_lowers_in_both_semantics_and_dtypes(lowering_semantics, dtype):
                                     Blocks(block_kv=128, num_stages=4, num_compute_wgs=3, half_row_sum=True),
                                     Blocks(block_kv=128, num_stages=4, num_compute_wgs=3, prescaled_q=True,
                                            half_row_sum=True),
-                                    Blocks(block_kv=128, num_stages=4, num_compute_wgs=3, pingpong=False)])
+                                    Blocks(block_kv=128, num_stages=4, num_compute_wgs=3, pingpong=False),
+                                    Blocks(block_kv=128, num_stages=4, num_compute_wgs=3, deferred_row_sum=True),
+                                    Blocks(block_kv=128, num_stages=4, num_compute_wgs=3, tree_row_max=True),
+                                    Blocks(block_kv=128, num_stages=4, num_compute_wgs=3, deferred_row_sum=True,
+                                           tree_row_max=True),
+                                    Blocks(block_kv=128, num_stages=2, num_compute_wgs=2, overlap_softmax=True,
+                                           overlap_one_accumulator=True, deferred_row_sum=True,
+                                           tree_row_max=True)])
 def test_lowers_with_the_softmax_variants(lowering_semantics, causal, blocks):
     # poly_exp_keys: two key parts per block, their own Q @ K^T and P @ V wgmmas over slices of the K/V
     # slots; row_sum_mma: a third wgmma, P @ ones, in every GEMM phase
@@ -541,6 +548,16 @@ INTERPRET_CASES = {
     "hd64-S200-half-row-sum-causal": (1, 200, 1, 64, True, Blocks(block_kv=64, num_stages=2, half_row_sum=True)),
     # no token ring: the consumers' GEMM phases in any order
     "hd64-S200-no-pingpong-causal": (1, 200, 1, 64, True, Blocks(block_kv=64, num_stages=2, pingpong=False)),
+    # per-lane row sums reduced across lanes once at the end; row max over 8-column chunks as a tree
+    "hd64-S200-deferred-sum-tree-max-causal": (1, 200, 1, 64, True, Blocks(block_kv=64, num_stages=2,
+                                                                           deferred_row_sum=True,
+                                                                           tree_row_max=True)),
+    "hd128-S113-deferred-sum-one-acc": (2, 113, 1, 128, False, Blocks(block_kv=128, num_stages=2,
+                                                                      overlap_softmax=True,
+                                                                      overlap_one_accumulator=True,
+                                                                      deferred_row_sum=True)),
+    "hd64-S200-poly-deferred-sum-causal": (1, 200, 1, 64, True, Blocks(block_kv=128, num_stages=2, poly_exp_keys=64,
+                                                                       deferred_row_sum=True, tree_row_max=True)),
 }
 
 

@@ -19,6 +19,8 @@ VARIANTS = {
     "hd64_prescaled_q": "dict(block_sizes=B(128, 4, 3, prescaled_q=True))",
     "hd64_half_row_sum": "dict(block_sizes=B(128, 4, 3, half_row_sum=True))",
     "hd64_prescaled_q_half_row_sum": "dict(block_sizes=B(128, 4, 3, prescaled_q=True, half_row_sum=True))",
+    "hd64_deferred_row_sum": "dict(block_sizes=B(128, 4, 3, deferred_row_sum=True))",
+    "hd64_deferred_sum_tree_max": "dict(block_sizes=B(128, 4, 3, deferred_row_sum=True, tree_row_max=True))",
     "hd64_ovl3_one_acc": "dict(block_sizes=B(128, 4, 3, overlap_softmax=True, overlap_one_accumulator=True))",
     "hd128_default": "dict()",
     "hd128_ovl2_one_acc": "dict(block_sizes=B(128, 2, 2, overlap_softmax=True, overlap_one_accumulator=True))",

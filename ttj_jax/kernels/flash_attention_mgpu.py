@@ -150,6 +150,17 @@ class MgpuBlockSizes:
     # False: each consumer issues its GEMMs as soon as its own data is ready, in whatever order the
     # consumers get there. Opt-in study.
     pingpong: bool = True
+    # The running row sum kept per thread as a [64, 8] fp32 array (each thread's own columns of its
+    # rows, P's 8-column chunks added as a tree) and reduced across the 4 lanes of a row once, after
+    # the last block, instead of a 32-add chain and two shuffles in every block. Session 15's SASS
+    # showed that chain and its shuffles at the end of every iteration of the main loop, in front of
+    # the next GEMM phase's issue (in-order issue), and a longer chain there (half_row_sum) slowing the
+    # kernel by 4.5%. Same sums in another fp32 order.
+    deferred_row_sum: bool = False
+    # Each row's max over P's 8-column chunks taken as a tree (depth log2(block_kv / 8)) before the
+    # cross-lane step, instead of ptxas's two 16-long FMNMX chains: the max is the first thing every
+    # softmax waits for. Exact (a max in any order is the same max).
+    tree_row_max: bool = False
 
     def __post_init__(self):
         def is_int(value):
@@ -185,13 +196,16 @@ class MgpuBlockSizes:
         if self.half_exp2 and (self.poly_exp_keys or self.row_sum_mma):
             raise ValueError("half_exp2 replaces the softmax's exp2 and row sums: not with poly_exp_keys "
                              "or row_sum_mma")
-        for name in ("prescaled_q", "half_row_sum", "pingpong"):
+        for name in ("prescaled_q", "half_row_sum", "pingpong", "deferred_row_sum", "tree_row_max"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"MgpuBlockSizes.{name}={getattr(self, name)!r} must be a bool")
         if self.half_row_sum and (self.overlap_softmax or self.poly_exp_keys or self.row_sum_mma
                                   or self.half_exp2):
             raise ValueError("half_row_sum is built for one key part and the non-overlapped softmax with "
                              "fp32 exp2 (not with overlap_softmax, poly_exp_keys, row_sum_mma or half_exp2)")
+        if self.deferred_row_sum and (self.row_sum_mma or self.half_exp2 or self.half_row_sum):
+            raise ValueError("deferred_row_sum keeps the fp32 sums of the fp32 exp2: not with row_sum_mma, "
+                             "half_exp2 or half_row_sum")
 
     @property
     def block_q(self) -> int:
@@ -451,9 +465,12 @@ def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_
                         allowed = key < seq_len
                     return jnp.where(allowed, part, -jnp.inf)
                 scores = tuple(mask(part, offset) for part, offset in zip(scores, part_offsets))
-            row_max = scores[0].max(axis=1)
-            for part in scores[1:]:
-                row_max = jnp.maximum(row_max, part.max(axis=1))
+            if blocks.tree_row_max:
+                row_max = _chunk_tree(scores, jnp.maximum).max(axis=1)
+            else:
+                row_max = scores[0].max(axis=1)
+                for part in scores[1:]:
+                    row_max = jnp.maximum(row_max, part.max(axis=1))
             m_new = jnp.maximum(m_prev, scaled(row_max))
             alpha = jnp.exp2(m_prev - m_new)
             if blocks.half_exp2:   # one key part (MgpuBlockSizes refuses poly_exp_keys here)
@@ -470,6 +487,9 @@ def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_
             if blocks.half_row_sum:   # one key part, fp16, not overlapped (MgpuBlockSizes, _check_inputs)
                 p_half = ps[0].astype(dtype)
                 return m_new, l_prev * alpha + _packed_row_sum(p_half), (p_half,), alpha
+            if blocks.deferred_row_sum:   # l: [64, 8] per-lane partial sums (see MgpuBlockSizes)
+                l_new = l_prev * lax.broadcast_in_dim(alpha, l_prev.shape, [0]) + _chunk_tree(ps, jnp.add)
+                return m_new, l_new, tuple(part.astype(p_dtype) for part in ps), alpha
             l_new = l_prev * alpha + ps[0].sum(axis=1)
             for part in ps[1:]:
                 l_new = l_new + part.sum(axis=1)
@@ -510,6 +530,8 @@ def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_
             l = wgmma_zeros((rows, ROW_SUM_COLUMNS))
         else:
             l = plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), row_layout)
+        if blocks.deferred_row_sum:
+            l = wgmma_zeros((rows, _CHUNK_COLUMNS))
         acc = wgmma_zeros((rows, head_dim))
         plgpu.barrier_wait(q_ready.at[wg])
         if blocks.prescaled_q:   # this warpgroup's Q in base-2 score units, visible to its wgmmas
@@ -636,6 +658,8 @@ def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_
         if causal:
             lax.fori_loop(plan.num_visited, plan.tile_blocks, skip, None)
 
+        if blocks.deferred_row_sum:   # the one cross-lane reduction of the row sums
+            l = l.sum(axis=1)
         acc = acc * lax.broadcast_in_dim(1.0 / l, acc.shape, [0])
         q_wg[...] = acc.astype(dtype)   # every wgmma reading Q has completed
         if lse_ref is not None:   # log(sum_j exp(sm_scale q.k_j)) = (m + log2 l) ln 2: m and l are in base 2
@@ -710,6 +734,20 @@ def _exp2_poly(x, *, exact_round: bool = False):
     for c in reversed(_EXP2_POLY[:4]):
         poly = poly * f + c
     return lax.bitcast_convert_type(lax.bitcast_convert_type(poly, jnp.int32) + exponent, jnp.float32)
+
+
+_CHUNK_COLUMNS = 8   # one 8-column tile of the WGMMA layout: two columns of each of its rows per thread
+
+
+def _chunk_tree(parts, combine):
+    """combine() over the 8-column chunks of [64, n] arrays in the WGMMA layout, as a balanced tree:
+    a [64, 8] array whose columns each thread holds for its rows (no cross-lane step). Slicing whole
+    chunks picks registers; each combine is one instruction per register."""
+    chunks = [part[:, i:i + _CHUNK_COLUMNS] for part in parts for i in range(0, part.shape[1], _CHUNK_COLUMNS)]
+    while len(chunks) > 1:
+        paired = [combine(a, b) for a, b in zip(chunks[0::2], chunks[1::2])]
+        chunks = paired + ([chunks[-1]] if len(chunks) % 2 else [])
+    return chunks[0]
 
 
 def _packed_row_sum(p):
