@@ -193,6 +193,13 @@ def test_kv_block_range_matches_explicit_masks(block_kv):
             assert (full_unmasked, full_visited) == (seq_len // block_kv, num_kv_blocks)
 
 
+def test_half_row_sum_refuses_bfloat16():
+    # bf16's 8-bit mantissa would cost ~1% of a row sum: refused before anything is traced
+    q = jnp.zeros((1, 128, 1, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="half_row_sum"):
+        fm.flash_attention_mgpu(q, q, q, causal=True, block_sizes=Blocks(128, 2, 2, half_row_sum=True))
+
+
 def test_block_sizes_validate_themselves():
     for bad in (dict(block_kv=100, num_stages=2), dict(block_kv=32, num_stages=2),
                 dict(block_kv=320, num_stages=2), dict(block_kv=128, num_stages=1),
@@ -209,7 +216,17 @@ def test_block_sizes_validate_themselves():
                 dict(block_kv=128, num_stages=2, half_exp2=True, poly_exp_keys=64),
                 dict(block_kv=128, num_stages=2, half_exp2=True, row_sum_mma=True),
                 dict(block_kv=128, num_stages=2, overlap_one_accumulator=True),        # needs overlap_softmax
-                dict(block_kv=128, num_stages=2, overlap_softmax=True, overlap_one_accumulator=1)):
+                dict(block_kv=128, num_stages=2, overlap_softmax=True, overlap_one_accumulator=1),
+                # session 15's options: bools, and the combinations they are not built for
+                dict(block_kv=128, num_stages=2, prescaled_q=1), dict(block_kv=128, num_stages=2, pingpong=0),
+                dict(block_kv=128, num_stages=2, half_row_sum="yes"),
+                dict(block_kv=128, num_stages=2, deferred_row_sum=1), dict(block_kv=128, num_stages=2, tree_row_max=1),
+                dict(block_kv=128, num_stages=2, half_row_sum=True, overlap_softmax=True),
+                dict(block_kv=128, num_stages=2, half_row_sum=True, half_exp2=True),
+                dict(block_kv=128, num_stages=2, half_row_sum=True, poly_exp_keys=64),
+                dict(block_kv=128, num_stages=2, deferred_row_sum=True, half_row_sum=True),
+                dict(block_kv=128, num_stages=2, deferred_row_sum=True, row_sum_mma=True),
+                dict(block_kv=128, num_stages=2, deferred_row_sum=True, half_exp2=True)):
         with pytest.raises(ValueError):
             Blocks(**bad)
     assert Blocks(block_kv=128, num_stages=2, num_compute_wgs=3).block_q == 192

@@ -138,28 +138,37 @@ class MgpuBlockSizes:
     # the exponent is score - max instead of score * scale - max, and the max needs no scaling. Worth
     # one instruction per score only where the compiler did not contract that multiply and subtract
     # into one FFMA (bench/scratch/ptxas_dump.py counts them). Numerics: Q is rounded to the input
-    # dtype once more after the scaling (2^-11 relative in fp16, as P is for P @ V).
+    # dtype once more after the scaling (2^-11 relative in fp16, as P is for P @ V). Opt-in and slower:
+    # ptxas had already contracted score * c - max into one FFMA, so it removes no instruction (the FFMA
+    # becomes an FADD); 491.2 against 495.1 TFLOP/s at head_dim 64, main case, 3 rounds
+    # (bench/results/attention-mgpu-2026-12-01-nvidia-h200-softmax-run1.json).
     prescaled_q: bool = False
     # The row sums of P added in the input dtype: P as rounded for P @ V, its column halves added with
     # packed half adds (two keys per instruction) down to 8 columns (`_packed_row_sum`), then fp32,
     # instead of one fp32 add per score: ~30 instructions per thread and block instead of 64. fp16 only
     # (bf16's 8-bit mantissa would cost ~1% of a sum); a tree of depth log2(block_kv / 8) over values
-    # <= 1 in fp16: a relative error of at most ~4 * 2^-11 at 128 keys.
+    # <= 1 in fp16: a relative error of at most ~4 * 2^-11 at 128 keys. Opt-in and slower: 16 of the
+    # main loop's 427 instructions fewer, yet 474.8 against 497.2 TFLOP/s (main case, 5 rounds,
+    # ...-softmax-run2.json; with `p.sum(axis=1)`, which converts every key to fp32 first, 442.7: run1).
     half_row_sum: bool = False
     # The consumers' GEMM phases ordered round-robin by the token ring (FA3's ping-pong, the default);
     # False: each consumer issues its GEMMs as soon as its own data is ready, in whatever order the
-    # consumers get there. Opt-in study.
+    # consumers get there. Opt-in study: level (485.2 against 484.0 TFLOP/s, 3 rounds, in a run whose
+    # default drifted from 492 to 477: bench/results/mufu-probe-2026-12-01-nvidia-h200.json).
     pingpong: bool = True
     # The running row sum kept per thread as a [64, 8] fp32 array (each thread's own columns of its
     # rows, P's 8-column chunks added as a tree) and reduced across the 4 lanes of a row once, after
     # the last block, instead of a 32-add chain and two shuffles in every block. Session 15's SASS
     # showed that chain and its shuffles at the end of every iteration of the main loop, in front of
     # the next GEMM phase's issue (in-order issue), and a longer chain there (half_row_sum) slowing the
-    # kernel by 4.5%. Same sums in another fp32 order.
+    # kernel by 4.5%. Same sums in another fp32 order. Opt-in and slower: the main loop went from 427 to
+    # 419 instructions and from 8 to 4 shuffles (no spills in it), yet 484.1 against 494.7 TFLOP/s
+    # (main case, 5 rounds, ...-softmax-run3.json).
     deferred_row_sum: bool = False
     # Each row's max over P's 8-column chunks taken as a tree (depth log2(block_kv / 8)) before the
     # cross-lane step, instead of ptxas's two 16-long FMNMX chains: the max is the first thing every
-    # softmax waits for. Exact (a max in any order is the same max).
+    # softmax waits for. Exact (a max in any order is the same max). Opt-in and slower: 481.8 against
+    # 494.7 TFLOP/s (same run as deferred_row_sum; both together 483.1).
     tree_row_max: bool = False
 
     def __post_init__(self):
