@@ -1,6 +1,6 @@
 """Check and time the Mosaic GPU flash-attention kernel (ttj_jax/kernels/flash_attention_mgpu.py) on an H200.
 
-    PYTHONPATH=. python3 bench/bench_attention_mgpu.py [--quick] [--check] [--sweep | --grid | --poly | --overlap | --softmax] [--out DIR]
+    PYTHONPATH=. python3 bench/bench_attention_mgpu.py [--quick] [--check] [--sweep | --grid | --poly | --overlap | --softmax | --hd32] [--out DIR]
         [--budget-s 420]
 
 In order (most important first): head_dim 64 checks, the main timing case, the other head_dim checks,
@@ -127,6 +127,14 @@ SOFTMAX_VARIANTS = [dict(block_sizes=Blocks(128, 4, 3, deferred_row_sum=True)),
                     dict(block_sizes=Blocks(128, 4, 3, tree_row_max=True)),
                     dict(block_sizes=Blocks(128, 4, 3, deferred_row_sum=True, tree_row_max=True))]
 SOFTMAX_ROUNDS = 5
+# --hd32 (session 15): head_dim 32 on the Hopper kernel (64-byte swizzle), new. Checked like the others,
+# then its default and tilings timed next to our generic kernel and cuDNN in alternating rounds at
+# shape 13's attention call (B=64, H=4, S=1024: the generic kernel serves it now) and a longer one.
+HD32_VARIANTS = [dict(block_sizes=Blocks(128, 4, 2)), dict(block_sizes=Blocks(256, 2, 2)),
+                 dict(block_sizes=Blocks(64, 4, 3)), dict(block_sizes=Blocks(192, 3, 3)),
+                 dict(block_sizes=Blocks(128, 4, 3), lowering_semantics="warpgroup")]
+HD32_CASES = [(64, 4, 1024, 32), (4, 16, 8192, 32)]
+HD32_ROUNDS = 3
 THRESHOLD_CASES = [(64, 4, 1024, 64), (4, 16, 4096, 64), (4, 16, 8192, 64), (4, 16, 4096, 128)]
 
 
@@ -407,26 +415,53 @@ def softmax_study(run: Run) -> None:
     for round_index in range(SOFTMAX_ROUNDS):
         order = passing if round_index % 2 == 0 else passing[::-1]
         _time_case(run, *MAIN_CASE, variants=order, baselines=round_index == 0, round_index=round_index)
-    log("")
-    log("median over rounds, main case:")
-    by_variant = {}
+    _medians_over_rounds(run, "medians_over_rounds")
+
+
+def _medians_over_rounds(run: Run, key: str) -> None:
+    """Each (case, contender, variant)'s median TFLOP/s over the timings tagged with a round, into
+    run.extra[key] and the log."""
+    groups = {}
     for r in run.timings:
         if r.get("round") is not None and r["tflops"]:
-            key = (r["contender"], json.dumps(r["variant"], sort_keys=True))
-            by_variant.setdefault(key, []).append(r["tflops"])
-    medians = run.extra.setdefault("medians_over_rounds", [])
-    for (contender, variant), values in by_variant.items():
+            group = (r["B"], r["H"], r["S"], r["head_dim"], r["contender"], json.dumps(r["variant"], sort_keys=True))
+            groups.setdefault(group, []).append(r["tflops"])
+    medians = run.extra.setdefault(key, [])
+    log("")
+    log("median over rounds:")
+    for (b, h, s, hd, contender, variant), values in groups.items():
         median = float(np.median(values))
-        medians.append(dict(contender=contender, variant=json.loads(variant), tflops_median=median,
-                                tflops_rounds=values))
+        medians.append(dict(B=b, H=h, S=s, head_dim=hd, contender=contender, variant=json.loads(variant),
+                            tflops_median=median, tflops_rounds=values))
         text = _kwargs_text({k: (Blocks(**v) if k == "block_sizes" else v) for k, v in json.loads(variant).items()})
-        log(f"  {contender:12s} {text:40s} {median:7.1f} TFLOP/s  rounds {['%.1f' % x for x in values]}")
+        log(f"  B={b} H={h} S={s} hd={hd} {contender:12s} {text:34s} {median:7.1f} TFLOP/s  "
+            f"rounds {['%.1f' % x for x in values]}")
+
+
+def hd32_study(run: Run) -> None:
+    """--hd32: head_dim 32's default checked at every CHECK_SEQ_LENS length (causal and not), in bf16
+    and at S=100000 (rows), each HD32_VARIANTS entry at S=1000; then the passing builds, our generic
+    kernel and cuDNN timed at HD32_CASES in HD32_ROUNDS alternating rounds."""
+    for causal in (True, False):
+        for seq_len in CHECK_SEQ_LENS:
+            _check(run, 2, 3, seq_len, 32, causal, repeat=(seq_len == 1000 and causal))
+    _check(run, 2, 3, 1000, 32, True, dtype=jnp.bfloat16)
+    _check(run, 1, 2, LONG_SEQ_LEN, 32, True)
+    passing = [{}]
+    for kwargs in HD32_VARIANTS:
+        if all([_check(run, 2, 3, 1000, 32, causal, kernel_kwargs=kwargs) for causal in (True, False)]):
+            passing.append(kwargs)
+    for round_index in range(HD32_ROUNDS):
+        order = passing if round_index % 2 == 0 else passing[::-1]
+        for case in HD32_CASES:
+            _time_case(run, *case, variants=order, round_index=round_index)
+    _medians_over_rounds(run, "medians_over_rounds")
 
 
 def gpu_check_and_time(out_dir: str | None = None, *, quick: bool = False, check_only: bool = False,
                        budget_s: float = 420.0, step_timeout_s: float = 90.0, sweep_only: bool = False,
                        grid_only: bool = False, poly_only: bool = False, overlap_only: bool = False,
-                       softmax_only: bool = False) -> int:
+                       softmax_only: bool = False, hd32_only: bool = False) -> int:
     """Checks the Mosaic kernel on the GPU, times it, writes JSON, prints a table. Returns an exit status."""
     device = jax.devices()[0]
     if device.platform != "gpu":
@@ -437,7 +472,7 @@ def gpu_check_and_time(out_dir: str | None = None, *, quick: bool = False, check
     out = pathlib.Path(out_dir or _REPO_ROOT / "bench" / "results")
     out.mkdir(parents=True, exist_ok=True)
     suffix = ("-grid" if grid_only else "-poly" if poly_only else "-overlap" if overlap_only
-              else "-softmax" if softmax_only
+              else "-softmax" if softmax_only else "-hd32" if hd32_only
               else "-sweep" if sweep_only
               else "-check" if check_only else "-quick" if quick else "")
     import jaxlib  # noqa: PLC0415
@@ -446,9 +481,11 @@ def gpu_check_and_time(out_dir: str | None = None, *, quick: bool = False, check
     run = Run(out / f"attention-mgpu-{date}-{slug(gpu_name)}{suffix}.json", header, step_timeout_s, budget_s)
     log(f"device: {gpu_name}, jax {jax.__version__}; writing {run.path}")
 
-    if sweep_only or grid_only or poly_only or overlap_only or softmax_only:
+    if sweep_only or grid_only or poly_only or overlap_only or softmax_only or hd32_only:
         if sweep_only:
             sweep(run)
+        elif hd32_only:
+            hd32_study(run)
         elif softmax_only:
             softmax_study(run)
         elif overlap_only:
@@ -507,10 +544,13 @@ def main(argv=None) -> int:
     parser.add_argument("--overlap", action="store_true", help="only the one-accumulator overlap variants (OVERLAP_VARIANTS)")
     parser.add_argument("--softmax", action="store_true",
                         help="only the softmax instruction-count variants (SOFTMAX_VARIANTS), in alternating rounds")
+    parser.add_argument("--hd32", action="store_true",
+                        help="only head_dim 32 on the Hopper kernel: checks, then HD32_VARIANTS at HD32_CASES")
     args = parser.parse_args(argv)
     return gpu_check_and_time(args.out, quick=args.quick, check_only=args.check, budget_s=args.budget_s,
                               step_timeout_s=args.step_timeout_s, sweep_only=args.sweep, grid_only=args.grid,
-                              poly_only=args.poly, overlap_only=args.overlap, softmax_only=args.softmax)
+                              poly_only=args.poly, overlap_only=args.overlap, softmax_only=args.softmax,
+                              hd32_only=args.hd32)
 
 
 if __name__ == "__main__":

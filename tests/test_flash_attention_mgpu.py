@@ -9,7 +9,7 @@ H200:
 
 What this file checks, on the CPU:
 1. Lowering for CUDA: `jax.jit(...).trace(...).lower(lowering_platforms=("cuda",))` succeeds and
-   emits a Mosaic GPU custom call, for head_dim 64, 128, 256, causal and not, S in {128, 1000, 100000},
+   emits a Mosaic GPU custom call, for head_dim 32, 64, 128, 256, causal and not, S in {128, 1000, 100000},
    plus edge lengths, bf16, the other block-size variants and both lowering semantics. Lowering runs
    Pallas -> Mosaic GPU, Mosaic's layout inference, its wgmma operand/shape checks, the TMA slicing
    and the shared-memory budget; PTX generation, ptxas (register spills) and execution only happen on
@@ -63,7 +63,7 @@ def _custom_calls(text: str) -> list[str]:
 
 @pytest.mark.parametrize("seq_len", [128, 1000, 100_000])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", [32, 64, 128, 256])
 def test_lowers_to_one_mosaic_gpu_kernel(head_dim, causal, seq_len):
     text = _lower_for_cuda(seq_len, head_dim, causal)
     assert _custom_calls(text) == ["mosaic_gpu_v2"]
@@ -565,6 +565,9 @@ INTERPRET_CASES = {
     "hd64-S200-half-row-sum-causal": (1, 200, 1, 64, True, Blocks(block_kv=64, num_stages=2, half_row_sum=True)),
     # no token ring: the consumers' GEMM phases in any order
     "hd64-S200-no-pingpong-causal": (1, 200, 1, 64, True, Blocks(block_kv=64, num_stages=2, pingpong=False)),
+    # head_dim 32 (session 15): 64-byte rows, so 64-byte swizzle and wgmma K steps of 32
+    "hd32-S200-causal": (1, 200, 1, 32, True, Blocks(block_kv=64, num_stages=2)),
+    "hd32-S113": (2, 113, 1, 32, False, Blocks(block_kv=128, num_stages=2)),
     # per-lane row sums reduced across lanes once at the end; row max over 8-column chunks as a tree
     "hd64-S200-deferred-sum-tree-max-causal": (1, 200, 1, 64, True, Blocks(block_kv=64, num_stages=2,
                                                                            deferred_row_sum=True,

@@ -302,8 +302,8 @@ def use_mosaic_kernel(dtype, seq_len: int, head_dim: int, *, masked: bool, block
                              f"interpret mode; got dtype={jnp.dtype(dtype)}, head_dim={head_dim}, "
                              f"masked={masked}, block_sizes={block_sizes}, interpret={interpret}")
         return True
-    long_enough = seq_len >= (mgpu.FUSED_MIN_SEQ_LEN.get(head_dim, mgpu.MIN_SEQ_LEN) if fused else mgpu.MIN_SEQ_LEN)
-    return applicable and long_enough and on_hopper()
+    min_seq_len = mgpu.dispatch_min_seq_len(head_dim, fused) if applicable else None
+    return min_seq_len is not None and seq_len >= min_seq_len and on_hopper()
 
 
 def _mosaic_attention(q, k, v, *, causal, sm_scale, return_lse=False):

@@ -79,7 +79,7 @@ from jax.experimental import pallas as pl
 from ttj_jax.compat import mosaic_half_exp2
 from ttj_jax.kernels.flash_attention import check_causal_and_scale, check_qkv_layout
 
-SUPPORTED_HEAD_DIMS = (64, 128, 256)
+SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)
 _SUPPORTED_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 ROWS_PER_CONSUMER = 64          # one wgmma M tile per consumer warpgroup
 ROW_SUM_COLUMNS = 16            # MgpuBlockSizes.row_sum_mma: the width of its ones matrix and accumulator
@@ -228,6 +228,8 @@ class MgpuBlockSizes:
 # consumers with softmax overlap, 415 without it and cuDNN's 451 in the same run. head_dim 128 (553
 # TFLOP/s, cuDNN 527 at S=16384) and 256 (577, cuDNN 589) keep their first settings, measured there.
 _DEFAULT_BLOCK_SIZES = {
+    # head_dim 32 (session 15; shape 13's attention): head_dim 64's tiling, to be measured
+    32: MgpuBlockSizes(block_kv=128, num_stages=4, num_compute_wgs=3),
     64: MgpuBlockSizes(block_kv=128, num_stages=4, num_compute_wgs=3),
     128: MgpuBlockSizes(block_kv=128, num_stages=2, num_compute_wgs=2),
     256: MgpuBlockSizes(block_kv=64, num_stages=2, num_compute_wgs=2),
@@ -245,6 +247,23 @@ MIN_SEQ_LEN = 4096
 # head_dim 256 (shape 8's call) 24.3 against 27.9 us; 128: 10.6 against 11.4; 64: 5.6 against 4.6
 # (slower); S=1024, head_dim 64: 146.3 against 165.2. Longer sequences were already faster here (above).
 FUSED_MIN_SEQ_LEN = {64: 1024, 128: 1, 256: 1}
+# head_dims whose own length threshold replaces MIN_SEQ_LEN for calls on separate q, k, v (None: never
+# sent automatically). head_dim 32 is new in session 15 and not yet measured against the generic kernel.
+UNFUSED_MIN_SEQ_LEN = {32: None}
+
+
+def dispatch_min_seq_len(head_dim: int, fused: bool) -> int | None:
+    """From which sequence length `ttj_jax.kernels.flash_attention` sends a mask-free fp16/bf16 call at
+    this head_dim to this kernel on sm_90 (None: never); fused: the call reads a [B, S, 3, H, hd] array."""
+    if fused and head_dim in FUSED_MIN_SEQ_LEN:
+        return FUSED_MIN_SEQ_LEN[head_dim]
+    return UNFUSED_MIN_SEQ_LEN.get(head_dim, MIN_SEQ_LEN)
+
+
+def swizzle_bytes(head_dim: int, itemsize: int) -> int:
+    """The shared-memory swizzle of the Q, K and V tiles: 128 bytes, or a row's width where it is less
+    (head_dim 32 in fp16: 64 bytes; wgmma then takes K in steps of 32 keys or head dims, not 64)."""
+    return min(128, head_dim * itemsize)
 
 
 def smem_bytes(head_dim: int, itemsize: int, blocks: MgpuBlockSizes) -> int:
@@ -386,8 +405,8 @@ LOWERING_SEMANTICS = ("warpgroup", "lane")
 # the H200 (main case B=1, H=16, S=100000: 496.5 against 492.2, 493.6 against 486.6, 496.6 against 491.0
 # TFLOP/s; shape 14's call B=32: 488.8 against 486.2, 492.3 against 484.2; attention-mgpu-2026-11-30-nvidia-
 # h200-{grid-session4,grid-session5,rowsum}.json). 128 and 256: "warpgroup", the lowering their timings
-# were taken with (lane not compared there).
-_DEFAULT_LOWERING = {64: "lane", 128: "warpgroup", 256: "warpgroup"}
+# were taken with (lane not compared there). 32: "lane", as 64 (session 15, not compared).
+_DEFAULT_LOWERING = {32: "lane", 64: "lane", 128: "warpgroup", 256: "warpgroup"}
 
 
 def default_lowering_semantics(head_dim: int) -> str:
@@ -902,7 +921,9 @@ def _launch(operands: tuple, shape: tuple, *, causal, interpret, sm_scale, block
     num_wgs, num_stages = blocks.num_compute_wgs, blocks.num_stages
 
     # Tiles of (8 rows, 128 bytes), 128-byte swizzle: wgmma reads them without bank conflicts, TMA writes them.
-    transforms = (plgpu.TilingTransform((8, 128 // dtype.itemsize)), plgpu.SwizzleTransform(128))
+    # Rows narrower than 128 bytes (head_dim 32 in fp16: 64) take the swizzle of their width.
+    swizzle = swizzle_bytes(head_dim, dtype.itemsize)
+    transforms = (plgpu.TilingTransform((8, swizzle // dtype.itemsize)), plgpu.SwizzleTransform(swizzle))
     smem = (plgpu.SMEM((num_wgs, ROWS_PER_CONSUMER, head_dim), dtype, transforms=transforms),
             plgpu.SMEM((num_stages, blocks.block_kv, head_dim), dtype, transforms=transforms),
             plgpu.SMEM((num_stages, blocks.block_kv, head_dim), dtype, transforms=transforms)) \
