@@ -437,7 +437,10 @@ def test_dispatch_rule_on_hopper(hopper):
     assert not rule(s=128, hd=256) and not rule(s=1023, hd=64, fused=True)
     assert not rule(s=128, hd=256, fused=True, masked=True)
     assert not rule(jnp.float32)                               # fp32 inputs: the generic kernel's fp16 path
-    assert not rule(hd=32) and not rule(hd=96)                 # head_dims the Hopper kernel lacks
+    assert not rule(hd=96)                                     # a head_dim the Hopper kernel lacks
+    # head_dim 32 from its own measured length on (slower than the generic kernel at S=1024)
+    assert rule(s=8192, hd=32) and rule(s=8192, hd=32, fused=True)
+    assert not rule(hd=32) and not rule(s=8191, hd=32) and not rule(s=1024, hd=32, fused=True)
     assert not rule(masked=True)                               # no masks in the Hopper kernel
     assert not rule(block_sizes=fa.BlockSizes(64, 64, 4, 2))   # generic tiling asked for
     assert not rule(interpret=True)

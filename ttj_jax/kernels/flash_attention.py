@@ -7,7 +7,7 @@ projection.
 
 On a Hopper GPU (sm_90) `flash_attention` and `flash_attention_fused_qkv` hand mask-free fp16/bf16 calls
 with head_dim 64, 128 or 256 and S >= `flash_attention_mgpu.MIN_SEQ_LEN` (fused-layout calls from the
-shorter lengths of `FUSED_MIN_SEQ_LEN`) to the Mosaic GPU kernel in
+shorter lengths of `FUSED_MIN_SEQ_LEN`; head_dim 32 from `UNFUSED_MIN_SEQ_LEN`'s 8192) to the Mosaic GPU kernel in
 `flash_attention_mgpu.py` (wgmma, TMA, warp specialization), measured faster there; `implementation=`
 forces one kernel ("generic" or "mosaic"). Everything below describes the generic kernel.
 

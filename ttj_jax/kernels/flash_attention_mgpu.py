@@ -1,7 +1,7 @@
 """Flash attention forward pass for Hopper (sm_90), written with Pallas' Mosaic GPU backend.
 
 The generic kernel in `flash_attention.py` lowers through Triton and runs everywhere, interpret mode
-included. This one is the H200 path for head_dim 64, 128 and 256: tensor-core `wgmma`, TMA bulk copies
+included. This one is the H200 path for head_dim 32 (since session 15), 64, 128 and 256: tensor-core `wgmma`, TMA bulk copies
 into a ring of shared-memory stages, and warp specialization in the FlashAttention-3 style. It has no
 masks: a dispatcher must send calls with `kv_lengths` or `key_mask`, other head sizes, float32 inputs,
 or non-Hopper devices to the generic kernel (`interpret=True` runs it in Mosaic GPU's CPU interpreter).
@@ -228,7 +228,9 @@ class MgpuBlockSizes:
 # consumers with softmax overlap, 415 without it and cuDNN's 451 in the same run. head_dim 128 (553
 # TFLOP/s, cuDNN 527 at S=16384) and 256 (577, cuDNN 589) keep their first settings, measured there.
 _DEFAULT_BLOCK_SIZES = {
-    # head_dim 32 (session 15; shape 13's attention): head_dim 64's tiling, to be measured
+    # head_dim 32 (session 15): head_dim 64's tiling, the fastest of six at S=8192 (273.4 TFLOP/s; 128-key
+    # blocks with two consumers 224.6, 256 with two 232.8, 64 with three 219.4, 192 with three 208.8, the
+    # warpgroup lowering 269.1) and at S=1024 (134.1; the next 133.4): ...-hd32.json
     32: MgpuBlockSizes(block_kv=128, num_stages=4, num_compute_wgs=3),
     64: MgpuBlockSizes(block_kv=128, num_stages=4, num_compute_wgs=3),
     128: MgpuBlockSizes(block_kv=128, num_stages=2, num_compute_wgs=2),
@@ -247,9 +249,13 @@ MIN_SEQ_LEN = 4096
 # head_dim 256 (shape 8's call) 24.3 against 27.9 us; 128: 10.6 against 11.4; 64: 5.6 against 4.6
 # (slower); S=1024, head_dim 64: 146.3 against 165.2. Longer sequences were already faster here (above).
 FUSED_MIN_SEQ_LEN = {64: 1024, 128: 1, 256: 1}
-# head_dims whose own length threshold replaces MIN_SEQ_LEN for calls on separate q, k, v (None: never
-# sent automatically). head_dim 32 is new in session 15 and not yet measured against the generic kernel.
-UNFUSED_MIN_SEQ_LEN = {32: None}
+# head_dims whose own length threshold replaces MIN_SEQ_LEN (None: never sent automatically). head_dim 32
+# (session 15, bench/results/attention-mgpu-2026-12-01-nvidia-h200-hd32.json, `python3
+# bench/bench_attention_mgpu.py --hd32`, 20/20 checks, medians of 3 alternating rounds, fp16 causal): at
+# B=4 H=16 S=8192 this kernel 273.4 TFLOP/s against our generic kernel's 233.8 and cuDNN's 220.0; at shape
+# 13's call (B=64 H=4 S=1024) slower, 134.1 against 164.9 (cuDNN 149.2), so shape 13 keeps the generic
+# kernel. Nothing between was measured: from 8192 on.
+UNFUSED_MIN_SEQ_LEN = {32: 8192}
 
 
 def dispatch_min_seq_len(head_dim: int, fused: bool) -> int | None:
@@ -405,7 +411,8 @@ LOWERING_SEMANTICS = ("warpgroup", "lane")
 # the H200 (main case B=1, H=16, S=100000: 496.5 against 492.2, 493.6 against 486.6, 496.6 against 491.0
 # TFLOP/s; shape 14's call B=32: 488.8 against 486.2, 492.3 against 484.2; attention-mgpu-2026-11-30-nvidia-
 # h200-{grid-session4,grid-session5,rowsum}.json). 128 and 256: "warpgroup", the lowering their timings
-# were taken with (lane not compared there). 32: "lane", as 64 (session 15, not compared).
+# were taken with (lane not compared there). 32: "lane", faster than "warpgroup" at S=8192 (273.4 against 269.1)
+# and S=1024 (134.1 against 130.5; ...-hd32.json).
 _DEFAULT_LOWERING = {32: "lane", 64: "lane", 128: "warpgroup", 256: "warpgroup"}
 
 
@@ -828,7 +835,7 @@ def flash_attention_mgpu(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bo
     """Softmax attention `softmax(q k^T * sm_scale) v` per (batch, head) on Hopper, in one kernel.
 
     Args:
-      q, k, v: [B, S, H, head_dim], all float16 or all bfloat16; head_dim 64, 128 or 256; any S >= 1.
+      q, k, v: [B, S, H, head_dim], all float16 or all bfloat16; head_dim 32, 64, 128 or 256; any S >= 1.
       causal: key j is excluded for query i when j > i.
       sm_scale: Python float, default head_dim ** -0.5.
       block_sizes: MgpuBlockSizes, or None for the per-head_dim default.
