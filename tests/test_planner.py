@@ -54,6 +54,13 @@ def test_attention_choice():
     assert T.plan(long_256, facts(long_256), H200).attention == "pallas"       # head_dim 256
     assert T.plan(SHAPE_14, facts(SHAPE_14), H200, policy="exact_fp32").attention == "xla"
     assert T.plan(SHAPE_1, facts(SHAPE_1), H200, attention="cudnn").attention == "cudnn"
+    # head_dim 32 (shape 13's heads) on Hopper: our Hopper kernel from S=8192 (measured there), cuDNN below
+    long_32 = shape_13.with_input(4, 8192)
+    plan = T.plan(long_32, facts(long_32), hopper)
+    assert plan.attention == "pallas" and "Hopper" in plan.explain()
+    shorter_32 = shape_13.with_input(4, 4096)
+    assert T.plan(shorter_32, facts(shorter_32), hopper).attention == "cudnn"
+    assert T.plan(shape_13, facts(shape_13), hopper).attention == "pallas"     # S=1024: the generic kernel
 
 
 def test_batch_chunks_are_divisors_that_fit():
