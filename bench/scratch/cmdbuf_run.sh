@@ -12,11 +12,11 @@ KINDS="xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL"
 timeout 280 python3 bench/ablate.py --shapes 8 --seeds 3 --kernels --variant-sep ";" --out "$OUT" \
   --tag ablate8-cmdbuf-2026-12-01-nvidia-h200-session15 \
   --variants "$T8;$T8+xla_gpu_graph_min_graph_size=1;$T8+$KINDS;$T8+$KINDS+xla_gpu_graph_min_graph_size=1;$T8+xla_gpu_enable_command_buffer=" \
-  > "$OUT/ablate8-cmdbuf.log" 2>&1
+  > "$OUT/ablate8-cmdbuf-2026-12-01-nvidia-h200-session15.log" 2>&1
 echo "shape 8 rc=$?"
 timeout 250 python3 bench/ablate.py --shapes 11,13 --seeds 3 --kernels --variant-sep ";" --out "$OUT" \
   --tag ablate-rows-cmdbuf-2026-12-01-nvidia-h200-session15 \
   --variants "mixed_fp16;mixed_fp16@xla_gpu_graph_min_graph_size=1;mixed_fp16@$KINDS+xla_gpu_graph_min_graph_size=1;mixed_fp16@xla_gpu_enable_command_buffer=" \
-  > "$OUT/ablate-rows-cmdbuf.log" 2>&1
+  > "$OUT/ablate-rows-cmdbuf-2026-12-01-nvidia-h200-session15.log" 2>&1
 echo "shapes 11, 13 rc=$?"
-tail -14 "$OUT/ablate8-cmdbuf.log"; tail -16 "$OUT/ablate-rows-cmdbuf.log"
+tail -14 "$OUT"/ablate8-cmdbuf-*.log; tail -16 "$OUT"/ablate-rows-cmdbuf-*.log
