@@ -630,7 +630,7 @@ def test_log_sum_exp_is_routed_to_the_hopper_kernel(hopper):
 
 
 @pytest.mark.parametrize("batch, seq_len, num_heads, head_dim, causal",
-                         [(2, 113, 2, 128, True), (1, 200, 1, 128, False)])
+                         [(2, 113, 2, 128, True), (1, 200, 1, 128, False), (1, 136, 2, 32, True)])
 def test_fused_qkv_entry_reads_q_k_v_in_place(batch, seq_len, num_heads, head_dim, causal):
     # flash_attention_mgpu_fused_qkv: the same kernel with its TMA copies indexing slot 0/1/2 of one
     # [B, S, 3, H, hd] array: equal to the kernel on the three arrays sliced out, bit for bit (GPU
