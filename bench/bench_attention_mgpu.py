@@ -1,6 +1,7 @@
 """Check and time the Mosaic GPU flash-attention kernel (ttj_jax/kernels/flash_attention_mgpu.py) on an H200.
 
-    PYTHONPATH=. python3 bench/bench_attention_mgpu.py [--quick] [--check] [--sweep | --grid | --poly | --overlap | --softmax | --hd32] [--out DIR]
+    PYTHONPATH=. python3 bench/bench_attention_mgpu.py [--quick] [--check] [--out DIR]
+        [--sweep | --grid | --poly | --overlap | --softmax | --hd32]
         [--budget-s 420]
 
 In order (most important first): head_dim 64 checks, the main timing case, the other head_dim checks,

@@ -120,6 +120,7 @@ def test_lowers_in_both_semantics_and_dtypes(lowering_semantics, dtype):
                                            overlap_one_accumulator=True),
                                     Blocks(block_kv=128, num_stages=4, num_compute_wgs=3, prescaled_q=True),
                                     Blocks(block_kv=128, num_stages=4, num_compute_wgs=3, half_row_sum=True),
+                                    Blocks(block_kv=192, num_stages=3, half_row_sum=True),   # 3 chunks left
                                     Blocks(block_kv=128, num_stages=4, num_compute_wgs=3, prescaled_q=True,
                                            half_row_sum=True),
                                     Blocks(block_kv=128, num_stages=4, num_compute_wgs=3, pingpong=False),

@@ -1,10 +1,11 @@
 """Flash attention forward pass for Hopper (sm_90), written with Pallas' Mosaic GPU backend.
 
 The generic kernel in `flash_attention.py` lowers through Triton and runs everywhere, interpret mode
-included. This one is the H200 path for head_dim 32 (since session 15), 64, 128 and 256: tensor-core `wgmma`, TMA bulk copies
-into a ring of shared-memory stages, and warp specialization in the FlashAttention-3 style. It has no
-masks: a dispatcher must send calls with `kv_lengths` or `key_mask`, other head sizes, float32 inputs,
-or non-Hopper devices to the generic kernel (`interpret=True` runs it in Mosaic GPU's CPU interpreter).
+included. This one is the H200 path for head_dim 32 (since session 15), 64, 128 and 256: tensor-core
+`wgmma`, TMA bulk copies into a ring of shared-memory stages, and warp specialization in the
+FlashAttention-3 style. It has no masks: a dispatcher must send calls with `kv_lengths` or `key_mask`,
+other head sizes, float32 inputs, or non-Hopper devices to the generic kernel (`interpret=True` runs it
+in Mosaic GPU's CPU interpreter).
 
 Design (one CUDA block per (query tile, head, batch element)):
 - Warpgroups. `num_compute_wgs` consumer warpgroups (2 or 3) each own 64 consecutive query rows, so a
@@ -790,9 +791,11 @@ def _packed_row_sum(p):
     (registers holding two fp16 keys each, so one packed HADD2 per two keys) down to one 8-column
     tile, then converted and summed in fp32. A plain `p.sum(axis=1)` converts every element to fp32
     first (one HADD2.F32 per key on the H200: session 15's SASS), which is slower than fp32 sums."""
-    while p.shape[1] > 8:
+    while p.shape[1] > _CHUNK_COLUMNS and p.shape[1] % (2 * _CHUNK_COLUMNS) == 0:
         half = p.shape[1] // 2
         p = p[:, :half] + p[:, half:]
+    if p.shape[1] > _CHUNK_COLUMNS:   # an odd number of 8-column chunks left (192 keys: 3 of them)
+        p = _chunk_tree([p], jnp.add)
     return p.astype(jnp.float32).sum(axis=1)
 
 
