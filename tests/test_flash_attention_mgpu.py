@@ -272,6 +272,16 @@ def test_long_sequences_at_head_dim_128_default_to_the_one_accumulator_overlap()
     assert _lower_for_cuda(16384, 128, True, block_sizes=Blocks(128, 2, 2)) != explicit
 
 
+def test_interpret_mode_runs_the_default_tiling_with_two_consumers():
+    # three consumer warpgroups can hang jax's interpreter: a default tiling of three runs there with two
+    for head_dim in (32, 64):
+        assert fm.launch_block_sizes(1000, head_dim, 2, None, interpret=False).num_compute_wgs == 3
+        assert fm.launch_block_sizes(1000, head_dim, 2, None, interpret=True).num_compute_wgs == 2
+        assert fm.launch_block_sizes(1000, head_dim, 2, None, interpret="detect_races").num_compute_wgs == 2
+    asked = Blocks(128, 2, 3)
+    assert fm.launch_block_sizes(1000, 64, 2, asked, interpret=True).num_compute_wgs == 3   # asked for: kept
+
+
 def test_stages_are_clamped_to_the_sequence():
     blocks = Blocks(block_kv=128, num_stages=6)
     assert fm.resolve_block_sizes(100_000, 64, 2, blocks).num_stages == 6
@@ -630,16 +640,20 @@ def test_log_sum_exp_is_routed_to_the_hopper_kernel(hopper):
                                         shape, shape, shape)) == ["mosaic_gpu_v2"]
 
 
-@pytest.mark.parametrize("batch, seq_len, num_heads, head_dim, causal",
-                         [(2, 113, 2, 128, True), (1, 200, 1, 128, False), (1, 136, 2, 32, True)])
-def test_fused_qkv_entry_reads_q_k_v_in_place(batch, seq_len, num_heads, head_dim, causal):
+@pytest.mark.parametrize("batch, seq_len, num_heads, head_dim, causal, blocks",
+                         [(2, 113, 2, 128, True, None), (1, 200, 1, 128, False, None),
+                          # head_dim 32 with two consumers: its default has three, which the interpreter
+                          # can hang on (see the kernel file's list of interpret-mode substitutes)
+                          (1, 136, 2, 32, True, Blocks(block_kv=64, num_stages=2))])
+def test_fused_qkv_entry_reads_q_k_v_in_place(batch, seq_len, num_heads, head_dim, causal, blocks):
     # flash_attention_mgpu_fused_qkv: the same kernel with its TMA copies indexing slot 0/1/2 of one
     # [B, S, 3, H, hd] array: equal to the kernel on the three arrays sliced out, bit for bit (GPU
     # interpret mode; odd S pads the fused array once), and lowered for CUDA with nothing sliced.
     rng = np.random.default_rng(seq_len + head_dim)
     qkv = jnp.asarray(rng.standard_normal((batch, seq_len, 3, num_heads, head_dim)).astype(np.float16))
-    fused = fm.flash_attention_mgpu_fused_qkv(qkv, causal=causal, interpret=True)
-    split = fm.flash_attention_mgpu(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], causal=causal, interpret=True)
+    fused = fm.flash_attention_mgpu_fused_qkv(qkv, causal=causal, interpret=True, block_sizes=blocks)
+    split = fm.flash_attention_mgpu(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], causal=causal, interpret=True,
+                                    block_sizes=blocks)
     assert fused.shape == (batch, seq_len, num_heads, head_dim)
     np.testing.assert_array_equal(np.asarray(fused), np.asarray(split))
     spec = jax.ShapeDtypeStruct((2, 128, 3, 4, 256), jnp.float16)   # shape 8's call

@@ -338,6 +338,18 @@ def resolve_block_sizes(seq_len: int, head_dim: int, itemsize: int,
     return dataclasses.replace(blocks, num_stages=max(2, min(blocks.num_stages, num_kv_blocks)))
 
 
+def launch_block_sizes(seq_len: int, head_dim: int, itemsize: int, block_sizes: MgpuBlockSizes | None,
+                       interpret) -> MgpuBlockSizes:
+    """resolve_block_sizes, except that in interpret mode a default tiling with three consumer warpgroups
+    runs with two: jax's interpreter can hang with three (see the list at the end of this file), and two
+    compute every row the same way. Blocks asked for explicitly are kept."""
+    blocks = resolve_block_sizes(seq_len, head_dim, itemsize, block_sizes)
+    if interpret and block_sizes is None and blocks.num_compute_wgs == 3:
+        blocks = dataclasses.replace(blocks, num_compute_wgs=2)
+        check_block_sizes(head_dim, itemsize, blocks)
+    return blocks
+
+
 def attention_flops(batch: int, seq_len: int, num_heads: int, head_dim: int, causal: bool) -> float:
     """Matmul FLOPs of the forward pass: 4 * B * H * S^2 * hd, halved under causal attention."""
     flops = 4.0 * batch * num_heads * seq_len * seq_len * head_dim
@@ -924,7 +936,7 @@ def _launch(operands: tuple, shape: tuple, *, causal, interpret, sm_scale, block
     batch, seq_len, num_heads, head_dim = shape
     dtype = jnp.dtype(operands[0].dtype)
     sm_scale = head_dim ** -0.5 if sm_scale is None else float(sm_scale)
-    blocks = resolve_block_sizes(seq_len, head_dim, dtype.itemsize, block_sizes)
+    blocks = launch_block_sizes(seq_len, head_dim, dtype.itemsize, block_sizes, interpret)
     if lowering_semantics is None:
         lowering_semantics = default_lowering_semantics(head_dim)
     num_q_tiles = pl.cdiv(seq_len, blocks.block_q)
