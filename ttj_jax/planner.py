@@ -65,12 +65,25 @@ CUDNN_HEAD_DIMS = range(8, 129, 8)
 # axis of that name; renamed, the kernel inside a split lowers identically to the one-device kernel
 # (tests/test_flash_attention_mgpu.py), and on two H200s the split's output matched one GPU's within
 # 3.5e-4 at 1.99x its speed (scale-2026-11-30-h200x2-session5.json).
-HOPPER_OVER_CUDNN_HEAD_DIMS = (64, 128)
 # head_dim 32 on that kernel (session 15): 273.4 against cuDNN's 220.0 TFLOP/s at B=4 H=16 S=8192, our
 # generic kernel 233.8 (bench/results/attention-mgpu-2026-12-01-nvidia-h200-hd32.json); below 8192 not
-# measured against cuDNN at the model's call, so cuDNN keeps 4096-8191 (flash_attention's own rule sends
-# head_dim 32 to the Hopper kernel from the same length: flash_attention_mgpu.UNFUSED_MIN_SEQ_LEN).
-HOPPER_OVER_CUDNN_MIN_SEQ_LEN = {32: 8192}
+# measured against cuDNN at the model's call, so cuDNN keeps 4096-8191.
+# head_dim -> the measurement behind the choice. Each is chosen from CUDNN_MIN_SEQ_LEN or, where later,
+# the length from which `flash_attention` sends the call to the Hopper kernel at all
+# (`flash_attention_mgpu.dispatch_min_seq_len`: 8192 at head_dim 32), so the two rules cannot drift apart.
+HOPPER_OVER_CUDNN = {
+    64: "measured faster than cuDNN at shape 14's attention call (481 against 446 TFLOP/s)",
+    128: "measured faster than cuDNN at shape 14's attention call (481 against 446 TFLOP/s)",
+    32: "measured faster than cuDNN and our generic kernel at S=8192 (273 against 220 and 234 TFLOP/s)",
+}
+
+
+def hopper_over_cudnn_min_seq_len(head_dim: int) -> int | None:
+    """From which S the planner takes our Hopper kernel over cuDNN at this head_dim (None: never)."""
+    if head_dim not in HOPPER_OVER_CUDNN:
+        return None
+    from ttj_jax.kernels.flash_attention_mgpu import dispatch_min_seq_len   # deferred: Pallas import cost
+    return max(CUDNN_MIN_SEQ_LEN, dispatch_min_seq_len(head_dim, fused=True))
 # The fused whole-stack kernel up to this many tokens (batch x seq_len) per call, the largest measured:
 # bench/results/direct-2026-11-30-nvidia-h200.json (the kernel run through jax, harness timing): faster
 # than the XLA program on shape 6 (B=10000: 9.94 against 13.85 ms), shape 5 (0.154 against 0.235) and
@@ -297,18 +310,12 @@ def plan(config: Config, inputs: InputFacts, device: DeviceFacts = CPU, *,
     elif policy == "exact_fp32":
         attention = "xla"
         reasons.append("exact fp32 attention through XLA at HIGHEST precision")
-    elif (inputs.seq_len >= CUDNN_MIN_SEQ_LEN and mask_mode in ("none", "rows") and device.is_hopper
-          and config.head_dim in HOPPER_OVER_CUDNN_HEAD_DIMS):
+    elif (mask_mode in ("none", "rows") and device.is_hopper
+          and (hopper_from := hopper_over_cudnn_min_seq_len(config.head_dim)) is not None
+          and inputs.seq_len >= hopper_from):
         attention = "pallas"
-        reasons.append(f"S={inputs.seq_len} >= {CUDNN_MIN_SEQ_LEN}, head_dim {config.head_dim} on sm_90: our "
-                       "Hopper flash kernel, measured faster than cuDNN at shape 14's attention call (481 "
-                       "against 446 TFLOP/s)")
-    elif (mask_mode in ("none", "rows") and device.is_hopper and config.head_dim in HOPPER_OVER_CUDNN_MIN_SEQ_LEN
-          and inputs.seq_len >= HOPPER_OVER_CUDNN_MIN_SEQ_LEN[config.head_dim]):
-        attention = "pallas"
-        reasons.append(f"S={inputs.seq_len}, head_dim {config.head_dim} on sm_90: our Hopper flash kernel, "
-                       "measured faster than cuDNN and our generic kernel at S=8192 (273 against 220 and 234 "
-                       "TFLOP/s)")
+        reasons.append(f"S={inputs.seq_len} >= {hopper_from}, head_dim {config.head_dim} on sm_90: our Hopper "
+                       f"flash kernel, {HOPPER_OVER_CUDNN[config.head_dim]}")
     elif (inputs.seq_len >= CUDNN_MIN_SEQ_LEN and mask_mode in ("none", "rows")
           and config.head_dim in CUDNN_HEAD_DIMS):
         attention = "cudnn"

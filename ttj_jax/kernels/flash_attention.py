@@ -7,7 +7,8 @@ projection.
 
 On a Hopper GPU (sm_90) `flash_attention` and `flash_attention_fused_qkv` hand mask-free fp16/bf16 calls
 with head_dim 64, 128 or 256 and S >= `flash_attention_mgpu.MIN_SEQ_LEN` (fused-layout calls from the
-shorter lengths of `FUSED_MIN_SEQ_LEN`; head_dim 32 from `UNFUSED_MIN_SEQ_LEN`'s 8192) to the Mosaic GPU kernel in
+shorter lengths of `FUSED_MIN_SEQ_LEN`; head_dim 32 from 8192, `UNFUSED_MIN_SEQ_LEN`; all in
+`flash_attention_mgpu.dispatch_min_seq_len`) to the Mosaic GPU kernel in
 `flash_attention_mgpu.py` (wgmma, TMA, warp specialization), measured faster there; `implementation=`
 forces one kernel ("generic" or "mosaic"). Everything below describes the generic kernel.
 
@@ -302,8 +303,7 @@ def use_mosaic_kernel(dtype, seq_len: int, head_dim: int, *, masked: bool, block
                              f"interpret mode; got dtype={jnp.dtype(dtype)}, head_dim={head_dim}, "
                              f"masked={masked}, block_sizes={block_sizes}, interpret={interpret}")
         return True
-    min_seq_len = mgpu.dispatch_min_seq_len(head_dim, fused) if applicable else None
-    return min_seq_len is not None and seq_len >= min_seq_len and on_hopper()
+    return applicable and seq_len >= mgpu.dispatch_min_seq_len(head_dim, fused) and on_hopper()
 
 
 def _mosaic_attention(q, k, v, *, causal, sm_scale, return_lse=False):

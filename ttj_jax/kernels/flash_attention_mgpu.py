@@ -250,7 +250,7 @@ MIN_SEQ_LEN = 4096
 # head_dim 256 (shape 8's call) 24.3 against 27.9 us; 128: 10.6 against 11.4; 64: 5.6 against 4.6
 # (slower); S=1024, head_dim 64: 146.3 against 165.2. Longer sequences were already faster here (above).
 FUSED_MIN_SEQ_LEN = {64: 1024, 128: 1, 256: 1}
-# head_dims whose own length threshold replaces MIN_SEQ_LEN (None: never sent automatically). head_dim 32
+# head_dims whose own length threshold replaces MIN_SEQ_LEN. head_dim 32
 # (session 15, bench/results/attention-mgpu-2026-12-01-nvidia-h200-hd32.json, `python3
 # bench/bench_attention_mgpu.py --hd32`, 20/20 checks, medians of 3 alternating rounds, fp16 causal): at
 # B=4 H=16 S=8192 this kernel 273.4 TFLOP/s against our generic kernel's 233.8 and cuDNN's 220.0; at shape
@@ -259,9 +259,9 @@ FUSED_MIN_SEQ_LEN = {64: 1024, 128: 1, 256: 1}
 UNFUSED_MIN_SEQ_LEN = {32: 8192}
 
 
-def dispatch_min_seq_len(head_dim: int, fused: bool) -> int | None:
+def dispatch_min_seq_len(head_dim: int, fused: bool) -> int:
     """From which sequence length `ttj_jax.kernels.flash_attention` sends a mask-free fp16/bf16 call at
-    this head_dim to this kernel on sm_90 (None: never); fused: the call reads a [B, S, 3, H, hd] array."""
+    this head_dim to this kernel on sm_90; fused: the call reads a [B, S, 3, H, hd] array."""
     if fused and head_dim in FUSED_MIN_SEQ_LEN:
         return FUSED_MIN_SEQ_LEN[head_dim]
     return UNFUSED_MIN_SEQ_LEN.get(head_dim, MIN_SEQ_LEN)
