@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench.bench_attention_mgpu import _reference_rows, _worst_ratio
 from bench.jax_timing import stream_ms_per_call
 from bench.report import slug
 
@@ -59,15 +60,11 @@ def compile_build(args, *, exp2=None, **kwargs):
 
 
 def check_rows(compiled, q, k, v, rows=64):
-    """Worst |err| / tol (harness rule) over the first and last `rows` query rows, against an fp32
-    reference over every key each row may see."""
+    """Worst |err| / tol over the first and last `rows` query rows, with bench_attention_mgpu's
+    reference rows and rule."""
     picked = np.r_[0:rows, S - rows:S]
-    out = np.asarray(compiled(q, k, v)[:, picked].astype(jnp.float32))
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q[:, picked].astype(jnp.float32), k.astype(jnp.float32)) * HD ** -0.5
-    allowed = jnp.arange(S)[None, :] <= jnp.asarray(picked)[:, None]
-    scores = jnp.where(allowed[None, None], scores, -jnp.inf)
-    ref = np.asarray(jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v.astype(jnp.float32)))
-    return float((np.abs(out - ref) / (2e-3 + 2e-2 * np.abs(ref))).max())
+    ratio, _ = _worst_ratio(compiled(q, k, v)[:, picked], _reference_rows(q, k, v, picked, causal=True))
+    return float(ratio)
 
 
 def main(out_dir: str, rounds: str = "3") -> int:
