@@ -20,6 +20,12 @@ import numpy as np
 
 LAYER_NORM_EPS = 1e-5
 
+# The harness's pass rule (SPEC section 2), which every policy here is chosen against: an element passes
+# when both values are finite and |out - ref| <= HARNESS_ATOL or <= HARNESS_RTOL * |ref|, i.e. the
+# tolerance is max(atol, rtol |ref|), not their sum. bench.baseline.check_close is the same rule on torch
+# tensors (tests/test_numerics_rule.py holds the two equal).
+HARNESS_ATOL, HARNESS_RTOL = 0.002, 0.02
+
 
 @dataclasses.dataclass(frozen=True)
 class NumericsPolicy:
@@ -129,3 +135,14 @@ def layer_norm(x: jax.Array, weight: jax.Array, bias: jax.Array) -> jax.Array:
 def gelu_exact(x: jax.Array) -> jax.Array:
     """The erf GELU (PyTorch's default), not the tanh approximation."""
     return jax.nn.gelu(x, approximate=False)
+
+
+@jax.jit
+def harness_check(out: jax.Array, ref: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The harness rule on jax arrays of one shape: (failing elements, worst |err| / tolerance, max |err|)
+    as jax scalars, computed in fp32. A non-finite value on either side fails with ratio inf."""
+    out, ref = jnp.asarray(out, jnp.float32), jnp.asarray(ref, jnp.float32)
+    err = jnp.abs(out - ref)
+    tolerance = jnp.maximum(HARNESS_ATOL, HARNESS_RTOL * jnp.abs(ref))
+    ratio = jnp.where(jnp.isfinite(out) & jnp.isfinite(ref), err / tolerance, jnp.inf)
+    return jnp.sum(ratio > 1), jnp.max(ratio), jnp.max(jnp.where(jnp.isfinite(err), err, jnp.inf))
