@@ -1,7 +1,7 @@
 """Check and time the Mosaic GPU flash-attention kernel (ttj_jax/kernels/flash_attention_mgpu.py) on an H200.
 
     PYTHONPATH=. python3 bench/bench_attention_mgpu.py [--quick] [--check] [--out DIR]
-        [--sweep | --grid | --poly | --overlap | --softmax | --hd32]
+        [--sweep | --grid | --poly | --overlap | --softmax | --hd32 | --lazy]
         [--budget-s 420]
 
 In order (most important first): head_dim 64 checks, the main timing case, the other head_dim checks,
@@ -138,6 +138,10 @@ HD32_VARIANTS = [dict(block_sizes=Blocks(128, 4, 2)), dict(block_sizes=Blocks(25
                  dict(block_sizes=Blocks(128, 4, 3), lowering_semantics="warpgroup")]
 HD32_CASES = [(64, 4, 1024, 32), (4, 16, 8192, 32)]
 HD32_ROUNDS = 3
+# --lazy (session 16): conditional rescaling of the online softmax (MgpuBlockSizes.lazy_rescale), and the
+# inputs that make its branch run late: (S, (first key, last key + 1, factor)).
+LAZY_VARIANTS = [dict(block_sizes=Blocks(128, 4, 3, lazy_rescale=True))]
+LAZY_BOOSTS = [(1000, (600, 610, 10.0)), (LONG_SEQ_LEN, (70000, 70010, 10.0))]
 THRESHOLD_CASES = [(64, 4, 1024, 64), (4, 16, 4096, 64), (4, 16, 8192, 64), (4, 16, 4096, 128)]
 
 
@@ -212,10 +216,14 @@ def _reference_rows(q, k, v, rows, *, causal: bool):
 
 
 def _check(run: Run, batch, heads, seq_len, head_dim, causal, *, dtype=jnp.float16, kernel_kwargs=None,
-           repeat: bool = False):
+           repeat: bool = False, boost_keys: tuple[int, int, float] | None = None):
+    """boost_keys=(start, stop, factor): keys [start, stop) multiplied by factor, so that the rows that
+    see them meet scores far above those of the keys before (a running max that jumps late)."""
     kernel_kwargs = kernel_kwargs or {}
     label = (f"check B={batch} H={heads} S={seq_len} hd={head_dim} {'causal' if causal else 'full'} "
              f"{jnp.dtype(dtype).name} {_kwargs_text(kernel_kwargs)}").strip()
+    if boost_keys is not None:
+        label += f" keys[{boost_keys[0]}:{boost_keys[1]}]x{boost_keys[2]:g}"
     record = dict(name=label, B=batch, H=heads, S=seq_len, head_dim=head_dim, causal=causal,
                   dtype=jnp.dtype(dtype).name, variant=_kwargs_json(kernel_kwargs), passed=False)
     if run.over_budget():
@@ -226,6 +234,10 @@ def _check(run: Run, batch, heads, seq_len, head_dim, causal, *, dtype=jnp.float
     run.begin(label)
     try:
         q, k, v = _random_qkv(seq_len * 7 + head_dim, (batch, seq_len, heads, head_dim), dtype)
+        if boost_keys is not None:
+            start, stop, factor = boost_keys
+            k = k.at[:, start:stop].multiply(jnp.asarray(factor, k.dtype))
+            record["boost_keys"] = list(boost_keys)
         fn = jax.jit(lambda q, k, v: mgpu.flash_attention_mgpu(q, k, v, causal=causal, **kernel_kwargs))
         start = time.perf_counter()
         compiled = fn.lower(q, k, v).compile()
@@ -442,6 +454,33 @@ def _medians_over_rounds(run: Run, key: str) -> None:
             f"rounds {['%.1f' % x for x in values]}")
 
 
+def lazy_study(run: Run) -> None:
+    """--lazy (session 16): MgpuBlockSizes(lazy_rescale=True), FA4's conditional rescaling, on head_dim
+    64's default tiling. Checked like the softmax variants, and also with keys made to jump late
+    (LAZY_BOOSTS: a block of keys scaled up, so the running max of the rows that see them moves by far
+    more than the threshold in a late block: the rescaling branch taken on the GPU), then timed against
+    the default at the main case in SOFTMAX_ROUNDS alternating rounds and at shape 14's call in 3."""
+    passing = [{}]
+    for kwargs in LAZY_VARIANTS:
+        checks = [_check(run, 2, 3, 1000, 64, causal, kernel_kwargs=kwargs, repeat=causal) for causal in (True, False)]
+        checks.append(_check(run, 1, 2, LONG_SEQ_LEN, 64, True, kernel_kwargs=kwargs))
+        for seq_len, boost in LAZY_BOOSTS:
+            for causal in (True, False):
+                checks.append(_check(run, 1 if seq_len > 4096 else 2, 2, seq_len, 64, causal, kernel_kwargs=kwargs,
+                                     boost_keys=boost))
+        if all(checks):
+            passing.append(kwargs)
+    for seq_len, boost in LAZY_BOOSTS:   # the default on the same inputs, for comparison
+        _check(run, 1 if seq_len > 4096 else 2, 2, seq_len, 64, True, boost_keys=boost)
+    for round_index in range(SOFTMAX_ROUNDS):
+        order = passing if round_index % 2 == 0 else passing[::-1]
+        _time_case(run, *MAIN_CASE, variants=order, baselines=round_index == 0, round_index=round_index)
+    for round_index in range(3):
+        order = passing if round_index % 2 == 0 else passing[::-1]
+        _time_case(run, *GRID_CASES[0], variants=order, baselines=False, round_index=round_index)
+    _medians_over_rounds(run, "medians_over_rounds")
+
+
 def hd32_study(run: Run) -> None:
     """--hd32: head_dim 32's default checked at every CHECK_SEQ_LENS length (causal and not), in bf16
     and at S=100000 (rows), each HD32_VARIANTS entry at S=1000; then the passing builds, our generic
@@ -465,7 +504,8 @@ def hd32_study(run: Run) -> None:
 def gpu_check_and_time(out_dir: str | None = None, *, quick: bool = False, check_only: bool = False,
                        budget_s: float = 420.0, step_timeout_s: float = 90.0, sweep_only: bool = False,
                        grid_only: bool = False, poly_only: bool = False, overlap_only: bool = False,
-                       softmax_only: bool = False, hd32_only: bool = False) -> int:
+                       softmax_only: bool = False, hd32_only: bool = False,
+                       lazy_only: bool = False) -> int:
     """Checks the Mosaic kernel on the GPU, times it, writes JSON, prints a table. Returns an exit status."""
     device = jax.devices()[0]
     if device.platform != "gpu":
@@ -476,7 +516,7 @@ def gpu_check_and_time(out_dir: str | None = None, *, quick: bool = False, check
     out = pathlib.Path(out_dir or _REPO_ROOT / "bench" / "results")
     out.mkdir(parents=True, exist_ok=True)
     suffix = ("-grid" if grid_only else "-poly" if poly_only else "-overlap" if overlap_only
-              else "-softmax" if softmax_only else "-hd32" if hd32_only
+              else "-softmax" if softmax_only else "-hd32" if hd32_only else "-lazy" if lazy_only
               else "-sweep" if sweep_only
               else "-check" if check_only else "-quick" if quick else "")
     import jaxlib  # noqa: PLC0415
@@ -485,9 +525,11 @@ def gpu_check_and_time(out_dir: str | None = None, *, quick: bool = False, check
     run = Run(out / f"attention-mgpu-{date}-{slug(gpu_name)}{suffix}.json", header, step_timeout_s, budget_s)
     log(f"device: {gpu_name}, jax {jax.__version__}; writing {run.path}")
 
-    if sweep_only or grid_only or poly_only or overlap_only or softmax_only or hd32_only:
+    if sweep_only or grid_only or poly_only or overlap_only or softmax_only or hd32_only or lazy_only:
         if sweep_only:
             sweep(run)
+        elif lazy_only:
+            lazy_study(run)
         elif hd32_only:
             hd32_study(run)
         elif softmax_only:
@@ -550,11 +592,14 @@ def main(argv=None) -> int:
                         help="only the softmax instruction-count variants (SOFTMAX_VARIANTS), in alternating rounds")
     parser.add_argument("--hd32", action="store_true",
                         help="only head_dim 32 on the Hopper kernel: checks, then HD32_VARIANTS at HD32_CASES")
+    parser.add_argument("--lazy", action="store_true",
+                        help="only the conditional rescaling (LAZY_VARIANTS): checks incl. late max jumps, then "
+                             "alternating rounds at the main case and shape 14's call")
     args = parser.parse_args(argv)
     return gpu_check_and_time(args.out, quick=args.quick, check_only=args.check, budget_s=args.budget_s,
                               step_timeout_s=args.step_timeout_s, sweep_only=args.sweep, grid_only=args.grid,
                               poly_only=args.poly, overlap_only=args.overlap, softmax_only=args.softmax,
-                              hd32_only=args.hd32)
+                              hd32_only=args.hd32, lazy_only=args.lazy)
 
 
 if __name__ == "__main__":

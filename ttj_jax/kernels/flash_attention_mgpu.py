@@ -77,7 +77,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from ttj_jax.compat import mosaic_half_exp2
+from ttj_jax.compat import mosaic_half_exp2, mosaic_rescale_where_needed
 from ttj_jax.kernels.flash_attention import check_causal_and_scale, check_qkv_layout
 
 SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)
@@ -85,6 +85,7 @@ _SUPPORTED_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 ROWS_PER_CONSUMER = 64          # one wgmma M tile per consumer warpgroup
 ROW_SUM_COLUMNS = 16            # MgpuBlockSizes.row_sum_mma: the width of its ones matrix and accumulator
 _LOG2_E = math.log2(math.e)
+LAZY_RESCALE_THRESHOLD = 8.0   # base-2 units: P <= 2^8 between rescales (MgpuBlockSizes.lazy_rescale)
 _LN_2 = math.log(2.0)
 # Hopper's opt-in shared memory per block (227 KiB) less room for barriers and 1 KiB swizzle alignment.
 SMEM_BUDGET_BYTES = 227 * 1024 - 2 * 1024
@@ -171,6 +172,15 @@ class MgpuBlockSizes:
     # softmax waits for. Exact (a max in any order is the same max). Opt-in and slower: 481.8 against
     # 494.7 TFLOP/s (same run as deferred_row_sum; both together 483.1).
     tree_row_max: bool = False
+    # FA4's conditional rescaling: each row's running max, the reference point of P = exp2(score - max),
+    # moves only when the block's max exceeds it by more than LAZY_RESCALE_THRESHOLD (base-2 units),
+    # and the output accumulator is multiplied by alpha only in threads holding a row whose max moved
+    # (`compat.mosaic_rescale_where_needed`: a branch around the 32 multiplies per thread at head_dim
+    # 64 that otherwise sit on every iteration's path from the softmax to the next P @ V). The sums and
+    # the output stay relative to the same max, so the result is the same softmax; P may reach
+    # 2^LAZY_RESCALE_THRESHOLD (256) before rounding to the input dtype, which keeps its relative
+    # precision. Not with overlap_softmax, row_sum_mma, half_exp2, half_row_sum or deferred_row_sum.
+    lazy_rescale: bool = False
 
     def __post_init__(self):
         def is_int(value):
@@ -206,7 +216,8 @@ class MgpuBlockSizes:
         if self.half_exp2 and (self.poly_exp_keys or self.row_sum_mma):
             raise ValueError("half_exp2 replaces the softmax's exp2 and row sums: not with poly_exp_keys "
                              "or row_sum_mma")
-        for name in ("prescaled_q", "half_row_sum", "pingpong", "deferred_row_sum", "tree_row_max"):
+        for name in ("prescaled_q", "half_row_sum", "pingpong", "deferred_row_sum", "tree_row_max",
+                     "lazy_rescale"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"MgpuBlockSizes.{name}={getattr(self, name)!r} must be a bool")
         if self.half_row_sum and (self.overlap_softmax or self.poly_exp_keys or self.row_sum_mma
@@ -216,6 +227,10 @@ class MgpuBlockSizes:
         if self.deferred_row_sum and (self.row_sum_mma or self.half_exp2 or self.half_row_sum):
             raise ValueError("deferred_row_sum keeps the fp32 sums of the fp32 exp2: not with row_sum_mma, "
                              "half_exp2 or half_row_sum")
+        if self.lazy_rescale and (self.overlap_softmax or self.row_sum_mma or self.half_exp2 or self.half_row_sum
+                                  or self.deferred_row_sum):
+            raise ValueError("lazy_rescale is built for the plain non-overlapped softmax: not with overlap_softmax, "
+                             "row_sum_mma, half_exp2, half_row_sum or deferred_row_sum")
 
     @property
     def block_q(self) -> int:
@@ -520,7 +535,12 @@ def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_
                 for part in scores[1:]:
                     row_max = jnp.maximum(row_max, part.max(axis=1))
             m_new = jnp.maximum(m_prev, scaled(row_max))
-            alpha = jnp.exp2(m_prev - m_new)
+            if blocks.lazy_rescale:   # the max moves only by more than the threshold (MgpuBlockSizes)
+                moved = m_new > m_prev + LAZY_RESCALE_THRESHOLD
+                m_new = jnp.where(moved, m_new, m_prev)
+                alpha = jnp.where(moved, jnp.exp2(m_prev - m_new), 1.0)
+            else:
+                alpha = jnp.exp2(m_prev - m_new)
             if blocks.half_exp2:   # one key part (MgpuBlockSizes refuses poly_exp_keys here)
                 exponent = (scaled(scores[0]) - lax.broadcast_in_dim(m_new, scores[0].shape, [0])).astype(dtype)
                 p = mosaic_half_exp2(exponent, interpret=bool(interpret))
@@ -556,6 +576,8 @@ def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_
         one_accumulator = blocks.overlap_one_accumulator and not interpret
 
         def rescale(acc, alpha):
+            if blocks.lazy_rescale:   # threads whose factors are all 1.0 skip the multiplies
+                return mosaic_rescale_where_needed(acc, alpha, interpret=bool(interpret))
             return acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
 
         # The two halves of an overlapped P @ V (overlap_softmax) around its wgmma into pv_ref: with one
@@ -601,7 +623,7 @@ def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_
         plgpu.barrier_arrive(k_consumed.at[0])
         # The prologue block takes the mask whenever any block might: a no-op where it is not needed.
         m, l, p, alpha = softmax(scores, 0, m, l, masked=plan.prologue_masked)
-        if not blocks.overlap_softmax:
+        if not blocks.overlap_softmax and not blocks.lazy_rescale:   # (lazy: acc is zero, nothing to scale)
             acc = rescale(acc, alpha)
 
         def step(block, carry, *, masked: bool):
