@@ -2,11 +2,12 @@
 # Session 15, issue 3: the softmax instruction-count variants (MgpuBlockSizes.prescaled_q, half_row_sum)
 # checked and timed at the main case in alternating rounds, then ptxas's report and SASS opcode counts
 # of each build (DUMPS=name,... picks them). Usage (on the H200, from the repository root):
-#   [DUMPS=...] bash bench/scratch/softmax_run.sh OUT
+#   [DUMPS=...] [STUDY=--lazy] bash bench/scratch/softmax_run.sh OUT
+# (session 16: STUDY picks bench_attention_mgpu's study, --softmax by default; --lazy for lazy_rescale)
 set -u
 OUT=$1
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-timeout 330 python3 bench/bench_attention_mgpu.py --softmax --out "$OUT" --budget-s 280 > "$OUT/softmax.log" 2>&1
+timeout 330 python3 bench/bench_attention_mgpu.py ${STUDY:---softmax} --out "$OUT" --budget-s 280 > "$OUT/softmax.log" 2>&1
 echo "bench rc=$?"
 timeout 200 python3 bench/scratch/ptxas_dump.py /tmp/dumps \
   ${DUMPS:-hd64_default,hd64_prescaled_q,hd64_half_row_sum,hd64_prescaled_q_half_row_sum} > "$OUT/ptxas.log" 2>&1
