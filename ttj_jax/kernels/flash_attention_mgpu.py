@@ -180,6 +180,14 @@ class MgpuBlockSizes:
     # the output stay relative to the same max, so the result is the same softmax; P may reach
     # 2^LAZY_RESCALE_THRESHOLD (256) before rounding to the input dtype, which keeps its relative
     # precision. Not with overlap_softmax, row_sum_mma, half_exp2, half_row_sum or deferred_row_sum.
+    # Opt-in and slower: predicted ~2% faster at head_dim 64 (32 of the loop's ~427 instructions per
+    # thread skipped on most iterations), measured 484.4 against 495.7 TFLOP/s at the main case (5
+    # rounds) and 480.9 against 492.4 at shape 14's call (3 rounds); 9/9 checks, incl. keys scaled 10x
+    # late in the sequence so the max jumps past the threshold (bench/results/attention-mgpu-2026-12-01-
+    # nvidia-h200-lazy.{json,log}, `STUDY=--lazy bash bench/scratch/softmax_run.sh OUT`). The SASS shows
+    # why it cannot win as built: the per-thread branch is a divergent one, so ptxas wraps it in
+    # BSSY/BSYNC (reconvergence) and no longer schedules the softmax's tail, the multiplies and the
+    # next GEMM phase's issue across it; 2 more spill stores (ptxas-2026-12-01-nvidia-h200-session16-lazy.json).
     lazy_rescale: bool = False
 
     def __post_init__(self):
