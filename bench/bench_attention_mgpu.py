@@ -1,7 +1,7 @@
 """Check and time the Mosaic GPU flash-attention kernel (ttj_jax/kernels/flash_attention_mgpu.py) on an H200.
 
     PYTHONPATH=. python3 bench/bench_attention_mgpu.py [--quick] [--check] [--out DIR]
-        [--sweep | --grid | --poly | --overlap | --softmax | --hd32 | --lazy]
+        [--sweep | --grid | --poly | --overlap | --softmax | --hd32 | --lazy | --persistent]
         [--budget-s 420]
 
 In order (most important first): head_dim 64 checks, the main timing case, the other head_dim checks,
@@ -141,6 +141,11 @@ HD32_ROUNDS = 3
 # --lazy (session 16): conditional rescaling of the online softmax (MgpuBlockSizes.lazy_rescale), and the
 # inputs that make its branch run late: (S, (first key, last key + 1, factor)).
 LAZY_VARIANTS = [dict(block_sizes=Blocks(128, 4, 3, lazy_rescale=True))]
+# --persistent (session 16): MgpuBlockSizes.persistent on each head_dim's default tiling, per timing case
+# (B, H, S, head_dim) -> its rounds: the main case, shape 14's call, shape 13's call (head_dim 32 at
+# S=1024, where our generic kernel serves the model now) and a longer head_dim-32 and 128 case.
+PERSISTENT_CASES = [(MAIN_CASE, 5), ((64, 4, 1024, 32), 5), ((4, 16, 8192, 32), 3), ((8, 16, LONG_SEQ_LEN, 64), 2),
+                    ((1, 16, 16384, 128), 3), ((64, 4, 1024, 64), 3)]
 LAZY_BOOSTS = [(1000, (600, 610, 10.0)), (LONG_SEQ_LEN, (70000, 70010, 10.0))]
 THRESHOLD_CASES = [(64, 4, 1024, 64), (4, 16, 4096, 64), (4, 16, 8192, 64), (4, 16, 4096, 128)]
 
@@ -481,6 +486,37 @@ def lazy_study(run: Run) -> None:
     _medians_over_rounds(run, "medians_over_rounds")
 
 
+def _persistent_variant(seq_len: int, head_dim: int) -> dict:
+    return dict(block_sizes=dataclasses.replace(mgpu.default_block_sizes(head_dim, seq_len), persistent=True))
+
+
+def persistent_study(run: Run) -> None:
+    """--persistent (session 16): the persistent kernel (one CUDA block per SM looping over its tiles)
+    on each head_dim's default tiling, checked (S=1000 causal and not, its repeat bit-identical; rows of
+    S=100000 at head_dim 64; shape 13's head_dim-32 call whole), then timed against the default in
+    alternating rounds at PERSISTENT_CASES (at shape 13's call also our generic kernel and cuDNN)."""
+    passing = {}
+    for (batch, heads, seq_len, head_dim), _ in PERSISTENT_CASES:
+        kwargs = _persistent_variant(seq_len, head_dim)
+        key = (seq_len, head_dim)
+        if key in passing:
+            continue
+        checks = [_check(run, 2, 3, 1000, head_dim, causal, kernel_kwargs=_persistent_variant(1000, head_dim),
+                         repeat=causal) for causal in (True, False)]
+        if seq_len > 4096 and head_dim == 64:
+            checks.append(_check(run, 1, 2, seq_len, head_dim, True, kernel_kwargs=kwargs))
+        elif seq_len <= 4096:
+            checks.append(_check(run, batch, heads, seq_len, head_dim, True, kernel_kwargs=kwargs))
+        passing[key] = all(checks)
+    for (batch, heads, seq_len, head_dim), rounds in PERSISTENT_CASES:
+        variants = [{}] + ([_persistent_variant(seq_len, head_dim)] if passing[(seq_len, head_dim)] else [])
+        for round_index in range(rounds):
+            order = variants if round_index % 2 == 0 else variants[::-1]
+            _time_case(run, batch, heads, seq_len, head_dim, variants=order,
+                       baselines=round_index == 0 or (seq_len, head_dim) == (1024, 32), round_index=round_index)
+    _medians_over_rounds(run, "medians_over_rounds")
+
+
 def hd32_study(run: Run) -> None:
     """--hd32: head_dim 32's default checked at every CHECK_SEQ_LENS length (causal and not), in bf16
     and at S=100000 (rows), each HD32_VARIANTS entry at S=1000; then the passing builds, our generic
@@ -505,7 +541,7 @@ def gpu_check_and_time(out_dir: str | None = None, *, quick: bool = False, check
                        budget_s: float = 420.0, step_timeout_s: float = 90.0, sweep_only: bool = False,
                        grid_only: bool = False, poly_only: bool = False, overlap_only: bool = False,
                        softmax_only: bool = False, hd32_only: bool = False,
-                       lazy_only: bool = False) -> int:
+                       lazy_only: bool = False, persistent_only: bool = False) -> int:
     """Checks the Mosaic kernel on the GPU, times it, writes JSON, prints a table. Returns an exit status."""
     device = jax.devices()[0]
     if device.platform != "gpu":
@@ -516,7 +552,7 @@ def gpu_check_and_time(out_dir: str | None = None, *, quick: bool = False, check
     out = pathlib.Path(out_dir or _REPO_ROOT / "bench" / "results")
     out.mkdir(parents=True, exist_ok=True)
     suffix = ("-grid" if grid_only else "-poly" if poly_only else "-overlap" if overlap_only
-              else "-softmax" if softmax_only else "-hd32" if hd32_only else "-lazy" if lazy_only
+              else "-softmax" if softmax_only else "-hd32" if hd32_only else "-lazy" if lazy_only else "-persistent" if persistent_only
               else "-sweep" if sweep_only
               else "-check" if check_only else "-quick" if quick else "")
     import jaxlib  # noqa: PLC0415
@@ -525,9 +561,11 @@ def gpu_check_and_time(out_dir: str | None = None, *, quick: bool = False, check
     run = Run(out / f"attention-mgpu-{date}-{slug(gpu_name)}{suffix}.json", header, step_timeout_s, budget_s)
     log(f"device: {gpu_name}, jax {jax.__version__}; writing {run.path}")
 
-    if sweep_only or grid_only or poly_only or overlap_only or softmax_only or hd32_only or lazy_only:
+    if sweep_only or grid_only or poly_only or overlap_only or softmax_only or hd32_only or lazy_only or persistent_only:
         if sweep_only:
             sweep(run)
+        elif persistent_only:
+            persistent_study(run)
         elif lazy_only:
             lazy_study(run)
         elif hd32_only:
@@ -595,11 +633,15 @@ def main(argv=None) -> int:
     parser.add_argument("--lazy", action="store_true",
                         help="only the conditional rescaling (LAZY_VARIANTS): checks incl. late max jumps, then "
                              "alternating rounds at the main case and shape 14's call")
+    parser.add_argument("--persistent", action="store_true",
+                        help="only the persistent kernel (MgpuBlockSizes.persistent): checks, then PERSISTENT_CASES "
+                             "in alternating rounds")
     args = parser.parse_args(argv)
     return gpu_check_and_time(args.out, quick=args.quick, check_only=args.check, budget_s=args.budget_s,
                               step_timeout_s=args.step_timeout_s, sweep_only=args.sweep, grid_only=args.grid,
                               poly_only=args.poly, overlap_only=args.overlap, softmax_only=args.softmax,
-                              hd32_only=args.hd32, lazy_only=args.lazy)
+                              hd32_only=args.hd32, lazy_only=args.lazy,
+                              persistent_only=args.persistent)
 
 
 if __name__ == "__main__":

@@ -69,11 +69,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import heapq
 import math
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
@@ -189,6 +191,14 @@ class MgpuBlockSizes:
     # BSSY/BSYNC (reconvergence) and no longer schedules the softmax's tail, the multiplies and the
     # next GEMM phase's issue across it; 2 more spill stores (ptxas-2026-12-01-nvidia-h200-session16-lazy.json).
     lazy_rescale: bool = False
+    # One long-lived CUDA block per SM (at most), each looping over its share of the query tiles
+    # (`persistent_schedule`: heaviest first, each tile to the block with the least work so far, by the
+    # same cost model the GPU's own scheduling follows) instead of one block per tile: the K/V ring runs
+    # on from one tile into the next, the next tile's Q is loaded while this one's last P @ V and store
+    # run, and the output is staged in its own buffer. Measured per-tile cost of the one-block-per-tile
+    # kernel: 5.5 us beyond its key blocks (bench/results/cta-overhead-2026-12-01-nvidia-h200.json),
+    # 0.83% of the head_dim-64 main case and much more of short sequences.
+    persistent: bool = False
 
     def __post_init__(self):
         def is_int(value):
@@ -225,7 +235,7 @@ class MgpuBlockSizes:
             raise ValueError("half_exp2 replaces the softmax's exp2 and row sums: not with poly_exp_keys "
                              "or row_sum_mma")
         for name in ("prescaled_q", "half_row_sum", "pingpong", "deferred_row_sum", "tree_row_max",
-                     "lazy_rescale"):
+                     "lazy_rescale", "persistent"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"MgpuBlockSizes.{name}={getattr(self, name)!r} must be a bool")
         if self.half_row_sum and (self.overlap_softmax or self.poly_exp_keys or self.row_sum_mma
@@ -302,6 +312,9 @@ def smem_bytes(head_dim: int, itemsize: int, blocks: MgpuBlockSizes) -> int:
     if blocks.row_sum_mma:   # each consumer's ones matrix
         tiles += blocks.num_compute_wgs * blocks.block_kv * ROW_SUM_COLUMNS * itemsize
     num_barriers = blocks.num_compute_wgs * 2 + blocks.num_stages * 4
+    if blocks.persistent:   # the output's staging buffer and the schedule's barrier (its table: _launch)
+        tiles += head_dim * itemsize * blocks.block_q
+        num_barriers += 1
     return tiles + 8 * num_barriers
 
 
@@ -371,6 +384,53 @@ def launch_block_sizes(seq_len: int, head_dim: int, itemsize: int, block_sizes: 
         blocks = dataclasses.replace(blocks, num_compute_wgs=2)
         check_block_sizes(head_dim, itemsize, blocks)
     return blocks
+
+
+# Persistent kernel (MgpuBlockSizes.persistent): a tile's cost in the schedule is its key blocks plus this
+# many blocks' worth of per-tile work (Q load, first and last GEMMs, store); the schedule's table holds
+# tile numbers in rows of this many int32 (one TMA box per program: at most 256 rows).
+PERSISTENT_TILE_COST_BLOCKS = 2.0
+PERSISTENT_INTERPRET_PROGRAMS = 3   # interpret mode: a few programs, each with several tiles
+_SCHEDULE_ROW = 64
+
+
+def sm_count() -> int:
+    """SMs of the first GPU jax sees (the persistent kernel's block count); 132 (an H200) where jax has
+    no GPU, e.g. when lowering for CUDA on a CPU machine."""
+    for device in jax.devices():
+        count = getattr(device, "core_count", None)
+        if device.platform == "gpu" and isinstance(count, int) and count > 0:
+            return count
+    return 132
+
+
+def persistent_schedule(batch: int, num_heads: int, seq_len: int, blocks: MgpuBlockSizes, causal: bool,
+                        num_programs: int) -> np.ndarray:
+    """Which query tiles each of `num_programs` persistent CUDA blocks runs, in order: int32
+    [num_programs, rows, _SCHEDULE_ROW], each entry (b * H + h) * num_q_tiles + tile, -1 after a
+    program's last tile (at least one -1 each). The tiles are taken in the one-block-per-tile kernel's
+    launch order (sequence, head, then query tiles heaviest first), each given to the program with the
+    least work so far (key blocks plus PERSISTENT_TILE_COST_BLOCKS), as the GPU hands out blocks; so
+    programs busy at one time work on neighbouring tiles of one head and share its K/V in L2."""
+    num_q_tiles = _cdiv(seq_len, blocks.block_q)
+    order = [(num_q_tiles - 1 - i) if causal else i for i in range(num_q_tiles)]
+    costs = [kv_block_range(t * blocks.block_q, blocks.block_q, seq_len, blocks.block_kv, causal)[1]
+             + PERSISTENT_TILE_COST_BLOCKS for t in order]
+    loads = [(0.0, p) for p in range(num_programs)]
+    lists = [[] for _ in range(num_programs)]
+    for sequence_head in range(batch * num_heads):
+        for tile, cost in zip(order, costs):
+            load, program = heapq.heappop(loads)
+            lists[program].append(sequence_head * num_q_tiles + tile)
+            heapq.heappush(loads, (load + cost, program))
+    rows = _cdiv(max(len(items) for items in lists) + 1, _SCHEDULE_ROW)
+    if rows > 256:
+        raise ValueError(f"{batch * num_heads * num_q_tiles} query tiles over {num_programs} programs: more than "
+                         f"{256 * _SCHEDULE_ROW - 1} per program, the persistent kernel's schedule limit")
+    table = np.full((num_programs, rows * _SCHEDULE_ROW), -1, np.int32)
+    for program, items in enumerate(lists):
+        table[program, :len(items)] = items
+    return table.reshape(num_programs, rows, _SCHEDULE_ROW)
 
 
 def attention_flops(batch: int, seq_len: int, num_heads: int, head_dim: int, causal: bool) -> float:
@@ -470,34 +530,41 @@ def _compiler_params(lowering_semantics: str):
 
 def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_scale: float,
                       seq_len: int, num_q_tiles: int, head_dim: int, blocks: MgpuBlockSizes, dtype, interpret=False,
-                      lse_ref=None):
-    # Refs: q, k, v, out [B, S, H, hd] in GMEM; lse_ref [B, H, S] fp32 in GMEM or None (return_lse).
+                      lse_ref=None, num_heads: int | None = None, schedule_ref=None):
+    # Refs: q, k, v, out [B, S, H, hd] in GMEM; lse_ref [B, H, S] fp32 in GMEM or None (return_lse);
+    # schedule_ref: the persistent kernel's tiles per program (persistent_schedule), else None.
     # scoped: shared memory and barriers for all warpgroups.
     plgpu, pl = (_InterpretPlgpu(scoped), _InterpretPallas()) if interpret else (_plgpu(), _PALLAS)
-    (q_smem, k_smem, v_smem, *other_smem), (q_ready, k_ready, v_ready, k_consumed, v_consumed, tokens) = scoped
+    (q_smem, k_smem, v_smem, *other_smem), (q_ready, k_ready, v_ready, k_consumed, v_consumed, tokens,
+                                            *persistent_barriers) = scoped
     num_wgs, block_kv, num_stages = blocks.num_compute_wgs, blocks.block_kv, blocks.num_stages
     rows = ROWS_PER_CONSUMER
     wg = lax.axis_index("wg")
-    batch, head = lax.axis_index(_GRID_SEQUENCE), lax.axis_index(_GRID_HEAD)
-    tile = lax.axis_index(_GRID_Q_TILE)
-    if causal:
-        tile = num_q_tiles - 1 - tile   # heaviest tiles first
-    tile_start = tile * blocks.block_q
+    if not blocks.persistent:   # one tile per CUDA block, from the grid
+        batch, head = lax.axis_index(_GRID_SEQUENCE), lax.axis_index(_GRID_HEAD)
+        tile = lax.axis_index(_GRID_Q_TILE)
+        if causal:
+            tile = num_q_tiles - 1 - tile   # heaviest tiles first
+        tile_start = tile * blocks.block_q
 
     def kv_rows(block):
         return pl.ds(block * block_kv, block_kv)
 
-    def slot_of(block):
-        return lax.rem(block, jnp.int32(num_stages))
+    def slot_of(block, base=0):
+        # base: ring steps of the tiles this block ran before (persistent), 0 (a Python int) otherwise
+        return lax.rem(block if isinstance(base, int) and base == 0 else block + base, jnp.int32(num_stages))
 
-    @pl.when(wg < num_wgs)
-    def _consumer():
-        plgpu.set_max_registers(_REGISTERS[num_wgs][0], action="increase")
+    def consume(batch, head, tile_start, *, base=0, item=None, prefetch_next_q=None, o_wg=None):
+        """One query tile's work for consumer `wg`. item: None (one tile per CUDA block), or the
+        persistent loop's index (its Q is loaded by the loop, prefetch_next_q() loads the next
+        tile's once this one's last Q @ K^T is done, and the output is staged in o_wg)."""
         row_start = tile_start + wg * rows
         q_wg = q_smem.at[wg]
-        plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(row_start, rows), head], q_wg, q_ready.at[wg],
-                                oob_mode=plgpu.OOBFillMode.ZEROS)
+        if item is None:
+            plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(row_start, rows), head], q_wg, q_ready.at[wg],
+                                    oob_mode=plgpu.OOBFillMode.ZEROS)
         plan = consumer_plan(tile_start, wg, seq_len, blocks, causal)
+        first_slot = 0 if item is None else slot_of(0, base)
         # The keys of a block in one part, or two with poly_exp_keys: [0, block_kv - n) and the last n,
         # each part its own Q @ K^T and P @ V wgmma (nothing is sliced in registers).
         part_widths = ((block_kv - blocks.poly_exp_keys, blocks.poly_exp_keys) if blocks.poly_exp_keys
@@ -615,20 +682,21 @@ def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_
         if blocks.prescaled_q:   # this warpgroup's Q in base-2 score units, visible to its wgmmas
             q_wg[...] = (q_wg[...].astype(jnp.float32) * score_scale).astype(dtype)
             plgpu.commit_smem()
-        plgpu.barrier_wait(k_ready.at[0])
+        plgpu.barrier_wait(k_ready.at[first_slot])
 
-        @pl.when(wg > 0)
+        # Consumer 0 holds the token first: in a persistent block, only before its first tile
+        @pl.when(wg > 0 if item is None else (wg > 0) | (item > 0))
         def _():
             wait_token()
 
         def first_scores(*s_refs):
-            for s_ref, k_part in zip(s_refs, key_parts(k_smem.at[0])):
+            for s_ref, k_part in zip(s_refs, key_parts(k_smem.at[first_slot])):
                 plgpu.wgmma(s_ref, q_wg, k_part.transpose((1, 0)))
             next_token()
             return tuple(s_ref[...] for s_ref in s_refs)
 
         scores = pl.run_scoped(first_scores, *(plgpu.ACC((rows, width), jnp.float32) for width in part_widths))
-        plgpu.barrier_arrive(k_consumed.at[0])
+        plgpu.barrier_arrive(k_consumed.at[first_slot])
         # The prologue block takes the mask whenever any block might: a no-op where it is not needed.
         m, l, p, alpha = softmax(scores, 0, m, l, masked=plan.prologue_masked)
         if not blocks.overlap_softmax and not blocks.lazy_rescale:   # (lazy: acc is zero, nothing to scale)
@@ -637,7 +705,7 @@ def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_
         def step(block, carry, *, masked: bool):
             # One GEMM phase (P_{block-1} @ V_{block-1} and Q @ K_block^T), then the softmax of `block`.
             acc, m, l, p, alpha = carry
-            prev_slot, slot = slot_of(block - 1), slot_of(block)
+            prev_slot, slot = slot_of(block - 1, base), slot_of(block, base)
             plgpu.barrier_wait(v_ready.at[prev_slot])
             plgpu.barrier_wait(k_ready.at[slot])
             wait_token()
@@ -696,7 +764,9 @@ def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_
         acc, m, l, p, alpha = carry
 
         # Epilogue: the last P @ V.
-        last_slot = slot_of(plan.num_visited - 1)
+        if prefetch_next_q is not None:   # every wgmma reading this tile's Q has completed
+            prefetch_next_q()
+        last_slot = slot_of(plan.num_visited - 1, base)
         plgpu.barrier_wait(v_ready.at[last_slot])
         wait_token()
         if blocks.overlap_softmax:
@@ -726,7 +796,7 @@ def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_
         # Blocks this tile loads but these rows never see (causal only): wait for each, release it,
         # and pass the token on, so the ring and the token order stay the same for every consumer.
         def skip(block, _):
-            slot = slot_of(block)
+            slot = slot_of(block, base)
             plgpu.barrier_wait(k_ready.at[slot])
             plgpu.barrier_arrive(k_consumed.at[slot])
             plgpu.barrier_wait(v_ready.at[slot])
@@ -739,15 +809,100 @@ def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_
         if blocks.deferred_row_sum:   # the one cross-lane reduction of the row sums
             l = l.sum(axis=1)
         acc = acc * lax.broadcast_in_dim(1.0 / l, acc.shape, [0])
-        q_wg[...] = acc.astype(dtype)   # every wgmma reading Q has completed
+        if o_wg is None:
+            staged = q_wg   # every wgmma reading Q has completed
+        else:   # persistent: the previous tile's stores must have read their SMEM first
+            staged = o_wg
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        staged[...] = acc.astype(dtype)
         if lse_ref is not None:   # log(sum_j exp(sm_scale q.k_j)) = (m + log2 l) ln 2: m and l are in base 2
             lse_wg = other_smem[-1].at[wg]
             lse_wg[...] = (m + jnp.log2(l)) * _LN_2
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(q_wg, out_ref.at[batch, pl.ds(row_start, rows), head])
+        plgpu.copy_smem_to_gmem(staged, out_ref.at[batch, pl.ds(row_start, rows), head])
         if lse_ref is not None:
             plgpu.copy_smem_to_gmem(lse_wg, lse_ref.at[batch, head, pl.ds(row_start, rows)])
+        if item is None:
+            plgpu.wait_smem_to_gmem(0)
+
+    if blocks.persistent:
+        # This block's tiles (persistent_schedule's row for it) into SMEM, for every warpgroup.
+        o_smem, table_smem = other_smem[len(_interpret_smem(interpret, 1, 8, 64, dtype)):][:2]
+        (table_ready,) = persistent_barriers
+        program = lax.axis_index(_GRID_PROGRAM)
+
+        @pl.when(wg == num_wgs)
+        def _():
+            plgpu.copy_gmem_to_smem(schedule_ref.at[program], table_smem, table_ready.at[0])
+        plgpu.barrier_wait(table_ready.at[0])
+
+        def item_at(j):
+            """(valid, batch, head, tile_start) of this block's j-th tile; valid False past its last."""
+            code = table_smem[lax.div(j, jnp.int32(_SCHEDULE_ROW)), lax.rem(j, jnp.int32(_SCHEDULE_ROW))]
+            valid = code >= 0
+            code = jnp.maximum(code, 0)
+            sequence_head = lax.div(code, jnp.int32(num_q_tiles))
+            return (valid, lax.div(sequence_head, jnp.int32(num_heads)), lax.rem(sequence_head, jnp.int32(num_heads)),
+                    lax.rem(code, jnp.int32(num_q_tiles)) * blocks.block_q)
+
+        def ring_steps(valid, tile_start):   # K/V blocks the tile loads into the ring (0 past the last tile)
+            _, blocks_loaded = kv_block_range(tile_start, blocks.block_q, seq_len, block_kv, causal)
+            return jnp.where(valid, blocks_loaded, 0)
+
+        max_items = table_smem.shape[0] * table_smem.shape[1] - 1   # the last entry is always -1
+
+    @pl.when(wg < num_wgs)
+    def _consumer():
+        plgpu.set_max_registers(_REGISTERS[num_wgs][0], action="increase")
+        if not blocks.persistent:
+            consume(batch, head, tile_start)
+            return
+        q_wg, o_wg = q_smem.at[wg], o_smem.at[wg]
+
+        def load_q(j):
+            valid, batch, head, tile_start = item_at(j)
+
+            @pl.when(valid)
+            def _():
+                plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(tile_start + wg * rows, rows), head], q_wg,
+                                        q_ready.at[wg], oob_mode=plgpu.OOBFillMode.ZEROS)
+
+        load_q(0)
+
+        def run_item(j, base):
+            valid, batch, head, tile_start = item_at(j)
+
+            @pl.when(valid)
+            def _():
+                consume(batch, head, tile_start, base=base, item=j, prefetch_next_q=lambda: load_q(j + 1),
+                        o_wg=o_wg)
+            return base + ring_steps(valid, tile_start)
+        lax.fori_loop(0, max_items, run_item, jnp.int32(0))
         plgpu.wait_smem_to_gmem(0)
+
+    if blocks.persistent:
+        @pl.when(wg == num_wgs)
+        def _persistent_producer():
+            plgpu.set_max_registers(_REGISTERS[num_wgs][1], action="decrease")
+
+            def load_item(j, base):
+                valid, batch, head, tile_start = item_at(j)
+                steps = ring_steps(valid, tile_start)
+
+                @pl.loop(0, steps)
+                def _(block):
+                    step = base + block
+                    slot = lax.rem(step, jnp.int32(num_stages))
+                    for what_ref, smem, ready, consumed in ((k_ref, k_smem, k_ready, k_consumed),
+                                                            (v_ref, v_smem, v_ready, v_consumed)):
+                        @pl.when(step >= num_stages)   # the slot's previous block has been released
+                        def _():
+                            plgpu.barrier_wait(consumed.at[slot])
+                        plgpu.copy_gmem_to_smem(what_ref.at[batch, kv_rows(block), head], smem.at[slot],
+                                                ready.at[slot], oob_mode=plgpu.OOBFillMode.ZEROS)
+                return base + steps
+            lax.fori_loop(0, max_items, load_item, jnp.int32(0))
+        return
 
     _, tile_blocks = kv_block_range(tile_start, blocks.block_q, seq_len, block_kv, causal)
 
@@ -869,6 +1024,7 @@ GRID_ORDERS = ("tiles_outer", "tiles_inner")
 # to the mesh axis, not the grid's (the lowered kernel changed; tests/test_flash_attention_mgpu.py), and a
 # two-H200 split of shape 14 gave a wrong output. Names no mesh will use:
 _GRID_Q_TILE, _GRID_HEAD, _GRID_SEQUENCE = "ttj_mgpu_q_tile", "ttj_mgpu_head", "ttj_mgpu_sequence"
+_GRID_PROGRAM = "ttj_mgpu_program"   # the persistent kernel's one grid axis
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "sm_scale", "block_sizes", "lowering_semantics",
@@ -980,6 +1136,15 @@ def _launch(operands: tuple, shape: tuple, *, causal, interpret, sm_scale, block
             plgpu.SMEM((num_stages, blocks.block_kv, head_dim), dtype, transforms=transforms),
             plgpu.SMEM((num_stages, blocks.block_kv, head_dim), dtype, transforms=transforms)) \
         + _interpret_smem(interpret, num_wgs, head_dim, blocks.block_kv, dtype)   # () for the GPU kernel
+    schedule = None
+    if blocks.persistent:   # after those: the output's staging buffer and this block's tile list
+        num_programs = min(batch * num_heads * num_q_tiles, PERSISTENT_INTERPRET_PROGRAMS if interpret else sm_count())
+        schedule = persistent_schedule(batch, num_heads, seq_len, blocks, causal, num_programs)
+        if smem_bytes(head_dim, dtype.itemsize, blocks) + schedule[0].nbytes > SMEM_BUDGET_BYTES:
+            raise ValueError(f"persistent: {schedule.shape[1] * _SCHEDULE_ROW - 1} tiles per program do not fit in "
+                             f"shared memory beside {blocks} at head_dim={head_dim}")
+        smem += (plgpu.SMEM((num_wgs, ROWS_PER_CONSUMER, head_dim), dtype, transforms=transforms),
+                 plgpu.SMEM(schedule.shape[1:], jnp.int32))
     if blocks.row_sum_mma:   # last: the kernel finds it at scoped[0][-1]
         smem += (plgpu.SMEM((num_wgs, blocks.block_kv, ROW_SUM_COLUMNS), dtype, transforms=(
             plgpu.TilingTransform((8, ROW_SUM_COLUMNS)), plgpu.SwizzleTransform(ROW_SUM_COLUMNS * dtype.itemsize))),)
@@ -991,16 +1156,22 @@ def _launch(operands: tuple, shape: tuple, *, causal, interpret, sm_scale, block
                 plgpu.Barrier(num_arrivals=num_wgs, num_barriers=num_stages),    # k_consumed
                 plgpu.Barrier(num_arrivals=num_wgs, num_barriers=num_stages),    # v_consumed
                 plgpu.Barrier(num_arrivals=1, num_barriers=num_wgs))             # tokens
+    if blocks.persistent:
+        barriers += (plgpu.Barrier(num_arrivals=1, num_barriers=1),)             # table_ready
     kernel = functools.partial(_kernel_body(interpret), causal=causal, sm_scale=sm_scale, seq_len=seq_len,
                                num_q_tiles=num_q_tiles, head_dim=head_dim, blocks=blocks, dtype=dtype)
+    if blocks.persistent:
+        kernel = functools.partial(kernel, num_heads=num_heads)
 
-    def entry(q_ref, k_ref, v_ref, out_ref, *lse_ref):
+    def entry(q_ref, k_ref, v_ref, *refs):
+        schedule_ref, (out_ref, *lse_ref) = (refs[0], refs[1:]) if blocks.persistent else (None, refs)
+        extra = {} if schedule_ref is None else {"schedule_ref": schedule_ref}
         pl.run_scoped(lambda *scoped: kernel(q_ref, k_ref, v_ref, out_ref, scoped,
-                                             lse_ref=lse_ref[0] if lse_ref else None),
+                                             lse_ref=lse_ref[0] if lse_ref else None, **extra),
                       smem, barriers, collective_axes="wg")
 
-    def fused_entry(qkv_ref, out_ref):
-        entry(_SlotRef(qkv_ref, 0), _SlotRef(qkv_ref, 1), _SlotRef(qkv_ref, 2), out_ref)
+    def fused_entry(qkv_ref, *refs):
+        entry(_SlotRef(qkv_ref, 0), _SlotRef(qkv_ref, 1), _SlotRef(qkv_ref, 2), *refs)
 
     # Row-major grid: the last axis varies fastest, so all heads and batch elements of the heaviest
     # query tile launch first.
@@ -1014,12 +1185,18 @@ def _launch(operands: tuple, shape: tuple, *, causal, interpret, sm_scale, block
         # rows past S were not dropped but landed in the next head's first rows, on the H200 with three
         # consumers: bench/results/mgpu-lse-rows-2026-11-30-h200.json.)
         out_type = (out_type, jax.ShapeDtypeStruct((batch, num_heads, num_q_tiles * blocks.block_q), jnp.float32))
+    if blocks.persistent:   # the tiles' order is the schedule's (grid_order's tiles_inner)
+        grid, grid_names = (schedule.shape[0],), (_GRID_PROGRAM,)
+        operands = operands + (jnp.asarray(schedule),)
+    elif grid_order == "tiles_outer":
+        grid, grid_names = (num_q_tiles, num_heads, batch), (_GRID_Q_TILE, _GRID_HEAD, _GRID_SEQUENCE)
+    else:
+        grid, grid_names = (batch, num_heads, num_q_tiles), (_GRID_SEQUENCE, _GRID_HEAD, _GRID_Q_TILE)
     out = plgpu.kernel(
         fused_entry if fused else entry,
         out_type=out_type,
-        grid=(num_q_tiles, num_heads, batch) if grid_order == "tiles_outer" else (batch, num_heads, num_q_tiles),
-        grid_names=((_GRID_Q_TILE, _GRID_HEAD, _GRID_SEQUENCE) if grid_order == "tiles_outer"
-                    else (_GRID_SEQUENCE, _GRID_HEAD, _GRID_Q_TILE)),
+        grid=grid,
+        grid_names=grid_names,
         num_threads=num_wgs + 1,
         thread_name="wg",
         compiler_params=_compiler_params(lowering_semantics), interpret=_interpret_params(interpret),
@@ -1152,13 +1329,23 @@ def _interpret_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, seq
     _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, causal=causal, seq_len=seq_len,
                       num_q_tiles=num_q_tiles, blocks=blocks, interpret=True, **kwargs)
     plgpu = _plgpu()
-    _, (_, _, _, k_consumed, v_consumed, tokens) = scoped
+    smem, (_, _, _, k_consumed, v_consumed, tokens, *_) = scoped
     num_wgs, num_stages = blocks.num_compute_wgs, blocks.num_stages
     wg = lax.axis_index("wg")
-    tile = lax.axis_index(_GRID_Q_TILE)
-    if causal:
-        tile = num_q_tiles - 1 - tile
-    _, tile_blocks = kv_block_range(tile * blocks.block_q, blocks.block_q, seq_len, blocks.block_kv, causal)
+    if blocks.persistent:   # all the ring steps of this block's tiles (see _attention_kernel)
+        table = smem[6][...].reshape(-1)   # after q, k, v and the two staging buffers: o, then the table
+
+        def add(j, total):
+            code = table[j]
+            tile = lax.rem(jnp.maximum(code, 0), jnp.int32(num_q_tiles))
+            _, loaded = kv_block_range(tile * blocks.block_q, blocks.block_q, seq_len, blocks.block_kv, causal)
+            return total + jnp.where(code >= 0, loaded, 0)
+        tile_blocks = lax.fori_loop(0, table.shape[0], add, jnp.int32(0))
+    else:
+        tile = lax.axis_index(_GRID_Q_TILE)
+        if causal:
+            tile = num_q_tiles - 1 - tile
+        _, tile_blocks = kv_block_range(tile * blocks.block_q, blocks.block_q, seq_len, blocks.block_kv, causal)
 
     if blocks.pingpong:
         @pl.when(wg == 0)
