@@ -23,6 +23,7 @@ VARIANTS = {
     "hd64_deferred_sum_tree_max": "dict(block_sizes=B(128, 4, 3, deferred_row_sum=True, tree_row_max=True))",
     # session 16: conditional rescaling (MgpuBlockSizes.lazy_rescale)
     "hd64_lazy_rescale": "dict(block_sizes=B(128, 4, 3, lazy_rescale=True))",
+    "hd64_persistent": "dict(block_sizes=B(128, 4, 3, persistent=True))",
     "hd64_ovl3_one_acc": "dict(block_sizes=B(128, 4, 3, overlap_softmax=True, overlap_one_accumulator=True))",
     "hd128_default": "dict()",
     "hd128_ovl2_one_acc": "dict(block_sizes=B(128, 2, 2, overlap_softmax=True, overlap_one_accumulator=True))",

@@ -550,11 +550,13 @@ def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_
     def kv_rows(block):
         return pl.ds(block * block_kv, block_kv)
 
-    def slot_of(block, base=0):
-        # base: ring steps of the tiles this block ran before (persistent), 0 (a Python int) otherwise
-        return lax.rem(block if isinstance(base, int) and base == 0 else block + base, jnp.int32(num_stages))
+    def slot_of(block):
+        # A tile's block j is in slot j % num_stages, in a persistent block too: there the ring starts
+        # over at slot 0 with each tile (an offset carried from tile to tile cost the issue-bound main
+        # loop 6 instructions and 1.4%: bench/results/attention-mgpu-2026-12-01-nvidia-h200-persistent.json)
+        return lax.rem(block, jnp.int32(num_stages))
 
-    def consume(batch, head, tile_start, *, base=0, item=None, prefetch_next_q=None, o_wg=None):
+    def consume(batch, head, tile_start, *, item=None, prefetch_next_q=None, o_wg=None):
         """One query tile's work for consumer `wg`. item: None (one tile per CUDA block), or the
         persistent loop's index (its Q is loaded by the loop, prefetch_next_q() loads the next
         tile's once this one's last Q @ K^T is done, and the output is staged in o_wg)."""
@@ -564,7 +566,6 @@ def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_
             plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(row_start, rows), head], q_wg, q_ready.at[wg],
                                     oob_mode=plgpu.OOBFillMode.ZEROS)
         plan = consumer_plan(tile_start, wg, seq_len, blocks, causal)
-        first_slot = 0 if item is None else slot_of(0, base)
         # The keys of a block in one part, or two with poly_exp_keys: [0, block_kv - n) and the last n,
         # each part its own Q @ K^T and P @ V wgmma (nothing is sliced in registers).
         part_widths = ((block_kv - blocks.poly_exp_keys, blocks.poly_exp_keys) if blocks.poly_exp_keys
@@ -682,7 +683,7 @@ def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_
         if blocks.prescaled_q:   # this warpgroup's Q in base-2 score units, visible to its wgmmas
             q_wg[...] = (q_wg[...].astype(jnp.float32) * score_scale).astype(dtype)
             plgpu.commit_smem()
-        plgpu.barrier_wait(k_ready.at[first_slot])
+        plgpu.barrier_wait(k_ready.at[0])
 
         # Consumer 0 holds the token first: in a persistent block, only before its first tile
         @pl.when(wg > 0 if item is None else (wg > 0) | (item > 0))
@@ -690,13 +691,13 @@ def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_
             wait_token()
 
         def first_scores(*s_refs):
-            for s_ref, k_part in zip(s_refs, key_parts(k_smem.at[first_slot])):
+            for s_ref, k_part in zip(s_refs, key_parts(k_smem.at[0])):
                 plgpu.wgmma(s_ref, q_wg, k_part.transpose((1, 0)))
             next_token()
             return tuple(s_ref[...] for s_ref in s_refs)
 
         scores = pl.run_scoped(first_scores, *(plgpu.ACC((rows, width), jnp.float32) for width in part_widths))
-        plgpu.barrier_arrive(k_consumed.at[first_slot])
+        plgpu.barrier_arrive(k_consumed.at[0])
         # The prologue block takes the mask whenever any block might: a no-op where it is not needed.
         m, l, p, alpha = softmax(scores, 0, m, l, masked=plan.prologue_masked)
         if not blocks.overlap_softmax and not blocks.lazy_rescale:   # (lazy: acc is zero, nothing to scale)
@@ -705,7 +706,7 @@ def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_
         def step(block, carry, *, masked: bool):
             # One GEMM phase (P_{block-1} @ V_{block-1} and Q @ K_block^T), then the softmax of `block`.
             acc, m, l, p, alpha = carry
-            prev_slot, slot = slot_of(block - 1, base), slot_of(block, base)
+            prev_slot, slot = slot_of(block - 1), slot_of(block)
             plgpu.barrier_wait(v_ready.at[prev_slot])
             plgpu.barrier_wait(k_ready.at[slot])
             wait_token()
@@ -766,7 +767,7 @@ def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_
         # Epilogue: the last P @ V.
         if prefetch_next_q is not None:   # every wgmma reading this tile's Q has completed
             prefetch_next_q()
-        last_slot = slot_of(plan.num_visited - 1, base)
+        last_slot = slot_of(plan.num_visited - 1)
         plgpu.barrier_wait(v_ready.at[last_slot])
         wait_token()
         if blocks.overlap_softmax:
@@ -796,7 +797,7 @@ def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_
         # Blocks this tile loads but these rows never see (causal only): wait for each, release it,
         # and pass the token on, so the ring and the token order stay the same for every consumer.
         def skip(block, _):
-            slot = slot_of(block, base)
+            slot = slot_of(block)
             plgpu.barrier_wait(k_ready.at[slot])
             plgpu.barrier_arrive(k_consumed.at[slot])
             plgpu.barrier_wait(v_ready.at[slot])
@@ -869,15 +870,13 @@ def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_
 
         load_q(0)
 
-        def run_item(j, base):
+        def run_item(j, _):
             valid, batch, head, tile_start = item_at(j)
 
             @pl.when(valid)
             def _():
-                consume(batch, head, tile_start, base=base, item=j, prefetch_next_q=lambda: load_q(j + 1),
-                        o_wg=o_wg)
-            return base + ring_steps(valid, tile_start)
-        lax.fori_loop(0, max_items, run_item, jnp.int32(0))
+                consume(batch, head, tile_start, item=j, prefetch_next_q=lambda: load_q(j + 1), o_wg=o_wg)
+        lax.fori_loop(0, max_items, run_item, None)
         plgpu.wait_smem_to_gmem(0)
 
     if blocks.persistent:
@@ -885,22 +884,23 @@ def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_
         def _persistent_producer():
             plgpu.set_max_registers(_REGISTERS[num_wgs][1], action="decrease")
 
-            def load_item(j, base):
+            def load_item(j, filled):
+                # filled: slots [0, filled) hold blocks of earlier tiles (the ring starts at slot 0 with
+                # each tile; see slot_of)
                 valid, batch, head, tile_start = item_at(j)
                 steps = ring_steps(valid, tile_start)
 
                 @pl.loop(0, steps)
                 def _(block):
-                    step = base + block
-                    slot = lax.rem(step, jnp.int32(num_stages))
+                    slot = slot_of(block)
                     for what_ref, smem, ready, consumed in ((k_ref, k_smem, k_ready, k_consumed),
                                                             (v_ref, v_smem, v_ready, v_consumed)):
-                        @pl.when(step >= num_stages)   # the slot's previous block has been released
+                        @pl.when((block >= num_stages) | (block < filled))   # the slot's last block released
                         def _():
                             plgpu.barrier_wait(consumed.at[slot])
                         plgpu.copy_gmem_to_smem(what_ref.at[batch, kv_rows(block), head], smem.at[slot],
                                                 ready.at[slot], oob_mode=plgpu.OOBFillMode.ZEROS)
-                return base + steps
+                return jnp.maximum(filled, jnp.minimum(steps, num_stages))
             lax.fori_loop(0, max_items, load_item, jnp.int32(0))
         return
 
@@ -1335,12 +1335,13 @@ def _interpret_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, seq
     if blocks.persistent:   # all the ring steps of this block's tiles (see _attention_kernel)
         table = smem[6][...].reshape(-1)   # after q, k, v and the two staging buffers: o, then the table
 
-        def add(j, total):
+        # the ring starts at slot 0 with each tile: each slot used by any tile has its last release unobserved
+        def widest(j, most):
             code = table[j]
             tile = lax.rem(jnp.maximum(code, 0), jnp.int32(num_q_tiles))
             _, loaded = kv_block_range(tile * blocks.block_q, blocks.block_q, seq_len, blocks.block_kv, causal)
-            return total + jnp.where(code >= 0, loaded, 0)
-        tile_blocks = lax.fori_loop(0, table.shape[0], add, jnp.int32(0))
+            return jnp.maximum(most, jnp.where(code >= 0, jnp.minimum(loaded, num_stages), 0))
+        tile_blocks = lax.fori_loop(0, table.shape[0], widest, jnp.int32(0))   # drain below: [0, this)
     else:
         tile = lax.axis_index(_GRID_Q_TILE)
         if causal:
