@@ -197,7 +197,19 @@ class MgpuBlockSizes:
     # on from one tile into the next, the next tile's Q is loaded while this one's last P @ V and store
     # run, and the output is staged in its own buffer. Measured per-tile cost of the one-block-per-tile
     # kernel: 5.5 us beyond its key blocks (bench/results/cta-overhead-2026-12-01-nvidia-h200.json),
-    # 0.83% of the head_dim-64 main case and much more of short sequences.
+    # 0.83% of the head_dim-64 main case and much more of short sequences. Opt-in: faster on short
+    # sequences, slower on long ones. On the H200 (`python3 bench/bench_attention_mgpu.py --persistent`,
+    # 13/13 checks, medians of alternating rounds, TFLOP/s, default first): B=64 H=4 S=1024 at head_dim 32
+    # (shape 13's call) 146.2 against 134.4, still below our generic kernel's 164.9 that the model uses
+    # there; at head_dim 64 245.4 against 232.7; B=1 H=16 S=100000 hd 64 490.6 against 494.8; B=8 (shape
+    # 14's call) 484.3 against 490.2; B=4 H=16 S=8192 hd 32 269.9 against 273.7; B=1 H=16 S=16384 hd 128
+    # 569.9 against 588.2 (attention-mgpu-2026-12-01-nvidia-h200-persistent2.{json,log}). The first build,
+    # which carried the ring's slot offset from tile to tile, lost 1.4% at the main case: 6 more
+    # instructions in the main loop (persistent.json; ptxas-2026-12-01-nvidia-h200-session16-persistent
+    # {,2}.json: 88 bytes of spills in this build against the default's 92). Why the long sequences still
+    # lose was not measured; the suspect is the static schedule, which cannot follow SMs that run slower
+    # than others, as the GPU's own block scheduler does (Pallas on Hopper offers no fetch-and-add for a
+    # dynamic tile counter).
     persistent: bool = False
 
     def __post_init__(self):
