@@ -134,7 +134,10 @@ def test_lowers_in_both_semantics_and_dtypes(lowering_semantics, dtype):
                                            tree_row_max=True),
                                     Blocks(block_kv=128, num_stages=4, num_compute_wgs=3, lazy_rescale=True),
                                     Blocks(block_kv=128, num_stages=4, num_compute_wgs=3, lazy_rescale=True,
-                                           poly_exp_keys=64, tree_row_max=True)])
+                                           poly_exp_keys=64, tree_row_max=True),
+                                    Blocks(block_kv=128, num_stages=4, num_compute_wgs=3, persistent=True),
+                                    Blocks(block_kv=128, num_stages=2, num_compute_wgs=2, overlap_softmax=True,
+                                           overlap_one_accumulator=True, persistent=True)])
 def test_lowers_with_the_softmax_variants(lowering_semantics, causal, blocks):
     # poly_exp_keys: two key parts per block, their own Q @ K^T and P @ V wgmmas over slices of the K/V
     # slots; row_sum_mma: a third wgmma, P @ ones, in every GEMM phase
@@ -238,7 +241,8 @@ def test_block_sizes_validate_themselves():
                 dict(block_kv=128, num_stages=2, lazy_rescale=True, row_sum_mma=True),
                 dict(block_kv=128, num_stages=2, lazy_rescale=True, half_exp2=True),
                 dict(block_kv=128, num_stages=2, lazy_rescale=True, half_row_sum=True),
-                dict(block_kv=128, num_stages=2, lazy_rescale=True, deferred_row_sum=True)):
+                dict(block_kv=128, num_stages=2, lazy_rescale=True, deferred_row_sum=True),
+                dict(block_kv=128, num_stages=2, persistent=1)):
         with pytest.raises(ValueError):
             Blocks(**bad)
     assert Blocks(block_kv=128, num_stages=2, num_compute_wgs=3).block_q == 192
@@ -607,6 +611,12 @@ INTERPRET_CASES = {
     # the plain product, equal where the factor is 1.0); test_lazy_rescale_... makes the max move late
     "hd64-S200-lazy-rescale-causal": (1, 200, 1, 64, True, Blocks(block_kv=64, num_stages=2, lazy_rescale=True)),
     "hd128-S113-lazy-rescale": (2, 113, 1, 128, False, Blocks(block_kv=64, num_stages=2, lazy_rescale=True)),
+    # persistent blocks (session 16): PERSISTENT_INTERPRET_PROGRAMS of them over 4 tiles, so one runs two
+    # (the ring restarting at slot 0, the next Q prefetched, the output staged apart, the token ring)
+    "hd64-S200-persistent-causal": (1, 200, 2, 64, True, Blocks(block_kv=64, num_stages=2, persistent=True)),
+    "hd64-S200-persistent-3stages": (1, 200, 2, 64, False, Blocks(block_kv=64, num_stages=3, persistent=True)),
+    "hd128-S113-persistent-one-acc-causal": (2, 113, 2, 128, True, Blocks(block_kv=64, num_stages=2, overlap_softmax=True,
+                                                                          overlap_one_accumulator=True, persistent=True)),
 }
 
 
@@ -671,6 +681,44 @@ def test_lazy_rescale_when_the_max_moves_late_in_gpu_interpret_mode(causal):
     early_max = jnp.max(base2[..., 160:, :64], axis=-1)
     assert float(jnp.max(jnp.max(base2[..., 160:, :], axis=-1) - early_max)) > fm.LAZY_RESCALE_THRESHOLD
     np.testing.assert_allclose(np.asarray(lse), np.asarray(jax.nn.logsumexp(scores, axis=-1)), rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("batch, num_heads, seq_len, causal, programs",
+                         [(1, 16, 100000, True, 132), (64, 4, 1024, True, 132), (2, 3, 1000, False, 7),
+                          (1, 1, 100, True, 3)])
+def test_persistent_schedule(batch, num_heads, seq_len, causal, programs):
+    blocks = Blocks(block_kv=128, num_stages=4, num_compute_wgs=3, persistent=True)
+    table = fm.persistent_schedule(batch, num_heads, seq_len, blocks, causal, programs)
+    num_q_tiles = -(-seq_len // blocks.block_q)
+    assert table.dtype == np.int32 and table.shape[0] == programs and table.shape[2] == fm._SCHEDULE_ROW
+    rows = table.reshape(programs, -1)
+    items = rows[rows >= 0]
+    # every tile of every head and sequence exactly once
+    assert sorted(items.tolist()) == list(range(batch * num_heads * num_q_tiles))
+    cost = {}
+    for code in range(batch * num_heads * num_q_tiles):
+        tile = code % num_q_tiles
+        cost[code] = fm.kv_block_range(tile * blocks.block_q, blocks.block_q, seq_len, blocks.block_kv,
+                                       causal)[1] + fm.PERSISTENT_TILE_COST_BLOCKS
+    loads = []
+    for row in rows:
+        valid = row[row >= 0]
+        # each program's tiles first, then -1 only (at least one: the kernel reads one entry ahead)
+        n = len(valid)
+        assert (row[:n] >= 0).all() and (row[n:] == -1).all() and len(row) > n
+        # within one head and sequence, heaviest first (the launch order)
+        for a, b in zip(valid, valid[1:]):
+            if a // num_q_tiles == b // num_q_tiles and causal:
+                assert a % num_q_tiles > b % num_q_tiles
+        loads.append(sum(cost[c] for c in valid))
+    # least-loaded assignment: no program ends more than one tile's cost after another
+    assert max(loads) - min(loads) <= max(cost.values())
+    # locality: the programs start on the first tiles of the launch order (sequence, head, then tiles
+    # heaviest first), one each, as the GPU would launch them
+    launch_order = [sh * num_q_tiles + (num_q_tiles - 1 - i if causal else i)
+                    for sh in range(batch * num_heads) for i in range(num_q_tiles)]
+    started = min(programs, len(launch_order))
+    assert sorted(rows[:started, 0].tolist()) == sorted(launch_order[:started])
 
 
 def test_log_sum_exp_is_routed_to_the_hopper_kernel(hopper):
