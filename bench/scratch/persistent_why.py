@@ -8,6 +8,13 @@ same, so the persistent kernel's static schedule is balanced there by constructi
 blocks runs 63 or 64 equal tiles): if it still loses there, the cost is per key block (its code), not
 the schedule; if it loses only under causal, the static schedule is the suspect.
 Writes OUT_DIR/persistent-why-<date>-<gpu>.json.
+
+    python3 bench/scratch/persistent_why.py --sass DUMPS FILE.json
+
+adds to FILE.json the unmasked main loop's length and its opcode counts that differ between the
+default and persistent builds, from the SASS that `bench/scratch/ptxas_dump.py DUMPS
+hd64_default,hd64_persistent` wrote (the loop: the first backward branch's body of 400-500
+instructions holding 12 HGMMA).
 """
 from __future__ import annotations
 
@@ -30,7 +37,45 @@ fm = importlib.import_module("ttj_jax.kernels.flash_attention_mgpu")
 B, H, S, HD = 1, 16, 100_000, 64
 
 
+def main_loop(sass: str) -> list[str]:
+    import re  # noqa: PLC0415
+    labels, instructions = {}, []
+    for line in sass.splitlines():
+        label = re.match(r"\.L_x_(\d+):", line.strip())
+        if label:
+            labels[int(label.group(1))] = len(instructions)
+            continue
+        found = re.search(r"/\*([0-9a-f]{4,})\*/\s+(.*)", line)
+        if found:
+            instructions.append(found.group(2))
+    for end, text in enumerate(instructions):
+        branch = re.search(r"BRA\s+`\(\.L_x_(\d+)\)", text)
+        start = labels.get(int(branch.group(1)), end + 1) if branch else end + 1
+        body = instructions[start:end + 1]
+        if start <= end and 400 < len(body) < 500 and sum("HGMMA" in x for x in body) == 12:
+            return body
+    raise ValueError("no main loop found")
+
+
+def sass_report(dumps: pathlib.Path, path: pathlib.Path):
+    import collections, re  # noqa: PLC0415, E401
+
+    def opcode(text):
+        return re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0]
+    loops = {name: main_loop((dumps / name / "entry_0.sass").read_text()) for name in ("hd64_default", "hd64_persistent")}
+    counts = {name: collections.Counter(map(opcode, body)) for name, body in loops.items()}
+    names = sorted(set(counts["hd64_default"]) | set(counts["hd64_persistent"]))
+    result = json.loads(path.read_text())
+    result["main_loop"] = {"length": {name: len(body) for name, body in loops.items()},
+                           "opcodes_that_differ": {op: [counts["hd64_default"][op], counts["hd64_persistent"][op]]
+                                                   for op in names if counts["hd64_default"][op] != counts["hd64_persistent"][op]}}
+    path.write_text(json.dumps(result, indent=1))
+    print(json.dumps(result["main_loop"]))
+
+
 def main(argv):
+    if argv and argv[0] == "--sass":
+        return sass_report(pathlib.Path(argv[1]), pathlib.Path(argv[2]))
     out_dir = pathlib.Path(argv[0])
     rounds = int(argv[1]) if len(argv) > 1 else 3
     default = fm.default_block_sizes(HD, S)

@@ -206,10 +206,14 @@ class MgpuBlockSizes:
     # 569.9 against 588.2 (attention-mgpu-2026-12-01-nvidia-h200-persistent2.{json,log}). The first build,
     # which carried the ring's slot offset from tile to tile, lost 1.4% at the main case: 6 more
     # instructions in the main loop (persistent.json; ptxas-2026-12-01-nvidia-h200-session16-persistent
-    # {,2}.json: 88 bytes of spills in this build against the default's 92). Why the long sequences still
-    # lose was not measured; the suspect is the static schedule, which cannot follow SMs that run slower
-    # than others, as the GPU's own block scheduler does (Pallas on Hopper offers no fetch-and-add for a
-    # dynamic tile counter).
+    # {,2}.json: 88 bytes of spills in this build against the default's 92). Why long sequences still
+    # lose (bench/scratch/persistent_why.py, bench/results/persistent-why-2026-12-01-nvidia-h200.json):
+    # not the schedule, since non-causal tiles, all equal, lose more (465.9 against 487.4 TFLOP/s;
+    # causal 478.9 against 485.0 in that run), but the main loop's code: 433 instructions against 427,
+    # its slot and address arithmetic moved from the uniform datapath (ULOP3, USHF) to per-thread
+    # LOP3/SHF. The tile comes from a shared-memory load, which ptxas does not know to be the same in
+    # every thread, so everything derived from it is computed per thread. A next step: make the
+    # tile index uniform (e.g. redux.sync, whose result lands in a uniform register) and measure again.
     persistent: bool = False
 
     def __post_init__(self):
