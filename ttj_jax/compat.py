@@ -431,30 +431,3 @@ def mosaic_rescale_where_needed(acc, alpha, *, interpret: bool = False):
         return fa.FragmentedArray(_registers=registers, _layout=acc_fa.layout, _is_signed=acc_fa.is_signed)
 
     return rescale(acc, alpha)
-
-
-def mosaic_warp_uniform(x, *, interpret: bool = False):
-    """An int32 scalar inside a Mosaic GPU kernel (lane semantics), returned through PTX's
-    `redux.sync.min.u32` over the full warp: the same value where every thread holds the same one (the
-    caller's promise), but now in a uniform register, so ptxas keeps what is computed from it (addresses,
-    loop bounds) on the uniform datapath. Needed for values read from shared memory, which ptxas cannot
-    prove uniform. Through `plgpu.inline_mgpu` (jax 0.10-0.11); raises RuntimeError when this jax lacks it.
-    interpret: the kernel body runs in GPU interpret mode: x itself."""
-    if interpret:
-        return x
-    import jax.experimental.pallas.mosaic_gpu as plgpu  # noqa: PLC0415 - imports absl; lazily
-    if not hasattr(plgpu, "inline_mgpu") or not hasattr(plgpu, "ShapeDtypeStruct"):
-        raise RuntimeError(f"this jax ({jax.__version__}) has no plgpu.inline_mgpu")
-    from jax._src.lib.mlir import ir  # noqa: PLC0415
-    from jax._src.lib.mlir.dialects import llvm  # noqa: PLC0415
-    from jax.experimental.mosaic.gpu import fragmented_array as fa  # noqa: PLC0415
-    splat = plgpu.Layout.WG_SPLAT(shape=())
-
-    @plgpu.inline_mgpu(arg_types=(splat,), return_type=plgpu.ShapeDtypeStruct((), jax.numpy.int32, layout=splat))
-    def uniform(_, value):
-        register = value.registers.item()
-        out = llvm.inline_asm(ir.IntegerType.get_signless(32), [register],
-                              "redux.sync.min.u32 $0, $1, 0xffffffff;", "=r,r")
-        return fa.FragmentedArray.splat(out, (), layout=value.layout, is_signed=value.is_signed)
-
-    return uniform(x)

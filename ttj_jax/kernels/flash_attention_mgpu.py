@@ -79,7 +79,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from ttj_jax.compat import mosaic_half_exp2, mosaic_rescale_where_needed, mosaic_warp_uniform
+from ttj_jax.compat import mosaic_half_exp2, mosaic_rescale_where_needed
 from ttj_jax.kernels.flash_attention import check_causal_and_scale, check_qkv_layout
 
 SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)
@@ -856,9 +856,6 @@ def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_
         def item_at(j):
             """(valid, batch, head, tile_start) of this block's j-th tile; valid False past its last."""
             code = table_smem[lax.div(j, jnp.int32(_SCHEDULE_ROW)), lax.rem(j, jnp.int32(_SCHEDULE_ROW))]
-            # the same in every thread: said so to ptxas, or everything derived from it (the main
-            # loop's slot and address arithmetic) leaves the uniform datapath (persistent-why JSON)
-            code = mosaic_warp_uniform(code, interpret=bool(interpret))
             valid = code >= 0
             code = jnp.maximum(code, 0)
             sequence_head = lax.div(code, jnp.int32(num_q_tiles))
