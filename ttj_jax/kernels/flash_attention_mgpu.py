@@ -211,9 +211,11 @@ class MgpuBlockSizes:
     # not the schedule, since non-causal tiles, all equal, lose more (465.9 against 487.4 TFLOP/s;
     # causal 478.9 against 485.0 in that run), but the main loop's code: 433 instructions against 427,
     # its slot and address arithmetic moved from the uniform datapath (ULOP3, USHF) to per-thread
-    # LOP3/SHF. The tile comes from a shared-memory load, which ptxas does not know to be the same in
-    # every thread, so everything derived from it is computed per thread. A next step: make the
-    # tile index uniform (e.g. redux.sync, whose result lands in a uniform register) and measure again.
+    # LOP3/SHF. Not because the tile comes from a shared-memory load: passed through redux.sync (whose
+    # result ptxas keeps in a uniform register; commit 8d1b261, reverted) it left the loop and the
+    # timings unchanged (persistent-why-2026-12-01-nvidia-h200-uniform.json). What moves that
+    # arithmetic off the uniform datapath (the loops' nesting inside the per-tile loop and its
+    # predicate?) was not found.
     persistent: bool = False
 
     def __post_init__(self):
