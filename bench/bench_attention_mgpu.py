@@ -537,12 +537,32 @@ def hd32_study(run: Run) -> None:
     _medians_over_rounds(run, "medians_over_rounds")
 
 
+# The studies run alone (one --NAME flag each): name -> (function of the run, --help text). Each writes
+# attention-mgpu-<date>-<gpu>-<name>.json.
+STUDIES = {
+    "sweep": (lambda run: sweep(run), "only the tiling sweep and the threshold cases"),
+    "grid": (lambda run: grid_orders(run),
+             "only the grid orders and the lane lowering, at shape 14's attention call and the main case"),
+    "poly": (lambda run: grid_orders(run, POLY_VARIANTS, [MAIN_CASE]),
+             "only the softmax variants (POLY_VARIANTS), at the main case"),
+    "overlap": (lambda run: overlap_study(run), "only the one-accumulator overlap variants (OVERLAP_VARIANTS)"),
+    "softmax": (lambda run: softmax_study(run),
+                "only the softmax instruction-count variants (SOFTMAX_VARIANTS), in alternating rounds"),
+    "hd32": (lambda run: hd32_study(run),
+             "only head_dim 32 on the Hopper kernel: checks, then HD32_VARIANTS at HD32_CASES"),
+    "lazy": (lambda run: lazy_study(run), "only the conditional rescaling (LAZY_VARIANTS): checks incl. late max "
+             "jumps, then alternating rounds at the main case and shape 14's call"),
+    "persistent": (lambda run: persistent_study(run), "only the persistent kernel (MgpuBlockSizes.persistent): "
+                   "checks, then PERSISTENT_CASES in alternating rounds"),
+}
+
+
 def gpu_check_and_time(out_dir: str | None = None, *, quick: bool = False, check_only: bool = False,
-                       budget_s: float = 420.0, step_timeout_s: float = 90.0, sweep_only: bool = False,
-                       grid_only: bool = False, poly_only: bool = False, overlap_only: bool = False,
-                       softmax_only: bool = False, hd32_only: bool = False,
-                       lazy_only: bool = False, persistent_only: bool = False) -> int:
-    """Checks the Mosaic kernel on the GPU, times it, writes JSON, prints a table. Returns an exit status."""
+                       budget_s: float = 420.0, step_timeout_s: float = 90.0, study: str | None = None) -> int:
+    """Checks the Mosaic kernel on the GPU, times it, writes JSON, prints a table; study: one of STUDIES
+    alone instead. Returns an exit status."""
+    if study is not None and study not in STUDIES:
+        raise ValueError(f"study={study!r} must be one of {sorted(STUDIES)}")
     device = jax.devices()[0]
     if device.platform != "gpu":
         log(f"bench_attention_mgpu needs a GPU (found {device.platform})")
@@ -551,33 +571,15 @@ def gpu_check_and_time(out_dir: str | None = None, *, quick: bool = False, check
     date = datetime.date.today().isoformat()
     out = pathlib.Path(out_dir or _REPO_ROOT / "bench" / "results")
     out.mkdir(parents=True, exist_ok=True)
-    suffix = ("-grid" if grid_only else "-poly" if poly_only else "-overlap" if overlap_only
-              else "-softmax" if softmax_only else "-hd32" if hd32_only else "-lazy" if lazy_only else "-persistent" if persistent_only
-              else "-sweep" if sweep_only
-              else "-check" if check_only else "-quick" if quick else "")
+    suffix = f"-{study}" if study else "-check" if check_only else "-quick" if quick else ""
     import jaxlib  # noqa: PLC0415
     header = {"gpu": gpu_name, "jax": jax.__version__, "jaxlib": jaxlib.__version__,
               "date": date, "quick": quick, "check_only": check_only, "pass_rule": f"|err| <= max(atol {ATOL}, rtol {RTOL} |ref|), finite"}
     run = Run(out / f"attention-mgpu-{date}-{slug(gpu_name)}{suffix}.json", header, step_timeout_s, budget_s)
     log(f"device: {gpu_name}, jax {jax.__version__}; writing {run.path}")
 
-    if sweep_only or grid_only or poly_only or overlap_only or softmax_only or hd32_only or lazy_only or persistent_only:
-        if sweep_only:
-            sweep(run)
-        elif persistent_only:
-            persistent_study(run)
-        elif lazy_only:
-            lazy_study(run)
-        elif hd32_only:
-            hd32_study(run)
-        elif softmax_only:
-            softmax_study(run)
-        elif overlap_only:
-            overlap_study(run)
-        elif grid_only:
-            grid_orders(run)
-        else:
-            grid_orders(run, POLY_VARIANTS, [MAIN_CASE])
+    if study:
+        STUDIES[study][0](run)
         _print_table(run)
         run.write()
         log(f"wrote {run.path} ({run.elapsed():.0f} s)")
@@ -622,26 +624,13 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None, help="folder for the JSON (default bench/results)")
     parser.add_argument("--budget-s", type=float, default=420.0, help="start no optional step after this")
     parser.add_argument("--step-timeout-s", type=float, default=90.0, help="watchdog limit per step")
-    parser.add_argument("--sweep", action="store_true", help="only the tiling sweep and the threshold cases")
-    parser.add_argument("--grid", action="store_true", help="only the grid orders and the lane lowering, at shape 14's attention call and the main case")
-    parser.add_argument("--poly", action="store_true", help="only the softmax variants (POLY_VARIANTS), at the main case")
-    parser.add_argument("--overlap", action="store_true", help="only the one-accumulator overlap variants (OVERLAP_VARIANTS)")
-    parser.add_argument("--softmax", action="store_true",
-                        help="only the softmax instruction-count variants (SOFTMAX_VARIANTS), in alternating rounds")
-    parser.add_argument("--hd32", action="store_true",
-                        help="only head_dim 32 on the Hopper kernel: checks, then HD32_VARIANTS at HD32_CASES")
-    parser.add_argument("--lazy", action="store_true",
-                        help="only the conditional rescaling (LAZY_VARIANTS): checks incl. late max jumps, then "
-                             "alternating rounds at the main case and shape 14's call")
-    parser.add_argument("--persistent", action="store_true",
-                        help="only the persistent kernel (MgpuBlockSizes.persistent): checks, then PERSISTENT_CASES "
-                             "in alternating rounds")
+    studies = parser.add_mutually_exclusive_group()
+    for name, (_, text) in STUDIES.items():
+        studies.add_argument(f"--{name}", action="store_true", help=text)
     args = parser.parse_args(argv)
+    study = next((name for name in STUDIES if getattr(args, name)), None)
     return gpu_check_and_time(args.out, quick=args.quick, check_only=args.check, budget_s=args.budget_s,
-                              step_timeout_s=args.step_timeout_s, sweep_only=args.sweep, grid_only=args.grid,
-                              poly_only=args.poly, overlap_only=args.overlap, softmax_only=args.softmax,
-                              hd32_only=args.hd32, lazy_only=args.lazy,
-                              persistent_only=args.persistent)
+                              step_timeout_s=args.step_timeout_s, study=study)
 
 
 if __name__ == "__main__":
