@@ -213,9 +213,12 @@ class MgpuBlockSizes:
     # its slot and address arithmetic moved from the uniform datapath (ULOP3, USHF) to per-thread
     # LOP3/SHF. Not because the tile comes from a shared-memory load: passed through redux.sync (whose
     # result ptxas keeps in a uniform register; commit 8d1b261, reverted) it left the loop and the
-    # timings unchanged (persistent-why-2026-12-01-nvidia-h200-uniform.json). What moves that
-    # arithmetic off the uniform datapath (the loops' nesting inside the per-tile loop and its
-    # predicate?) was not found.
+    # timings unchanged (persistent-why-2026-12-01-nvidia-h200-uniform.json). The moved instructions
+    # are the barrier-phase bookkeeping of the ready barriers (1 << slot, XOR into the phase bitfield,
+    # extract the parity), which the default keeps in uniform registers and this build in per-thread
+    # ones. Not verified: the bitfields now live across the per-tile loop, whose body issues
+    # single-thread TMA copies (the next Q, the output store), divergent branches after which ptxas no
+    # longer treats them as uniform.
     persistent: bool = False
 
     def __post_init__(self):
