@@ -684,41 +684,38 @@ def test_lazy_rescale_when_the_max_moves_late_in_gpu_interpret_mode(causal):
 
 
 @pytest.mark.parametrize("batch, num_heads, seq_len, causal, programs",
-                         [(1, 16, 100000, True, 132), (64, 4, 1024, True, 132), (2, 3, 1000, False, 7),
-                          (1, 1, 100, True, 3)])
+                         [(1, 16, 100000, True, 132), (8, 16, 100000, True, 132), (64, 4, 1024, True, 132),
+                          (2, 3, 1000, False, 7), (3, 2, 1000, True, 5), (1, 1, 100, True, 1)])
 def test_persistent_schedule(batch, num_heads, seq_len, causal, programs):
     blocks = Blocks(block_kv=128, num_stages=4, num_compute_wgs=3, persistent=True)
-    table = fm.persistent_schedule(batch, num_heads, seq_len, blocks, causal, programs)
     num_q_tiles = -(-seq_len // blocks.block_q)
-    assert table.dtype == np.int32 and table.shape[0] == programs and table.shape[2] == fm._SCHEDULE_ROW
-    rows = table.reshape(programs, -1)
-    items = rows[rows >= 0]
-    # every tile of every head and sequence exactly once
-    assert sorted(items.tolist()) == list(range(batch * num_heads * num_q_tiles))
-    cost = {}
-    for code in range(batch * num_heads * num_q_tiles):
-        tile = code % num_q_tiles
-        cost[code] = fm.kv_block_range(tile * blocks.block_q, blocks.block_q, seq_len, blocks.block_kv,
-                                       causal)[1] + fm.PERSISTENT_TILE_COST_BLOCKS
-    loads = []
-    for row in rows:
-        valid = row[row >= 0]
-        # each program's tiles first, then -1 only (at least one: the kernel reads one entry ahead)
-        n = len(valid)
-        assert (row[:n] >= 0).all() and (row[n:] == -1).all() and len(row) > n
-        # within one head and sequence, heaviest first (the launch order)
-        for a, b in zip(valid, valid[1:]):
-            if a // num_q_tiles == b // num_q_tiles and causal:
-                assert a % num_q_tiles > b % num_q_tiles
-        loads.append(sum(cost[c] for c in valid))
-    # least-loaded assignment: no program ends more than one tile's cost after another
-    assert max(loads) - min(loads) <= max(cost.values())
-    # locality: the programs start on the first tiles of the launch order (sequence, head, then tiles
-    # heaviest first), one each, as the GPU would launch them
-    launch_order = [sh * num_q_tiles + (num_q_tiles - 1 - i if causal else i)
-                    for sh in range(batch * num_heads) for i in range(num_q_tiles)]
-    started = min(programs, len(launch_order))
-    assert sorted(rows[:started, 0].tolist()) == sorted(launch_order[:started])
+    lists = fm.persistent_schedule(batch, num_heads, num_q_tiles, causal, programs)
+    # every (sequence, head, tile) exactly once
+    items = [item for items in lists for item in items]
+    assert sorted(items) == [(b, h, t) for b in range(batch) for h in range(num_heads) for t in range(num_q_tiles)]
+
+    def cost(item):
+        return fm.kv_block_range(item[2] * blocks.block_q, blocks.block_q, seq_len, blocks.block_kv, causal)[1]
+    # balanced: no block ends more than one tile's work (plus a few blocks) after the average
+    loads = [sum(cost(i) for i in items) for items in lists]
+    assert max(loads) <= sum(loads) / programs + max(map(cost, items)) + 8
+    # locality: each round's blocks work on consecutive sequences, as few as the round's size allows
+    # (one, or two where it crosses into the next, when a sequence has more tiles than there are blocks)
+    rounds = max(map(len, lists))
+    span = -(-programs // (num_heads * num_q_tiles)) + 1
+    for j in range(rounds):
+        sequences = {items[j][0] for items in lists if len(items) > j}
+        assert max(sequences) - min(sequences) < span and len(sequences) <= span
+    # causal: the last sequence ends on its lightest tiles (the schedule's tail)
+    if causal and len(lists[0]) > 1:
+        assert all(cost(items[-1]) <= cost(items[0]) for items in lists if items[0][0] == batch - 1)
+    # the kernel computes the same with traced int32 scalars
+    for j in range(min(rounds, 3)):
+        for program in (0, programs - 1):
+            py = fm.persistent_tile(j, program, programs, batch, num_heads, num_q_tiles, causal)
+            traced = jax.jit(lambda j, p: fm.persistent_tile(j, p, programs, batch, num_heads, num_q_tiles,
+                                                             causal))(jnp.int32(j), jnp.int32(program))
+            assert [bool(py[0])] + [int(x) for x in py[1:]] == [bool(traced[0])] + [int(x) for x in traced[1:]]
 
 
 def test_log_sum_exp_is_routed_to_the_hopper_kernel(hopper):

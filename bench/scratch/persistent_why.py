@@ -1,6 +1,6 @@
 """Why is the persistent kernel (MgpuBlockSizes.persistent) slower on long sequences? (session 16)
 
-    PYTHONPATH=. python3 bench/scratch/persistent_why.py OUT_DIR [ROUNDS]
+    PYTHONPATH=. python3 bench/scratch/persistent_why.py OUT_DIR [ROUNDS] [--more]
 
 At B=1 H=16 S=100000 head_dim 64 the default and the persistent build, causal and non-causal, timed in
 ROUNDS alternating rounds (median of 5 timings of back-to-back calls). Non-causal tiles all cost the
@@ -35,6 +35,10 @@ from bench.report import slug
 
 fm = importlib.import_module("ttj_jax.kernels.flash_attention_mgpu")
 B, H, S, HD = 1, 16, 100_000, 64
+# (B, H, S, head_dim, causal): the main case both ways, then (with --more) shape 13's and shape 14's
+# attention calls and a head_dim-128 one
+CASES = [(B, H, S, HD, True), (B, H, S, HD, False)]
+MORE_CASES = [(64, 4, 1024, 32, True), (8, 16, 100_000, 64, True), (1, 16, 16384, 128, True)]
 
 
 def main_loop(sass: str) -> list[str]:
@@ -76,37 +80,40 @@ def sass_report(dumps: pathlib.Path, path: pathlib.Path):
 def main(argv):
     if argv and argv[0] == "--sass":
         return sass_report(pathlib.Path(argv[1]), pathlib.Path(argv[2]))
+    more = "--more" in argv
+    argv = [a for a in argv if a != "--more"]
     out_dir = pathlib.Path(argv[0])
     rounds = int(argv[1]) if len(argv) > 1 else 3
-    default = fm.default_block_sizes(HD, S)
-    builds = {}
-    q, k, v = _random_qkv(S, (B, S, H, HD), jnp.float16)
-    for causal in (True, False):
+    builds, inputs = {}, {}
+    for case in CASES + (MORE_CASES if more else []):
+        b, h, s, hd, causal = case
+        inputs[case] = _random_qkv(s, (b, s, h, hd), jnp.float16)
+        default = fm.default_block_sizes(hd, s)
         for name, blocks in (("default", default), ("persistent", dataclasses.replace(default, persistent=True))):
-            fn = jax.jit(lambda q, k, v, c=causal, b=blocks: fm.flash_attention_mgpu(q, k, v, causal=c, block_sizes=b))
-            compiled = fn.lower(q, k, v).compile()
-            jax.block_until_ready(compiled(q, k, v))
-            builds[(causal, name)] = compiled
+            fn = jax.jit(lambda q, k, v, c=causal, bl=blocks: fm.flash_attention_mgpu(q, k, v, causal=c, block_sizes=bl))
+            compiled = fn.lower(*inputs[case]).compile()
+            jax.block_until_ready(compiled(*inputs[case]))
+            builds[(case, name)] = compiled
     samples = {key: [] for key in builds}
     for r in range(rounds):
         for key in (list(builds) if r % 2 == 0 else list(reversed(builds))):
-            ms, _ = stream_ms_per_call(builds[key], (q, k, v), min_seconds=0.3, repeats=5)
+            ms, _ = stream_ms_per_call(builds[key], inputs[key[0]], min_seconds=0.3, repeats=5)
             samples[key].append(ms)
     rows = []
-    for (causal, name), ms in samples.items():
+    for ((b, h, s, hd, causal), name), ms in samples.items():
         median = statistics.median(ms)
-        rows.append(dict(causal=causal, build=name, ms=median, ms_rounds=ms,
-                         tflops=fm.attention_flops(B, S, H, HD, causal) / (median * 1e9)))
+        rows.append(dict(B=b, H=h, S=s, head_dim=hd, causal=causal, build=name, ms=median, ms_rounds=ms,
+                         tflops=fm.attention_flops(b, s, h, hd, causal) / (median * 1e9)))
     device = jax.devices()[0]
     result = dict(gpu=device.device_kind, jax=jax.__version__, date=datetime.date.today().isoformat(),
-                  command="PYTHONPATH=. python3 bench/scratch/persistent_why.py OUT " + str(rounds),
-                  case=dict(B=B, H=H, S=S, head_dim=HD), rows=rows)
+                  command="PYTHONPATH=. python3 bench/scratch/persistent_why.py OUT " + str(rounds)
+                  + (" --more" if more else ""), rows=rows)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"persistent-why-{result['date']}-{slug(device.device_kind)}.json"
     path.write_text(json.dumps(result, indent=1))
     for r in rows:
-        print(f"{'causal' if r['causal'] else 'full':6s} {r['build']:10s} {r['ms']:9.3f} ms {r['tflops']:7.1f} TFLOP/s "
-              f"rounds {['%.3f' % x for x in r['ms_rounds']]}")
+        print(f"B={r['B']} H={r['H']} S={r['S']} hd={r['head_dim']} {'causal' if r['causal'] else 'full':6s} "
+              f"{r['build']:10s} {r['ms']:9.3f} ms {r['tflops']:7.1f} TFLOP/s rounds {['%.3f' % x for x in r['ms_rounds']]}")
     print(f"wrote {path}")
 
 

@@ -192,8 +192,8 @@ class MgpuBlockSizes:
     # next GEMM phase's issue across it; 2 more spill stores (ptxas-2026-12-01-nvidia-h200-session16-lazy.json).
     lazy_rescale: bool = False
     # One long-lived CUDA block per SM (at most), each looping over its share of the query tiles
-    # (`persistent_schedule`: heaviest first, each tile to the block with the least work so far, by the
-    # same cost model the GPU's own scheduling follows) instead of one block per tile: the K/V ring runs
+    # (`persistent_tile`: rounds of one tile per block in a fixed cost order, snake-wise, computed from
+    # the block's id and the round alone) instead of one block per tile: the K/V ring runs
     # on from one tile into the next, the next tile's Q is loaded while this one's last P @ V and store
     # run, and the output is staged in its own buffer. Measured per-tile cost of the one-block-per-tile
     # kernel: 5.5 us beyond its key blocks (bench/results/cta-overhead-2026-12-01-nvidia-h200.json),
@@ -407,12 +407,8 @@ def launch_block_sizes(seq_len: int, head_dim: int, itemsize: int, block_sizes: 
     return blocks
 
 
-# Persistent kernel (MgpuBlockSizes.persistent): a tile's cost in the schedule is its key blocks plus this
-# many blocks' worth of per-tile work (Q load, first and last GEMMs, store); the schedule's table holds
-# tile numbers in rows of this many int32 (one TMA box per program: at most 256 rows).
-PERSISTENT_TILE_COST_BLOCKS = 2.0
-PERSISTENT_INTERPRET_PROGRAMS = 3   # interpret mode: a few programs, each with several tiles
-_SCHEDULE_ROW = 64
+# Persistent kernel (MgpuBlockSizes.persistent): in interpret mode a few programs, each with several tiles.
+PERSISTENT_INTERPRET_PROGRAMS = 3
 
 
 def sm_count() -> int:
@@ -425,33 +421,45 @@ def sm_count() -> int:
     return 132
 
 
-def persistent_schedule(batch: int, num_heads: int, seq_len: int, blocks: MgpuBlockSizes, causal: bool,
-                        num_programs: int) -> np.ndarray:
-    """Which query tiles each of `num_programs` persistent CUDA blocks runs, in order: int32
-    [num_programs, rows, _SCHEDULE_ROW], each entry (b * H + h) * num_q_tiles + tile, -1 after a
-    program's last tile (at least one -1 each). The tiles are taken in the one-block-per-tile kernel's
-    launch order (sequence, head, then query tiles heaviest first), each given to the program with the
-    least work so far (key blocks plus PERSISTENT_TILE_COST_BLOCKS), as the GPU hands out blocks; so
-    programs busy at one time work on neighbouring tiles of one head and share its K/V in L2."""
-    num_q_tiles = _cdiv(seq_len, blocks.block_q)
-    order = [(num_q_tiles - 1 - i) if causal else i for i in range(num_q_tiles)]
-    costs = [kv_block_range(t * blocks.block_q, blocks.block_q, seq_len, blocks.block_kv, causal)[1]
-             + PERSISTENT_TILE_COST_BLOCKS for t in order]
-    loads = [(0.0, p) for p in range(num_programs)]
+def persistent_tile(j, program, num_programs: int, batch: int, num_heads: int, num_q_tiles: int, causal: bool):
+    """The persistent kernel's j-th tile of block `program`: (valid, sequence, head, query tile), valid
+    False past the last tile. Python ints, or traced int32 scalars (the kernel's loop index and program
+    id, so that ptxas sees every derived value as uniform across the block's threads).
+
+    Round j hands the next num_programs tiles of one fixed order to the programs, forward in even
+    rounds and backward in odd ones (a snake: consecutive tiles differ little in cost, so each pair of
+    rounds gives every program about the same work). The order: sequence by sequence, within one the
+    query tiles by cost (heaviest first, causal) and within a tile position the heads, so that programs
+    busy at one time work on neighbouring tiles of the same sequence and share its K/V in L2. Causal:
+    alternate sequences run light to heavy, so the cost never jumps between sequences, and the last one
+    heavy to light, so the schedule ends on the lightest tiles."""
+    position = program if isinstance(j, int) and j % 2 == 0 else (
+        num_programs - 1 - program if isinstance(j, int) else _where(_rem(j, 2) == 0, program,
+                                                                      num_programs - 1 - program))
+    linear = j * num_programs + position
+    valid = linear < batch * num_heads * num_q_tiles
+    per_sequence = num_heads * num_q_tiles
+    sequence = _div(linear, per_sequence)
+    within = _rem(linear, per_sequence)
+    rank, head = _div(within, num_heads), _rem(within, num_heads)
+    if causal:
+        heavy_first = _rem(batch - 1 - sequence, 2) == 0
+        tile = _where(heavy_first, num_q_tiles - 1 - rank, rank)
+    else:
+        tile = rank
+    return valid, sequence, head, tile
+
+
+def persistent_schedule(batch: int, num_heads: int, num_q_tiles: int, causal: bool,
+                        num_programs: int) -> list[list[tuple[int, int, int]]]:
+    """Each persistent block's (sequence, head, query tile) list, in order (persistent_tile in Python)."""
     lists = [[] for _ in range(num_programs)]
-    for sequence_head in range(batch * num_heads):
-        for tile, cost in zip(order, costs):
-            load, program = heapq.heappop(loads)
-            lists[program].append(sequence_head * num_q_tiles + tile)
-            heapq.heappush(loads, (load + cost, program))
-    rows = _cdiv(max(len(items) for items in lists) + 1, _SCHEDULE_ROW)
-    if rows > 256:
-        raise ValueError(f"{batch * num_heads * num_q_tiles} query tiles over {num_programs} programs: more than "
-                         f"{256 * _SCHEDULE_ROW - 1} per program, the persistent kernel's schedule limit")
-    table = np.full((num_programs, rows * _SCHEDULE_ROW), -1, np.int32)
-    for program, items in enumerate(lists):
-        table[program, :len(items)] = items
-    return table.reshape(num_programs, rows, _SCHEDULE_ROW)
+    for j in range(_cdiv(batch * num_heads * num_q_tiles, num_programs)):
+        for program in range(num_programs):
+            valid, *item = persistent_tile(j, program, num_programs, batch, num_heads, num_q_tiles, causal)
+            if valid:
+                lists[program].append(tuple(item))
+    return lists
 
 
 def attention_flops(batch: int, seq_len: int, num_heads: int, head_dim: int, causal: bool) -> float:
@@ -470,6 +478,21 @@ def _cdiv(a, b: int):
     if isinstance(a, int):
         return -(-a // b)
     return lax.div(a + (b - 1), jnp.int32(b))
+
+
+def _div(a, b):
+    # For a >= 0 (and b > 0), where truncation equals floor division; b an int or traced.
+    return a // b if isinstance(a, int) and isinstance(b, int) else lax.div(a, jnp.asarray(b, jnp.int32))
+
+
+def _rem(a, b):
+    return a % b if isinstance(a, int) and isinstance(b, int) else lax.rem(a, jnp.asarray(b, jnp.int32))
+
+
+def _where(condition, a, b):
+    if isinstance(condition, (bool, np.bool_)):
+        return a if condition else b
+    return jnp.where(condition, a, b)
 
 
 def _floordiv(a, b: int):
@@ -551,13 +574,13 @@ def _compiler_params(lowering_semantics: str):
 
 def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_scale: float,
                       seq_len: int, num_q_tiles: int, head_dim: int, blocks: MgpuBlockSizes, dtype, interpret=False,
-                      lse_ref=None, num_heads: int | None = None, schedule_ref=None):
-    # Refs: q, k, v, out [B, S, H, hd] in GMEM; lse_ref [B, H, S] fp32 in GMEM or None (return_lse);
-    # schedule_ref: the persistent kernel's tiles per program (persistent_schedule), else None.
+                      lse_ref=None, num_heads: int | None = None, batch_size: int | None = None,
+                      num_programs: int | None = None):
+    # Refs: q, k, v, out [B, S, H, hd] in GMEM; lse_ref [B, H, S] fp32 in GMEM or None (return_lse).
+    # num_heads, batch_size, num_programs: the persistent kernel's (persistent_tile), else None.
     # scoped: shared memory and barriers for all warpgroups.
     plgpu, pl = (_InterpretPlgpu(scoped), _InterpretPallas()) if interpret else (_plgpu(), _PALLAS)
-    (q_smem, k_smem, v_smem, *other_smem), (q_ready, k_ready, v_ready, k_consumed, v_consumed, tokens,
-                                            *persistent_barriers) = scoped
+    (q_smem, k_smem, v_smem, *other_smem), (q_ready, k_ready, v_ready, k_consumed, v_consumed, tokens) = scoped
     num_wgs, block_kv, num_stages = blocks.num_compute_wgs, blocks.block_kv, blocks.num_stages
     rows = ROWS_PER_CONSUMER
     wg = lax.axis_index("wg")
@@ -848,30 +871,20 @@ def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_
             plgpu.wait_smem_to_gmem(0)
 
     if blocks.persistent:
-        # This block's tiles (persistent_schedule's row for it) into SMEM, for every warpgroup.
-        o_smem, table_smem = other_smem[len(_interpret_smem(interpret, 1, 8, 64, dtype)):][:2]
-        (table_ready,) = persistent_barriers
+        o_smem = other_smem[len(_interpret_smem(interpret, 1, 8, 64, dtype))]
         program = lax.axis_index(_GRID_PROGRAM)
-
-        @pl.when(wg == num_wgs)
-        def _():
-            plgpu.copy_gmem_to_smem(schedule_ref.at[program], table_smem, table_ready.at[0])
-        plgpu.barrier_wait(table_ready.at[0])
 
         def item_at(j):
             """(valid, batch, head, tile_start) of this block's j-th tile; valid False past its last."""
-            code = table_smem[lax.div(j, jnp.int32(_SCHEDULE_ROW)), lax.rem(j, jnp.int32(_SCHEDULE_ROW))]
-            valid = code >= 0
-            code = jnp.maximum(code, 0)
-            sequence_head = lax.div(code, jnp.int32(num_q_tiles))
-            return (valid, lax.div(sequence_head, jnp.int32(num_heads)), lax.rem(sequence_head, jnp.int32(num_heads)),
-                    lax.rem(code, jnp.int32(num_q_tiles)) * blocks.block_q)
+            valid, sequence, head, tile = persistent_tile(j, program, num_programs, batch_size, num_heads,
+                                                          num_q_tiles, causal)
+            return valid, sequence, head, tile * blocks.block_q
 
         def ring_steps(valid, tile_start):   # K/V blocks the tile loads into the ring (0 past the last tile)
             _, blocks_loaded = kv_block_range(tile_start, blocks.block_q, seq_len, block_kv, causal)
             return jnp.where(valid, blocks_loaded, 0)
 
-        max_items = table_smem.shape[0] * table_smem.shape[1] - 1   # the last entry is always -1
+        max_items = _cdiv(batch_size * num_heads * num_q_tiles, num_programs)   # rounds
 
     @pl.when(wg < num_wgs)
     def _consumer():
@@ -1157,15 +1170,9 @@ def _launch(operands: tuple, shape: tuple, *, causal, interpret, sm_scale, block
             plgpu.SMEM((num_stages, blocks.block_kv, head_dim), dtype, transforms=transforms),
             plgpu.SMEM((num_stages, blocks.block_kv, head_dim), dtype, transforms=transforms)) \
         + _interpret_smem(interpret, num_wgs, head_dim, blocks.block_kv, dtype)   # () for the GPU kernel
-    schedule = None
-    if blocks.persistent:   # after those: the output's staging buffer and this block's tile list
+    if blocks.persistent:   # after those: the output's staging buffer
         num_programs = min(batch * num_heads * num_q_tiles, PERSISTENT_INTERPRET_PROGRAMS if interpret else sm_count())
-        schedule = persistent_schedule(batch, num_heads, seq_len, blocks, causal, num_programs)
-        if smem_bytes(head_dim, dtype.itemsize, blocks) + schedule[0].nbytes > SMEM_BUDGET_BYTES:
-            raise ValueError(f"persistent: {schedule.shape[1] * _SCHEDULE_ROW - 1} tiles per program do not fit in "
-                             f"shared memory beside {blocks} at head_dim={head_dim}")
-        smem += (plgpu.SMEM((num_wgs, ROWS_PER_CONSUMER, head_dim), dtype, transforms=transforms),
-                 plgpu.SMEM(schedule.shape[1:], jnp.int32))
+        smem += (plgpu.SMEM((num_wgs, ROWS_PER_CONSUMER, head_dim), dtype, transforms=transforms),)
     if blocks.row_sum_mma:   # last: the kernel finds it at scoped[0][-1]
         smem += (plgpu.SMEM((num_wgs, blocks.block_kv, ROW_SUM_COLUMNS), dtype, transforms=(
             plgpu.TilingTransform((8, ROW_SUM_COLUMNS)), plgpu.SwizzleTransform(ROW_SUM_COLUMNS * dtype.itemsize))),)
@@ -1177,18 +1184,14 @@ def _launch(operands: tuple, shape: tuple, *, causal, interpret, sm_scale, block
                 plgpu.Barrier(num_arrivals=num_wgs, num_barriers=num_stages),    # k_consumed
                 plgpu.Barrier(num_arrivals=num_wgs, num_barriers=num_stages),    # v_consumed
                 plgpu.Barrier(num_arrivals=1, num_barriers=num_wgs))             # tokens
-    if blocks.persistent:
-        barriers += (plgpu.Barrier(num_arrivals=1, num_barriers=1),)             # table_ready
     kernel = functools.partial(_kernel_body(interpret), causal=causal, sm_scale=sm_scale, seq_len=seq_len,
                                num_q_tiles=num_q_tiles, head_dim=head_dim, blocks=blocks, dtype=dtype)
     if blocks.persistent:
-        kernel = functools.partial(kernel, num_heads=num_heads)
+        kernel = functools.partial(kernel, num_heads=num_heads, batch_size=batch, num_programs=num_programs)
 
-    def entry(q_ref, k_ref, v_ref, *refs):
-        schedule_ref, (out_ref, *lse_ref) = (refs[0], refs[1:]) if blocks.persistent else (None, refs)
-        extra = {} if schedule_ref is None else {"schedule_ref": schedule_ref}
+    def entry(q_ref, k_ref, v_ref, out_ref, *lse_ref):
         pl.run_scoped(lambda *scoped: kernel(q_ref, k_ref, v_ref, out_ref, scoped,
-                                             lse_ref=lse_ref[0] if lse_ref else None, **extra),
+                                             lse_ref=lse_ref[0] if lse_ref else None),
                       smem, barriers, collective_axes="wg")
 
     def fused_entry(qkv_ref, *refs):
@@ -1206,9 +1209,8 @@ def _launch(operands: tuple, shape: tuple, *, causal, interpret, sm_scale, block
         # rows past S were not dropped but landed in the next head's first rows, on the H200 with three
         # consumers: bench/results/mgpu-lse-rows-2026-11-30-h200.json.)
         out_type = (out_type, jax.ShapeDtypeStruct((batch, num_heads, num_q_tiles * blocks.block_q), jnp.float32))
-    if blocks.persistent:   # the tiles' order is the schedule's (grid_order's tiles_inner)
-        grid, grid_names = (schedule.shape[0],), (_GRID_PROGRAM,)
-        operands = operands + (jnp.asarray(schedule),)
+    if blocks.persistent:   # the tiles' order is persistent_tile's (grid_order does not apply)
+        grid, grid_names = (num_programs,), (_GRID_PROGRAM,)
     elif grid_order == "tiles_outer":
         grid, grid_names = (num_q_tiles, num_heads, batch), (_GRID_Q_TILE, _GRID_HEAD, _GRID_SEQUENCE)
     else:
@@ -1353,16 +1355,17 @@ def _interpret_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, seq
     smem, (_, _, _, k_consumed, v_consumed, tokens, *_) = scoped
     num_wgs, num_stages = blocks.num_compute_wgs, blocks.num_stages
     wg = lax.axis_index("wg")
-    if blocks.persistent:   # all the ring steps of this block's tiles (see _attention_kernel)
-        table = smem[6][...].reshape(-1)   # after q, k, v and the two staging buffers: o, then the table
+    if blocks.persistent:   # the ring starts at slot 0 with each tile: each slot used by any of this
+        # block's tiles has its last release unobserved
+        program, batch, num_heads = lax.axis_index(_GRID_PROGRAM), kwargs["batch_size"], kwargs["num_heads"]
+        num_programs = kwargs["num_programs"]
 
-        # the ring starts at slot 0 with each tile: each slot used by any tile has its last release unobserved
         def widest(j, most):
-            code = table[j]
-            tile = lax.rem(jnp.maximum(code, 0), jnp.int32(num_q_tiles))
+            valid, _, _, tile = persistent_tile(j, program, num_programs, batch, num_heads, num_q_tiles, causal)
             _, loaded = kv_block_range(tile * blocks.block_q, blocks.block_q, seq_len, blocks.block_kv, causal)
-            return jnp.maximum(most, jnp.where(code >= 0, jnp.minimum(loaded, num_stages), 0))
-        tile_blocks = lax.fori_loop(0, table.shape[0], widest, jnp.int32(0))   # drain below: [0, this)
+            return jnp.maximum(most, jnp.where(valid, jnp.minimum(loaded, num_stages), 0))
+        tile_blocks = lax.fori_loop(0, _cdiv(batch * num_heads * num_q_tiles, num_programs), widest,
+                                    jnp.int32(0))   # drain below: [0, this)
     else:
         tile = lax.axis_index(_GRID_Q_TILE)
         if causal:
