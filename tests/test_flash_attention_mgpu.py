@@ -706,9 +706,15 @@ def test_persistent_schedule(batch, num_heads, seq_len, causal, programs):
     for j in range(rounds):
         sequences = {items[j][0] for items in lists if len(items) > j}
         assert max(sequences) - min(sequences) < span and len(sequences) <= span
-    # causal: the last sequence ends on its lightest tiles (the schedule's tail)
-    if causal and len(lists[0]) > 1:
-        assert all(cost(items[-1]) <= cost(items[0]) for items in lists if items[0][0] == batch - 1)
+    # causal, long sequences: the schedule ends on light tiles (its tail), no block's last tile above the
+    # median cost (short ones: a round spans several sequences run in both directions)
+    if causal and num_q_tiles >= 4 * programs:
+        assert max(cost(items[-1]) for items in lists if items) <= sorted(map(cost, items))[len(items) // 2]
+    # long sequences: each round within one head, or two where it crosses into the next
+    if num_q_tiles >= programs:
+        for j in range(rounds):
+            heads = {items[j][:2] for items in lists if len(items) > j}
+            assert len(heads) <= 2
     # the kernel computes the same with traced int32 scalars
     for j in range(min(rounds, 3)):
         for program in (0, programs - 1):

@@ -1,6 +1,6 @@
 """Why is the persistent kernel (MgpuBlockSizes.persistent) slower on long sequences? (session 16)
 
-    PYTHONPATH=. python3 bench/scratch/persistent_why.py OUT_DIR [ROUNDS] [--more]
+    PYTHONPATH=. python3 bench/scratch/persistent_why.py OUT_DIR [ROUNDS] [--more | --only=I,J]
 
 At B=1 H=16 S=100000 head_dim 64 the default and the persistent build, causal and non-causal, timed in
 ROUNDS alternating rounds (median of 5 timings of back-to-back calls). Non-causal tiles all cost the
@@ -81,11 +81,15 @@ def main(argv):
     if argv and argv[0] == "--sass":
         return sass_report(pathlib.Path(argv[1]), pathlib.Path(argv[2]))
     more = "--more" in argv
-    argv = [a for a in argv if a != "--more"]
+    only = next((a.split("=", 1)[1] for a in argv if a.startswith("--only=")), None)
+    argv = [a for a in argv if a != "--more" and not a.startswith("--only=")]
     out_dir = pathlib.Path(argv[0])
     rounds = int(argv[1]) if len(argv) > 1 else 3
     builds, inputs = {}, {}
-    for case in CASES + (MORE_CASES if more else []):
+    cases = CASES + (MORE_CASES if more else [])
+    if only:   # --only=I,J: those entries of CASES + MORE_CASES
+        cases = [(CASES + MORE_CASES)[int(i)] for i in only.split(",")]
+    for case in cases:
         b, h, s, hd, causal = case
         inputs[case] = _random_qkv(s, (b, s, h, hd), jnp.float16)
         default = fm.default_block_sizes(hd, s)
@@ -107,7 +111,7 @@ def main(argv):
     device = jax.devices()[0]
     result = dict(gpu=device.device_kind, jax=jax.__version__, date=datetime.date.today().isoformat(),
                   command="PYTHONPATH=. python3 bench/scratch/persistent_why.py OUT " + str(rounds)
-                  + (" --more" if more else ""), rows=rows)
+                  + (" --more" if more else "") + (f" --only={only}" if only else ""), rows=rows)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"persistent-why-{result['date']}-{slug(device.device_kind)}.json"
     path.write_text(json.dumps(result, indent=1))

@@ -424,27 +424,36 @@ def sm_count() -> int:
 def persistent_tile(j, program, num_programs: int, batch: int, num_heads: int, num_q_tiles: int, causal: bool):
     """The persistent kernel's j-th tile of block `program`: (valid, sequence, head, query tile), valid
     False past the last tile. Python ints, or traced int32 scalars (the kernel's loop index and program
-    id, so that ptxas sees every derived value as uniform across the block's threads).
+    id: every value derived from them is then uniform across the block's threads to ptxas, which a tile
+    list read from shared memory was not, costing the main loop's barrier bookkeeping its uniform
+    registers: bench/results/persistent-why-2026-12-01-nvidia-h200.json).
 
     Round j hands the next num_programs tiles of one fixed order to the programs, forward in even
-    rounds and backward in odd ones (a snake: consecutive tiles differ little in cost, so each pair of
-    rounds gives every program about the same work). The order: sequence by sequence, within one the
-    query tiles by cost (heaviest first, causal) and within a tile position the heads, so that programs
-    busy at one time work on neighbouring tiles of the same sequence and share its K/V in L2. Causal:
-    alternate sequences run light to heavy, so the cost never jumps between sequences, and the last one
-    heavy to light, so the schedule ends on the lightest tiles."""
+    rounds and backward in odd ones (a snake: neighbouring tiles differ little in cost, so each pair of
+    rounds gives every program about the same work). The order, when a head has at least as many
+    query tiles as there are programs (long sequences): head by head, each head's tiles by cost, so
+    that the programs busy at one time share one head's K/V in L2 (as the one-block-per-tile grid's
+    launch order does; interleaving the heads cost 7-13% at S=100000:
+    persistent-why-2026-12-01-nvidia-h200-arith.json); causal, alternate heads run light to heavy so
+    that the cost never jumps between heads, and the last one heavy to light, so that the schedule ends
+    on the lightest tiles. Shorter sequences (a round spans many heads, and the snake's pairs would not
+    balance): sequence by sequence, within one the tiles by cost and within a tile position the heads,
+    alternate sequences light to heavy."""
     position = program if isinstance(j, int) and j % 2 == 0 else (
         num_programs - 1 - program if isinstance(j, int) else _where(_rem(j, 2) == 0, program,
                                                                       num_programs - 1 - program))
     linear = j * num_programs + position
     valid = linear < batch * num_heads * num_q_tiles
-    per_sequence = num_heads * num_q_tiles
-    sequence = _div(linear, per_sequence)
-    within = _rem(linear, per_sequence)
-    rank, head = _div(within, num_heads), _rem(within, num_heads)
+    if num_q_tiles >= num_programs:   # head-major
+        group, rank = _div(linear, num_q_tiles), _rem(linear, num_q_tiles)
+        sequence, head = _div(group, num_heads), _rem(group, num_heads)
+        last_group = batch * num_heads - 1
+    else:   # sequence-major, tiles by cost, then heads
+        sequence, within = _div(linear, num_heads * num_q_tiles), _rem(linear, num_heads * num_q_tiles)
+        rank, head = _div(within, num_heads), _rem(within, num_heads)
+        group, last_group = sequence, batch - 1
     if causal:
-        heavy_first = _rem(batch - 1 - sequence, 2) == 0
-        tile = _where(heavy_first, num_q_tiles - 1 - rank, rank)
+        tile = _where(_rem(last_group - group, 2) == 0, num_q_tiles - 1 - rank, rank)
     else:
         tile = rank
     return valid, sequence, head, tile
