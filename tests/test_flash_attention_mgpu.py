@@ -615,6 +615,9 @@ INTERPRET_CASES = {
     # (the ring restarting at slot 0, the next Q prefetched, the output staged apart, the token ring)
     "hd64-S200-persistent-causal": (1, 200, 2, 64, True, Blocks(block_kv=64, num_stages=2, persistent=True)),
     "hd64-S200-persistent-3stages": (1, 200, 2, 64, False, Blocks(block_kv=64, num_stages=3, persistent=True)),
+    # 4 query tiles per head >= 3 blocks: the head-major order of long sequences (persistent_tile)
+    "hd64-S400-persistent-head-major-causal": (1, 400, 2, 64, True, Blocks(block_kv=64, num_stages=2,
+                                                                           persistent=True)),
     "hd128-S113-persistent-one-acc-causal": (2, 113, 2, 128, True, Blocks(block_kv=64, num_stages=2, overlap_softmax=True,
                                                                           overlap_one_accumulator=True, persistent=True)),
 }
