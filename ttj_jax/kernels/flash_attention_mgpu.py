@@ -193,32 +193,31 @@ class MgpuBlockSizes:
     lazy_rescale: bool = False
     # One long-lived CUDA block per SM (at most), each looping over its share of the query tiles
     # (`persistent_tile`: rounds of one tile per block in a fixed cost order, snake-wise, computed from
-    # the block's id and the round alone) instead of one block per tile: the K/V ring runs
-    # on from one tile into the next, the next tile's Q is loaded while this one's last P @ V and store
-    # run, and the output is staged in its own buffer. Measured per-tile cost of the one-block-per-tile
-    # kernel: 5.5 us beyond its key blocks (bench/results/cta-overhead-2026-12-01-nvidia-h200.json),
-    # 0.83% of the head_dim-64 main case and much more of short sequences. Opt-in: faster on short
-    # sequences, slower on long ones. On the H200 (`python3 bench/bench_attention_mgpu.py --persistent`,
-    # 13/13 checks, medians of alternating rounds, TFLOP/s, default first): B=64 H=4 S=1024 at head_dim 32
-    # (shape 13's call) 146.2 against 134.4, still below our generic kernel's 164.9 that the model uses
-    # there; at head_dim 64 245.4 against 232.7; B=1 H=16 S=100000 hd 64 490.6 against 494.8; B=8 (shape
-    # 14's call) 484.3 against 490.2; B=4 H=16 S=8192 hd 32 269.9 against 273.7; B=1 H=16 S=16384 hd 128
-    # 569.9 against 588.2 (attention-mgpu-2026-12-01-nvidia-h200-persistent2.{json,log}). The first build,
-    # which carried the ring's slot offset from tile to tile, lost 1.4% at the main case: 6 more
-    # instructions in the main loop (persistent.json; ptxas-2026-12-01-nvidia-h200-session16-persistent
-    # {,2}.json: 88 bytes of spills in this build against the default's 92). Why long sequences still
-    # lose (bench/scratch/persistent_why.py, bench/results/persistent-why-2026-12-01-nvidia-h200.json):
-    # not the schedule, since non-causal tiles, all equal, lose more (465.9 against 487.4 TFLOP/s;
-    # causal 478.9 against 485.0 in that run), but the main loop's code: 433 instructions against 427,
-    # its slot and address arithmetic moved from the uniform datapath (ULOP3, USHF) to per-thread
-    # LOP3/SHF. Not because the tile comes from a shared-memory load: passed through redux.sync (whose
-    # result ptxas keeps in a uniform register; commit 8d1b261, reverted) it left the loop and the
-    # timings unchanged (persistent-why-2026-12-01-nvidia-h200-uniform.json). The moved instructions
-    # are the barrier-phase bookkeeping of the ready barriers (1 << slot, XOR into the phase bitfield,
-    # extract the parity), which the default keeps in uniform registers and this build in per-thread
-    # ones. Not verified: the bitfields now live across the per-tile loop, whose body issues
-    # single-thread TMA copies (the next Q, the output store), divergent branches after which ptxas no
-    # longer treats them as uniform.
+    # the block's id and the round alone) instead of one block per tile: the K/V ring runs on from one
+    # tile into the next (starting at slot 0 with each), the next tile's Q is loaded while this one's
+    # last P @ V and store run, and the output is staged in its own buffer. Opt-in; nothing dispatches
+    # to it. Why: the one-block-per-tile kernel costs 5.5 us per tile beyond its key blocks (bench/
+    # results/cta-overhead-2026-12-01-nvidia-h200.json), 0.83% of the head_dim-64 main case and much
+    # more of short sequences. History, all on the H200 against the default in alternating rounds:
+    # 1. Tile lists in shared memory (least-loaded assignment; 13/13 checks, `python3 bench/
+    #    bench_attention_mgpu.py --persistent`, attention-mgpu-2026-12-01-nvidia-h200-persistent2.
+    #    {json,log}): shape 13's call (B=64 H=4 S=1024 hd 32) 146.2 against 134.4 TFLOP/s, but the main
+    #    case 490.6 against 494.8, shape 14's call (B=8) 484.3 against 490.2, hd 128 S=16384 569.9
+    #    against 588.2. Its main loop had 433 instructions against 427: the ready barriers' phase
+    #    bookkeeping on per-thread instead of uniform registers (non-causal, balanced by construction,
+    #    lost more, 465.9 against 487.4: persistent-why-2026-12-01-nvidia-h200.json), because the tile
+    #    index came from a shared-memory load; passing it through redux.sync did not help (-uniform.json).
+    # 2. The order computed from block id and round (`bench/scratch/persistent_why.py OUT 3 --more`,
+    #    persistent-why-2026-12-01-nvidia-h200-arith.json): main loop 429 instructions (2 UMOV more),
+    #    shape 13's call 155.1 against 135.2 (+14.7%; our generic kernel, which the model uses there,
+    #    ran 164.9 in the first run), but with the heads interleaved at each tile position, long
+    #    sequences lost 7-13% (main case 454.0 against 484.4, non-causal 433.8 against 487.4, B=8 420.0
+    #    against 485.3, hd 128 S=16384 532.8 against 566.8): the blocks busy at one time no longer
+    #    share one head's K/V in L2.
+    # 3. Now: long sequences (a head has at least as many tiles as there are blocks) take a head-major
+    #    order, short ones keep (2)'s. Checked in interpret mode on the CPU only and NOT measured or
+    #    checked on the GPU: the session's device time ran out. (2)'s GPU timings were taken without
+    #    an output check; (1) had one.
     persistent: bool = False
 
     def __post_init__(self):
