@@ -644,15 +644,19 @@ def test_kernel_in_gpu_interpret_mode(case):
     _interpret_case(*INTERPRET_CASES[case], interpret=True)
 
 
-@pytest.mark.parametrize("batch, seq_len, causal", [(2, 113, False), (1, 200, True)])
-def test_log_sum_exp_in_gpu_interpret_mode(batch, seq_len, causal):
+@pytest.mark.parametrize("batch, seq_len, causal, blocks",
+                         [(2, 113, False, None), (1, 200, True, None),
+                          # persistent blocks store each tile's log-sum-exp rows beside its staged output
+                          (1, 200, True, Blocks(block_kv=64, num_stages=2, persistent=True))])
+def test_log_sum_exp_in_gpu_interpret_mode(batch, seq_len, causal, blocks):
     # return_lse: each row's log(sum_j exp(sm_scale q.k_j)) from the kernel's base-2 running max and sum
     # (what the ring merges visits with); the output is the one without it, bit for bit.
     rng = np.random.default_rng(seq_len)
     q, k, v = (jnp.asarray(rng.standard_normal((batch, seq_len, 2, 128)).astype(np.float16)) for _ in range(3))
-    out, lse = fm.flash_attention_mgpu(q, k, v, causal=causal, interpret=True, return_lse=True)
+    out, lse = fm.flash_attention_mgpu(q, k, v, causal=causal, interpret=True, return_lse=True, block_sizes=blocks)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(fm.flash_attention_mgpu(q, k, v, causal=causal,
-                                                                                      interpret=True)))
+                                                                                      interpret=True,
+                                                                                      block_sizes=blocks)))
     scores = jnp.einsum("bqhd,bkhd->bhqk", *(x.astype(jnp.float32) for x in (q, k)), precision="highest") / 128 ** 0.5
     if causal:
         scores = jnp.where(jnp.tril(jnp.ones((seq_len, seq_len), bool)), scores, -jnp.inf)
