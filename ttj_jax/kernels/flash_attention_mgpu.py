@@ -206,7 +206,8 @@ class MgpuBlockSizes:
     #    against 588.2. Its main loop had 433 instructions against 427: the ready barriers' phase
     #    bookkeeping on per-thread instead of uniform registers (non-causal, balanced by construction,
     #    lost more, 465.9 against 487.4: persistent-why-2026-12-01-nvidia-h200.json), because the tile
-    #    index came from a shared-memory load; passing it through redux.sync did not help (-uniform.json).
+    #    index came from a shared-memory load (confirmed by 2.; passing it through redux.sync had not
+    #    helped: -uniform.json).
     # 2. The order computed from block id and round (`bench/scratch/persistent_why.py OUT 3 --more`,
     #    persistent-why-2026-12-01-nvidia-h200-arith.json): main loop 429 instructions (2 UMOV more),
     #    shape 13's call 155.1 against 135.2 (+14.7%; our generic kernel, which the model uses there,
