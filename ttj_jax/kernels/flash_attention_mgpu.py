@@ -69,13 +69,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import heapq
 import math
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
@@ -439,18 +437,16 @@ def persistent_tile(j, program, num_programs: int, batch: int, num_heads: int, n
     on the lightest tiles. Shorter sequences (a round spans many heads, and the snake's pairs would not
     balance): sequence by sequence, within one the tiles by cost and within a tile position the heads,
     alternate sequences light to heavy."""
-    position = program if isinstance(j, int) and j % 2 == 0 else (
-        num_programs - 1 - program if isinstance(j, int) else _where(_rem(j, 2) == 0, program,
-                                                                      num_programs - 1 - program))
+    position = _where(_rem(j, 2) == 0, program, num_programs - 1 - program)
     linear = j * num_programs + position
     valid = linear < batch * num_heads * num_q_tiles
     if num_q_tiles >= num_programs:   # head-major
-        group, rank = _div(linear, num_q_tiles), _rem(linear, num_q_tiles)
-        sequence, head = _div(group, num_heads), _rem(group, num_heads)
+        group, rank = _floordiv(linear, num_q_tiles), _rem(linear, num_q_tiles)
+        sequence, head = _floordiv(group, num_heads), _rem(group, num_heads)
         last_group = batch * num_heads - 1
     else:   # sequence-major, tiles by cost, then heads
-        sequence, within = _div(linear, num_heads * num_q_tiles), _rem(linear, num_heads * num_q_tiles)
-        rank, head = _div(within, num_heads), _rem(within, num_heads)
+        sequence, within = _floordiv(linear, num_heads * num_q_tiles), _rem(linear, num_heads * num_q_tiles)
+        rank, head = _floordiv(within, num_heads), _rem(within, num_heads)
         group, last_group = sequence, batch - 1
     if causal:
         tile = _where(_rem(last_group - group, 2) == 0, num_q_tiles - 1 - rank, rank)
@@ -489,24 +485,18 @@ def _cdiv(a, b: int):
     return lax.div(a + (b - 1), jnp.int32(b))
 
 
-def _div(a, b):
-    # For a >= 0 (and b > 0), where truncation equals floor division; b an int or traced.
-    return a // b if isinstance(a, int) and isinstance(b, int) else lax.div(a, jnp.asarray(b, jnp.int32))
-
-
-def _rem(a, b):
-    return a % b if isinstance(a, int) and isinstance(b, int) else lax.rem(a, jnp.asarray(b, jnp.int32))
-
-
-def _where(condition, a, b):
-    if isinstance(condition, (bool, np.bool_)):
-        return a if condition else b
-    return jnp.where(condition, a, b)
-
-
 def _floordiv(a, b: int):
     # Only for a >= 0, where truncation equals floor division.
     return a // b if isinstance(a, int) else lax.div(a, jnp.int32(b))
+
+
+def _rem(a, b: int):
+    # Only for a >= 0, where the remainder is the modulus.
+    return a % b if isinstance(a, int) else lax.rem(a, jnp.int32(b))
+
+
+def _where(condition, a, b):
+    return (a if condition else b) if isinstance(condition, bool) else jnp.where(condition, a, b)
 
 
 def _minimum(a, b):
@@ -1203,8 +1193,8 @@ def _launch(operands: tuple, shape: tuple, *, causal, interpret, sm_scale, block
                                              lse_ref=lse_ref[0] if lse_ref else None),
                       smem, barriers, collective_axes="wg")
 
-    def fused_entry(qkv_ref, *refs):
-        entry(_SlotRef(qkv_ref, 0), _SlotRef(qkv_ref, 1), _SlotRef(qkv_ref, 2), *refs)
+    def fused_entry(qkv_ref, out_ref):
+        entry(_SlotRef(qkv_ref, 0), _SlotRef(qkv_ref, 1), _SlotRef(qkv_ref, 2), out_ref)
 
     # Row-major grid: the last axis varies fastest, so all heads and batch elements of the heaviest
     # query tile launch first.
