@@ -433,10 +433,18 @@ def softmax_study(run: Run) -> None:
         checks.append(_check(run, 1, 2, LONG_SEQ_LEN, 64, True, kernel_kwargs=kwargs))
         if all(checks):
             passing.append(kwargs)
-    for round_index in range(SOFTMAX_ROUNDS):
-        order = passing if round_index % 2 == 0 else passing[::-1]
-        _time_case(run, *MAIN_CASE, variants=order, baselines=round_index == 0, round_index=round_index)
+    _time_in_rounds(run, [MAIN_CASE], passing, SOFTMAX_ROUNDS)
     _medians_over_rounds(run, "medians_over_rounds")
+
+
+def _time_in_rounds(run: Run, cases, variants, rounds: int, baselines=lambda round_index: round_index == 0):
+    """Each round times every case with the variants, in alternating order (forward in even rounds,
+    backward in odd ones), tagged with the round for _medians_over_rounds; baselines(round) says
+    whether cuDNN and the other kernels are timed beside them in that round."""
+    for round_index in range(rounds):
+        order = variants if round_index % 2 == 0 else variants[::-1]
+        for case in cases:
+            _time_case(run, *case, variants=order, baselines=baselines(round_index), round_index=round_index)
 
 
 def _medians_over_rounds(run: Run, key: str) -> None:
@@ -477,12 +485,8 @@ def lazy_study(run: Run) -> None:
             passing.append(kwargs)
     for seq_len, boost in LAZY_BOOSTS:   # the default on the same inputs, for comparison
         _check(run, 1 if seq_len > 4096 else 2, 2, seq_len, 64, True, boost_keys=boost)
-    for round_index in range(SOFTMAX_ROUNDS):
-        order = passing if round_index % 2 == 0 else passing[::-1]
-        _time_case(run, *MAIN_CASE, variants=order, baselines=round_index == 0, round_index=round_index)
-    for round_index in range(3):
-        order = passing if round_index % 2 == 0 else passing[::-1]
-        _time_case(run, *GRID_CASES[0], variants=order, baselines=False, round_index=round_index)
+    _time_in_rounds(run, [MAIN_CASE], passing, SOFTMAX_ROUNDS)
+    _time_in_rounds(run, [GRID_CASES[0]], passing, 3, baselines=lambda round_index: False)
     _medians_over_rounds(run, "medians_over_rounds")
 
 
@@ -510,10 +514,9 @@ def persistent_study(run: Run) -> None:
         passing[key] = all(checks)
     for (batch, heads, seq_len, head_dim), rounds in PERSISTENT_CASES:
         variants = [{}] + ([_persistent_variant(seq_len, head_dim)] if passing[(seq_len, head_dim)] else [])
-        for round_index in range(rounds):
-            order = variants if round_index % 2 == 0 else variants[::-1]
-            _time_case(run, batch, heads, seq_len, head_dim, variants=order,
-                       baselines=round_index == 0 or (seq_len, head_dim) == (1024, 32), round_index=round_index)
+        # at shape 13's call the generic kernel (what the model runs there) in every round
+        _time_in_rounds(run, [(batch, heads, seq_len, head_dim)], variants, rounds,
+                        baselines=lambda round_index: round_index == 0 or (seq_len, head_dim) == (1024, 32))
     _medians_over_rounds(run, "medians_over_rounds")
 
 
@@ -530,10 +533,7 @@ def hd32_study(run: Run) -> None:
     for kwargs in HD32_VARIANTS:
         if all([_check(run, 2, 3, 1000, 32, causal, kernel_kwargs=kwargs) for causal in (True, False)]):
             passing.append(kwargs)
-    for round_index in range(HD32_ROUNDS):
-        order = passing if round_index % 2 == 0 else passing[::-1]
-        for case in HD32_CASES:
-            _time_case(run, *case, variants=order, round_index=round_index)
+    _time_in_rounds(run, HD32_CASES, passing, HD32_ROUNDS, baselines=lambda round_index: True)
     _medians_over_rounds(run, "medians_over_rounds")
 
 

@@ -644,6 +644,16 @@ def test_kernel_in_gpu_interpret_mode(case):
     _interpret_case(*INTERPRET_CASES[case], interpret=True)
 
 
+def _scores(q, k, causal):
+    """fp32 sm_scale q.k for q, k [B, S, H, hd]: [B, H, S, S], -inf above the diagonal when causal."""
+    seq_len, head_dim = q.shape[1], q.shape[3]
+    scores = jnp.einsum("bqhd,bkhd->bhqk", *(x.astype(jnp.float32) for x in (q, k)),
+                        precision="highest") * head_dim ** -0.5
+    if causal:
+        scores = jnp.where(jnp.tril(jnp.ones((seq_len, seq_len), bool)), scores, -jnp.inf)
+    return scores
+
+
 @pytest.mark.parametrize("batch, seq_len, causal, blocks",
                          [(2, 113, False, None), (1, 200, True, None),
                           # persistent blocks store each tile's log-sum-exp rows beside its staged output
@@ -657,10 +667,7 @@ def test_log_sum_exp_in_gpu_interpret_mode(batch, seq_len, causal, blocks):
     np.testing.assert_array_equal(np.asarray(out), np.asarray(fm.flash_attention_mgpu(q, k, v, causal=causal,
                                                                                       interpret=True,
                                                                                       block_sizes=blocks)))
-    scores = jnp.einsum("bqhd,bkhd->bhqk", *(x.astype(jnp.float32) for x in (q, k)), precision="highest") / 128 ** 0.5
-    if causal:
-        scores = jnp.where(jnp.tril(jnp.ones((seq_len, seq_len), bool)), scores, -jnp.inf)
-    expected = np.asarray(jax.nn.logsumexp(scores, axis=-1))
+    expected = np.asarray(jax.nn.logsumexp(_scores(q, k, causal), axis=-1))
     assert lse.shape == (batch, 2, seq_len) and lse.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(lse), expected, rtol=0, atol=1e-4)
 
@@ -680,9 +687,7 @@ def test_lazy_rescale_when_the_max_moves_late_in_gpu_interpret_mode(causal):
     ref = flash_attention_reference(q, k, v, causal=causal).astype(jnp.float32)
     failed, worst, _ = harness_check(out, ref)
     assert int(failed) == 0, f"worst err/tol {float(worst):.2f}"
-    scores = jnp.einsum("bqhd,bkhd->bhqk", *(x.astype(jnp.float32) for x in (q, k)), precision="highest") / 8.0
-    if causal:
-        scores = jnp.where(jnp.tril(jnp.ones((200, 200), bool)), scores, -jnp.inf)
+    scores = _scores(q, k, causal)
     # the jump is real: for the rows that see keys 150-159, the max rises by more than the threshold
     base2 = scores * fm._LOG2_E
     early_max = jnp.max(base2[..., 160:, :64], axis=-1)

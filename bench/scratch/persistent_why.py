@@ -9,7 +9,7 @@ blocks runs 63 or 64 equal tiles): if it still loses there, the cost is per key 
 the schedule; if it loses only under causal, the static schedule is the suspect.
 Writes OUT_DIR/persistent-why-<date>-<gpu>.json.
 
-    python3 bench/scratch/persistent_why.py --sass DUMPS FILE.json
+    PYTHONPATH=. python3 bench/scratch/persistent_why.py --sass DUMPS FILE.json
 
 adds to FILE.json the unmasked main loop's length and its opcode counts that differ between the
 default and persistent builds, from the SASS that `bench/scratch/ptxas_dump.py DUMPS
@@ -42,37 +42,36 @@ MORE_CASES = [(64, 4, 1024, 32, True), (8, 16, 100_000, 64, True), (1, 16, 16384
 
 
 def main_loop(sass: str) -> list[str]:
+    """The SASS lines (with their addresses) of the unmasked main loop: the body of the first backward
+    branch of 400-500 instructions holding 12 HGMMA."""
     import re  # noqa: PLC0415
-    labels, instructions = {}, []
+    labels, lines = {}, []
     for line in sass.splitlines():
         label = re.match(r"\.L_x_(\d+):", line.strip())
         if label:
-            labels[int(label.group(1))] = len(instructions)
-            continue
-        found = re.search(r"/\*([0-9a-f]{4,})\*/\s+(.*)", line)
-        if found:
-            instructions.append(found.group(2))
-    for end, text in enumerate(instructions):
+            labels[int(label.group(1))] = len(lines)
+        elif re.search(r"/\*[0-9a-f]{4,}\*/\s", line):
+            lines.append(line)
+    for end, text in enumerate(lines):
         branch = re.search(r"BRA\s+`\(\.L_x_(\d+)\)", text)
         start = labels.get(int(branch.group(1)), end + 1) if branch else end + 1
-        body = instructions[start:end + 1]
+        body = lines[start:end + 1]
         if start <= end and 400 < len(body) < 500 and sum("HGMMA" in x for x in body) == 12:
             return body
     raise ValueError("no main loop found")
 
 
 def sass_report(dumps: pathlib.Path, path: pathlib.Path):
-    import collections, re  # noqa: PLC0415, E401
-
-    def opcode(text):
-        return re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0]
+    from bench.scratch.ptxas_dump import opcode_histogram  # noqa: PLC0415
     loops = {name: main_loop((dumps / name / "entry_0.sass").read_text()) for name in ("hd64_default", "hd64_persistent")}
-    counts = {name: collections.Counter(map(opcode, body)) for name, body in loops.items()}
+    counts = {name: opcode_histogram("\n".join(body)) for name, body in loops.items()}
     names = sorted(set(counts["hd64_default"]) | set(counts["hd64_persistent"]))
     result = json.loads(path.read_text())
     result["main_loop"] = {"length": {name: len(body) for name, body in loops.items()},
-                           "opcodes_that_differ": {op: [counts["hd64_default"][op], counts["hd64_persistent"][op]]
-                                                   for op in names if counts["hd64_default"][op] != counts["hd64_persistent"][op]}}
+                           "opcodes_that_differ": {op: [counts["hd64_default"].get(op, 0),
+                                                        counts["hd64_persistent"].get(op, 0)]
+                                                   for op in names
+                                                   if counts["hd64_default"].get(op, 0) != counts["hd64_persistent"].get(op, 0)}}
     path.write_text(json.dumps(result, indent=1))
     print(json.dumps(result["main_loop"]))
 
