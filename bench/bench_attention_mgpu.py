@@ -279,10 +279,12 @@ def _kwargs_text(kwargs) -> str:
     if "block_sizes" in kwargs:
         b = kwargs["block_sizes"]
         parts.append(f"kv{b.block_kv} s{b.num_stages} wg{b.num_compute_wgs}{' ovl' if b.overlap_softmax else ''}"
+                     + (" one-acc" if b.overlap_one_accumulator else "")
                      + (f" poly{b.poly_exp_keys}" if b.poly_exp_keys else "")
                      + (" rowsum-mma" if b.row_sum_mma else "") + (" half-exp2" if b.half_exp2 else "")
                      + (" prescaled-q" if b.prescaled_q else "") + (" half-row-sum" if b.half_row_sum else "")
                      + (" deferred-sum" if b.deferred_row_sum else "") + (" tree-max" if b.tree_row_max else "")
+                     + (" lazy" if b.lazy_rescale else "") + (" persistent" if b.persistent else "")
                      + ("" if b.pingpong else " no-pingpong"))
     if "lowering_semantics" in kwargs:
         parts.append(kwargs["lowering_semantics"])

@@ -34,3 +34,29 @@ def test_other_cases_time_the_generic_default_once(quick):
     # jax's bundled kernels take whole blocks only: timed at the next multiple where S is not one
     assert [c.seq_multiple for c in others] == [1, 1, ba.BUNDLED_SEQ_MULTIPLE, ba.BUNDLED_SEQ_MULTIPLE]
     assert all(c.seq_multiple == 1 for c in ttj)
+
+
+def test_mgpu_study_labels_name_every_option_that_changes_the_build():
+    """bench_attention_mgpu's tables and logs label each timed build by its options: two builds that
+    differ in any one MgpuBlockSizes option must not share a label (session 16's persistent and lazy
+    builds were printed as the bare tiling, like the default they were timed against)."""
+    import dataclasses
+
+    import bench.bench_attention_mgpu as bam
+    from ttj_jax.kernels.flash_attention_mgpu import MgpuBlockSizes
+
+    base = MgpuBlockSizes(block_kv=128, num_stages=4, num_compute_wgs=2)
+    changed = {"poly_exp_keys": 64}
+    for field in dataclasses.fields(MgpuBlockSizes):
+        if field.type in (bool, "bool"):
+            changed[field.name] = not getattr(base, field.name)
+    labels = {"default": bam._kwargs_text({"block_sizes": base})}
+    for name, value in changed.items():
+        extra = {"overlap_softmax": True} if name == "overlap_one_accumulator" else {}
+        try:
+            blocks = dataclasses.replace(base, **{name: value}, **extra)
+        except ValueError:   # not valid with two consumers alone: skip to its smallest valid form
+            continue
+        labels[name] = bam._kwargs_text({"block_sizes": blocks})
+    assert len(set(labels.values())) == len(labels), labels
+    assert {"persistent", "lazy_rescale", "overlap_one_accumulator", "half_exp2"} <= set(labels)

@@ -1,6 +1,6 @@
 """Why is the persistent kernel (MgpuBlockSizes.persistent) slower on long sequences? (session 16)
 
-    PYTHONPATH=. python3 bench/scratch/persistent_why.py OUT_DIR [ROUNDS] [--more | --only=I,J]
+    PYTHONPATH=. python3 bench/scratch/persistent_why.py OUT_DIR [ROUNDS] [--more | --tiles | --only=I,J]
 
 At B=1 H=16 S=100000 head_dim 64 the default and the persistent build, causal and non-causal, timed in
 ROUNDS alternating rounds (median of 5 timings of back-to-back calls). Non-causal tiles all cost the
@@ -8,6 +8,10 @@ same, so the persistent kernel's static schedule is balanced there by constructi
 blocks runs 63 or 64 equal tiles): if it still loses there, the cost is per key block (its code), not
 the schedule; if it loses only under causal, the static schedule is the suspect.
 Writes OUT_DIR/persistent-why-<date>-<gpu>.json.
+
+--tiles (session 17) adds non-causal cases with about as many tiles but 4x and 16x fewer key blocks
+per tile (S=25000 with B=4, S=6250 with B=16): a cost per tile shows as a loss growing with 1/blocks
+per tile, a cost per key block as the same loss at every S.
 
     PYTHONPATH=. python3 bench/scratch/persistent_why.py --sass DUMPS FILE.json
 
@@ -39,6 +43,8 @@ B, H, S, HD = 1, 16, 100_000, 64
 # attention calls and a head_dim-128 one
 CASES = [(B, H, S, HD, True), (B, H, S, HD, False)]
 MORE_CASES = [(64, 4, 1024, 32, True), (8, 16, 100_000, 64, True), (1, 16, 16384, 128, True)]
+# (with --tiles) non-causal, ~8400 tiles of 782 / 196 / 49 key blocks with the second main case
+TILE_CASES = [(4, 16, 25_000, 64, False), (16, 16, 6_250, 64, False)]
 
 
 def main_loop(sass: str) -> list[str]:
@@ -79,15 +85,15 @@ def sass_report(dumps: pathlib.Path, path: pathlib.Path):
 def main(argv):
     if argv and argv[0] == "--sass":
         return sass_report(pathlib.Path(argv[1]), pathlib.Path(argv[2]))
-    more = "--more" in argv
+    more, tiles = "--more" in argv, "--tiles" in argv
     only = next((a.split("=", 1)[1] for a in argv if a.startswith("--only=")), None)
-    argv = [a for a in argv if a != "--more" and not a.startswith("--only=")]
+    argv = [a for a in argv if a not in ("--more", "--tiles") and not a.startswith("--only=")]
     out_dir = pathlib.Path(argv[0])
     rounds = int(argv[1]) if len(argv) > 1 else 3
     builds, inputs = {}, {}
-    cases = CASES + (MORE_CASES if more else [])
-    if only:   # --only=I,J: those entries of CASES + MORE_CASES
-        cases = [(CASES + MORE_CASES)[int(i)] for i in only.split(",")]
+    cases = CASES + (MORE_CASES if more else []) + (TILE_CASES if tiles else [])
+    if only:   # --only=I,J: those entries of CASES + MORE_CASES + TILE_CASES
+        cases = [(CASES + MORE_CASES + TILE_CASES)[int(i)] for i in only.split(",")]
     for case in cases:
         b, h, s, hd, causal = case
         inputs[case] = _random_qkv(s, (b, s, h, hd), jnp.float16)
@@ -110,7 +116,8 @@ def main(argv):
     device = jax.devices()[0]
     result = dict(gpu=device.device_kind, jax=jax.__version__, date=datetime.date.today().isoformat(),
                   command="PYTHONPATH=. python3 bench/scratch/persistent_why.py OUT " + str(rounds)
-                  + (" --more" if more else "") + (f" --only={only}" if only else ""), rows=rows)
+                  + (" --more" if more else "") + (" --tiles" if tiles else "")
+                  + (f" --only={only}" if only else ""), rows=rows)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"persistent-why-{result['date']}-{slug(device.device_kind)}.json"
     path.write_text(json.dumps(result, indent=1))

@@ -214,9 +214,17 @@ class MgpuBlockSizes:
     #    against 485.3, hd 128 S=16384 532.8 against 566.8): the blocks busy at one time no longer
     #    share one head's K/V in L2.
     # 3. Now: long sequences (a head has at least as many tiles as there are blocks) take a head-major
-    #    order, short ones keep (2)'s. Checked in interpret mode on the CPU only and NOT measured or
-    #    checked on the GPU: the session's device time ran out. (2)'s GPU timings were taken without
-    #    an output check; (1) had one.
+    #    order, short ones keep (2)'s. 13/13 checks on the H200 (`--persistent`, attention-mgpu-2026-12-
+    #    01-nvidia-h200-persistent3.{json,log}); still slower on every long sequence
+    #    (persistent-why-2026-12-01-nvidia-h200-headmajor.json, 3 rounds): main case 488.6 against
+    #    495.3, non-causal 478.6 against 497.7, B=8 487.3 against 499.6, hd 128 S=16384 541.6 against
+    #    580.2; shape 13's call 155.5 against 135.6 (our generic kernel there: 165.5). The SASS of the
+    #    unmasked main loop is the default's (same opcodes, a few instructions reordered around the
+    #    first HGMMA: persistent-sass-2026-12-01-nvidia-h200.tgz), and the non-causal loss does not grow
+    #    with the number of tiles (4.1% at 782 key blocks per tile, 7.9% at 196, 2.4% at 49; the shorter
+    #    two in (2)'s order: persistent-why-2026-12-01-nvidia-h200-tiles.json), so it is neither the
+    #    schedule, nor the loop's code, nor a cost per tile. Not found; suspects left: the producer's
+    #    conditional waits, and L2/TMA behaviour under the static assignment. Nothing dispatches to it.
     persistent: bool = False
 
     def __post_init__(self):

@@ -1,0 +1,185 @@
+"""Is the attention kernel held back by the GPU's power limit? (session 17)
+
+    PYTHONPATH=. python3 bench/scratch/power_clocks.py OUT_DIR [SECONDS] [--ramp]
+
+At the head_dim-64 main case (B=1 H=16 S=100000, fp16), causal and not, the default build and the
+persistent one (MgpuBlockSizes.persistent) each run back to back for SECONDS (default 4) while
+`nvidia-smi` samples the SM clock, power draw, temperature and the active clock-event (throttle)
+reasons every 50 ms; the rounds alternate the builds' order. Per build: TFLOP/s over the window, the
+median SM clock and power of the samples taken while it ran, and which throttle reasons were active.
+
+Why: the persistent build's loss is per key block and its main loop's code is the default's (session
+17: persistent-why-...-tiles.json, persistent-sass-...tgz). If the GPU sits at its 700 W limit, a build
+that keeps the SMs busier runs at a lower clock; and a power-bound default would mean the last percent
+of issue 3 is energy per FLOP, not instruction count. Writes OUT_DIR/power-clocks-<date>-<gpu>.json.
+
+--ramp adds: after 5 s idle, the default causal build for ~10 s as timings of 2 calls (~83 ms) each;
+TFLOP/s and the SM clock per time bin since the start. How much of a short benchmark's number comes
+from the clock the GPU has before its power limiter settles.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import importlib
+import json
+import pathlib
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+
+from bench.bench_attention_mgpu import _random_qkv
+from bench.report import slug
+
+fm = importlib.import_module("ttj_jax.kernels.flash_attention_mgpu")
+B, H, S, HD = 1, 16, 100_000, 64
+FIELDS = ("clocks.sm", "power.draw", "temperature.gpu", "clocks_event_reasons.active")
+# bits of nvidia-smi's clocks_event_reasons (throttle reasons) that cost clock speed
+REASONS = {0x1: "gpu_idle", 0x4: "sw_power_cap", 0x8: "hw_slowdown", 0x20: "sw_thermal",
+           0x40: "hw_thermal", 0x80: "hw_power_brake"}
+
+
+def sampler():
+    fields = FIELDS
+    try:   # older drivers call the reasons clocks_throttle_reasons
+        subprocess.run(["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader"], check=True,
+                       capture_output=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        fields = FIELDS[:3] + ("clocks_throttle_reasons.active",)
+    query = ",".join(fields)
+    try:
+        return subprocess.Popen(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader,nounits", "-lms", "50"],
+                                stdout=subprocess.PIPE, text=True)
+    except OSError:
+        return None
+
+
+def start_sampling():
+    """(nvidia-smi process or None, the list its samples (perf_counter time, clock, power, temp,
+    reasons) are appended to by a reader thread)."""
+    proc, samples = sampler(), []
+
+    def read():
+        for line in proc.stdout:
+            value = parse(line)
+            if value:
+                samples.append((time.perf_counter(), *value))
+    if proc:
+        threading.Thread(target=read, daemon=True).start()
+    return proc, samples
+
+
+def parse(line: str):
+    parts = [p.strip() for p in line.split(",")]
+    try:
+        return float(parts[0]), float(parts[1]), float(parts[2]), int(parts[3], 16)
+    except (ValueError, IndexError):
+        return None
+
+
+RAMP_BINS = ((0.0, 0.25), (0.25, 0.5), (0.5, 1.0), (1.0, 2.0), (2.0, 4.0), (4.0, 10.0))
+
+
+def measure_ramp(fn, args, seconds: float = 10.0):
+    """After 5 s idle, 2-call timings for `seconds`: per RAMP_BINS bin (seconds since the start) the
+    median TFLOP/s of the timings that ended in it and the median SM clock sampled in it."""
+    proc, samples = start_sampling()
+    time.sleep(5.0)
+    timings = []
+    start = time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        t0 = time.perf_counter()
+        out = fn(*args)
+        out = fn(*args)
+        jax.block_until_ready(out)
+        t1 = time.perf_counter()
+        timings.append((t1 - start, 2 * fm.attention_flops(B, S, H, HD, True) / ((t1 - t0) * 1e12)))
+    time.sleep(0.3)
+    if proc:
+        proc.terminate()
+    bins = []
+    for lo, hi in RAMP_BINS:
+        tf = [v for t, v in timings if lo <= t < hi]
+        clocks = [s[1] for s in samples if lo <= s[0] - start < hi]
+        power = [s[2] for s in samples if lo <= s[0] - start < hi]
+        bins.append(dict(seconds=[lo, hi], timings=len(tf), tflops=statistics.median(tf) if tf else None,
+                         sm_clock_mhz=statistics.median(clocks) if clocks else None,
+                         power_w=statistics.median(power) if power else None))
+    for b in bins:
+        print(f"ramp {b['seconds'][0]:5.2f}-{b['seconds'][1]:5.2f} s: {b['tflops'] or 0:6.1f} TFLOP/s "
+              f"{b['sm_clock_mhz'] or 0:6.0f} MHz {b['power_w'] or 0:6.1f} W ({b['timings']} timings)")
+    return bins
+
+
+def main(argv):
+    flags = [a for a in argv if a.startswith("--")]
+    argv = [a for a in argv if not a.startswith("--")]
+    out_dir = pathlib.Path(argv[0])
+    seconds = float(argv[1]) if len(argv) > 1 else 4.0
+    builds, inputs = {}, {}
+    for causal in (True, False):
+        inputs[causal] = _random_qkv(0, (B, S, H, HD), jnp.float16)
+        default = fm.default_block_sizes(HD, S)
+        for name, blocks in (("default", default), ("persistent", dataclasses.replace(default, persistent=True))):
+            fn = jax.jit(lambda q, k, v, c=causal, bl=blocks: fm.flash_attention_mgpu(q, k, v, causal=c, block_sizes=bl))
+            compiled = fn.lower(*inputs[causal]).compile()
+            jax.block_until_ready(compiled(*inputs[causal]))
+            builds[(causal, name)] = compiled
+    proc, samples = start_sampling()   # samples: (time, clock, power, temp, reasons)
+    windows = []   # (key, start, end, calls)
+    time.sleep(1.0)
+    for r in range(2):
+        for key in (list(builds) if r % 2 == 0 else list(reversed(builds))):
+            fn, args = builds[key], inputs[key[0]]
+            jax.block_until_ready(fn(*args))
+            start, calls = time.perf_counter(), 0
+            while time.perf_counter() - start < seconds:
+                for _ in range(4):
+                    out = fn(*args)
+                calls += 4
+                jax.block_until_ready(out)
+            windows.append((key, start, time.perf_counter(), calls))
+            time.sleep(0.5)   # a gap between windows in the samples
+    if proc:
+        proc.terminate()
+    rows = []
+    for key in builds:
+        causal, name = key
+        mine = [w for w in windows if w[0] == key]
+        elapsed = sum(w[2] - w[1] for w in mine)
+        calls = sum(w[3] for w in mine)
+        # samples inside the windows, skipping each window's first 0.5 s (clock settling)
+        inside = [s for s in samples for w in mine if w[1] + 0.5 <= s[0] <= w[2]]
+        reasons = 0
+        for s in inside:
+            reasons |= s[4]
+        rows.append(dict(causal=causal, build=name, calls=calls, ms=elapsed / calls * 1e3,
+                         tflops=fm.attention_flops(B, S, H, HD, causal) / (elapsed / calls * 1e12),
+                         samples=len(inside),
+                         sm_clock_mhz=statistics.median(s[1] for s in inside) if inside else None,
+                         power_w=statistics.median(s[2] for s in inside) if inside else None,
+                         temperature_c=max(s[3] for s in inside) if inside else None,
+                         reasons=[n for bit, n in REASONS.items() if reasons & bit]))
+    ramp = measure_ramp(builds[(True, "default")], inputs[True]) if "--ramp" in flags else None
+    device = jax.devices()[0]
+    result = dict(ramp=ramp, gpu=device.device_kind, jax=jax.__version__, date=datetime.date.today().isoformat(),
+                  command=f"PYTHONPATH=. python3 bench/scratch/power_clocks.py OUT {seconds:g}" + "".join(" " + f for f in flags),
+                  rows=rows,
+                  idle_samples=[s[1:] for s in samples[:5]])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"power-clocks-{result['date']}-{slug(device.device_kind)}.json"
+    path.write_text(json.dumps(result, indent=1))
+    print(f"{'case':8s} {'build':11s} {'TFLOP/s':>8s} {'MHz':>6s} {'W':>6s} {'C':>4s} samples reasons")
+    for r in rows:
+        print(f"{'causal' if r['causal'] else 'full':8s} {r['build']:11s} {r['tflops']:8.1f} {r['sm_clock_mhz'] or 0:6.0f} "
+              f"{r['power_w'] or 0:6.1f} {r['temperature_c'] or 0:4.0f} {r['samples']:7d} {','.join(r['reasons'])}")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
