@@ -223,8 +223,10 @@ class MgpuBlockSizes:
     #    first HGMMA: persistent-sass-2026-12-01-nvidia-h200.tgz), and the non-causal loss does not grow
     #    with the number of tiles (4.1% at 782 key blocks per tile, 7.9% at 196, 2.4% at 49; the shorter
     #    two in (2)'s order: persistent-why-2026-12-01-nvidia-h200-tiles.json), so it is neither the
-    #    schedule, nor the loop's code, nor a cost per tile. Not found; suspects left: the producer's
-    #    conditional waits, and L2/TMA behaviour under the static assignment. Nothing dispatches to it.
+    #    schedule, nor the loop's code, nor a cost per tile; the producer's steady loop is the default's
+    #    too (53 and 54 instructions), and the clock and power are the same (power-clocks-2026-12-01-
+    #    nvidia-h200-ramp.json). Not found; left: runtime behaviour such as L2 hits under the static
+    #    assignment. Nothing dispatches to it.
     persistent: bool = False
 
     def __post_init__(self):
