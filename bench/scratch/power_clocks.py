@@ -1,6 +1,6 @@
 """Is the attention kernel held back by the GPU's power limit? (session 17)
 
-    PYTHONPATH=. python3 bench/scratch/power_clocks.py OUT_DIR [SECONDS] [--ramp]
+    PYTHONPATH=. python3 bench/scratch/power_clocks.py OUT_DIR [SECONDS] [--ramp] [--others]
 
 At the head_dim-64 main case (B=1 H=16 S=100000, fp16), causal and not, the default build and the
 persistent one (MgpuBlockSizes.persistent) each run back to back for SECONDS (default 4) while
@@ -13,6 +13,8 @@ Why: the persistent build's loss is per key block and its main loop's code is th
 that keeps the SMs busier runs at a lower clock; and a power-bound default would mean the last percent
 of issue 3 is energy per FLOP, not instruction count. Writes OUT_DIR/power-clocks-<date>-<gpu>.json.
 
+--others adds cuDNN (jax.nn.dot_product_attention) and the default build on zero Q and K (the same
+work on operands that toggle no bits: how much the data moves the clock under the power cap), causal.
 --ramp adds: after 5 s idle, the default causal build for ~10 s as timings of 2 calls (~83 ms) each;
 TFLOP/s and the SM clock per time bin since the start. How much of a short benchmark's number comes
 from the clock the GPU has before its power limiter settles.
@@ -121,21 +123,29 @@ def main(argv):
     argv = [a for a in argv if not a.startswith("--")]
     out_dir = pathlib.Path(argv[0])
     seconds = float(argv[1]) if len(argv) > 1 else 4.0
-    builds, inputs = {}, {}
-    for causal in (True, False):
-        inputs[causal] = _random_qkv(0, (B, S, H, HD), jnp.float16)
-        default = fm.default_block_sizes(HD, S)
-        for name, blocks in (("default", default), ("persistent", dataclasses.replace(default, persistent=True))):
+    builds, inputs = {}, {}   # (causal, name) -> compiled, its arguments
+    cases = [(causal, name) for causal in (True, False) for name in ("default", "persistent")]
+    if "--others" in flags:
+        cases += [(True, "cudnn"), (True, "default, zero q k")]
+    for causal, name in cases:
+        qkv = _random_qkv(0, (B, S, H, HD), jnp.float16)
+        if name.endswith("zero q k"):   # every score 0: the same work on operands that toggle no bits
+            qkv = (jnp.zeros_like(qkv[0]), jnp.zeros_like(qkv[1]), qkv[2])
+        if name == "cudnn":
+            fn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn"))
+        else:
+            blocks = fm.default_block_sizes(HD, S)
+            blocks = dataclasses.replace(blocks, persistent=True) if name == "persistent" else blocks
             fn = jax.jit(lambda q, k, v, c=causal, bl=blocks: fm.flash_attention_mgpu(q, k, v, causal=c, block_sizes=bl))
-            compiled = fn.lower(*inputs[causal]).compile()
-            jax.block_until_ready(compiled(*inputs[causal]))
-            builds[(causal, name)] = compiled
+        compiled = fn.lower(*qkv).compile()
+        jax.block_until_ready(compiled(*qkv))
+        builds[(causal, name)], inputs[(causal, name)] = compiled, qkv
     proc, samples = start_sampling()   # samples: (time, clock, power, temp, reasons)
     windows = []   # (key, start, end, calls)
     time.sleep(1.0)
     for r in range(2):
         for key in (list(builds) if r % 2 == 0 else list(reversed(builds))):
-            fn, args = builds[key], inputs[key[0]]
+            fn, args = builds[key], inputs[key]
             jax.block_until_ready(fn(*args))
             start, calls = time.perf_counter(), 0
             while time.perf_counter() - start < seconds:
@@ -165,7 +175,7 @@ def main(argv):
                          power_w=statistics.median(s[2] for s in inside) if inside else None,
                          temperature_c=max(s[3] for s in inside) if inside else None,
                          reasons=[n for bit, n in REASONS.items() if reasons & bit]))
-    ramp = measure_ramp(builds[(True, "default")], inputs[True]) if "--ramp" in flags else None
+    ramp = measure_ramp(builds[(True, "default")], inputs[(True, "default")]) if "--ramp" in flags else None
     device = jax.devices()[0]
     result = dict(ramp=ramp, gpu=device.device_kind, jax=jax.__version__, date=datetime.date.today().isoformat(),
                   command=f"PYTHONPATH=. python3 bench/scratch/power_clocks.py OUT {seconds:g}" + "".join(" " + f for f in flags),
@@ -174,9 +184,9 @@ def main(argv):
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"power-clocks-{result['date']}-{slug(device.device_kind)}.json"
     path.write_text(json.dumps(result, indent=1))
-    print(f"{'case':8s} {'build':11s} {'TFLOP/s':>8s} {'MHz':>6s} {'W':>6s} {'C':>4s} samples reasons")
+    print(f"{'case':8s} {'build':18s} {'TFLOP/s':>8s} {'MHz':>6s} {'W':>6s} {'C':>4s} samples reasons")
     for r in rows:
-        print(f"{'causal' if r['causal'] else 'full':8s} {r['build']:11s} {r['tflops']:8.1f} {r['sm_clock_mhz'] or 0:6.0f} "
+        print(f"{'causal' if r['causal'] else 'full':8s} {r['build']:18s} {r['tflops']:8.1f} {r['sm_clock_mhz'] or 0:6.0f} "
               f"{r['power_w'] or 0:6.1f} {r['temperature_c'] or 0:4.0f} {r['samples']:7d} {','.join(r['reasons'])}")
     print(f"wrote {path}")
 
