@@ -8,7 +8,9 @@ determinism). Then, per case, ttj's output on the full case is checked against t
 prefix (causal rows [:K] depend only on inputs [:K]) and on the last rows, and every contender is timed:
 compile apart, warm-up, then the median of repeated timings of N back-to-back calls with N chosen so one
 timing lasts >= 50 ms. Every contender runs inside try/except: a failure is recorded, never fatal.
-Writes <out>/attention-<date>-<gpu>.json and prints a table last.
+Writes <out>/attention-<date>-<gpu>.json and prints a table last. Each timing also records the SM clock
+and power draw it ran at ("gpu_state", from nvidia-smi where there is one: bench/gpu_power.py; on the
+H200 the 700 W cap sets the clock, and the clock the TFLOP/s).
 
 --check runs only the correctness parts (exit status 1 if one fails). --quick skips S=100000 and times
 fewer block-size variants. --smoke runs tiny cases in interpret mode to test this script on a CPU.
@@ -33,6 +35,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from bench.gpu_power import PowerSampler  # noqa: E402
 from bench.jax_timing import stream_ms_per_call  # noqa: E402
 from bench.report import describe_error, slug, write_json  # noqa: E402
 from ttj_jax.kernels import BlockSizes, flash_attention, flash_attention_fused_qkv  # noqa: E402
@@ -249,17 +252,22 @@ def _repeated(fn, repeats, q, k, v):
     return jax.lax.fori_loop(0, repeats, body, (q, jnp.zeros(q.shape, q.dtype)))[1]
 
 
-def _measure(fn, compiled, args) -> dict:
-    """Time per call: directly when one call is long, else from `IN_GRAPH_REPEATS` calls in one program."""
+def _measure(fn, compiled, args, power: PowerSampler | None = None) -> dict:
+    """Time per call: directly when one call is long, else from `IN_GRAPH_REPEATS` calls in one program.
+    With a running PowerSampler, "gpu_state" holds the SM clock and power draw sampled while the timings that
+    give "ms" ran (bench/gpu_power.py says why: on the H200 the power cap sets the clock)."""
     jax.block_until_ready(compiled(*args))  # warm-up
+    start = time.perf_counter()
     ms_dispatch, calls = stream_ms_per_call(compiled, args, min_seconds=MIN_TIMING_S, repeats=TIMING_REPEATS)
     timing = {"ms_per_dispatch": ms_dispatch, "calls_per_timing": calls, "in_graph_repeats": 1}
     if ms_dispatch >= IN_GRAPH_THRESHOLD_MS:
-        return dict(timing, ms=ms_dispatch)
+        return dict(timing, ms=ms_dispatch, gpu_state=power.window(start, time.perf_counter()) if power else None)
     looped = jax.jit(functools.partial(_repeated, fn, IN_GRAPH_REPEATS)).lower(*args).compile()
     jax.block_until_ready(looped(*args))  # warm-up
+    start = time.perf_counter()
     ms_looped, calls = stream_ms_per_call(looped, args, min_seconds=MIN_TIMING_S, repeats=TIMING_REPEATS)
-    return dict(timing, ms=ms_looped / IN_GRAPH_REPEATS, calls_per_timing=calls, in_graph_repeats=IN_GRAPH_REPEATS)
+    return dict(timing, ms=ms_looped / IN_GRAPH_REPEATS, calls_per_timing=calls, in_graph_repeats=IN_GRAPH_REPEATS,
+                gpu_state=power.window(start, time.perf_counter()) if power else None)
 
 
 def _check_case_output(out, q, k, v, label: str, prefix_len: int) -> dict:
@@ -278,7 +286,8 @@ def _check_case_output(out, q, k, v, label: str, prefix_len: int) -> dict:
     return record
 
 
-def run_case(batch, heads, seq_len, head_dim, *, quick, check_only, interpret) -> tuple[list, list]:
+def run_case(batch, heads, seq_len, head_dim, *, quick, check_only, interpret,
+             power: PowerSampler | None = None) -> tuple[list, list]:
     results, checks = [], []
     q, k, v = _random_qkv(seq_len + head_dim, (batch, seq_len, heads, head_dim), jnp.float16)
     flops = 2 * batch * heads * seq_len * seq_len * head_dim  # causal: half of 4*B*H*S*S*hd
@@ -319,16 +328,24 @@ def run_case(batch, heads, seq_len, head_dim, *, quick, check_only, interpret) -
                 log(f"  {'ok  ' if check['passed'] else 'FAIL'} {check['name']} "
                     f"err={check['max_abs_err']:.3g} atol={check['atol']:.3g}")
             if not check_only:
-                record.update(_measure(contender.fn, compiled, args))
+                record.update(_measure(contender.fn, compiled, args, power))
                 record["tflops"] = case_flops / (record["ms"] * 1e-3) / 1e12
                 log(f"  {contender.name:10s}{blocks_text}: {record['ms']:9.3f} ms  {record['tflops']:7.1f} TFLOP/s "
                     f"(x{record['in_graph_repeats']} in graph; {record['ms_per_dispatch']:.3f} ms per dispatch; "
-                    f"compile {record['compile_s']:.1f} s)")
+                    f"compile {record['compile_s']:.1f} s{_gpu_text(record)})")
         except Exception as exc:  # noqa: BLE001 - one contender's failure must not end the run
             record["error"] = describe_error(exc)
             log(f"  {contender.name:10s}{blocks_text}: ERROR {record['error'][:300]}")
         results.append(record)
     return results, checks
+
+
+def _gpu_text(record: dict) -> str:
+    """'; 1770 MHz 690 W capped': the clock and power a timing ran at, where they were sampled."""
+    gpu = record.get("gpu_state")
+    if not gpu:
+        return ""
+    return f"; {gpu['sm_clock_mhz']:.0f} MHz {gpu['power_w']:.0f} W" + (" capped" if gpu["power_capped"] else "")
 
 
 def _variant_text(record: dict) -> str:
@@ -342,7 +359,7 @@ def _variant_text(record: dict) -> str:
 
 def _print_table(results: list[dict]):
     log("")
-    log(f"{'case':28s} {'contender':10s} {'variant':34s} {'ms':>10s} {'TFLOP/s':>8s} {'vs cudnn':>8s}")
+    log(f"{'case':28s} {'contender':10s} {'variant':34s} {'ms':>10s} {'TFLOP/s':>8s} {'vs cudnn':>8s} {'MHz':>5s}")
     cudnn_ms = {(r["B"], r["H"], r["S"], r["head_dim"]): r["ms"] for r in results
                 if r["contender"] == "cudnn" and r["ms"]}
     for r in results:
@@ -354,7 +371,8 @@ def _print_table(results: list[dict]):
             continue
         ratio = f"{cudnn_ms[key] / r['ms']:.2f}x" if key in cudnn_ms else ""
         flag = "  CHECK FAILED" if r.get("check_passed") is False else ""
-        log(f"{case:28s} {r['contender']:10s} {variant:34s} {r['ms']:10.3f} {r['tflops']:8.1f} {ratio:>8s}{flag}")
+        clock = f"{r['gpu_state']['sm_clock_mhz']:5.0f}" if r.get("gpu_state") else ""
+        log(f"{case:28s} {r['contender']:10s} {variant:34s} {r['ms']:10.3f} {r['tflops']:8.1f} {ratio:>8s} {clock:>5s}{flag}")
 
 
 def main(argv=None) -> int:
@@ -380,13 +398,15 @@ def main(argv=None) -> int:
     checks = run_sweep(interpret, args.smoke)
     cases = SMOKE_CASES if args.smoke else [c for c in CASES if not (args.quick and c[2] >= 100_000)]
     results = []
-    for batch, heads, seq_len, head_dim in cases:
-        log(f"case B={batch} H={heads} S={seq_len} head_dim={head_dim} causal fp16 "
-            f"({time.perf_counter() - started:.0f} s so far):")
-        case_results, case_checks = run_case(batch, heads, seq_len, head_dim, quick=args.quick,
-                                             check_only=args.check, interpret=interpret)
-        results += case_results
-        checks += case_checks
+    with PowerSampler() as power:   # the SM clock and power of every timing (nothing without nvidia-smi)
+        for batch, heads, seq_len, head_dim in cases:
+            log(f"case B={batch} H={heads} S={seq_len} head_dim={head_dim} causal fp16 "
+                f"({time.perf_counter() - started:.0f} s so far):")
+            case_results, case_checks = run_case(batch, heads, seq_len, head_dim, quick=args.quick,
+                                                 check_only=args.check, interpret=interpret,
+                                                 power=power if power.active else None)
+            results += case_results
+            checks += case_checks
 
     date = datetime.date.today().isoformat()
     suffix = "-smoke" if args.smoke else ("-check" if args.check else "")

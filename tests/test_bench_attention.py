@@ -60,3 +60,22 @@ def test_mgpu_study_labels_name_every_option_that_changes_the_build():
         labels[name] = bam._kwargs_text({"block_sizes": blocks})
     assert len(set(labels.values())) == len(labels), labels
     assert {"persistent", "lazy_rescale", "overlap_one_accumulator", "half_exp2"} <= set(labels)
+
+
+def test_smoke_run_writes_every_case_with_its_gpu_state(tmp_path):
+    """The whole script on the CPU (--smoke: tiny cases in interpret mode): checks pass, the JSON holds
+    every contender's record, and each timed one says what clock it ran at (None without nvidia-smi)."""
+    import json
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "bench/bench_attention.py", "--smoke", "--out", str(tmp_path)],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    [path] = tmp_path.glob("attention-*-smoke.json")
+    payload = json.loads(path.read_text())
+    assert payload["checks"] and all(c["passed"] for c in payload["checks"])
+    timed = [c for c in payload["cases"] if c["ms"] is not None]
+    assert "ttj" in {c["contender"] for c in timed}
+    assert all("gpu_state" in c for c in timed)
+    assert all(c["tflops"] > 0 for c in timed)

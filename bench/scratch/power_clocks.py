@@ -27,83 +27,37 @@ import importlib
 import json
 import pathlib
 import statistics
-import subprocess
 import sys
-import threading
 import time
 
 import jax
 import jax.numpy as jnp
 
 from bench.bench_attention_mgpu import _random_qkv
+from bench.gpu_power import REASONS, PowerSampler
 from bench.report import slug
 
 fm = importlib.import_module("ttj_jax.kernels.flash_attention_mgpu")
 B, H, S, HD = 1, 16, 100_000, 64
-FIELDS = ("clocks.sm", "power.draw", "temperature.gpu", "clocks_event_reasons.active")
-# bits of nvidia-smi's clocks_event_reasons (throttle reasons) that cost clock speed
-REASONS = {0x1: "gpu_idle", 0x4: "sw_power_cap", 0x8: "hw_slowdown", 0x20: "sw_thermal",
-           0x40: "hw_thermal", 0x80: "hw_power_brake"}
-
-
-def sampler():
-    fields = FIELDS
-    try:   # older drivers call the reasons clocks_throttle_reasons
-        subprocess.run(["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader"], check=True,
-                       capture_output=True, timeout=20)
-    except (OSError, subprocess.SubprocessError):
-        fields = FIELDS[:3] + ("clocks_throttle_reasons.active",)
-    query = ",".join(fields)
-    try:
-        return subprocess.Popen(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader,nounits", "-lms", "50"],
-                                stdout=subprocess.PIPE, text=True)
-    except OSError:
-        return None
-
-
-def start_sampling():
-    """(nvidia-smi process or None, the list its samples (perf_counter time, clock, power, temp,
-    reasons) are appended to by a reader thread)."""
-    proc, samples = sampler(), []
-
-    def read():
-        for line in proc.stdout:
-            value = parse(line)
-            if value:
-                samples.append((time.perf_counter(), *value))
-    if proc:
-        threading.Thread(target=read, daemon=True).start()
-    return proc, samples
-
-
-def parse(line: str):
-    parts = [p.strip() for p in line.split(",")]
-    try:
-        return float(parts[0]), float(parts[1]), float(parts[2]), int(parts[3], 16)
-    except (ValueError, IndexError):
-        return None
-
-
 RAMP_BINS = ((0.0, 0.25), (0.25, 0.5), (0.5, 1.0), (1.0, 2.0), (2.0, 4.0), (4.0, 10.0))
 
 
 def measure_ramp(fn, args, seconds: float = 10.0):
     """After 5 s idle, 2-call timings for `seconds`: per RAMP_BINS bin (seconds since the start) the
     median TFLOP/s of the timings that ended in it and the median SM clock sampled in it."""
-    proc, samples = start_sampling()
-    time.sleep(5.0)
     timings = []
-    start = time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        t0 = time.perf_counter()
-        out = fn(*args)
-        out = fn(*args)
-        jax.block_until_ready(out)
-        t1 = time.perf_counter()
-        timings.append((t1 - start, 2 * fm.attention_flops(B, S, H, HD, True) / ((t1 - t0) * 1e12)))
-    time.sleep(0.3)
-    if proc:
-        proc.terminate()
+    with PowerSampler() as sampler:
+        time.sleep(5.0)
+        start = time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            t0 = time.perf_counter()
+            out = fn(*args)
+            out = fn(*args)
+            jax.block_until_ready(out)
+            t1 = time.perf_counter()
+            timings.append((t1 - start, 2 * fm.attention_flops(B, S, H, HD, True) / ((t1 - t0) * 1e12)))
+        time.sleep(0.3)
+    samples = sampler.samples
     bins = []
     for lo, hi in RAMP_BINS:
         tf = [v for t, v in timings if lo <= t < hi]
@@ -140,23 +94,22 @@ def main(argv):
         compiled = fn.lower(*qkv).compile()
         jax.block_until_ready(compiled(*qkv))
         builds[(causal, name)], inputs[(causal, name)] = compiled, qkv
-    proc, samples = start_sampling()   # samples: (time, clock, power, temp, reasons)
     windows = []   # (key, start, end, calls)
-    time.sleep(1.0)
-    for r in range(2):
-        for key in (list(builds) if r % 2 == 0 else list(reversed(builds))):
-            fn, args = builds[key], inputs[key]
-            jax.block_until_ready(fn(*args))
-            start, calls = time.perf_counter(), 0
-            while time.perf_counter() - start < seconds:
-                for _ in range(4):
-                    out = fn(*args)
-                calls += 4
-                jax.block_until_ready(out)
-            windows.append((key, start, time.perf_counter(), calls))
-            time.sleep(0.5)   # a gap between windows in the samples
-    if proc:
-        proc.terminate()
+    with PowerSampler() as sampler:
+        time.sleep(1.0)
+        for r in range(2):
+            for key in (list(builds) if r % 2 == 0 else list(reversed(builds))):
+                fn, args = builds[key], inputs[key]
+                jax.block_until_ready(fn(*args))
+                start, calls = time.perf_counter(), 0
+                while time.perf_counter() - start < seconds:
+                    for _ in range(4):
+                        out = fn(*args)
+                    calls += 4
+                    jax.block_until_ready(out)
+                windows.append((key, start, time.perf_counter(), calls))
+                time.sleep(0.5)   # a gap between windows in the samples
+    samples = sampler.samples   # (time, clock, power, temp, reasons)
     rows = []
     for key in builds:
         causal, name = key

@@ -1,0 +1,123 @@
+"""The GPU's SM clock and power draw while a benchmark times something: nvidia-smi sampled in the background.
+
+Why the benchmarks record it (session 17, bench/results/power-clocks-2026-12-01-nvidia-h200-*.json): on
+the H200, our attention kernel and cuDNN both run at the 700 W power cap on random fp16 data, the cap
+holds the SM clock at ~1740-1785 MHz instead of 1980, and their speed follows that clock: the same
+kernel ran 559.5 TFLOP/s on zero Q and K (1980 MHz, uncapped) against 492.6 on random data; 493.6 in
+the first quarter second after idle against 483.7 after 4 s. So a TFLOP/s figure means little without
+the clock and power it ran at, and two runs (or two machines) compare better with them.
+
+    with PowerSampler() as power:
+        start = time.perf_counter(); ...timed work...; end = time.perf_counter()
+        power.window(start, end)   # {"sm_clock_mhz", "power_w", "power_capped", "samples"} or None
+
+Where nvidia-smi is missing (a CPU machine) the sampler records nothing and window() returns None.
+The clock is read as it is at each sample; nvidia-smi's power.draw is an average over a longer period,
+so for timings shorter than a second or so it lags (the first run with it, a `--quick` run of
+bench/bench_attention.py stopped by its time limit before writing its JSON, showed 1830 MHz at 204-278 W
+"capped" for 0.3 s timings: attention-2026-12-01-nvidia-h200-session17-quick-gpustate.log). Read the
+clock; take the power of short windows as a lower bound.
+"""
+
+from __future__ import annotations
+
+import shutil
+import statistics
+import subprocess
+import threading
+import time
+
+FIELDS = ("clocks.sm", "power.draw", "temperature.gpu", "clocks_event_reasons.active")
+# drivers before the rename call the last field clocks_throttle_reasons
+LEGACY_REASONS_FIELD = "clocks_throttle_reasons.active"
+# bits of the clock event (throttle) reasons that lower the clock
+REASONS = {0x1: "gpu_idle", 0x4: "sw_power_cap", 0x8: "hw_slowdown", 0x20: "sw_thermal",
+           0x40: "hw_thermal", 0x80: "hw_power_brake"}
+SW_POWER_CAP = 0x4
+
+
+def parse_sample(line: str) -> tuple[float, float, float, int] | None:
+    """(SM clock MHz, power W, temperature C, reasons bitmask) from one csv,noheader,nounits line; None
+    for anything else (a header, '[N/A]', an error message)."""
+    parts = [p.strip() for p in line.split(",")]
+    if len(parts) != 4:
+        return None
+    try:
+        return float(parts[0]), float(parts[1]), float(parts[2]), int(parts[3], 16)
+    except ValueError:
+        return None
+
+
+def nvidia_smi_command(interval_ms: int, gpu_index: int = 0) -> list[str] | None:
+    """The sampling command for this driver's field names; None without nvidia-smi or a GPU it sees."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    for fields in (FIELDS, FIELDS[:3] + (LEGACY_REASONS_FIELD,)):
+        query = [exe, f"--id={gpu_index}", f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits"]
+        try:
+            probe = subprocess.run(query, capture_output=True, text=True, timeout=20)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        if probe.returncode == 0 and parse_sample(probe.stdout.strip().splitlines()[0] if probe.stdout.strip() else ""):
+            return query + ["-lms", str(interval_ms)]
+    return None
+
+
+class PowerSampler:
+    """Context manager: runs `command` (nvidia-smi's sampling loop by default) and keeps its samples as
+    (perf_counter time, SM clock MHz, power W, temperature C, reasons bitmask)."""
+
+    def __init__(self, interval_ms: int = 50, gpu_index: int = 0, command: list[str] | None = None):
+        self.command = command if command is not None else nvidia_smi_command(interval_ms, gpu_index)
+        self.samples: list[tuple[float, float, float, float, int]] = []
+        self._process = None
+        self._reader = None
+
+    def __enter__(self) -> PowerSampler:
+        if self.command:
+            try:
+                self._process = subprocess.Popen(self.command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                                 text=True)
+            except OSError:
+                self._process = None
+        if self._process is not None:
+            self._reader = threading.Thread(target=self._read, daemon=True)
+            self._reader.start()
+        return self
+
+    def _read(self) -> None:
+        for line in self._process.stdout:
+            value = parse_sample(line)
+            if value is not None:
+                self.samples.append((time.perf_counter(), *value))
+
+    def __exit__(self, *exc) -> bool:
+        if self._process is not None:
+            self._process.terminate()
+            try:
+                self._process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+            self._reader.join(timeout=5)
+        return False
+
+    @property
+    def active(self) -> bool:
+        return self._process is not None
+
+    def window(self, start: float, end: float) -> dict | None:
+        """Medians of the samples taken in [start, end] (perf_counter seconds), whether the power cap
+        was lowering the clock in any of them, and which reasons were; None when there are none."""
+        inside = [s for s in self.samples if start <= s[0] <= end]
+        if not inside:
+            return None
+        reasons = 0
+        for sample in inside:
+            reasons |= sample[4]
+        return {"sm_clock_mhz": statistics.median(s[1] for s in inside),
+                "power_w": round(statistics.median(s[2] for s in inside), 1),
+                "temperature_c": max(s[3] for s in inside),
+                "power_capped": bool(reasons & SW_POWER_CAP),
+                "reasons": [name for bit, name in REASONS.items() if reasons & bit],
+                "samples": len(inside)}

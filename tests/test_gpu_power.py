@@ -1,0 +1,87 @@
+"""bench/gpu_power.py: the background sampler that records the SM clock and power draw of benchmark
+timings (nvidia-smi on the GPU machine; here a stand-in command prints its lines)."""
+
+import sys
+import time
+
+import bench.bench_attention as ba
+from bench.gpu_power import PowerSampler, parse_sample
+
+# what `nvidia-smi --query-gpu=clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active
+# --format=csv,noheader,nounits -lms 50` prints on the H200 under the power cap, and when idle
+CAPPED, IDLE = "1770, 689.52, 67, 0x0000000000000004", "345, 94.88, 39, 0x0000000000000001"
+
+
+def test_parse_sample_reads_nvidia_smi_lines_and_rejects_the_rest():
+    assert parse_sample(CAPPED) == (1770.0, 689.52, 67.0, 4)
+    assert parse_sample(IDLE) == (345.0, 94.88, 39.0, 1)
+    for line in ("", "clocks.current.sm [MHz], power.draw [W]", "1770, [N/A], 67, 0x4",
+                 "No devices were found", "1770, 689.5, 67"):
+        assert parse_sample(line) is None
+
+
+def _stand_in(lines, pause_s):
+    """A command printing `lines` one by one, `pause_s` apart, then waiting to be terminated."""
+    script = ("import sys, time\n"
+              f"for line in {lines!r}:\n"
+              "    print(line, flush=True)\n"
+              f"    time.sleep({pause_s})\n"
+              "time.sleep(60)\n")
+    return [sys.executable, "-c", script]
+
+
+def test_window_takes_medians_of_the_samples_inside_it_and_flags_the_power_cap():
+    lines = [IDLE, "not a sample", CAPPED, "1740, 690.1, 68, 0x4", "1785, 688.0, 68, 0x0000000000000000"]
+    with PowerSampler(command=_stand_in(lines, 0.05)) as power:
+        assert power.active
+        deadline = time.perf_counter() + 30
+        while len(power.samples) < 4 and time.perf_counter() < deadline:
+            time.sleep(0.05)
+    assert len(power.samples) == 4   # the malformed line is dropped
+    times = [s[0] for s in power.samples]
+    assert times == sorted(times)
+    everything = power.window(times[0], times[-1])
+    assert everything["samples"] == 4 and everything["power_capped"]
+    assert everything["sm_clock_mhz"] == 1755.0   # median of 345, 1770, 1740, 1785
+    assert set(everything["reasons"]) == {"gpu_idle", "sw_power_cap"}
+    loaded = power.window(times[1], times[-1])
+    assert loaded["sm_clock_mhz"] == 1770.0 and loaded["power_w"] == 689.5 and loaded["temperature_c"] == 68.0
+    last = power.window(times[-1], times[-1] + 1)
+    assert last["samples"] == 1 and not last["power_capped"] and last["reasons"] == []
+    assert power.window(times[-1] + 0.001, times[-1] + 1) is None
+
+
+def test_without_a_sampling_command_nothing_is_recorded():
+    with PowerSampler(command=[]) as power:
+        assert not power.active
+    assert power.window(0.0, time.perf_counter()) is None
+
+
+def test_bench_attention_records_and_prints_the_clock_of_a_timing():
+    record = {"gpu_state": {"sm_clock_mhz": 1770.0, "power_w": 689.5, "power_capped": True}}
+    assert ba._gpu_text(record) == "; 1770 MHz 690 W capped"
+    assert ba._gpu_text({"gpu_state": None}) == "" and ba._gpu_text({}) == ""
+
+    class FakePower:
+        def __init__(self):
+            self.asked = []
+
+        def window(self, start, end):
+            self.asked.append((start, end))
+            return {"sm_clock_mhz": 1980.0, "power_w": 578.0, "power_capped": False}
+
+    import jax
+    import jax.numpy as jnp
+    args = tuple(jnp.full((1, 4, 1, 8), value, jnp.float32) for value in (1.0, 2.0, 3.0))
+
+    def attention_like(q, k, v):
+        return q * k + v
+    compiled = jax.jit(attention_like).lower(*args).compile()
+    power = FakePower()
+    timing = ba._measure(attention_like, compiled, args, power)   # short calls: timed in one program
+    # the window asked for is the one around the timings that gave "ms"
+    assert timing["gpu_state"]["sm_clock_mhz"] == 1980.0 and len(power.asked) == 1
+    start, end = power.asked[0]
+    assert end - start >= ba.MIN_TIMING_S * ba.TIMING_REPEATS * 0.9
+    assert timing["in_graph_repeats"] == ba.IN_GRAPH_REPEATS
+    assert ba._measure(attention_like, compiled, args)["gpu_state"] is None
