@@ -35,7 +35,7 @@ import jax.numpy as jnp
 
 from bench.bench_attention_mgpu import _random_qkv
 from bench.jax_timing import stream_ms_per_call
-from bench.report import slug
+from bench.report import slug, write_json
 
 fm = importlib.import_module("ttj_jax.kernels.flash_attention_mgpu")
 B, H, S, HD = 1, 16, 100_000, 64
@@ -118,9 +118,7 @@ def main(argv):
                   command="PYTHONPATH=. python3 bench/scratch/persistent_why.py OUT " + str(rounds)
                   + (" --more" if more else "") + (" --tiles" if tiles else "")
                   + (f" --only={only}" if only else ""), rows=rows)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"persistent-why-{result['date']}-{slug(device.device_kind)}.json"
-    path.write_text(json.dumps(result, indent=1))
+    path = write_json(result, out_dir, f"persistent-why-{result['date']}-{slug(device.device_kind)}")
     for r in rows:
         print(f"B={r['B']} H={r['H']} S={r['S']} hd={r['head_dim']} {'causal' if r['causal'] else 'full':6s} "
               f"{r['build']:10s} {r['ms']:9.3f} ms {r['tflops']:7.1f} TFLOP/s rounds {['%.3f' % x for x in r['ms_rounds']]}")

@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import importlib
-import json
 import pathlib
 import statistics
 import sys
@@ -35,7 +34,7 @@ import jax.numpy as jnp
 
 from bench.bench_attention_mgpu import _random_qkv
 from bench.gpu_power import REASONS, PowerSampler
-from bench.report import slug
+from bench.report import slug, write_json
 
 fm = importlib.import_module("ttj_jax.kernels.flash_attention_mgpu")
 B, H, S, HD = 1, 16, 100_000, 64
@@ -134,9 +133,7 @@ def main(argv):
                   command=f"PYTHONPATH=. python3 bench/scratch/power_clocks.py OUT {seconds:g}" + "".join(" " + f for f in flags),
                   rows=rows,
                   idle_samples=[s[1:] for s in samples[:5]])
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"power-clocks-{result['date']}-{slug(device.device_kind)}.json"
-    path.write_text(json.dumps(result, indent=1))
+    path = write_json(result, out_dir, f"power-clocks-{result['date']}-{slug(device.device_kind)}")
     print(f"{'case':8s} {'build':18s} {'TFLOP/s':>8s} {'MHz':>6s} {'W':>6s} {'C':>4s} samples reasons")
     for r in rows:
         print(f"{'causal' if r['causal'] else 'full':8s} {r['build']:18s} {r['tflops']:8.1f} {r['sm_clock_mhz'] or 0:6.0f} "
