@@ -15,6 +15,7 @@ Results: a table, JSON under --out, and (with matplotlib) a PNG of the speedups.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -31,6 +32,7 @@ import bridge  # noqa: E402  (sets up jax's allocator before jax touches the GPU
 import jax  # noqa: E402
 import ttj_jax as T  # noqa: E402
 from bench.baseline import TransformerConfig, check_close, harness_models, make_inputs  # noqa: E402
+from bench.gpu_power import PowerSampler  # noqa: E402
 from bench.report import slug  # noqa: E402
 from bench.timing import interleaved_host_overhead_us, time_contenders  # noqa: E402
 
@@ -138,7 +140,8 @@ def _time_jax_loop(fn, *, warmup: int, rounds: int, calls: int) -> dict:
     return {"median_ms": statistics.median(per_call), "rounds_ms": per_call, "calls": rounds * calls}
 
 
-def run_shape(shape: T.Shape, args, device: torch.device, progress: Progress) -> dict:
+def run_shape(shape: T.Shape, args, device: torch.device, progress: Progress,
+              power: PowerSampler | None = None) -> dict:
     config = shape.config
     harness_config = TransformerConfig(**vars(config))
     baseline, ours = harness_models(harness_config, bridge.TTJTransformer, device=device)
@@ -193,8 +196,12 @@ def run_shape(shape: T.Shape, args, device: torch.device, progress: Progress) ->
     with torch.inference_mode():
         timed = {name: (lambda fn=fn: fn(x, mask)) for name, fn in contenders.items()}
         rounds_done = lambda r, n: progress.step(f"shape {shape.id}: timing round {r}/{n}")
+        started = time.perf_counter()
         timings = time_contenders(timed, warmup=args.warmup, rounds=args.rounds, calls=calls, device=device,
                                   progress=rounds_done)
+        # the SM clock and power while the contenders' rounds ran (bench/gpu_power.py: the H200's power cap
+        # sets its clock); None without nvidia-smi
+        result["gpu_state"] = power.window(started, time.perf_counter()) if power is not None else None
 
     progress.step(f"shape {shape.id}: ttj-jax from JAX")
     jax_fn, jax_plan = _ttj_jax_contender(ours, config, x)
@@ -331,16 +338,19 @@ def main(argv=None) -> int:
             document["shapes"] = previous.get("shapes", {})
 
     progress = Progress(len(ids))
+    power = PowerSampler() if on_cuda else None
     try:
-        for sid in ids:
-            shape = suite[sid]
-            progress.step(f"shape {sid}: {shape.describe()}")
-            document["shapes"][sid] = run_shape(shape, args, device, progress)
-            progress.step(f"shape {sid}: done", advance=1)
-            with open(json_path, "w") as f:
-                json.dump(document, f, indent=1)
-            if on_cuda:
-                torch.cuda.empty_cache()
+        with power if power is not None else contextlib.nullcontext():
+            for sid in ids:
+                shape = suite[sid]
+                progress.step(f"shape {sid}: {shape.describe()}")
+                document["shapes"][sid] = run_shape(shape, args, device, progress,
+                                                    power if power is not None and power.active else None)
+                progress.step(f"shape {sid}: done", advance=1)
+                with open(json_path, "w") as f:
+                    json.dump(document, f, indent=1)
+                if on_cuda:
+                    torch.cuda.empty_cache()
     finally:
         progress.close()
     ordered = _by_shape_id(document["shapes"])

@@ -20,7 +20,36 @@ def test_ttj_bench_small_shape(tmp_path, capsys):
     for key in ("baseline_ms", "ttj_bridge_ms", "ttj_jax_ms"):
         assert shape[key] > 0
     assert "xla-attention/mixed_fp16" in shape["plan"]
+    assert shape["gpu_state"] is None   # no GPU clock to sample on the CPU
     assert "geomean speedup" in capsys.readouterr().out
+
+
+def test_run_shape_records_the_clock_and_power_of_its_timing_rounds():
+    """On a GPU the sampler's window around the contenders' timing rounds lands in the shape's result
+    (bench/gpu_power.py; a stand-in sampler here)."""
+    import time
+
+    import ttj_jax as T
+
+    class FakePower:
+        def __init__(self):
+            self.asked = []
+
+        def window(self, start, end):
+            self.asked.append((start, end))
+            return {"sm_clock_mhz": 1770.0, "power_w": 690.0, "power_capped": True}
+
+    args = cli.parse_args(["--suite", "small", "--warmup", "1", "--rounds", "2", "--calls", "2"])
+    args.peer, args.extra_seeds = False, 0   # what main() fills in on a CPU
+    progress, power = cli.Progress(1), FakePower()
+    before = time.perf_counter()
+    try:
+        result = cli.run_shape(T.SUITES["small"]["cpu-12"], args, torch.device("cpu"), progress, power)
+    finally:
+        progress.close()
+    assert result["gpu_state"] == {"sm_clock_mhz": 1770.0, "power_w": 690.0, "power_capped": True}
+    [(start, end)] = power.asked
+    assert before < start < end < time.perf_counter()
 
 
 def test_unknown_shape_is_refused(tmp_path, capsys):
