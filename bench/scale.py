@@ -31,6 +31,7 @@ import bridge  # noqa: E402  (sets up jax's allocator before jax touches the GPU
 import jax  # noqa: E402
 import ttj_jax as T  # noqa: E402
 from bench.baseline import TransformerConfig, check_close, harness_models, make_inputs  # noqa: E402
+from bench.gpu_power import PowerSampler  # noqa: E402
 from bench.report import slug  # noqa: E402
 from ttj_jax.chunked_reference import chunked_reference_forward  # noqa: E402
 from ttj_jax.params import to_jax_array  # noqa: E402
@@ -165,16 +166,20 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def timed_calls(fn, calls: int, device, progress: Progress, name: str):
+def timed_calls(fn, calls: int, device, progress: Progress, name: str, power: PowerSampler | None = None,
+                gpu_states: dict | None = None):
     """1 warm-up call (its wall time, compile included, reported apart), then `calls` timed calls: CUDA events
     on torch's current stream as the harness records them, perf_counter on the CPU. Returns (ms list,
-    first call s, last output). The previous output is dropped before each call so two never coexist."""
+    first call s, last output). The previous output is dropped before each call so two never coexist.
+    With a running PowerSampler, gpu_states[name] gets the SM clock and power of the timed calls
+    (bench/gpu_power.py: on the H200 the power cap sets the clock)."""
     progress.start(name, calls + 1)
     t0 = time.perf_counter()
     out = fn()
     _sync(device)
     first_call_s = time.perf_counter() - t0
     progress.advance(f"warm-up {first_call_s:.1f} s")
+    timed_from = time.perf_counter()
     samples = []
     for _ in range(calls):
         out = None
@@ -191,6 +196,8 @@ def timed_calls(fn, calls: int, device, progress: Progress, name: str):
             out = fn()
             samples.append((time.perf_counter() - t) * 1e3)
         progress.advance(f"{samples[-1]:.1f} ms")
+    if power is not None and gpu_states is not None:
+        gpu_states[name] = power.window(timed_from, time.perf_counter())
     return samples, first_call_s, out
 
 
@@ -203,7 +210,7 @@ def _jax_memory(device):
         return None
 
 
-def time_bridge(ours, x, mask, args, device, progress):
+def time_bridge(ours, x, mask, args, device, progress, power=None, gpu_states=None):
     """Times the bridge and measures its peak device memory beyond its input and output: torch's own
     allocations (reset just before) plus jax's allocator (its peak since process start; nothing jax ran
     before this outweighs it: weight views are torch's memory). The output lives in exactly one of the two
@@ -215,7 +222,7 @@ def time_bridge(ours, x, mask, args, device, progress):
         torch.cuda.reset_peak_memory_stats(device)
     with torch.inference_mode():
         samples, first_call_s, out = timed_calls(lambda: ours(x, mask), args.timing_calls, device, progress,
-                                                 "ttj via bridge")
+                                                 "ttj via bridge", power, gpu_states)
     if device.type != "cuda":
         return samples, first_call_s, out, {"peak_extra_gb": None, "torch_peak_extra_gb": None,
                                             "jax_peak_extra_gb": None}
@@ -283,7 +290,7 @@ def chunked_reference(params, config, chunk: int):
     return reference
 
 
-def time_peer(baseline, harness_config, x, mask, args, device, progress):
+def time_peer(baseline, harness_config, x, mask, args, device, progress, power=None, gpu_states=None):
     """Optional: the torch peer called per chunk of 4 sequences into one preallocated output."""
     from bench.torch_peer import build_peer
     peer = build_peer(baseline, harness_config, device=device)
@@ -295,7 +302,7 @@ def time_peer(baseline, harness_config, x, mask, args, device, progress):
         return out
 
     with torch.inference_mode():
-        samples, _, _ = timed_calls(run, args.timing_calls, device, progress, "torch peer")
+        samples, _, _ = timed_calls(run, args.timing_calls, device, progress, "torch peer", power, gpu_states)
     return statistics.median(samples)
 
 
@@ -467,6 +474,8 @@ def main(argv=None) -> int:
             "ref_chunk": args.ref_chunk, "stream_chunk": getattr(args, "stream_chunk_used", None),
             "timing_ms": samples, "first_call_s": first_call_s,
             "ttj_bridge_tflops": forward_flops(config, B, S) / (ttj_ms * 1e-3) / 1e12, "step_seconds": steps,
+            # per timed contender, the SM clock and power while its calls ran (empty without nvidia-smi)
+            "gpu_state": gpu_states,
         }
         document = {"gpu": device_name if on_cuda else None, "device": device_name, "jax": jax.__version__,
                     "torch": torch.__version__, "date": date,
@@ -483,7 +492,11 @@ def main(argv=None) -> int:
 
     progress = Progress()
     steps = {}
+    gpu_states = {}
+    sampling = contextlib.ExitStack()   # the clock/power sampler, running until the end of the run
     try:
+        power = sampling.enter_context(PowerSampler()) if on_cuda else None
+        power = power if power is not None and power.active else None
         t = time.perf_counter()
         x, mask = make_input(config, device)
         _sync(device)
@@ -492,7 +505,8 @@ def main(argv=None) -> int:
 
         t = time.perf_counter()
         samples, first_call_s, out, memory = (time_stream(ours, x, mask, args, progress) if args.stream
-                                              else time_bridge(ours, x, mask, args, device, progress))
+                                              else time_bridge(ours, x, mask, args, device, progress, power,
+                                                               gpu_states))
         steps["timing_s"] = time.perf_counter() - t
         if on_cuda:
             torch.cuda.empty_cache()
@@ -521,10 +535,11 @@ def main(argv=None) -> int:
             write(None, multi, pending="torch peer timing")
             del out   # the peer writes its own full-size output
             t = time.perf_counter()
-            peer_ms = time_peer(baseline, harness_config, x, mask, args, device, progress)
+            peer_ms = time_peer(baseline, harness_config, x, mask, args, device, progress, power, gpu_states)
             steps["peer_s"] = time.perf_counter() - t
     finally:
         progress.close()
+        sampling.close()
 
     ttj_ms = statistics.median(samples)
     path, result = write(peer_ms, multi)

@@ -115,7 +115,41 @@ def test_scale_end_to_end(tmp_path, capsys):
     assert 0 < result["worst_err_over_tol"] < 1
     assert result["ttj_bridge_ms"] > 0 and result["peer_ms"] > 0
     assert result["peak_extra_gb"] is None   # no device allocator to read on the CPU
+    assert result["gpu_state"] == {}   # no GPU clock to sample on the CPU
     assert "wrote" in capsys.readouterr().out
+
+
+def test_timed_calls_records_the_clock_and_power_of_the_timed_calls_only():
+    """On a GPU, the sampler's window starts after the warm-up call (compile included) and ends after
+    the last timed call (bench/gpu_power.py; a stand-in sampler here)."""
+    import time
+
+    class FakePower:
+        def __init__(self):
+            self.asked = []
+
+        def window(self, start, end):
+            self.asked.append((start, end))
+            return {"sm_clock_mhz": 1740.0}
+
+    calls = []
+
+    def fn():
+        calls.append(time.perf_counter())
+        if len(calls) == 1:
+            time.sleep(0.2)   # the warm-up call's compile
+        return torch.zeros(2)
+
+    progress, power, states = scale.Progress(), FakePower(), {}
+    try:
+        samples, first_call_s, _ = scale.timed_calls(fn, 3, torch.device("cpu"), progress, "ttj via bridge",
+                                                     power, states)
+    finally:
+        progress.close()
+    assert len(samples) == 3 and first_call_s >= 0.2
+    assert states == {"ttj via bridge": {"sm_clock_mhz": 1740.0}}
+    [(start, end)] = power.asked
+    assert calls[0] + 0.2 <= start <= calls[1] and end >= calls[-1]
 
 
 def test_scale_chunked_prefix_reference(tmp_path):
