@@ -1,6 +1,6 @@
 """Why is the persistent kernel (MgpuBlockSizes.persistent) slower on long sequences? (session 16)
 
-    PYTHONPATH=. python3 bench/scratch/persistent_why.py OUT_DIR [ROUNDS] [--more | --tiles | --only=I,J]
+    PYTHONPATH=. python3 bench/scratch/persistent_why.py OUT_DIR [ROUNDS] [--more | --tiles | --l2 | --only=I,J]
 
 At B=1 H=16 S=100000 head_dim 64 the default and the persistent build, causal and non-causal, timed in
 ROUNDS alternating rounds (median of 5 timings of back-to-back calls). Non-causal tiles all cost the
@@ -12,6 +12,11 @@ Writes OUT_DIR/persistent-why-<date>-<gpu>.json.
 --tiles (session 17) adds non-causal cases with about as many tiles but 4x and 16x fewer key blocks
 per tile (S=25000 with B=4, S=6250 with B=16): a cost per tile shows as a loss growing with 1/blocks
 per tile, a cost per key block as the same loss at every S.
+
+--l2 (session 17, not run yet) adds B=1 H=1 S=100000, non-causal and causal: one head's K and V (25.6 MB)
+fit the H200's L2 whole, so every block's loads hit L2 in both builds. If the persistent build's
+per-key-block loss (4.1% non-causal at H=16) is about L2 hits under its static assignment, it should
+mostly vanish here; if it stays, L2 is not the cause.
 
     PYTHONPATH=. python3 bench/scratch/persistent_why.py --sass DUMPS FILE.json
 
@@ -45,6 +50,8 @@ CASES = [(B, H, S, HD, True), (B, H, S, HD, False)]
 MORE_CASES = [(64, 4, 1024, 32, True), (8, 16, 100_000, 64, True), (1, 16, 16384, 128, True)]
 # (with --tiles) non-causal, ~8400 tiles of 782 / 196 / 49 key blocks with the second main case
 TILE_CASES = [(4, 16, 25_000, 64, False), (16, 16, 6_250, 64, False)]
+# (with --l2) one head: its K/V fit in L2 (521 tiles of 192 rows, so the head-major order, as at H=16)
+L2_CASES = [(1, 1, 100_000, 64, False), (1, 1, 100_000, 64, True)]
 
 
 def main_loop(sass: str) -> list[str]:
@@ -85,15 +92,15 @@ def sass_report(dumps: pathlib.Path, path: pathlib.Path):
 def main(argv):
     if argv and argv[0] == "--sass":
         return sass_report(pathlib.Path(argv[1]), pathlib.Path(argv[2]))
-    more, tiles = "--more" in argv, "--tiles" in argv
+    more, tiles, l2 = "--more" in argv, "--tiles" in argv, "--l2" in argv
     only = next((a.split("=", 1)[1] for a in argv if a.startswith("--only=")), None)
-    argv = [a for a in argv if a not in ("--more", "--tiles") and not a.startswith("--only=")]
+    argv = [a for a in argv if a not in ("--more", "--tiles", "--l2") and not a.startswith("--only=")]
     out_dir = pathlib.Path(argv[0])
     rounds = int(argv[1]) if len(argv) > 1 else 3
     builds, inputs = {}, {}
-    cases = CASES + (MORE_CASES if more else []) + (TILE_CASES if tiles else [])
-    if only:   # --only=I,J: those entries of CASES + MORE_CASES + TILE_CASES
-        cases = [(CASES + MORE_CASES + TILE_CASES)[int(i)] for i in only.split(",")]
+    cases = CASES + (MORE_CASES if more else []) + (TILE_CASES if tiles else []) + (L2_CASES if l2 else [])
+    if only:   # --only=I,J: those entries of CASES + MORE_CASES + TILE_CASES + L2_CASES
+        cases = [(CASES + MORE_CASES + TILE_CASES + L2_CASES)[int(i)] for i in only.split(",")]
     for case in cases:
         b, h, s, hd, causal = case
         inputs[case] = _random_qkv(s, (b, s, h, hd), jnp.float16)
@@ -116,7 +123,7 @@ def main(argv):
     device = jax.devices()[0]
     result = dict(gpu=device.device_kind, jax=jax.__version__, date=datetime.date.today().isoformat(),
                   command="PYTHONPATH=. python3 bench/scratch/persistent_why.py OUT " + str(rounds)
-                  + (" --more" if more else "") + (" --tiles" if tiles else "")
+                  + (" --more" if more else "") + (" --tiles" if tiles else "") + (" --l2" if l2 else "")
                   + (f" --only={only}" if only else ""), rows=rows)
     path = write_json(result, out_dir, f"persistent-why-{result['date']}-{slug(device.device_kind)}")
     for r in rows:
