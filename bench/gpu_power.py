@@ -11,7 +11,9 @@ the clock and power it ran at, and two runs (or two machines) compare better wit
         start = time.perf_counter(); ...timed work...; end = time.perf_counter()
         power.window(start, end)   # {"sm_clock_mhz", "power_w", "power_capped", "samples"} or None
 
-Where nvidia-smi is missing (a CPU machine) the sampler records nothing and window() returns None.
+It samples one GPU, nvidia-smi's index 0 unless told (`gpu_index`): on a several-GPU machine, the one the
+benchmark's single-device timings run on. Where nvidia-smi is missing (a CPU machine) the sampler
+records nothing and window() returns None.
 The clock is read as it is at each sample; nvidia-smi's power.draw is an average over a longer period,
 so for timings shorter than a second or so it lags (the first run with it, a `--quick` run of
 bench/bench_attention.py stopped by its time limit before writing its JSON, showed 1830 MHz at 204-278 W
