@@ -35,7 +35,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench.gpu_power import PowerSampler  # noqa: E402
+from bench.gpu_power import PowerSampler, sampling  # noqa: E402
 from bench.jax_timing import stream_ms_per_call  # noqa: E402
 from bench.report import describe_error, slug, write_json  # noqa: E402
 from ttj_jax.kernels import BlockSizes, flash_attention, flash_attention_fused_qkv  # noqa: E402
@@ -398,13 +398,12 @@ def main(argv=None) -> int:
     checks = run_sweep(interpret, args.smoke)
     cases = SMOKE_CASES if args.smoke else [c for c in CASES if not (args.quick and c[2] >= 100_000)]
     results = []
-    with PowerSampler() as power:   # the SM clock and power of every timing (nothing without nvidia-smi)
+    with sampling() as power:   # the SM clock and power of every timing (None without nvidia-smi)
         for batch, heads, seq_len, head_dim in cases:
             log(f"case B={batch} H={heads} S={seq_len} head_dim={head_dim} causal fp16 "
                 f"({time.perf_counter() - started:.0f} s so far):")
             case_results, case_checks = run_case(batch, heads, seq_len, head_dim, quick=args.quick,
-                                                 check_only=args.check, interpret=interpret,
-                                                 power=power if power.active else None)
+                                                 check_only=args.check, interpret=interpret, power=power)
             results += case_results
             checks += case_checks
 

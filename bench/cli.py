@@ -15,7 +15,6 @@ Results: a table, JSON under --out, and (with matplotlib) a PNG of the speedups.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import os
@@ -32,7 +31,7 @@ import bridge  # noqa: E402  (sets up jax's allocator before jax touches the GPU
 import jax  # noqa: E402
 import ttj_jax as T  # noqa: E402
 from bench.baseline import TransformerConfig, check_close, harness_models, make_inputs  # noqa: E402
-from bench.gpu_power import PowerSampler  # noqa: E402
+from bench.gpu_power import PowerSampler, sampling  # noqa: E402
 from bench.report import slug  # noqa: E402
 from bench.timing import interleaved_host_overhead_us, time_contenders  # noqa: E402
 
@@ -338,14 +337,12 @@ def main(argv=None) -> int:
             document["shapes"] = previous.get("shapes", {})
 
     progress = Progress(len(ids))
-    power = PowerSampler() if on_cuda else None
     try:
-        with power if power is not None else contextlib.nullcontext():
+        with sampling(on_cuda) as power:
             for sid in ids:
                 shape = suite[sid]
                 progress.step(f"shape {sid}: {shape.describe()}")
-                document["shapes"][sid] = run_shape(shape, args, device, progress,
-                                                    power if power is not None and power.active else None)
+                document["shapes"][sid] = run_shape(shape, args, device, progress, power)
                 progress.step(f"shape {sid}: done", advance=1)
                 with open(json_path, "w") as f:
                     json.dump(document, f, indent=1)

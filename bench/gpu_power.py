@@ -7,9 +7,9 @@ kernel ran 559.5 TFLOP/s on zero Q and K (1980 MHz, uncapped) against 492.6 on r
 the first quarter second after idle against 483.7 after 4 s. So a TFLOP/s figure means little without
 the clock and power it ran at, and two runs (or two machines) compare better with them.
 
-    with PowerSampler() as power:
+    with sampling(on_gpu) as power:   # a running PowerSampler, or None where nothing is sampled
         start = time.perf_counter(); ...timed work...; end = time.perf_counter()
-        power.window(start, end)   # {"sm_clock_mhz", "power_w", "power_capped", "samples"} or None
+        power.window(start, end)   # {"sm_clock_mhz", "power_w", "power_capped", "samples", ...} or None
 
 It samples one GPU, nvidia-smi's index 0 unless told (`gpu_index`): on a several-GPU machine, the one the
 benchmark's single-device timings run on. Where nvidia-smi is missing (a CPU machine) the sampler
@@ -23,6 +23,7 @@ clock; take the power of short windows as a lower bound.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import statistics
 import subprocess
@@ -111,7 +112,11 @@ class PowerSampler:
     def window(self, start: float, end: float) -> dict | None:
         """Medians of the samples taken in [start, end] (perf_counter seconds), whether the power cap
         was lowering the clock in any of them, and which reasons were; None when there are none."""
-        inside = [s for s in self.samples if start <= s[0] <= end]
+        return self.windows([(start, end)])
+
+    def windows(self, ranges) -> dict | None:
+        """window() over the samples taken in any of the (start, end) ranges."""
+        inside = [s for s in self.samples if any(start <= s[0] <= end for start, end in ranges)]
         if not inside:
             return None
         reasons = 0
@@ -123,3 +128,14 @@ class PowerSampler:
                 "power_capped": bool(reasons & SW_POWER_CAP),
                 "reasons": [name for bit, name in REASONS.items() if reasons & bit],
                 "samples": len(inside)}
+
+
+@contextlib.contextmanager
+def sampling(enabled: bool = True, **kwargs):
+    """A running PowerSampler(**kwargs) for the duration, or None where `enabled` is False or nothing
+    can be sampled (no nvidia-smi): what the benchmark runners pass down to their timings."""
+    if not enabled:
+        yield None
+        return
+    with PowerSampler(**kwargs) as power:
+        yield power if power.active else None

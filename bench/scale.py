@@ -31,7 +31,7 @@ import bridge  # noqa: E402  (sets up jax's allocator before jax touches the GPU
 import jax  # noqa: E402
 import ttj_jax as T  # noqa: E402
 from bench.baseline import TransformerConfig, check_close, harness_models, make_inputs  # noqa: E402
-from bench.gpu_power import PowerSampler  # noqa: E402
+from bench.gpu_power import PowerSampler, sampling  # noqa: E402
 from bench.report import slug  # noqa: E402
 from ttj_jax.chunked_reference import chunked_reference_forward  # noqa: E402
 from ttj_jax.params import to_jax_array  # noqa: E402
@@ -493,10 +493,9 @@ def main(argv=None) -> int:
     progress = Progress()
     steps = {}
     gpu_states = {}
-    sampling = contextlib.ExitStack()   # the clock/power sampler, running until the end of the run
+    running = contextlib.ExitStack()   # the clock/power sampler, running until the end of the run
     try:
-        power = sampling.enter_context(PowerSampler()) if on_cuda else None
-        power = power if power is not None and power.active else None
+        power = running.enter_context(sampling(on_cuda))
         t = time.perf_counter()
         x, mask = make_input(config, device)
         _sync(device)
@@ -539,7 +538,7 @@ def main(argv=None) -> int:
             steps["peer_s"] = time.perf_counter() - t
     finally:
         progress.close()
-        sampling.close()
+        running.close()
 
     ttj_ms = statistics.median(samples)
     path, result = write(peer_ms, multi)

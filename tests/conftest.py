@@ -106,3 +106,15 @@ def run_on_host_devices(args: list[str], devices: int, timeout: int = 300) -> su
 def last_json_line(done: subprocess.CompletedProcess):
     """The JSON object a script printed last."""
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+class RecordingPower:
+    """Stands in for bench.gpu_power.PowerSampler in the benchmark runners' tests: window() records the
+    (start, end) it is asked for and answers `state`."""
+
+    def __init__(self, state: dict):
+        self.state, self.asked = state, []
+
+    def window(self, start: float, end: float) -> dict:
+        self.asked.append((start, end))
+        return self.state

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from bench import cli
+from conftest import RecordingPower
 
 
 def test_ttj_bench_small_shape(tmp_path, capsys):
@@ -31,17 +32,9 @@ def test_run_shape_records_the_clock_and_power_of_its_timing_rounds():
 
     import ttj_jax as T
 
-    class FakePower:
-        def __init__(self):
-            self.asked = []
-
-        def window(self, start, end):
-            self.asked.append((start, end))
-            return {"sm_clock_mhz": 1770.0, "power_w": 690.0, "power_capped": True}
-
     args = cli.parse_args(["--suite", "small", "--warmup", "1", "--rounds", "2", "--calls", "2"])
     args.peer, args.extra_seeds = False, 0   # what main() fills in on a CPU
-    progress, power = cli.Progress(1), FakePower()
+    progress, power = cli.Progress(1), RecordingPower({"sm_clock_mhz": 1770.0, "power_w": 690.0, "power_capped": True})
     before = time.perf_counter()
     try:
         result = cli.run_shape(T.SUITES["small"]["cpu-12"], args, torch.device("cpu"), progress, power)

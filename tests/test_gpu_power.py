@@ -5,7 +5,8 @@ import sys
 import time
 
 import bench.bench_attention as ba
-from bench.gpu_power import PowerSampler, parse_sample
+from bench.gpu_power import PowerSampler, parse_sample, sampling
+from conftest import RecordingPower
 
 # what `nvidia-smi --query-gpu=clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active
 # --format=csv,noheader,nounits -lms 50` prints on the H200 under the power cap, and when idle
@@ -49,6 +50,18 @@ def test_window_takes_medians_of_the_samples_inside_it_and_flags_the_power_cap()
     last = power.window(times[-1], times[-1] + 1)
     assert last["samples"] == 1 and not last["power_capped"] and last["reasons"] == []
     assert power.window(times[-1] + 0.001, times[-1] + 1) is None
+    # several ranges: the samples in any of them (the idle one and the last)
+    both = power.windows([(times[0], times[0]), (times[-1], times[-1])])
+    assert both["samples"] == 2 and both["sm_clock_mhz"] == (345.0 + 1785.0) / 2
+
+
+def test_sampling_yields_a_running_sampler_or_none():
+    with sampling(False) as power:
+        assert power is None
+    with sampling(command=[]) as power:   # nothing to sample with
+        assert power is None
+    with sampling(command=_stand_in([CAPPED], 0.01)) as power:
+        assert isinstance(power, PowerSampler) and power.active
 
 
 def test_without_a_sampling_command_nothing_is_recorded():
@@ -62,14 +75,6 @@ def test_bench_attention_records_and_prints_the_clock_of_a_timing():
     assert ba._gpu_text(record) == "; 1770 MHz 690 W capped"
     assert ba._gpu_text({"gpu_state": None}) == "" and ba._gpu_text({}) == ""
 
-    class FakePower:
-        def __init__(self):
-            self.asked = []
-
-        def window(self, start, end):
-            self.asked.append((start, end))
-            return {"sm_clock_mhz": 1980.0, "power_w": 578.0, "power_capped": False}
-
     import jax
     import jax.numpy as jnp
     args = tuple(jnp.full((1, 4, 1, 8), value, jnp.float32) for value in (1.0, 2.0, 3.0))
@@ -77,7 +82,7 @@ def test_bench_attention_records_and_prints_the_clock_of_a_timing():
     def attention_like(q, k, v):
         return q * k + v
     compiled = jax.jit(attention_like).lower(*args).compile()
-    power = FakePower()
+    power = RecordingPower({"sm_clock_mhz": 1980.0, "power_w": 578.0, "power_capped": False})
     timing = ba._measure(attention_like, compiled, args, power)   # short calls: timed in one program
     # the window asked for is the one around the timings that gave "ms"
     assert timing["gpu_state"]["sm_clock_mhz"] == 1980.0 and len(power.asked) == 1

@@ -20,7 +20,7 @@ import bridge
 import ttj_jax as T
 from bench import scale
 from bench.baseline import TransformerConfig, copy_model_weights
-from conftest import baseline_and_params, make_mask, random_input, to_jax
+from conftest import RecordingPower, baseline_and_params, make_mask, random_input, to_jax
 from ttj_jax.chunked_reference import _chunked_forward, chunked_reference_forward
 
 FP32_ATOL = 2e-5
@@ -124,14 +124,6 @@ def test_timed_calls_records_the_clock_and_power_of_the_timed_calls_only():
     the last timed call (bench/gpu_power.py; a stand-in sampler here)."""
     import time
 
-    class FakePower:
-        def __init__(self):
-            self.asked = []
-
-        def window(self, start, end):
-            self.asked.append((start, end))
-            return {"sm_clock_mhz": 1740.0}
-
     calls = []
 
     def fn():
@@ -140,7 +132,7 @@ def test_timed_calls_records_the_clock_and_power_of_the_timed_calls_only():
             time.sleep(0.2)   # the warm-up call's compile
         return torch.zeros(2)
 
-    progress, power, states = scale.Progress(), FakePower(), {}
+    progress, power, states = scale.Progress(), RecordingPower({"sm_clock_mhz": 1740.0}), {}
     try:
         samples, first_call_s, _ = scale.timed_calls(fn, 3, torch.device("cpu"), progress, "ttj via bridge",
                                                      power, states)

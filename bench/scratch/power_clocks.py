@@ -33,11 +33,13 @@ import jax
 import jax.numpy as jnp
 
 from bench.bench_attention_mgpu import _random_qkv
-from bench.gpu_power import REASONS, PowerSampler
+from bench.gpu_power import PowerSampler
 from bench.report import slug, write_json
 
 fm = importlib.import_module("ttj_jax.kernels.flash_attention_mgpu")
 B, H, S, HD = 1, 16, 100_000, 64
+# a build's row where nvidia-smi gave no sample (PowerSampler.windows' keys)
+NO_SAMPLES = dict(sm_clock_mhz=None, power_w=None, temperature_c=None, power_capped=None, reasons=[], samples=0)
 RAMP_BINS = ((0.0, 0.25), (0.25, 0.5), (0.5, 1.0), (1.0, 2.0), (2.0, 4.0), (4.0, 10.0))
 
 
@@ -56,15 +58,12 @@ def measure_ramp(fn, args, seconds: float = 10.0):
             t1 = time.perf_counter()
             timings.append((t1 - start, 2 * fm.attention_flops(B, S, H, HD, True) / ((t1 - t0) * 1e12)))
         time.sleep(0.3)
-    samples = sampler.samples
     bins = []
     for lo, hi in RAMP_BINS:
         tf = [v for t, v in timings if lo <= t < hi]
-        clocks = [s[1] for s in samples if lo <= s[0] - start < hi]
-        power = [s[2] for s in samples if lo <= s[0] - start < hi]
+        state = sampler.window(start + lo, start + hi) or {}
         bins.append(dict(seconds=[lo, hi], timings=len(tf), tflops=statistics.median(tf) if tf else None,
-                         sm_clock_mhz=statistics.median(clocks) if clocks else None,
-                         power_w=statistics.median(power) if power else None))
+                         sm_clock_mhz=state.get("sm_clock_mhz"), power_w=state.get("power_w")))
     for b in bins:
         print(f"ramp {b['seconds'][0]:5.2f}-{b['seconds'][1]:5.2f} s: {b['tflops'] or 0:6.1f} TFLOP/s "
               f"{b['sm_clock_mhz'] or 0:6.0f} MHz {b['power_w'] or 0:6.1f} W ({b['timings']} timings)")
@@ -108,31 +107,22 @@ def main(argv):
                     jax.block_until_ready(out)
                 windows.append((key, start, time.perf_counter(), calls))
                 time.sleep(0.5)   # a gap between windows in the samples
-    samples = sampler.samples   # (time, clock, power, temp, reasons)
     rows = []
     for key in builds:
         causal, name = key
         mine = [w for w in windows if w[0] == key]
         elapsed = sum(w[2] - w[1] for w in mine)
         calls = sum(w[3] for w in mine)
-        # samples inside the windows, skipping each window's first 0.5 s (clock settling)
-        inside = [s for s in samples for w in mine if w[1] + 0.5 <= s[0] <= w[2]]
-        reasons = 0
-        for s in inside:
-            reasons |= s[4]
+        # the samples inside its windows, each window's first 0.5 s skipped (clock settling)
+        state = sampler.windows([(w[1] + 0.5, w[2]) for w in mine]) or NO_SAMPLES
         rows.append(dict(causal=causal, build=name, calls=calls, ms=elapsed / calls * 1e3,
-                         tflops=fm.attention_flops(B, S, H, HD, causal) / (elapsed / calls * 1e12),
-                         samples=len(inside),
-                         sm_clock_mhz=statistics.median(s[1] for s in inside) if inside else None,
-                         power_w=statistics.median(s[2] for s in inside) if inside else None,
-                         temperature_c=max(s[3] for s in inside) if inside else None,
-                         reasons=[n for bit, n in REASONS.items() if reasons & bit]))
+                         tflops=fm.attention_flops(B, S, H, HD, causal) / (elapsed / calls * 1e12), **state))
     ramp = measure_ramp(builds[(True, "default")], inputs[(True, "default")]) if "--ramp" in flags else None
     device = jax.devices()[0]
     result = dict(ramp=ramp, gpu=device.device_kind, jax=jax.__version__, date=datetime.date.today().isoformat(),
                   command=f"PYTHONPATH=. python3 bench/scratch/power_clocks.py OUT {seconds:g}" + "".join(" " + f for f in flags),
                   rows=rows,
-                  idle_samples=[s[1:] for s in samples[:5]])
+                  idle_samples=[s[1:] for s in sampler.samples[:5]])
     path = write_json(result, out_dir, f"power-clocks-{result['date']}-{slug(device.device_kind)}")
     print(f"{'case':8s} {'build':18s} {'TFLOP/s':>8s} {'MHz':>6s} {'W':>6s} {'C':>4s} samples reasons")
     for r in rows:
