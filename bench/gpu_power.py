@@ -19,6 +19,10 @@ so for timings shorter than a second or so it lags (the first run with it, a `--
 bench/bench_attention.py stopped by its time limit before writing its JSON, showed 1830 MHz at 204-278 W
 "capped" for 0.3 s timings: attention-2026-12-01-nvidia-h200-session17-quick-gpustate.log). Read the
 clock; take the power of short windows as a lower bound.
+And read the clock as a relative figure: under the power cap it is ~10% above the clock the SMs
+effectively deliver (session 18: Nsight Compute counts the same SM cycles per call at any clock, and
+plain runs' times then imply ~1.55 GHz where nvidia-smi sampled ~1.72, for our kernel and for cuBLAS
+alike: bench/results/ncu-gap-2026-12-01-nvidia-h200.json).
 """
 
 from __future__ import annotations

@@ -110,9 +110,10 @@ def main(argv):
         result["reports"][label] = {name: {**raw[i], **summarise_source(source[i])} for name, i in zip(names, chosen)}
         for name, i in zip(names, chosen):
             k = result["reports"][label][name]
+            issue = f"issue {k['issue_active_pct']:.1f}% " if "issue_active_pct" in k else ""
             print(f"{label:10s} {name:12s} {k['duration_ms']:8.3f} ms {k['sm_clock_ghz']:.3f} GHz "
-                  f"inst {k['warp_instructions']:.4g} issue {k['issue_active_pct']:.1f}% "
-                  f"loop {k['hot_loop']['length']} x {k['hot_loop']['executions']:.0f}")
+                  f"inst {k['warp_instructions']:.4g} {issue}loop {k['hot_loop']['length']} x "
+                  f"{k['hot_loop']['executions']:.0f}")
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {out}")
 

@@ -13,10 +13,12 @@ Writes OUT_DIR/persistent-why-<date>-<gpu>.json.
 per tile (S=25000 with B=4, S=6250 with B=16): a cost per tile shows as a loss growing with 1/blocks
 per tile, a cost per key block as the same loss at every S.
 
---l2 (session 17, not run yet) adds B=1 H=1 S=100000, non-causal and causal: one head's K and V (25.6 MB)
-fit the H200's L2 whole, so every block's loads hit L2 in both builds. If the persistent build's
-per-key-block loss (4.1% non-causal at H=16) is about L2 hits under its static assignment, it should
-mostly vanish here; if it stays, L2 is not the cause.
+--l2 (session 17; run in session 18) adds B=1 H=1 S=100000, non-causal and causal: one head's K and V
+(25.6 MB) fit the H200's L2 whole, so every block's loads hit L2 in both builds. If the persistent
+build's per-key-block loss (4.1% non-causal at H=16) is about L2 hits under its static assignment, it
+should mostly vanish here; if it stays, L2 is not the cause. It stayed (-5.3% non-causal, -1.1%
+causal: persistent-why-2026-12-01-nvidia-h200-l2.json); Nsight Compute found the cause in the SASS that
+ran (ncu-attention-2026-12-01-nvidia-h200.json; README, "Attention kernels", session 18).
 
     PYTHONPATH=. python3 bench/scratch/persistent_why.py --sass DUMPS FILE.json
 

@@ -227,6 +227,13 @@ class MgpuBlockSizes:
     #    too (53 and 54 instructions), and the clock and power are the same (power-clocks-2026-12-01-
     #    nvidia-h200-ramp.json). Not found; left: runtime behaviour such as L2 hits under the static
     #    assignment. Nothing dispatches to it.
+    # 4. Session 18: not L2 (one head, K/V inside L2: still -5.3% non-causal, -1.1% causal; persistent-
+    #    why-2026-12-01-nvidia-h200-l2.json). The SASS that ran (Nsight Compute: ncu-attention-2026-12-
+    #    01-nvidia-h200.json) differs from (3)'s offline dump: at non-causal S=100000 the main loop has
+    #    438 instructions against 426, the barrier bookkeeping (block counter, slot, shared-memory base)
+    #    in per-thread registers plus six R2UR for the wgmma descriptors, where the default uses uniform
+    #    registers. Running the loops exactly each block's tile count (no branch around a tile) did not
+    #    bring them back (442; causal slower: persistent-why-2026-12-01-nvidia-h200-exactcount.json).
     persistent: bool = False
 
     def __post_init__(self):
@@ -463,18 +470,6 @@ def persistent_tile(j, program, num_programs: int, batch: int, num_heads: int, n
     else:
         tile = rank
     return valid, sequence, head, tile
-
-
-def persistent_item_count(program, num_programs: int, total: int):
-    """How many tiles persistent_tile gives block `program` (a Python int or a traced int32 scalar):
-    every program one per full round, and in the last, partial round those whose position in it is
-    below the tiles left (the position is the program, or the reverse in an odd round)."""
-    rounds, left = divmod(total, num_programs)
-    if not left:
-        return rounds
-    last_position = program if rounds % 2 == 0 else num_programs - 1 - program
-    in_last = (last_position < left) if isinstance(last_position, int) else (last_position < left).astype(jnp.int32)
-    return rounds + in_last
 
 
 def persistent_schedule(batch: int, num_heads: int, num_q_tiles: int, causal: bool,
@@ -750,11 +745,9 @@ def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_
             plgpu.commit_smem()
         plgpu.barrier_wait(k_ready.at[0])
 
-        # Consumer 0 holds the token first (a persistent block's consumer 0 passed it to itself before
-        # its first tile, so there every consumer waits, with no branch on the tile)
-        if item is None:
-            pl.when(wg > 0)(wait_token)
-        else:
+        # Consumer 0 holds the token first: in a persistent block, only before its first tile
+        @pl.when(wg > 0 if item is None else (wg > 0) | (item > 0))
+        def _():
             wait_token()
 
         def first_scores(*s_refs):
@@ -898,17 +891,16 @@ def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_
         program = lax.axis_index(_GRID_PROGRAM)
 
         def item_at(j):
-            """(batch, head, tile_start) of this block's j-th tile (j < num_items)."""
-            _, sequence, head, tile = persistent_tile(j, program, num_programs, batch_size, num_heads,
-                                                      num_q_tiles, causal)
-            return sequence, head, tile * blocks.block_q
+            """(valid, batch, head, tile_start) of this block's j-th tile; valid False past its last."""
+            valid, sequence, head, tile = persistent_tile(j, program, num_programs, batch_size, num_heads,
+                                                          num_q_tiles, causal)
+            return valid, sequence, head, tile * blocks.block_q
 
-        # The loops over this block's tiles run exactly num_items times, so no tile's work sits under a
-        # branch: under `pl.when(valid)` (rounds up to the last, past it a no-op) ptxas kept the main
-        # loop's counters and shared-memory addresses in per-thread registers instead of uniform ones
-        # (12 instructions more per iteration, 438 against 426, in the SASS that Nsight Compute read on
-        # the H200: bench/results/ncu-attention-2026-12-01-nvidia-h200-l2.json)
-        num_items = persistent_item_count(program, num_programs, batch_size * num_heads * num_q_tiles)
+        def ring_steps(valid, tile_start):   # K/V blocks the tile loads into the ring (0 past the last tile)
+            _, blocks_loaded = kv_block_range(tile_start, blocks.block_q, seq_len, block_kv, causal)
+            return jnp.where(valid, blocks_loaded, 0)
+
+        max_items = _cdiv(batch_size * num_heads * num_q_tiles, num_programs)   # rounds
 
     @pl.when(wg < num_wgs)
     def _consumer():
@@ -919,23 +911,22 @@ def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_
         q_wg, o_wg = q_smem.at[wg], o_smem.at[wg]
 
         def load_q(j):
-            @pl.when(j < num_items)
+            valid, batch, head, tile_start = item_at(j)
+
+            @pl.when(valid)
             def _():
-                batch, head, tile_start = item_at(j)
                 plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(tile_start + wg * rows, rows), head], q_wg,
                                         q_ready.at[wg], oob_mode=plgpu.OOBFillMode.ZEROS)
 
         load_q(0)
 
-        if blocks.pingpong:
-            @pl.when(wg == 0)   # consumer 0 holds the token first: it passes it to itself
-            def _():
-                plgpu.barrier_arrive(tokens.at[0])
-
         def run_item(j, _):
-            batch, head, tile_start = item_at(j)
-            consume(batch, head, tile_start, item=j, prefetch_next_q=lambda: load_q(j + 1), o_wg=o_wg)
-        lax.fori_loop(0, num_items, run_item, None)
+            valid, batch, head, tile_start = item_at(j)
+
+            @pl.when(valid)
+            def _():
+                consume(batch, head, tile_start, item=j, prefetch_next_q=lambda: load_q(j + 1), o_wg=o_wg)
+        lax.fori_loop(0, max_items, run_item, None)
         plgpu.wait_smem_to_gmem(0)
 
     if blocks.persistent:
@@ -946,8 +937,8 @@ def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_
             def load_item(j, filled):
                 # filled: slots [0, filled) hold blocks of earlier tiles (the ring starts at slot 0 with
                 # each tile; see slot_of)
-                batch, head, tile_start = item_at(j)
-                _, steps = kv_block_range(tile_start, blocks.block_q, seq_len, block_kv, causal)
+                valid, batch, head, tile_start = item_at(j)
+                steps = ring_steps(valid, tile_start)
 
                 @pl.loop(0, steps)
                 def _(block):
@@ -960,7 +951,7 @@ def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_
                         plgpu.copy_gmem_to_smem(what_ref.at[batch, kv_rows(block), head], smem.at[slot],
                                                 ready.at[slot], oob_mode=plgpu.OOBFillMode.ZEROS)
                 return jnp.maximum(filled, jnp.minimum(steps, num_stages))
-            lax.fori_loop(0, num_items, load_item, jnp.int32(0))
+            lax.fori_loop(0, max_items, load_item, jnp.int32(0))
         return
 
     _, tile_blocks = kv_block_range(tile_start, blocks.block_q, seq_len, block_kv, causal)
