@@ -137,7 +137,9 @@ def test_lowers_in_both_semantics_and_dtypes(lowering_semantics, dtype):
                                            poly_exp_keys=64, tree_row_max=True),
                                     Blocks(block_kv=128, num_stages=4, num_compute_wgs=3, persistent=True),
                                     Blocks(block_kv=128, num_stages=2, num_compute_wgs=2, overlap_softmax=True,
-                                           overlap_one_accumulator=True, persistent=True)])
+                                           overlap_one_accumulator=True, persistent=True),
+                                    Blocks(block_kv=128, num_stages=4, num_compute_wgs=3, q_in_registers=True),
+                                    Blocks(block_kv=128, num_stages=2, overlap_softmax=True, q_in_registers=True)])
 def test_lowers_with_the_softmax_variants(lowering_semantics, causal, blocks):
     # poly_exp_keys: two key parts per block, their own Q @ K^T and P @ V wgmmas over slices of the K/V
     # slots; row_sum_mma: a third wgmma, P @ ones, in every GEMM phase
@@ -227,6 +229,7 @@ def test_block_sizes_validate_themselves():
                 dict(block_kv=128, num_stages=2, overlap_softmax=True, overlap_one_accumulator=1),
                 # session 15's options: bools, and the combinations they are not built for
                 dict(block_kv=128, num_stages=2, prescaled_q=1), dict(block_kv=128, num_stages=2, pingpong=0),
+                dict(block_kv=128, num_stages=2, q_in_registers=1),
                 dict(block_kv=128, num_stages=2, half_row_sum="yes"),
                 dict(block_kv=128, num_stages=2, deferred_row_sum=1), dict(block_kv=128, num_stages=2, tree_row_max=1),
                 dict(block_kv=128, num_stages=2, half_row_sum=True, overlap_softmax=True),
@@ -615,6 +618,10 @@ INTERPRET_CASES = {
     # (the ring restarting at slot 0, the next Q prefetched, the output staged apart, the token ring)
     "hd64-S200-persistent-causal": (1, 200, 2, 64, True, Blocks(block_kv=64, num_stages=2, persistent=True)),
     "hd64-S200-persistent-3stages": (1, 200, 2, 64, False, Blocks(block_kv=64, num_stages=3, persistent=True)),
+    # Q @ K^T with Q from registers (session 18); with Q scaled in SMEM first, the registers hold the scaled Q
+    "hd64-S200-q-in-registers-causal": (1, 200, 1, 64, True, Blocks(block_kv=64, num_stages=2, q_in_registers=True)),
+    "hd64-S113-q-in-registers-prescaled": (2, 113, 1, 64, False, Blocks(block_kv=64, num_stages=2, q_in_registers=True,
+                                                                       prescaled_q=True)),
     # 4 query tiles per head >= 3 blocks: the head-major order of long sequences (persistent_tile)
     "hd64-S400-persistent-head-major-causal": (1, 400, 2, 64, True, Blocks(block_kv=64, num_stages=2,
                                                                            persistent=True)),

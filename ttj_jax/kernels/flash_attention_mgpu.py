@@ -235,6 +235,12 @@ class MgpuBlockSizes:
     #    registers. Running the loops exactly each block's tile count (no branch around a tile) did not
     #    bring them back (442; causal slower: persistent-why-2026-12-01-nvidia-h200-exactcount.json).
     persistent: bool = False
+    # Q as the register operand of Q @ K^T: each consumer loads its 64 rows of Q from shared memory into
+    # registers once per tile (16 registers per thread at head_dim 64), and every Q @ K^T wgmma reads A
+    # from there instead of from shared memory, as P @ V reads P. Why (session 18): the kernel runs at the
+    # 700 W cap, so energy per FLOP sets its speed, and this takes a fifth of the consumers' shared-memory
+    # reads (per warpgroup and key block: Q 8 KiB, K 16, V 16) off every block. Opt-in study.
+    q_in_registers: bool = False
 
     def __post_init__(self):
         def is_int(value):
@@ -261,6 +267,8 @@ class MgpuBlockSizes:
                              f"fp16 keys at a time) from 0 to below block_kv={self.block_kv}")
         if self.poly_exp_keys and self.overlap_softmax:
             raise ValueError("poly_exp_keys is built for the non-overlapped softmax (overlap_softmax=False)")
+        if not isinstance(self.q_in_registers, bool):
+            raise ValueError(f"MgpuBlockSizes.q_in_registers={self.q_in_registers!r} must be a bool")
         if not isinstance(self.row_sum_mma, bool):
             raise ValueError(f"MgpuBlockSizes.row_sum_mma={self.row_sum_mma!r} must be a bool")
         if self.row_sum_mma and (self.overlap_softmax or self.poly_exp_keys):
@@ -743,6 +751,8 @@ def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_
         if blocks.prescaled_q:   # this warpgroup's Q in base-2 score units, visible to its wgmmas
             q_wg[...] = (q_wg[...].astype(jnp.float32) * score_scale).astype(dtype)
             plgpu.commit_smem()
+        # the A operand of every Q @ K^T: this warpgroup's Q in shared memory, or in registers
+        q_a = plgpu.layout_cast(q_wg[...], plgpu.Layout.WGMMA) if blocks.q_in_registers else q_wg
         plgpu.barrier_wait(k_ready.at[0])
 
         # Consumer 0 holds the token first: in a persistent block, only before its first tile
@@ -752,7 +762,7 @@ def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_
 
         def first_scores(*s_refs):
             for s_ref, k_part in zip(s_refs, key_parts(k_smem.at[0])):
-                plgpu.wgmma(s_ref, q_wg, k_part.transpose((1, 0)))
+                plgpu.wgmma(s_ref, q_a, k_part.transpose((1, 0)))
             next_token()
             return tuple(s_ref[...] for s_ref in s_refs)
 
@@ -775,7 +785,7 @@ def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_
             if blocks.overlap_softmax:   # one key part (MgpuBlockSizes refuses poly_exp_keys here)
                 def gemms(s_ref, pv_ref):
                     seed_pv(pv_ref, acc, alpha)   # before the GEMMs (see MgpuBlockSizes)
-                    plgpu.wgmma(s_ref, q_wg, k_ts[0])
+                    plgpu.wgmma(s_ref, q_a, k_ts[0])
                     plgpu.wgmma(pv_ref, p[0], vs[0])   # returns once Q @ K^T is done; P @ V keeps running
                     next_token()
                     scores = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)
@@ -796,7 +806,7 @@ def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_
                     acc_ref, l_ref, s_ref = refs
                     plgpu.wgmma(acc_ref, p[0], vs[0])
                     plgpu.wgmma(l_ref, p[0], ones)
-                    plgpu.wgmma(s_ref, q_wg, k_ts[0])
+                    plgpu.wgmma(s_ref, q_a, k_ts[0])
                     next_token()
                 acc, l, scores = pl.run_state(gemms)((plgpu.ACC.init(acc), plgpu.ACC.init(l),
                                                       plgpu.ACC.init(wgmma_zeros((rows, block_kv)))))
@@ -810,7 +820,7 @@ def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_
                 for p_part, v_part in zip(p, vs):
                     plgpu.wgmma(acc_ref, p_part, v_part)
                 for s_ref, k_t in zip(s_refs, k_ts):
-                    plgpu.wgmma(s_ref, q_wg, k_t)
+                    plgpu.wgmma(s_ref, q_a, k_t)
                 next_token()
             acc, *scores = pl.run_state(gemms)((plgpu.ACC.init(acc), *(
                 plgpu.ACC.init(wgmma_zeros((rows, width))) for width in part_widths)))

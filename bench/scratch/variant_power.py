@@ -1,0 +1,87 @@
+"""Check and time MgpuBlockSizes variants against the default at the head_dim-64 main case, with the clock
+and power each ran at (session 18).
+
+    PYTHONPATH=. python3 bench/scratch/variant_power.py OUT_DIR [ROUNDS] FIELD [FIELD ...]
+
+Each FIELD (an MgpuBlockSizes bool, e.g. q_in_registers) gives one build: the default for head_dim 64
+at S=100000 with that field True. Per build, causal and non-causal at B=1 H=16 S=100000: its output's
+first 2048 rows against the fp32 reference (harness rule), then ROUNDS alternating rounds of timings
+(median of 5 timings of back-to-back calls, >= 0.3 s each), with nvidia-smi's clock and power over each
+build's timings (bench/gpu_power.py). Writes OUT_DIR/variant-power-<date>-<gpu>.json.
+
+Why: the kernel runs at the H200's 700 W cap (README, "Attention kernels", sessions 17-18), so a variant
+can win by spending less energy per FLOP at the same cycle count: compare TFLOP/s at the cap, and use
+ncu (bench/scratch/ncu_attention.py) for the cycles.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import importlib
+import pathlib
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+from bench.bench_attention_mgpu import _random_qkv, _reference_rows
+from bench.gpu_power import sampling
+from bench.jax_timing import stream_ms_per_call
+from bench.report import slug, write_json
+from ttj_jax.numerics import harness_check
+
+fm = importlib.import_module("ttj_jax.kernels.flash_attention_mgpu")
+B, H, S, HD = 1, 16, 100_000, 64
+CHECK_ROWS = 2048
+
+
+def main(argv):
+    out_dir = pathlib.Path(argv[0])
+    rounds = int(argv[1]) if len(argv) > 1 and argv[1].isdigit() else 3
+    fields = [a for a in argv[1:] if not a.isdigit()]
+    default = fm.default_block_sizes(HD, S)
+    variants = {"default": default, **{f: dataclasses.replace(default, **{f: True}) for f in fields}}
+    q, k, v = jax.block_until_ready(_random_qkv(S, (B, S, H, HD), jnp.float16))
+    builds, checks = {}, []
+    for causal in (True, False):
+        ref = _reference_rows(q, k, v, jnp.arange(CHECK_ROWS), causal=causal)
+        for name, blocks in variants.items():
+            fn = jax.jit(lambda q, k, v, c=causal, bl=blocks: fm.flash_attention_mgpu(q, k, v, causal=c, block_sizes=bl))
+            compiled = fn.lower(q, k, v).compile()
+            out = compiled(q, k, v)
+            failed, worst, _ = harness_check(out[:, :CHECK_ROWS].astype(jnp.float32), ref)
+            checks.append(dict(build=name, causal=causal, rows=CHECK_ROWS, failed=int(failed), worst_err_over_tol=float(worst)))
+            print(f"check {name:16s} causal={causal}: failed {int(failed)}, worst err/tol {float(worst):.3f}", flush=True)
+            builds[(causal, name)] = compiled
+    samples = {key: [] for key in builds}
+    spans = {key: [] for key in builds}
+    with sampling(True) as power:
+        for r in range(rounds):
+            for key in (list(builds) if r % 2 == 0 else list(reversed(builds))):
+                start = time.perf_counter()
+                ms, _ = stream_ms_per_call(builds[key], (q, k, v), min_seconds=0.3, repeats=5)
+                samples[key].append(ms)
+                spans[key].append((start, time.perf_counter()))
+        states = {key: power.windows(spans[key]) if power else None for key in builds}
+    rows = []
+    for (causal, name), ms in samples.items():
+        median = statistics.median(ms)
+        rows.append(dict(B=B, H=H, S=S, head_dim=HD, causal=causal, build=name, ms=median, ms_rounds=ms,
+                         tflops=fm.attention_flops(B, S, H, HD, causal) / (median * 1e9),
+                         gpu_state=states[(causal, name)]))
+    device = jax.devices()[0]
+    result = dict(gpu=device.device_kind, jax=jax.__version__, date=datetime.date.today().isoformat(),
+                  command="PYTHONPATH=. python3 bench/scratch/variant_power.py OUT " + " ".join(argv[1:]),
+                  checks=checks, rows=rows)
+    path = write_json(result, out_dir, f"variant-power-{result['date']}-{slug(device.device_kind)}")
+    for r in rows:
+        st = r["gpu_state"] or {}
+        print(f"{'causal' if r['causal'] else 'full':6s} {r['build']:16s} {r['ms']:9.3f} ms {r['tflops']:7.1f} TFLOP/s "
+              f"{st.get('sm_clock_mhz')} MHz {st.get('power_w')} W rounds {['%.3f' % x for x in r['ms_rounds']]}")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
