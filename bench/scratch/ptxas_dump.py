@@ -24,6 +24,8 @@ VARIANTS = {
     # session 16: conditional rescaling (MgpuBlockSizes.lazy_rescale)
     "hd64_lazy_rescale": "dict(block_sizes=B(128, 4, 3, lazy_rescale=True))",
     "hd64_persistent": "dict(block_sizes=B(128, 4, 3, persistent=True))",
+    # session 18: Q as the register operand of Q @ K^T (MgpuBlockSizes.q_in_registers)
+    "hd64_q_in_registers": "dict(block_sizes=B(128, 4, 3, q_in_registers=True))",
     "hd64_ovl3_one_acc": "dict(block_sizes=B(128, 4, 3, overlap_softmax=True, overlap_one_accumulator=True))",
     "hd128_default": "dict()",
     "hd128_ovl2_one_acc": "dict(block_sizes=B(128, 2, 2, overlap_softmax=True, overlap_one_accumulator=True))",

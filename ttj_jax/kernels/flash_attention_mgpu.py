@@ -239,7 +239,13 @@ class MgpuBlockSizes:
     # registers once per tile (16 registers per thread at head_dim 64), and every Q @ K^T wgmma reads A
     # from there instead of from shared memory, as P @ V reads P. Why (session 18): the kernel runs at the
     # 700 W cap, so energy per FLOP sets its speed, and this takes a fifth of the consumers' shared-memory
-    # reads (per warpgroup and key block: Q 8 KiB, K 16, V 16) off every block. Opt-in study.
+    # reads (per warpgroup and key block: Q 8 KiB, K 16, V 16) off every block. Opt-in and much slower:
+    # 393.6 against 489.8 TFLOP/s at the main case (both pass the harness rule on rows [:2048]), 91.7 M SM
+    # cycles per call against 66.0 M (ncu), because with three consumers ptxas has no registers left to
+    # keep the wgmmas in flight: "(C7512) wgmma.mma_async instructions are serialized due to insufficient
+    # register resources", 36 WARPGROUP.DEPBAR against 4 (bench/results/variant-power-2026-12-01-nvidia-
+    # h200-q-registers.{json,log}, ptxas-2026-12-01-nvidia-h200-session18-q-registers.log). It drew the
+    # same 690 W at a higher sampled clock, so per cycle it spent less energy, per call more.
     q_in_registers: bool = False
 
     def __post_init__(self):
