@@ -1,10 +1,11 @@
 """Check and time MgpuBlockSizes variants against the default at the head_dim-64 main case, with the clock
 and power each ran at (session 18).
 
-    PYTHONPATH=. python3 bench/scratch/variant_power.py OUT_DIR [ROUNDS] FIELD [FIELD ...]
+    PYTHONPATH=. python3 bench/scratch/variant_power.py OUT_DIR [ROUNDS] VARIANT [VARIANT ...] [--causal-only]
 
-Each FIELD (an MgpuBlockSizes bool, e.g. q_in_registers) gives one build: the default for head_dim 64
-at S=100000 with that field True. Per build, causal and non-causal at B=1 H=16 S=100000: its output's
+Each VARIANT gives one build: the default for head_dim 64 at S=100000 with MgpuBlockSizes fields set,
+`+`-joined: a bare name sets a bool field True, `name=N` an int field (e.g. q_in_registers,
+num_compute_wgs=2, num_compute_wgs=2+q_in_registers). Per build, causal and non-causal at B=1 H=16 S=100000: its output's
 first 2048 rows against the fp32 reference (harness rule), then ROUNDS alternating rounds of timings
 (median of 5 timings of back-to-back calls, >= 0.3 s each), with nvidia-smi's clock and power over each
 build's timings (bench/gpu_power.py). Writes OUT_DIR/variant-power-<date>-<gpu>.json.
@@ -40,12 +41,15 @@ CHECK_ROWS = 2048
 def main(argv):
     out_dir = pathlib.Path(argv[0])
     rounds = int(argv[1]) if len(argv) > 1 and argv[1].isdigit() else 3
-    fields = [a for a in argv[1:] if not a.isdigit()]
+    names = [a for a in argv[1:] if not a.isdigit() and not a.startswith("--")]
     default = fm.default_block_sizes(HD, S)
-    variants = {"default": default, **{f: dataclasses.replace(default, **{f: True}) for f in fields}}
+
+    def fields(name):
+        return {f.split("=")[0]: (int(f.split("=")[1]) if "=" in f else True) for f in name.split("+")}
+    variants = {"default": default, **{n: dataclasses.replace(default, **fields(n)) for n in names}}
     q, k, v = jax.block_until_ready(_random_qkv(S, (B, S, H, HD), jnp.float16))
     builds, checks = {}, []
-    for causal in (True, False):
+    for causal in ((True,) if "--causal-only" in argv else (True, False)):
         ref = _reference_rows(q, k, v, jnp.arange(CHECK_ROWS), causal=causal)
         for name, blocks in variants.items():
             fn = jax.jit(lambda q, k, v, c=causal, bl=blocks: fm.flash_attention_mgpu(q, k, v, causal=c, block_sizes=bl))
