@@ -203,6 +203,16 @@ def test_kv_block_range_matches_explicit_masks(block_kv):
             assert (full_unmasked, full_visited) == (seq_len // block_kv, num_kv_blocks)
 
 
+def test_q_in_registers_refuses_wide_heads():
+    # Q in registers is built (and its interpret-mode staging sized) for head_dim <= 64
+    q = jnp.zeros((1, 128, 2, 128), jnp.float16)
+    with pytest.raises(ValueError, match="q_in_registers"):
+        fm.flash_attention_mgpu(q, q, q, causal=True, block_sizes=Blocks(block_kv=128, num_stages=2,
+                                                                         q_in_registers=True))
+    assert "mosaic_gpu_v2" in _lower_for_cuda(128, 32, True, block_sizes=Blocks(block_kv=128, num_stages=2,
+                                                                                q_in_registers=True))
+
+
 def test_half_row_sum_refuses_bfloat16():
     # bf16's 8-bit mantissa would cost ~1% of a row sum: refused before anything is traced
     q = jnp.zeros((1, 128, 1, 64), jnp.bfloat16)

@@ -1082,6 +1082,10 @@ def _check_inputs(q, k, v, causal, sm_scale, block_sizes):
     if block_sizes is not None and block_sizes.half_row_sum and jnp.dtype(q.dtype) != jnp.float16:
         raise ValueError(f"MgpuBlockSizes.half_row_sum sums P in float16: q.dtype={jnp.dtype(q.dtype)} "
                          "must be float16")
+    if block_sizes is not None and block_sizes.q_in_registers and q.shape[-1] > 64:
+        raise ValueError(f"MgpuBlockSizes.q_in_registers is built for head_dim <= 64 (Q's 64 rows take "
+                         f"head_dim / 4 registers per thread; at 64 ptxas already serialises the wgmmas "
+                         f"with three consumers): head_dim={q.shape[-1]}")
 
 
 GRID_ORDERS = ("tiles_outer", "tiles_inner")
