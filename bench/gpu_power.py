@@ -28,6 +28,7 @@ alike: bench/results/ncu-gap-2026-12-01-nvidia-h200.json).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import shutil
 import statistics
 import subprocess
@@ -143,3 +144,49 @@ def sampling(enabled: bool = True, **kwargs):
         return
     with PowerSampler(**kwargs) as power:
         yield power if power.active else None
+
+
+def nvml_energy_reader(gpu_index: int = 0, library: str = "libnvidia-ml.so.1"):
+    """A function that returns GPU `gpu_index`'s energy counter in joules (NVML's total energy
+    consumption since the driver loaded, read in mJ), or None where NVML or the counter is missing (a
+    CPU machine). Why (session 18, docs/power.md): at the H200's power cap, time per call is energy per
+    call over ~690 W, so energy per call is what a faster kernel must lower; nvidia-smi's power.draw is
+    a lagging average and its clock reads ~10% high there. The counter advances in steps of some
+    milliseconds: read it over many calls (joules_per_call)."""
+    try:
+        nvml = ctypes.CDLL(library)
+    except OSError:
+        return None
+    handle = ctypes.c_void_p()
+    if nvml.nvmlInit_v2() != 0 or nvml.nvmlDeviceGetHandleByIndex_v2(gpu_index, ctypes.byref(handle)) != 0:
+        return None
+
+    def read() -> float:
+        millijoules = ctypes.c_ulonglong()
+        status = nvml.nvmlDeviceGetTotalEnergyConsumption(handle, ctypes.byref(millijoules))
+        if status != 0:
+            raise RuntimeError(f"nvmlDeviceGetTotalEnergyConsumption returned {status}")
+        return millijoules.value / 1000.0
+    try:
+        read()
+    except RuntimeError:
+        return None
+    return read
+
+
+def joules_per_call(fn, args, calls: int, read_energy, block=None) -> dict | None:
+    """Energy and time per call over `calls` back-to-back calls of fn(*args) closed by one block (by
+    default jax.block_until_ready): {"joules_per_call", "ms_per_call", "watts", "calls"}; None without a
+    reader. Warm fn up (compile) first."""
+    if read_energy is None:
+        return None
+    if block is None:
+        import jax  # noqa: PLC0415
+        block = jax.block_until_ready
+    energy, start = read_energy(), time.perf_counter()
+    for _ in range(calls):
+        out = fn(*args)
+    block(out)
+    seconds, joules = time.perf_counter() - start, read_energy() - energy
+    return {"joules_per_call": joules / calls, "ms_per_call": seconds * 1e3 / calls,
+            "watts": joules / seconds if seconds > 0 else None, "calls": calls}

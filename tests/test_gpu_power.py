@@ -1,10 +1,14 @@
 """bench/gpu_power.py: the background sampler that records the SM clock and power draw of benchmark
-timings (nvidia-smi on the GPU machine; here a stand-in command prints its lines)."""
+timings (nvidia-smi on the GPU machine; here a stand-in command prints its lines), and the NVML energy
+counter read per call (here a stand-in counter)."""
 
 import sys
 import time
 
+import pytest
+
 import bench.bench_attention as ba
+from bench import gpu_power
 from bench.gpu_power import PowerSampler, parse_sample, sampling
 from conftest import RecordingPower
 
@@ -90,3 +94,27 @@ def test_bench_attention_records_and_prints_the_clock_of_a_timing():
     assert end - start >= ba.MIN_TIMING_S * ba.TIMING_REPEATS * 0.9
     assert timing["in_graph_repeats"] == ba.IN_GRAPH_REPEATS
     assert ba._measure(attention_like, compiled, args)["gpu_state"] is None
+
+
+def test_energy_per_call_is_the_counter_difference_over_the_calls():
+    # a stand-in counter that advances 0.5 J per call made: energy per call and mean power come back
+    made = []
+    counter = {"joules": 100.0}
+
+    def fn(x):
+        made.append(x)
+        counter["joules"] += 0.5
+        return x
+
+    result = gpu_power.joules_per_call(fn, (3,), 8, lambda: counter["joules"], block=lambda out: out)
+    assert made == [3] * 8
+    assert result["calls"] == 8 and result["joules_per_call"] == pytest.approx(0.5)
+    assert result["watts"] == pytest.approx(0.5 * 8 / (result["ms_per_call"] * 8 / 1e3))
+    assert gpu_power.joules_per_call(fn, (3,), 8, None) is None
+
+
+def test_without_nvml_there_is_no_energy_reader():
+    assert gpu_power.nvml_energy_reader(library="libno-such-nvml.so") is None
+    reader = gpu_power.nvml_energy_reader()   # None on a CPU machine; on a GPU one, a rising counter
+    if reader is not None:
+        assert reader() <= reader()

@@ -8,7 +8,9 @@ Each VARIANT gives one build: the default for head_dim 64 at S=100000 with MgpuB
 num_compute_wgs=2, num_compute_wgs=2+q_in_registers). Per build, causal and non-causal at B=1 H=16 S=100000: its output's
 first 2048 rows against the fp32 reference (harness rule), then ROUNDS alternating rounds of timings
 (median of 5 timings of back-to-back calls, >= 0.3 s each), with nvidia-smi's clock and power over each
-build's timings (bench/gpu_power.py). Writes OUT_DIR/variant-power-<date>-<gpu>.json.
+build's timings (bench/gpu_power.py), and (since session 18's first run) the energy per call from
+NVML's energy counter over ~0.6 s of back-to-back calls after each timing. Writes
+OUT_DIR/variant-power-<date>-<gpu>.json.
 
 Why: the kernel runs at the H200's 700 W cap (README, "Attention kernels", sessions 17-18), so a variant
 can win by spending less energy per FLOP at the same cycle count: compare TFLOP/s at the cap, and use
@@ -28,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from bench.bench_attention_mgpu import _random_qkv, _reference_rows
-from bench.gpu_power import sampling
+from bench.gpu_power import joules_per_call, nvml_energy_reader, sampling
 from bench.jax_timing import stream_ms_per_call
 from bench.report import slug, write_json
 from ttj_jax.numerics import harness_check
@@ -61,6 +63,8 @@ def main(argv):
             builds[(causal, name)] = compiled
     samples = {key: [] for key in builds}
     spans = {key: [] for key in builds}
+    energy = {key: [] for key in builds}
+    read_energy = nvml_energy_reader()
     with sampling(True) as power:
         for r in range(rounds):
             for key in (list(builds) if r % 2 == 0 else list(reversed(builds))):
@@ -68,13 +72,18 @@ def main(argv):
                 ms, _ = stream_ms_per_call(builds[key], (q, k, v), min_seconds=0.3, repeats=5)
                 samples[key].append(ms)
                 spans[key].append((start, time.perf_counter()))
+                joules = joules_per_call(builds[key], (q, k, v), max(5, round(600 / ms)), read_energy)
+                if joules is not None:
+                    energy[key].append(joules)
         states = {key: power.windows(spans[key]) if power else None for key in builds}
     rows = []
     for (causal, name), ms in samples.items():
         median = statistics.median(ms)
         rows.append(dict(B=B, H=H, S=S, head_dim=HD, causal=causal, build=name, ms=median, ms_rounds=ms,
                          tflops=fm.attention_flops(B, S, H, HD, causal) / (median * 1e9),
-                         gpu_state=states[(causal, name)]))
+                         gpu_state=states[(causal, name)], energy=energy[(causal, name)],
+                         joules_per_call=(statistics.median(e["joules_per_call"] for e in energy[(causal, name)])
+                                          if energy[(causal, name)] else None)))
     device = jax.devices()[0]
     result = dict(gpu=device.device_kind, jax=jax.__version__, date=datetime.date.today().isoformat(),
                   command="PYTHONPATH=. python3 bench/scratch/variant_power.py OUT " + " ".join(argv[1:]),
@@ -83,7 +92,8 @@ def main(argv):
     for r in rows:
         st = r["gpu_state"] or {}
         print(f"{'causal' if r['causal'] else 'full':6s} {r['build']:16s} {r['ms']:9.3f} ms {r['tflops']:7.1f} TFLOP/s "
-              f"{st.get('sm_clock_mhz')} MHz {st.get('power_w')} W rounds {['%.3f' % x for x in r['ms_rounds']]}")
+              f"{st.get('sm_clock_mhz')} MHz {st.get('power_w')} W {r['joules_per_call']} J/call "
+              f"rounds {['%.3f' % x for x in r['ms_rounds']]}")
     print(f"wrote {path}")
 
 
