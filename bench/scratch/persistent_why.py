@@ -18,7 +18,7 @@ per tile, a cost per key block as the same loss at every S.
 build's per-key-block loss (4.1% non-causal at H=16) is about L2 hits under its static assignment, it
 should mostly vanish here; if it stays, L2 is not the cause. It stayed (-5.3% non-causal, -1.1%
 causal: persistent-why-2026-12-01-nvidia-h200-l2.json); Nsight Compute found the cause in the SASS that
-ran (ncu-attention-2026-12-01-nvidia-h200.json; README, "Attention kernels", session 18).
+ran (ncu-attention-2026-12-01-nvidia-h200.json; docs/results-log.md, "Attention kernels", session 18).
 
     PYTHONPATH=. python3 bench/scratch/persistent_why.py --sass DUMPS FILE.json
 

@@ -12,7 +12,7 @@ build's timings (bench/gpu_power.py), and (since session 18's first run) the ene
 NVML's energy counter over ~0.6 s of back-to-back calls after each timing. Writes
 OUT_DIR/variant-power-<date>-<gpu>.json.
 
-Why: the kernel runs at the H200's 700 W cap (README, "Attention kernels", sessions 17-18), so a variant
+Why: the kernel runs at the H200's 700 W cap (docs/power.md; docs/results-log.md, "Attention kernels", sessions 17-18), so a variant
 can win by spending less energy per FLOP at the same cycle count: compare TFLOP/s at the cap, and use
 ncu (bench/scratch/ncu_attention.py) for the cycles.
 """
