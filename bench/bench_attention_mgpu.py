@@ -285,6 +285,7 @@ def _kwargs_text(kwargs) -> str:
                      + (" prescaled-q" if b.prescaled_q else "") + (" half-row-sum" if b.half_row_sum else "")
                      + (" deferred-sum" if b.deferred_row_sum else "") + (" tree-max" if b.tree_row_max else "")
                      + (" lazy" if b.lazy_rescale else "") + (" persistent" if b.persistent else "")
+                     + (" q-regs" if b.q_in_registers else "")
                      + ("" if b.pingpong else " no-pingpong"))
     if "lowering_semantics" in kwargs:
         parts.append(kwargs["lowering_semantics"])
