@@ -11,8 +11,10 @@ by the wall clock (dispatch + kernel + sync). Run it plain, under CUDA_LAUNCH_BL
 `ncu --clock-control none --metrics gpu__time_duration.sum,sm__cycles_elapsed.avg.per_second` (which
 then also reports each kernel's GPU time): if the blocking calls take ~37 ms outside ncu too, the
 loop's extra time is about back-to-back execution; if only under ncu, about ncu's environment.
-(Seen: 41.6 ms plain and under CUDA_LAUNCH_BLOCKING=1, so it is ncu's environment.) --gemm times an
-fp16 8192^3 matmul (cuBLAS through XLA) instead: is the gap particular to this kernel?
+--gemm times an fp16 8192^3 matmul (cuBLAS through XLA) instead: is the gap particular to this kernel?
+Seen (bench/results/ncu-gap-2026-12-01-nvidia-h200.{json,log}): 41.6-42.8 ms plain, blocking or not,
+CUDA_LAUNCH_BLOCKING or not; the same 66.0 M cycles under ncu at any clock; the GEMM alike. So plain runs
+at the power cap get an effective ~1.55 GHz where nvidia-smi samples ~1.72 (docs/power.md).
 """
 from __future__ import annotations
 
