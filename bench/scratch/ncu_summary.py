@@ -1,11 +1,12 @@
 """Summarise Nsight Compute CSV pages of the attention kernel's builds into one JSON (session 18).
 
-    python3 bench/scratch/ncu_summary.py OUT.json LABEL=DIR/NAME [LABEL=DIR/NAME ...] [--kernels=1,3] [--builds=a,b]
+    python3 bench/scratch/ncu_summary.py OUT.json LABEL=DIR/NAME[:BUILD,BUILD] [...] [--kernels=1,3] [--builds=a,b]
 
 Each DIR/NAME names the pages `ncu -i NAME.ncu-rep --page raw --csv` (NAME-raw.csv) and `--page source
 --csv --print-source sass` (NAME-source.csv) wrote for one report (bench/scratch/ncu_attention.py makes
 the report). --kernels picks the kernels (by position in the report, default every odd one: the second
-call of each build, after its warm-up) and --builds names them. Per kernel: duration, SM clock, cycles,
+call of each build, after its warm-up); `:BUILD,BUILD` after a report names its kernels, --builds those
+of every report without such names. Per kernel: duration, SM clock, cycles,
 warp instructions, issue activity, L2 hit rate, DRAM bytes; the stall samples by reason; and the hottest
 loop (the instructions executed most often times their count: the consumers' main loop) with its length,
 opcode counts and the SASS of its non-floating-point instructions (where the bookkeeping lives).
@@ -102,11 +103,12 @@ def main(argv):
     result = {"command": "python3 bench/scratch/ncu_summary.py " + " ".join(argv), "reports": {}}
     for report in reports:
         label, stem = report.split("=", 1)
+        stem, _, own_builds = stem.partition(":")
         stem = pathlib.Path(stem)
         raw = raw_page(stem.with_name(stem.name + "-raw.csv"))
         source = source_page(stem.with_name(stem.name + "-source.csv"))
         chosen = [int(i) for i in picks.split(",")] if picks else list(range(1, len(raw), 2))
-        names = builds or [f"kernel{i}" for i in chosen]
+        names = own_builds.split(",") if own_builds else builds or [f"kernel{i}" for i in chosen]
         result["reports"][label] = {name: {**raw[i], **summarise_source(source[i])} for name, i in zip(names, chosen)}
         for name, i in zip(names, chosen):
             k = result["reports"][label][name]
