@@ -3,8 +3,8 @@
     ncu --clock-control none --profile-from-start off --set full -o OUT/attn \\
         python3 bench/scratch/ncu_attention.py CASE BUILD [BUILD ...] [--calls=N]
 
-CASE is B,H,S,head_dim,causal (e.g. 1,1,100000,64,0); each BUILD (default, persistent, or any
-MgpuBlockSizes field set to True, e.g. overlap_softmax) is compiled, then called twice (or N times,
+CASE is B,H,S,head_dim,causal (e.g. 1,1,100000,64,0); each BUILD (default, or MgpuBlockSizes
+fields set on it: `persistent`, `num_compute_wgs=2+q_in_registers`) is compiled, then called twice (or N times,
 back to back): a warm-up and the call to read (ncu profiles both; read the second of each pair).
 With --calls=N and ncu's `--launch-skip N-1 --launch-count 1` and a one-pass metric list, the
 profiled call is the last of N back-to-back calls: the clock and cycles of a kernel that runs at the
@@ -32,10 +32,13 @@ fm = importlib.import_module("ttj_jax.kernels.flash_attention_mgpu")
 
 
 def build_blocks(name: str, head_dim: int, seq_len: int):
+    """"default", or MgpuBlockSizes fields set on it, `+`-joined: a bare name sets a bool field True,
+    `name=N` an int field (e.g. num_compute_wgs=2+q_in_registers; variant_power.py's syntax)."""
     default = fm.default_block_sizes(head_dim, seq_len)
     if name == "default":
         return default
-    return dataclasses.replace(default, **{name: True})
+    fields = {f.split("=")[0]: (int(f.split("=")[1]) if "=" in f else True) for f in name.split("+")}
+    return dataclasses.replace(default, **fields)
 
 
 def profiler(start: bool) -> None:
