@@ -1,7 +1,8 @@
 """Check and time the Mosaic GPU flash-attention kernel (ttj_jax/kernels/flash_attention_mgpu.py) on an H200.
 
     PYTHONPATH=. python3 bench/bench_attention_mgpu.py [--quick] [--check] [--out DIR]
-        [--sweep | --grid | --poly | --overlap | --softmax | --hd32 | --lazy | --persistent]
+        [--sweep | --grid | --poly | --overlap | --softmax | --hd32 | --lazy | --persistent
+         | --multicast]
         [--budget-s 420]
 
 In order (most important first): head_dim 64 checks, the main timing case, the other head_dim checks,
@@ -285,7 +286,7 @@ def _kwargs_text(kwargs) -> str:
                      + (" prescaled-q" if b.prescaled_q else "") + (" half-row-sum" if b.half_row_sum else "")
                      + (" deferred-sum" if b.deferred_row_sum else "") + (" tree-max" if b.tree_row_max else "")
                      + (" lazy" if b.lazy_rescale else "") + (" persistent" if b.persistent else "")
-                     + (" q-regs" if b.q_in_registers else "")
+                     + (" q-regs" if b.q_in_registers else "") + (" multicast" if b.kv_multicast else "")
                      + ("" if b.pingpong else " no-pingpong"))
     if "lowering_semantics" in kwargs:
         parts.append(kwargs["lowering_semantics"])
@@ -540,6 +541,39 @@ def hd32_study(run: Run) -> None:
     _medians_over_rounds(run, "medians_over_rounds")
 
 
+def _multicast_variant(seq_len: int, head_dim: int) -> dict:
+    return dict(block_sizes=dataclasses.replace(mgpu.default_block_sizes(head_dim, seq_len), kv_multicast=True))
+
+
+# kv_multicast's checks: lengths whose query-tile counts are odd and even at every head_dim (block_q 192 at
+# head_dim 32/64, 128 at 128 and 256), so that pairs with a member past the last tile and full pairs
+# both run, causal (the upper tile's extra blocks) and not.
+MULTICAST_CHECK_SEQ_LENS = (113, 1000, 1200, 2000)
+MULTICAST_CASES = [(MAIN_CASE, 5), ((8, 16, LONG_SEQ_LEN, 64), 2), ((1, 16, 16384, 128), 3)]
+
+
+def multicast_study(run: Run) -> None:
+    """--multicast (session 19): MgpuBlockSizes(kv_multicast=True), K/V blocks shared by 2-block
+    clusters through TMA multicast, on each head_dim's default tiling: checked at
+    MULTICAST_CHECK_SEQ_LENS causal and not (one repeat bit-identical), at S=100000 head_dim 64 (rows),
+    then timed against the default at MULTICAST_CASES in alternating rounds (fp16 causal, as every
+    timing here)."""
+    passing = {}
+    for head_dim in (64, 128, 32, 256):
+        checks = [_check(run, 2, 3, seq_len, head_dim, causal, kernel_kwargs=_multicast_variant(seq_len, head_dim),
+                         repeat=(seq_len == 1200 and causal))
+                  for seq_len in MULTICAST_CHECK_SEQ_LENS for causal in (True, False)]
+        if head_dim == 64:
+            checks += [_check(run, 1, 2, LONG_SEQ_LEN, 64, causal, kernel_kwargs=_multicast_variant(LONG_SEQ_LEN, 64))
+                       for causal in (True, False)]
+        passing[head_dim] = all(checks)
+    for (batch, heads, seq_len, head_dim), rounds in MULTICAST_CASES:
+        if passing[head_dim]:
+            _time_in_rounds(run, [(batch, heads, seq_len, head_dim)], [{}, _multicast_variant(seq_len, head_dim)],
+                            rounds, baselines=lambda round_index: False)
+    _medians_over_rounds(run, "medians_over_rounds")
+
+
 # The studies run alone (one --NAME flag each): name -> (function of the run, --help text). Each writes
 # attention-mgpu-<date>-<gpu>-<name>.json.
 STUDIES = {
@@ -557,6 +591,8 @@ STUDIES = {
              "jumps, then alternating rounds at the main case and shape 14's call"),
     "persistent": (lambda run: persistent_study(run), "only the persistent kernel (MgpuBlockSizes.persistent): "
                    "checks, then PERSISTENT_CASES in alternating rounds"),
+    "multicast": (lambda run: multicast_study(run), "only K/V multicast to 2-block clusters "
+                  "(MgpuBlockSizes.kv_multicast): checks, then MULTICAST_CASES in alternating rounds"),
 }
 
 

@@ -32,6 +32,7 @@ installs absl-py for it, as the GPU machine has.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import itertools
@@ -864,3 +865,59 @@ def test_gpu_kernel_is_the_pinned_h200_build():
     assert set(result["hashes"]) == set(PINNED_KERNEL_HASHES)
     if result["jax"] == PINNED_JAX_VERSION:
         assert result["hashes"] == PINNED_KERNEL_HASHES
+
+
+# --- MgpuBlockSizes.kv_multicast (session 19): 2-block clusters sharing K/V by TMA multicast ---------
+# The GPU kernel cannot run here (no clusters in interpret mode: the build refuses it); its pairing plan
+# is checked in Python below, its lowering here, and its output on the H200 (`python3
+# bench/bench_attention_mgpu.py --multicast`, results named in MgpuBlockSizes.kv_multicast's comment).
+
+@pytest.mark.parametrize("seq_len, head_dim", [(1, 64), (113, 64), (1000, 64), (1200, 64), (2000, 128),
+                                               (100000, 64), (16384, 128), (777, 256)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_multicast_pairs_cover_every_tile_once_and_share_what_both_need(seq_len, head_dim, causal):
+    blocks = dataclasses.replace(fm.default_block_sizes(head_dim, seq_len), kv_multicast=True)
+    num_q_tiles = -(-seq_len // blocks.block_q)
+    tiles = []
+    for pair in range(-(-num_q_tiles // 2)):
+        plans = [fm.multicast_pair(pair, member, num_q_tiles, seq_len, blocks, causal) for member in (0, 1)]
+        assert plans[0][0], "the first member of every pair has a tile"
+        assert plans[0][2] == plans[1][2], "both members agree on the shared blocks"
+        shared = plans[0][2]
+        for valid, tile, _ in plans:
+            if not valid:
+                continue
+            tiles.append(tile)
+            _, needed = fm.kv_block_range(tile * blocks.block_q, blocks.block_q, seq_len, blocks.block_kv, causal)
+            assert shared <= needed   # a member loads exactly [0, needed): shared ones together, the rest alone
+        if plans[1][0]:   # a full pair shares all of its second member's blocks
+            _, second = fm.kv_block_range(plans[1][1] * blocks.block_q, blocks.block_q, seq_len, blocks.block_kv,
+                                          causal)
+            assert shared == second
+            assert abs(plans[0][1] - plans[1][1]) == 1   # neighbouring tiles: the same keys, give or take
+        else:
+            assert shared == 0
+    assert sorted(tiles) == list(range(num_q_tiles))
+    if causal:   # heaviest first, as without clusters
+        assert tiles[0] == num_q_tiles - 1
+
+
+def test_multicast_build_lowers_to_multicast_copies():
+    for causal in (True, False):
+        blocks = dataclasses.replace(fm.default_block_sizes(64, 1200), kv_multicast=True)
+        text = _lower_for_cuda(1200, 64, causal, block_sizes=blocks)
+        assert "multicast" in text and "mosaic_gpu_v2" in text
+    assert "multicast" not in _lower_for_cuda(1200, 64, True)
+
+
+def test_multicast_is_refused_where_there_are_no_clusters():
+    blocks = dataclasses.replace(fm.default_block_sizes(64, 1000), kv_multicast=True)
+    q = jnp.zeros((1, 1000, 2, 64), jnp.float16)
+    with pytest.raises(ValueError, match="kv_multicast"):
+        fm.flash_attention_mgpu(q, q, q, causal=True, block_sizes=blocks, interpret=True)
+    with pytest.raises(ValueError, match="kv_multicast"):
+        _lower_for_cuda(1000, 64, True, block_sizes=blocks, grid_order="tiles_outer")
+    with pytest.raises(ValueError, match="kv_multicast"):
+        dataclasses.replace(blocks, persistent=True)
+    with pytest.raises(ValueError, match="kv_multicast"):
+        Blocks(block_kv=128, num_stages=2, kv_multicast=1)

@@ -247,6 +247,20 @@ class MgpuBlockSizes:
     # h200-q-registers.{json,log}, ptxas-2026-12-01-nvidia-h200-session18-q-registers.log). It drew the
     # same 690 W at a higher sampled clock, so per cycle it spent less energy, per call more.
     q_in_registers: bool = False
+    # K and V blocks shared by the two CUDA blocks of a cluster (session 19): the grid's query tiles are
+    # taken in pairs, each pair one 2-block cluster, and every KV block both tiles need is loaded once
+    # for the two, each block's TMA loading half its rows and multicasting them into both blocks'
+    # shared memory (`copy_gmem_to_smem(..., collective_axes=...)`); the slots are released to both
+    # producers through cluster barriers (each consumer arrives in both blocks). Under causal masking
+    # the pair's upper tile needs a block or two more than the lower one: it loads those alone and its
+    # consumers arrive twice on them, so that its own ring's barriers complete; a pair whose second
+    # tile is past the last (an odd tile count) has a member with no tile, which loads nothing. Both
+    # members wait for each other at the end (a cluster barrier): no block exits while the other may
+    # still arrive on its barriers. Why: the kernel runs at the 700 W cap (docs/power.md), so energy per
+    # FLOP sets its speed, and this halves the K/V traffic from L2 to the SMs (the main case moves ~107 GB
+    # per call that way, 32 KiB per tile and block, ~2.5 TB/s), at the cost of coupling the two blocks. Not in the persistent build, nor
+    # with grid_order="tiles_outer" or interpret mode (no clusters there).
+    kv_multicast: bool = False
 
     def __post_init__(self):
         def is_int(value):
@@ -285,7 +299,7 @@ class MgpuBlockSizes:
             raise ValueError("half_exp2 replaces the softmax's exp2 and row sums: not with poly_exp_keys "
                              "or row_sum_mma")
         for name in ("prescaled_q", "half_row_sum", "pingpong", "deferred_row_sum", "tree_row_max",
-                     "lazy_rescale", "persistent"):
+                     "lazy_rescale", "persistent", "kv_multicast"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"MgpuBlockSizes.{name}={getattr(self, name)!r} must be a bool")
         if self.half_row_sum and (self.overlap_softmax or self.poly_exp_keys or self.row_sum_mma
@@ -295,6 +309,8 @@ class MgpuBlockSizes:
         if self.deferred_row_sum and (self.row_sum_mma or self.half_exp2 or self.half_row_sum):
             raise ValueError("deferred_row_sum keeps the fp32 sums of the fp32 exp2: not with row_sum_mma, "
                              "half_exp2 or half_row_sum")
+        if self.kv_multicast and self.persistent:
+            raise ValueError("kv_multicast pairs the grid's query tiles into clusters: not with persistent")
         if self.lazy_rescale and (self.overlap_softmax or self.row_sum_mma or self.half_exp2 or self.half_row_sum
                                   or self.deferred_row_sum):
             raise ValueError("lazy_rescale is built for the plain non-overlapped softmax: not with overlap_softmax, "
@@ -567,6 +583,26 @@ def consumer_plan(tile_start, wg, seq_len: int, blocks: MgpuBlockSizes, causal: 
     return ConsumerPlan(causal or seq_len % blocks.block_kv != 0, first_masked, num_visited, tile_blocks)
 
 
+def multicast_pair(pair, member, num_q_tiles: int, seq_len: int, blocks: MgpuBlockSizes, causal: bool):
+    """kv_multicast: member `member` (0 or 1) of the cluster `pair` -> (valid, tile, shared_blocks).
+
+    The pair's grid positions are 2 * pair and 2 * pair + 1, mapped to query tiles as without clusters
+    (causal: heaviest first, so member 0 has the upper tile). valid is False for a position past the
+    last tile (the second member of the last pair when the tile count is odd). shared_blocks: the KV
+    blocks [0, shared_blocks) both members load together, those of member 1's tile (0 if it has none):
+    member 0's tile needs all of them, and under causal masking a block or two more, which it loads
+    alone. Python ints, or traced int32 scalars."""
+    def tile_of(position):
+        tile = num_q_tiles - 1 - position if causal else position
+        valid = (tile >= 0) & (tile < num_q_tiles)
+        return valid, _where(valid, tile, 0)
+    valid, tile = tile_of(2 * pair + member)
+    partner_valid, partner_tile = tile_of(2 * pair + 1)
+    _, partner_blocks = kv_block_range(partner_tile * blocks.block_q, blocks.block_q, seq_len, blocks.block_kv,
+                                       causal)
+    return valid, tile, _where(partner_valid, partner_blocks, 0)
+
+
 # --- Version-dependent Mosaic GPU API, in one place (jax 0.10.2 on CPUs, 0.11.2 on the H200) ---------
 # `jax.experimental.pallas.mosaic_gpu` imports absl (layout inference logs through it), which the
 # CPU environment may lack, so it is imported on first use, not when this module loads.
@@ -610,19 +646,36 @@ def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_
     # num_heads, batch_size, num_programs: the persistent kernel's (persistent_tile), else None.
     # scoped: shared memory and barriers for all warpgroups.
     plgpu, pl = (_InterpretPlgpu(scoped), _InterpretPallas()) if interpret else (_plgpu(), _PALLAS)
-    (q_smem, k_smem, v_smem, *other_smem), (q_ready, k_ready, v_ready, k_consumed, v_consumed, tokens) = scoped
+    (q_smem, k_smem, v_smem, *other_smem), (q_ready, k_ready, v_ready, k_consumed, v_consumed, tokens,
+                                                *cluster_done) = scoped
     num_wgs, block_kv, num_stages = blocks.num_compute_wgs, blocks.block_kv, blocks.num_stages
     rows = ROWS_PER_CONSUMER
     wg = lax.axis_index("wg")
     if not blocks.persistent:   # one tile per CUDA block, from the grid
         batch, head = lax.axis_index(_GRID_SEQUENCE), lax.axis_index(_GRID_HEAD)
-        tile = lax.axis_index(_GRID_Q_TILE)
-        if causal:
-            tile = num_q_tiles - 1 - tile   # heaviest tiles first
+        if blocks.kv_multicast:   # the grid's tile axis counts pairs (see multicast_pair)
+            tile_valid, tile, shared_blocks = multicast_pair(
+                lax.axis_index(_GRID_Q_TILE), lax.axis_index(_CLUSTER_MEMBER), num_q_tiles, seq_len, blocks,
+                causal)
+        else:
+            tile = lax.axis_index(_GRID_Q_TILE)
+            if causal:
+                tile = num_q_tiles - 1 - tile   # heaviest tiles first
         tile_start = tile * blocks.block_q
 
     def kv_rows(block):
         return pl.ds(block * block_kv, block_kv)
+
+    def release(consumed, slot, block, offset=0):
+        """A consumer is done with KV block `block + offset` in `slot`. kv_multicast: the barrier is the
+        cluster's (the arrival counts in both blocks), and a block this tile loaded alone is released
+        twice, so that its own ring's barrier completes (see MgpuBlockSizes.kv_multicast). (The block is
+        computed only then: the other builds' lowering stays as pinned.)"""
+        plgpu.barrier_arrive(consumed.at[slot])
+        if blocks.kv_multicast:
+            @pl.when(block + offset >= shared_blocks)
+            def _():
+                plgpu.barrier_arrive(consumed.at[slot])
 
     def slot_of(block):
         # A tile's block j is in slot j % num_stages, in a persistent block too: there the ring starts
@@ -773,7 +826,7 @@ def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_
             return tuple(s_ref[...] for s_ref in s_refs)
 
         scores = pl.run_scoped(first_scores, *(plgpu.ACC((rows, width), jnp.float32) for width in part_widths))
-        plgpu.barrier_arrive(k_consumed.at[0])
+        release(k_consumed, 0, 0)
         # The prologue block takes the mask whenever any block might: a no-op where it is not needed.
         m, l, p, alpha = softmax(scores, 0, m, l, masked=plan.prologue_masked)
         if not blocks.overlap_softmax and not blocks.lazy_rescale:   # (lazy: acc is zero, nothing to scale)
@@ -795,7 +848,7 @@ def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_
                     plgpu.wgmma(pv_ref, p[0], vs[0])   # returns once Q @ K^T is done; P @ V keeps running
                     next_token()
                     scores = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)
-                    plgpu.barrier_arrive(k_consumed.at[slot])
+                    release(k_consumed, slot, block)
                     # P stays fp32 until P @ V has completed: registers that feed a later wgmma, written
                     # while one is in flight, made ptxas serialize every wgmma (C7513)
                     softmax_out = softmax((scores,), block, m, l, masked, p_dtype=jnp.float32)
@@ -803,7 +856,7 @@ def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_
                 (m, l, p_next, alpha_next), pv = pl.run_scoped(
                     gemms, plgpu.ACC((rows, block_kv), jnp.float32), plgpu.ACC((rows, head_dim), jnp.float32))
                 p_next = tuple(part.astype(dtype) for part in p_next)
-                plgpu.barrier_arrive(v_consumed.at[prev_slot])
+                release(v_consumed, prev_slot, block, -1)
                 # alpha of block - 1: P_{block-1} is relative to its max
                 return merge_pv(acc, alpha, pv), m, l, p_next, alpha_next
 
@@ -816,8 +869,8 @@ def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_
                     next_token()
                 acc, l, scores = pl.run_state(gemms)((plgpu.ACC.init(acc), plgpu.ACC.init(l),
                                                       plgpu.ACC.init(wgmma_zeros((rows, block_kv)))))
-                plgpu.barrier_arrive(k_consumed.at[slot])
-                plgpu.barrier_arrive(v_consumed.at[prev_slot])
+                release(k_consumed, slot, block)
+                release(v_consumed, prev_slot, block, -1)
                 m, l, p_next, alpha_next = softmax((scores,), block, m, l, masked)
                 return rescale(acc, alpha_next), m, rescale(l, alpha_next), p_next, alpha_next
 
@@ -830,8 +883,8 @@ def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_
                 next_token()
             acc, *scores = pl.run_state(gemms)((plgpu.ACC.init(acc), *(
                 plgpu.ACC.init(wgmma_zeros((rows, width))) for width in part_widths)))
-            plgpu.barrier_arrive(k_consumed.at[slot])
-            plgpu.barrier_arrive(v_consumed.at[prev_slot])
+            release(k_consumed, slot, block)
+            release(v_consumed, prev_slot, block, -1)
             m, l, p_next, alpha_next = softmax(scores, block, m, l, masked)
             return rescale(acc, alpha_next), m, l, p_next, alpha_next
 
@@ -868,16 +921,16 @@ def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_
                     plgpu.wgmma(acc_ref, p_part, v_part)
                 next_token()
             acc = pl.run_state(last_pv)(plgpu.ACC.init(acc))
-        plgpu.barrier_arrive(v_consumed.at[last_slot])
+        release(v_consumed, last_slot, plan.num_visited, -1)
 
         # Blocks this tile loads but these rows never see (causal only): wait for each, release it,
         # and pass the token on, so the ring and the token order stay the same for every consumer.
         def skip(block, _):
             slot = slot_of(block)
             plgpu.barrier_wait(k_ready.at[slot])
-            plgpu.barrier_arrive(k_consumed.at[slot])
+            release(k_consumed, slot, block)
             plgpu.barrier_wait(v_ready.at[slot])
-            plgpu.barrier_arrive(v_consumed.at[slot])
+            release(v_consumed, slot, block)
             wait_token()
             next_token()
         if causal:
@@ -918,7 +971,10 @@ def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_
 
         max_items = _cdiv(batch_size * num_heads * num_q_tiles, num_programs)   # rounds
 
-    @pl.when(wg < num_wgs)
+    def with_tile(condition):   # kv_multicast: a member with no tile (multicast_pair) only waits, below
+        return condition & tile_valid if blocks.kv_multicast else condition
+
+    @pl.when(with_tile(wg < num_wgs))
     def _consumer():
         plgpu.set_max_registers(_REGISTERS[num_wgs][0], action="increase")
         if not blocks.persistent:
@@ -972,13 +1028,20 @@ def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_
 
     _, tile_blocks = kv_block_range(tile_start, blocks.block_q, seq_len, block_kv, causal)
 
-    @pl.when(wg == num_wgs)
+    @pl.when(with_tile(wg == num_wgs))
     def _producer():
         plgpu.set_max_registers(_REGISTERS[num_wgs][1], action="decrease")
 
         def load(block, slot, what_ref, smem, ready):
-            plgpu.copy_gmem_to_smem(what_ref.at[batch, kv_rows(block), head], smem.at[slot], ready.at[slot],
-                                    oob_mode=plgpu.OOBFillMode.ZEROS)
+            def copy(**collective):
+                plgpu.copy_gmem_to_smem(what_ref.at[batch, kv_rows(block), head], smem.at[slot], ready.at[slot],
+                                        oob_mode=plgpu.OOBFillMode.ZEROS, **collective)
+            if not blocks.kv_multicast:
+                copy()
+                return
+            together = block < shared_blocks   # each member loads half the rows, into both blocks
+            pl.when(together)(functools.partial(copy, collective_axes=_CLUSTER_MEMBER))
+            pl.when(jnp.logical_not(together))(copy)
 
         def fill(block):
             load(jnp.int32(block), block, k_ref, k_smem, k_ready)
@@ -1000,6 +1063,11 @@ def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_
             load(block, slot, k_ref, k_smem, k_ready)
             plgpu.barrier_wait(v_consumed.at[slot])
             load(block, slot, v_ref, v_smem, v_ready)
+
+    if blocks.kv_multicast:   # every warpgroup of both members: no block exits while its partner may
+        (done,) = cluster_done   # still arrive on its barriers or write into its shared memory
+        plgpu.barrier_arrive(done.at[0])
+        plgpu.barrier_wait(done.at[0])
 
 
 # 2^f on [-0.5, 0.5]: a degree-4 polynomial fitted for relative error (at most 1e-5 in fp32, against the
@@ -1095,6 +1163,7 @@ GRID_ORDERS = ("tiles_outer", "tiles_inner")
 # two-H200 split of shape 14 gave a wrong output. Names no mesh will use:
 _GRID_Q_TILE, _GRID_HEAD, _GRID_SEQUENCE = "ttj_mgpu_q_tile", "ttj_mgpu_head", "ttj_mgpu_sequence"
 _GRID_PROGRAM = "ttj_mgpu_program"   # the persistent kernel's one grid axis
+_CLUSTER_MEMBER = "ttj_mgpu_pair_member"   # kv_multicast: 0 or 1 within a 2-block cluster
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "sm_scale", "block_sizes", "lowering_semantics",
@@ -1193,6 +1262,10 @@ def _launch(operands: tuple, shape: tuple, *, causal, interpret, sm_scale, block
     dtype = jnp.dtype(operands[0].dtype)
     sm_scale = head_dim ** -0.5 if sm_scale is None else float(sm_scale)
     blocks = launch_block_sizes(seq_len, head_dim, dtype.itemsize, block_sizes, interpret)
+    if blocks.kv_multicast and (interpret or grid_order != "tiles_inner"):
+        raise ValueError("MgpuBlockSizes.kv_multicast runs on the GPU with grid_order='tiles_inner' only "
+                         f"(2-block clusters along the query tiles): interpret={interpret!r}, "
+                         f"grid_order={grid_order!r}")
     if lowering_semantics is None:
         lowering_semantics = default_lowering_semantics(head_dim)
     num_q_tiles = pl.cdiv(seq_len, blocks.block_q)
@@ -1214,12 +1287,19 @@ def _launch(operands: tuple, shape: tuple, *, causal, interpret, sm_scale, block
             plgpu.TilingTransform((8, ROW_SUM_COLUMNS)), plgpu.SwizzleTransform(ROW_SUM_COLUMNS * dtype.itemsize))),)
     if return_lse:   # after it: the kernel finds each consumer's log-sum-exp rows at scoped[0][-1]
         smem += (plgpu.SMEM((num_wgs, ROWS_PER_CONSUMER), jnp.float32),)
+    if blocks.kv_multicast:   # the consumed barriers count both members' consumers (see release)
+        consumed_barrier = functools.partial(plgpu.ClusterBarrier, collective_axes=(_CLUSTER_MEMBER,))
+    else:
+        consumed_barrier = plgpu.Barrier
     barriers = (plgpu.Barrier(num_arrivals=1, num_barriers=num_wgs),             # q_ready
                 plgpu.Barrier(num_arrivals=1, num_barriers=num_stages),          # k_ready
                 plgpu.Barrier(num_arrivals=1, num_barriers=num_stages),          # v_ready
-                plgpu.Barrier(num_arrivals=num_wgs, num_barriers=num_stages),    # k_consumed
-                plgpu.Barrier(num_arrivals=num_wgs, num_barriers=num_stages),    # v_consumed
+                consumed_barrier(num_arrivals=num_wgs, num_barriers=num_stages),    # k_consumed
+                consumed_barrier(num_arrivals=num_wgs, num_barriers=num_stages),    # v_consumed
                 plgpu.Barrier(num_arrivals=1, num_barriers=num_wgs))             # tokens
+    if blocks.kv_multicast:   # cluster_done: all warpgroups of both members
+        barriers += (plgpu.ClusterBarrier(collective_axes=(_CLUSTER_MEMBER,), num_arrivals=num_wgs + 1,
+                                          num_barriers=1),)
     kernel = functools.partial(_kernel_body(interpret), causal=causal, sm_scale=sm_scale, seq_len=seq_len,
                                num_q_tiles=num_q_tiles, head_dim=head_dim, blocks=blocks, dtype=dtype)
     if blocks.persistent:
@@ -1245,8 +1325,12 @@ def _launch(operands: tuple, shape: tuple, *, causal, interpret, sm_scale, block
         # rows past S were not dropped but landed in the next head's first rows, on the H200 with three
         # consumers: bench/results/mgpu-lse-rows-2026-11-30-h200.json.)
         out_type = (out_type, jax.ShapeDtypeStruct((batch, num_heads, num_q_tiles * blocks.block_q), jnp.float32))
+    cluster = {}
     if blocks.persistent:   # the tiles' order is persistent_tile's (grid_order does not apply)
         grid, grid_names = (num_programs,), (_GRID_PROGRAM,)
+    elif blocks.kv_multicast:   # the tile axis counts 2-block clusters (multicast_pair)
+        grid, grid_names = (batch, num_heads, pl.cdiv(num_q_tiles, 2)), (_GRID_SEQUENCE, _GRID_HEAD, _GRID_Q_TILE)
+        cluster = dict(cluster=(2,), cluster_names=(_CLUSTER_MEMBER,))
     elif grid_order == "tiles_outer":
         grid, grid_names = (num_q_tiles, num_heads, batch), (_GRID_Q_TILE, _GRID_HEAD, _GRID_SEQUENCE)
     else:
@@ -1259,6 +1343,7 @@ def _launch(operands: tuple, shape: tuple, *, causal, interpret, sm_scale, block
         num_threads=num_wgs + 1,
         thread_name="wg",
         compiler_params=_compiler_params(lowering_semantics), interpret=_interpret_params(interpret),
+        **cluster,
     )(*operands)
     if not return_lse:
         return out[:, :seq_len] if array_len != seq_len else out
