@@ -250,16 +250,23 @@ class MgpuBlockSizes:
     # K and V blocks shared by the two CUDA blocks of a cluster (session 19): the grid's query tiles are
     # taken in pairs, each pair one 2-block cluster, and every KV block both tiles need is loaded once
     # for the two, each block's TMA loading half its rows and multicasting them into both blocks'
-    # shared memory (`copy_gmem_to_smem(..., collective_axes=...)`); the slots are released to both
-    # producers through cluster barriers (each consumer arrives in both blocks). Under causal masking
-    # the pair's upper tile needs a block or two more than the lower one: it loads those alone and its
-    # consumers arrive twice on them, so that its own ring's barriers complete; a pair whose second
-    # tile is past the last (an odd tile count) has a member with no tile, which loads nothing. Both
-    # members wait for each other at the end (a cluster barrier): no block exits while the other may
-    # still arrive on its barriers. Why: the kernel runs at the 700 W cap (docs/power.md), so energy per
-    # FLOP sets its speed, and this halves the K/V traffic from L2 to the SMs (the main case moves ~107 GB
-    # per call that way, 32 KiB per tile and block, ~2.5 TB/s), at the cost of coupling the two blocks. Not in the persistent build, nor
-    # with grid_order="tiles_outer" or interpret mode (no clusters there).
+    # shared memory (`copy_gmem_to_smem(..., collective_axes=...)`). Before a shared block goes into a
+    # slot, each producer waits for its own consumers to release the slot (as without clusters), then
+    # tells the other producer so and waits for its word (a cluster barrier of the two producers):
+    # the consumers' loop is the default's. Under causal masking the pair's upper tile needs a block
+    # or two more than the lower one, which it loads alone; a pair whose second tile is past the last
+    # (an odd tile count) has a member with no tile, which loads nothing. Both members wait for each
+    # other at the end (a cluster barrier of all warpgroups): no block exits while the other may still
+    # arrive on its barriers. Why: the kernel runs at the 700 W cap (docs/power.md), so energy per FLOP
+    # sets its speed, and this halves the K/V traffic from L2 to the SMs (the main case moves ~107 GB per
+    # call that way, 32 KiB per tile and block, ~2.5 TB/s), at the cost of coupling the two blocks.
+    # Not in the persistent build, nor with grid_order="tiles_outer" or interpret mode (no clusters).
+    # First build (commit 7a790eb): the consumers arrived on cluster barriers of the slots
+    # themselves (and twice on the upper tile's own blocks): 34/34 checks on the H200, but 463.9 against
+    # 495.3 TFLOP/s at the main case (bench/results/attention-mgpu-2026-12-02-nvidia-h200-multicast.json);
+    # ncu at B=1 H=16 S=16384 causal: 8.4% more instructions, 12.7% more active SM cycles, all 132 SMs
+    # busy (66 clusters fit; ...-multicast-ncu.txt): each cluster arrive is ~10 instructions in
+    # every consumer warp, twice per block, in the issue-bound loop.
     kv_multicast: bool = False
 
     def __post_init__(self):
@@ -647,7 +654,7 @@ def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_
     # scoped: shared memory and barriers for all warpgroups.
     plgpu, pl = (_InterpretPlgpu(scoped), _InterpretPallas()) if interpret else (_plgpu(), _PALLAS)
     (q_smem, k_smem, v_smem, *other_smem), (q_ready, k_ready, v_ready, k_consumed, v_consumed, tokens,
-                                                *cluster_done) = scoped
+                                                *cluster_barriers) = scoped
     num_wgs, block_kv, num_stages = blocks.num_compute_wgs, blocks.block_kv, blocks.num_stages
     rows = ROWS_PER_CONSUMER
     wg = lax.axis_index("wg")
@@ -665,17 +672,6 @@ def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_
 
     def kv_rows(block):
         return pl.ds(block * block_kv, block_kv)
-
-    def release(consumed, slot, block, offset=0):
-        """A consumer is done with KV block `block + offset` in `slot`. kv_multicast: the barrier is the
-        cluster's (the arrival counts in both blocks), and a block this tile loaded alone is released
-        twice, so that its own ring's barrier completes (see MgpuBlockSizes.kv_multicast). (The block is
-        computed only then: the other builds' lowering stays as pinned.)"""
-        plgpu.barrier_arrive(consumed.at[slot])
-        if blocks.kv_multicast:
-            @pl.when(block + offset >= shared_blocks)
-            def _():
-                plgpu.barrier_arrive(consumed.at[slot])
 
     def slot_of(block):
         # A tile's block j is in slot j % num_stages, in a persistent block too: there the ring starts
@@ -826,7 +822,7 @@ def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_
             return tuple(s_ref[...] for s_ref in s_refs)
 
         scores = pl.run_scoped(first_scores, *(plgpu.ACC((rows, width), jnp.float32) for width in part_widths))
-        release(k_consumed, 0, 0)
+        plgpu.barrier_arrive(k_consumed.at[0])
         # The prologue block takes the mask whenever any block might: a no-op where it is not needed.
         m, l, p, alpha = softmax(scores, 0, m, l, masked=plan.prologue_masked)
         if not blocks.overlap_softmax and not blocks.lazy_rescale:   # (lazy: acc is zero, nothing to scale)
@@ -848,7 +844,7 @@ def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_
                     plgpu.wgmma(pv_ref, p[0], vs[0])   # returns once Q @ K^T is done; P @ V keeps running
                     next_token()
                     scores = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)
-                    release(k_consumed, slot, block)
+                    plgpu.barrier_arrive(k_consumed.at[slot])
                     # P stays fp32 until P @ V has completed: registers that feed a later wgmma, written
                     # while one is in flight, made ptxas serialize every wgmma (C7513)
                     softmax_out = softmax((scores,), block, m, l, masked, p_dtype=jnp.float32)
@@ -856,7 +852,7 @@ def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_
                 (m, l, p_next, alpha_next), pv = pl.run_scoped(
                     gemms, plgpu.ACC((rows, block_kv), jnp.float32), plgpu.ACC((rows, head_dim), jnp.float32))
                 p_next = tuple(part.astype(dtype) for part in p_next)
-                release(v_consumed, prev_slot, block, -1)
+                plgpu.barrier_arrive(v_consumed.at[prev_slot])
                 # alpha of block - 1: P_{block-1} is relative to its max
                 return merge_pv(acc, alpha, pv), m, l, p_next, alpha_next
 
@@ -869,8 +865,8 @@ def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_
                     next_token()
                 acc, l, scores = pl.run_state(gemms)((plgpu.ACC.init(acc), plgpu.ACC.init(l),
                                                       plgpu.ACC.init(wgmma_zeros((rows, block_kv)))))
-                release(k_consumed, slot, block)
-                release(v_consumed, prev_slot, block, -1)
+                plgpu.barrier_arrive(k_consumed.at[slot])
+                plgpu.barrier_arrive(v_consumed.at[prev_slot])
                 m, l, p_next, alpha_next = softmax((scores,), block, m, l, masked)
                 return rescale(acc, alpha_next), m, rescale(l, alpha_next), p_next, alpha_next
 
@@ -883,8 +879,8 @@ def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_
                 next_token()
             acc, *scores = pl.run_state(gemms)((plgpu.ACC.init(acc), *(
                 plgpu.ACC.init(wgmma_zeros((rows, width))) for width in part_widths)))
-            release(k_consumed, slot, block)
-            release(v_consumed, prev_slot, block, -1)
+            plgpu.barrier_arrive(k_consumed.at[slot])
+            plgpu.barrier_arrive(v_consumed.at[prev_slot])
             m, l, p_next, alpha_next = softmax(scores, block, m, l, masked)
             return rescale(acc, alpha_next), m, l, p_next, alpha_next
 
@@ -921,16 +917,16 @@ def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_
                     plgpu.wgmma(acc_ref, p_part, v_part)
                 next_token()
             acc = pl.run_state(last_pv)(plgpu.ACC.init(acc))
-        release(v_consumed, last_slot, plan.num_visited, -1)
+        plgpu.barrier_arrive(v_consumed.at[last_slot])
 
         # Blocks this tile loads but these rows never see (causal only): wait for each, release it,
         # and pass the token on, so the ring and the token order stay the same for every consumer.
         def skip(block, _):
             slot = slot_of(block)
             plgpu.barrier_wait(k_ready.at[slot])
-            release(k_consumed, slot, block)
+            plgpu.barrier_arrive(k_consumed.at[slot])
             plgpu.barrier_wait(v_ready.at[slot])
-            release(v_consumed, slot, block)
+            plgpu.barrier_arrive(v_consumed.at[slot])
             wait_token()
             next_token()
         if causal:
@@ -1056,16 +1052,28 @@ def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_
             else:
                 pl.when(block < tile_blocks)(functools.partial(fill, block))
 
+        def wait_free(consumed, peer_free, block, slot):
+            """Slot `slot` may take `block`: this block's consumers have released the slot's last block
+            and, kv_multicast and `block` shared, the partner's have too (its producer says so)."""
+            plgpu.barrier_wait(consumed.at[slot])
+            if blocks.kv_multicast:
+                @pl.when(block < shared_blocks)
+                def _():
+                    plgpu.barrier_arrive(peer_free.at[slot])   # in both members
+                    plgpu.barrier_wait(peer_free.at[slot])
+
+        k_peer_free, v_peer_free = cluster_barriers[:2] if blocks.kv_multicast else (None, None)
+
         @pl.loop(num_stages, tile_blocks)
         def _(block):
             slot = slot_of(block)
-            plgpu.barrier_wait(k_consumed.at[slot])
+            wait_free(k_consumed, k_peer_free, block, slot)
             load(block, slot, k_ref, k_smem, k_ready)
-            plgpu.barrier_wait(v_consumed.at[slot])
+            wait_free(v_consumed, v_peer_free, block, slot)
             load(block, slot, v_ref, v_smem, v_ready)
 
     if blocks.kv_multicast:   # every warpgroup of both members: no block exits while its partner may
-        (done,) = cluster_done   # still arrive on its barriers or write into its shared memory
+        done = cluster_barriers[2]   # still arrive on its barriers or write into its shared memory
         plgpu.barrier_arrive(done.at[0])
         plgpu.barrier_wait(done.at[0])
 
@@ -1287,19 +1295,17 @@ def _launch(operands: tuple, shape: tuple, *, causal, interpret, sm_scale, block
             plgpu.TilingTransform((8, ROW_SUM_COLUMNS)), plgpu.SwizzleTransform(ROW_SUM_COLUMNS * dtype.itemsize))),)
     if return_lse:   # after it: the kernel finds each consumer's log-sum-exp rows at scoped[0][-1]
         smem += (plgpu.SMEM((num_wgs, ROWS_PER_CONSUMER), jnp.float32),)
-    if blocks.kv_multicast:   # the consumed barriers count both members' consumers (see release)
-        consumed_barrier = functools.partial(plgpu.ClusterBarrier, collective_axes=(_CLUSTER_MEMBER,))
-    else:
-        consumed_barrier = plgpu.Barrier
     barriers = (plgpu.Barrier(num_arrivals=1, num_barriers=num_wgs),             # q_ready
                 plgpu.Barrier(num_arrivals=1, num_barriers=num_stages),          # k_ready
                 plgpu.Barrier(num_arrivals=1, num_barriers=num_stages),          # v_ready
-                consumed_barrier(num_arrivals=num_wgs, num_barriers=num_stages),    # k_consumed
-                consumed_barrier(num_arrivals=num_wgs, num_barriers=num_stages),    # v_consumed
+                plgpu.Barrier(num_arrivals=num_wgs, num_barriers=num_stages),    # k_consumed
+                plgpu.Barrier(num_arrivals=num_wgs, num_barriers=num_stages),    # v_consumed
                 plgpu.Barrier(num_arrivals=1, num_barriers=num_wgs))             # tokens
-    if blocks.kv_multicast:   # cluster_done: all warpgroups of both members
-        barriers += (plgpu.ClusterBarrier(collective_axes=(_CLUSTER_MEMBER,), num_arrivals=num_wgs + 1,
-                                          num_barriers=1),)
+    if blocks.kv_multicast:   # k_peer_free, v_peer_free (the producers'), cluster_done (all warpgroups')
+        barriers += (plgpu.ClusterBarrier(collective_axes=(_CLUSTER_MEMBER,), num_arrivals=1, num_barriers=num_stages),
+                     plgpu.ClusterBarrier(collective_axes=(_CLUSTER_MEMBER,), num_arrivals=1, num_barriers=num_stages),
+                     plgpu.ClusterBarrier(collective_axes=(_CLUSTER_MEMBER,), num_arrivals=num_wgs + 1,
+                                          num_barriers=1))
     kernel = functools.partial(_kernel_body(interpret), causal=causal, sm_scale=sm_scale, seq_len=seq_len,
                                num_q_tiles=num_q_tiles, head_dim=head_dim, blocks=blocks, dtype=dtype)
     if blocks.persistent:
