@@ -495,7 +495,8 @@ def lazy_study(run: Run) -> None:
 
 
 def _persistent_variant(seq_len: int, head_dim: int) -> dict:
-    return dict(block_sizes=dataclasses.replace(mgpu.default_block_sizes(head_dim, seq_len), persistent=True))
+    return dict(block_sizes=dataclasses.replace(mgpu.default_block_sizes(head_dim, seq_len), persistent=True,
+                                                kv_multicast=False))   # no clusters in a persistent build
 
 
 def persistent_study(run: Run) -> None:
@@ -541,8 +542,8 @@ def hd32_study(run: Run) -> None:
     _medians_over_rounds(run, "medians_over_rounds")
 
 
-def _multicast_variant(seq_len: int, head_dim: int) -> dict:
-    return dict(block_sizes=dataclasses.replace(mgpu.default_block_sizes(head_dim, seq_len), kv_multicast=True))
+def _multicast_variant(seq_len: int, head_dim: int, on: bool = True) -> dict:
+    return dict(block_sizes=dataclasses.replace(mgpu.default_block_sizes(head_dim, seq_len), kv_multicast=on))
 
 
 # kv_multicast's checks: lengths whose query-tile counts are odd and even at every head_dim (block_q 192 at
@@ -569,7 +570,8 @@ def multicast_study(run: Run) -> None:
         passing[head_dim] = all(checks)
     for (batch, heads, seq_len, head_dim), rounds in MULTICAST_CASES:
         if passing[head_dim]:
-            _time_in_rounds(run, [(batch, heads, seq_len, head_dim)], [{}, _multicast_variant(seq_len, head_dim)],
+            _time_in_rounds(run, [(batch, heads, seq_len, head_dim)],
+                            [_multicast_variant(seq_len, head_dim, on=False), _multicast_variant(seq_len, head_dim)],
                             rounds, baselines=lambda round_index: False)
     _medians_over_rounds(run, "medians_over_rounds")
 

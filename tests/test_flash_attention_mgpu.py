@@ -294,11 +294,29 @@ def test_long_sequences_at_head_dim_128_default_to_the_one_accumulator_overlap()
     long_blocks = fm.default_block_sizes(128, 4096)
     assert long_blocks.overlap_softmax and long_blocks.overlap_one_accumulator
     assert fm.default_block_sizes(128, 4095) == fm.default_block_sizes(128) == Blocks(128, 2, 2)
-    assert fm.default_block_sizes(64, 100_000) == fm.default_block_sizes(64)   # lost at head_dim 64
+    # lost at head_dim 64: the long default there is the short one, plus K/V multicast (below)
+    assert dataclasses.replace(fm.default_block_sizes(64, 100_000), kv_multicast=False) == fm.default_block_sizes(64)
     # and a call without block sizes lowers to exactly that build
-    explicit = _lower_for_cuda(16384, 128, True, block_sizes=long_blocks)
-    assert _lower_for_cuda(16384, 128, True) == explicit
-    assert _lower_for_cuda(16384, 128, True, block_sizes=Blocks(128, 2, 2)) != explicit
+    explicit = _lower_for_cuda(4096, 128, True, block_sizes=long_blocks)
+    assert _lower_for_cuda(4096, 128, True) == explicit
+    assert _lower_for_cuda(4096, 128, True, block_sizes=Blocks(128, 2, 2)) != explicit
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 128, 256])
+def test_kv_multicast_is_the_default_from_its_measured_lengths(head_dim):
+    threshold = fm.MULTICAST_MIN_SEQ_LEN.get(head_dim)
+    assert not fm.default_block_sizes(head_dim).kv_multicast
+    if threshold is None:
+        assert not fm.default_block_sizes(head_dim, 1 << 20).kv_multicast
+        return
+    assert not fm.default_block_sizes(head_dim, threshold - 1).kv_multicast
+    blocks = fm.default_block_sizes(head_dim, threshold)
+    assert blocks.kv_multicast
+    assert dataclasses.replace(blocks, kv_multicast=False) == fm.default_block_sizes(head_dim, threshold - 1)
+    # a call without block sizes lowers to that build on the GPU, and runs without clusters when interpreted
+    assert _lower_for_cuda(threshold, head_dim, True) == _lower_for_cuda(threshold, head_dim, True, block_sizes=blocks)
+    assert not fm.launch_block_sizes(threshold, head_dim, 2, None, interpret=True).kv_multicast
+    assert fm.launch_block_sizes(threshold, head_dim, 2, None, interpret=False).kv_multicast
 
 
 def test_interpret_mode_runs_the_default_tiling_with_two_consumers():

@@ -33,11 +33,17 @@ fm = importlib.import_module("ttj_jax.kernels.flash_attention_mgpu")
 
 def build_blocks(name: str, head_dim: int, seq_len: int):
     """"default", or MgpuBlockSizes fields set on it, `+`-joined: a bare name sets a bool field True,
-    `name=N` an int field (e.g. num_compute_wgs=2+q_in_registers; variant_power.py's syntax)."""
+    `name=N` an int field, or a bool one (0 or 1): e.g. num_compute_wgs=2+q_in_registers, kv_multicast=0
+    (variant_power.py takes the same)."""
     default = fm.default_block_sizes(head_dim, seq_len)
     if name == "default":
         return default
-    fields = {f.split("=")[0]: (int(f.split("=")[1]) if "=" in f else True) for f in name.split("+")}
+    fields = {}
+    for part in name.split("+"):
+        field, _, value = part.partition("=")
+        fields[field] = int(value) if value else True
+        if isinstance(getattr(default, field), bool):
+            fields[field] = bool(fields[field])
     return dataclasses.replace(default, **fields)
 
 

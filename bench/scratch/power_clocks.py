@@ -87,7 +87,7 @@ def main(argv):
             fn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn"))
         else:
             blocks = fm.default_block_sizes(HD, S)
-            blocks = dataclasses.replace(blocks, persistent=True) if name == "persistent" else blocks
+            blocks = dataclasses.replace(blocks, persistent=True, kv_multicast=False) if name == "persistent" else blocks
             fn = jax.jit(lambda q, k, v, c=causal, bl=blocks: fm.flash_attention_mgpu(q, k, v, causal=c, block_sizes=bl))
         compiled = fn.lower(*qkv).compile()
         jax.block_until_ready(compiled(*qkv))

@@ -4,8 +4,9 @@ and power each ran at (session 18).
     PYTHONPATH=. python3 bench/scratch/variant_power.py OUT_DIR [ROUNDS] VARIANT [VARIANT ...] [--causal-only]
 
 Each VARIANT gives one build: the default for head_dim 64 at S=100000 with MgpuBlockSizes fields set,
-`+`-joined: a bare name sets a bool field True, `name=N` an int field (e.g. q_in_registers,
-num_compute_wgs=2, num_compute_wgs=2+q_in_registers). Per build, causal and non-causal at B=1 H=16 S=100000: its output's
+`+`-joined: a bare name sets a bool field True, `name=N` an int field or a bool one as 0/1 (e.g.
+q_in_registers, num_compute_wgs=2, num_compute_wgs=2+q_in_registers, kv_multicast=0; parsed by
+ncu_attention.build_blocks). Per build, causal and non-causal at B=1 H=16 S=100000: its output's
 first 2048 rows against the fp32 reference (harness rule), then ROUNDS alternating rounds of timings
 (median of 5 timings of back-to-back calls, >= 0.3 s each), with nvidia-smi's clock and power over each
 build's timings (bench/gpu_power.py), and (since session 18's first run) the energy per call from
@@ -18,7 +19,6 @@ ncu (bench/scratch/ncu_attention.py) for the cycles.
 """
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import importlib
 import pathlib
@@ -33,6 +33,7 @@ from bench.bench_attention_mgpu import _random_qkv, _reference_rows
 from bench.gpu_power import joules_per_call, nvml_energy_reader, sampling
 from bench.jax_timing import stream_ms_per_call
 from bench.report import slug, write_json
+from bench.scratch.ncu_attention import build_blocks
 from ttj_jax.numerics import harness_check
 
 fm = importlib.import_module("ttj_jax.kernels.flash_attention_mgpu")
@@ -46,9 +47,7 @@ def main(argv):
     names = [a for a in argv[1:] if not a.isdigit() and not a.startswith("--")]
     default = fm.default_block_sizes(HD, S)
 
-    def fields(name):
-        return {f.split("=")[0]: (int(f.split("=")[1]) if "=" in f else True) for f in name.split("+")}
-    variants = {"default": default, **{n: dataclasses.replace(default, **fields(n)) for n in names}}
+    variants = {"default": default, **{n: build_blocks(n, HD, S) for n in names}}
     q, k, v = jax.block_until_ready(_random_qkv(S, (B, S, H, HD), jnp.float16))
     builds, checks = {}, []
     for causal in ((True,) if "--causal-only" in argv else (True, False)):

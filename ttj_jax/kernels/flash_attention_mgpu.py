@@ -427,14 +427,26 @@ _LONG_SEQ_BLOCK_SIZES = {
 }
 
 
+# K/V multicast to 2-block clusters (MgpuBlockSizes.kv_multicast) from these lengths on, per head_dim.
+# Measured on the H200 (session 19, `python3 bench/bench_attention_mgpu.py --multicast`, 34/34 checks,
+# alternating rounds, fp16 causal; bench/results/attention-mgpu-2026-12-02-nvidia-h200-multicast2.json),
+# faster in every round: head_dim 64, B=1 H=16 S=100000, 494.2 against 489.3 TFLOP/s (5 rounds); B=8,
+# 488.8 against 486.6 (2); head_dim 128, B=1 H=16 S=16384, 599.4 against 580.0 (3). Not measured at
+# shorter lengths or at head_dim 32 and 256: those keep their tiling without it.
+MULTICAST_MIN_SEQ_LEN = {64: 65536, 128: 16384}
+
+
 def default_block_sizes(head_dim: int, seq_len: int | None = None) -> MgpuBlockSizes:
-    """The default block sizes at this head_dim (and sequence length, where the table has a long-sequence
-    entry for it; None: the short-sequence default)."""
+    """The default block sizes at this head_dim (and sequence length, where the tables have a
+    long-sequence entry for it; None: the short-sequence default)."""
+    blocks = _DEFAULT_BLOCK_SIZES[head_dim]
     if seq_len is not None and head_dim in _LONG_SEQ_BLOCK_SIZES:
-        min_len, blocks = _LONG_SEQ_BLOCK_SIZES[head_dim]
+        min_len, long_blocks = _LONG_SEQ_BLOCK_SIZES[head_dim]
         if seq_len >= min_len:
-            return blocks
-    return _DEFAULT_BLOCK_SIZES[head_dim]
+            blocks = long_blocks
+    if seq_len is not None and seq_len >= MULTICAST_MIN_SEQ_LEN.get(head_dim, math.inf):
+        blocks = dataclasses.replace(blocks, kv_multicast=True)
+    return blocks
 
 
 def resolve_block_sizes(seq_len: int, head_dim: int, itemsize: int,
@@ -451,8 +463,12 @@ def launch_block_sizes(seq_len: int, head_dim: int, itemsize: int, block_sizes: 
                        interpret) -> MgpuBlockSizes:
     """resolve_block_sizes, except that in interpret mode a default tiling with three consumer warpgroups
     runs with two: jax's interpreter can hang with three (see the list at the end of this file), and two
-    compute every row the same way. Blocks asked for explicitly are kept."""
+    compute every row the same way; and a default with kv_multicast runs without it (no clusters
+    there; the output is the same, bit for bit: it changes only how K/V reach shared memory). Blocks
+    asked for explicitly are kept."""
     blocks = resolve_block_sizes(seq_len, head_dim, itemsize, block_sizes)
+    if interpret and block_sizes is None and blocks.kv_multicast:
+        blocks = dataclasses.replace(blocks, kv_multicast=False)
     if interpret and block_sizes is None and blocks.num_compute_wgs == 3:
         blocks = dataclasses.replace(blocks, num_compute_wgs=2)
         check_block_sizes(head_dim, itemsize, blocks)
