@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python3 bench/bench_attention_mgpu.py [--quick] [--check] [--out DIR]
         [--sweep | --grid | --poly | --overlap | --softmax | --hd32 | --lazy | --persistent
-         | --multicast]
+         | --multicast | --multicast_lengths]
         [--budget-s 420]
 
 In order (most important first): head_dim 64 checks, the main timing case, the other head_dim checks,
@@ -576,6 +576,28 @@ def multicast_study(run: Run) -> None:
     _medians_over_rounds(run, "medians_over_rounds")
 
 
+# Where kv_multicast starts to pay (MULTICAST_MIN_SEQ_LEN's thresholds were set at the shortest length
+# measured, not found): fp16 causal, with and without it, in alternating rounds.
+MULTICAST_LENGTH_CASES = [((4, 16, 16384, 64), 3), ((2, 16, 32768, 64), 3), ((4, 16, 4096, 128), 3),
+                          ((2, 16, 8192, 128), 3), ((1, 16, 16384, 256), 3)]
+
+
+def multicast_lengths_study(run: Run) -> None:
+    """--multicast-lengths: kv_multicast against the same tiling without it below its thresholds
+    (MULTICAST_LENGTH_CASES), checked first at S=1200 and 2000 on each head_dim there."""
+    passing = {}
+    for head_dim in sorted({case[3] for case, _ in MULTICAST_LENGTH_CASES}):
+        passing[head_dim] = all(_check(run, 2, 3, seq_len, head_dim, causal,
+                                       kernel_kwargs=_multicast_variant(seq_len, head_dim))
+                                for seq_len in (1200, 2000) for causal in (True, False))
+    for (batch, heads, seq_len, head_dim), rounds in MULTICAST_LENGTH_CASES:
+        if passing[head_dim]:
+            _time_in_rounds(run, [(batch, heads, seq_len, head_dim)],
+                            [_multicast_variant(seq_len, head_dim, on=False), _multicast_variant(seq_len, head_dim)],
+                            rounds, baselines=lambda round_index: False)
+    _medians_over_rounds(run, "medians_over_rounds")
+
+
 # The studies run alone (one --NAME flag each): name -> (function of the run, --help text). Each writes
 # attention-mgpu-<date>-<gpu>-<name>.json.
 STUDIES = {
@@ -595,6 +617,8 @@ STUDIES = {
                    "checks, then PERSISTENT_CASES in alternating rounds"),
     "multicast": (lambda run: multicast_study(run), "only K/V multicast to 2-block clusters "
                   "(MgpuBlockSizes.kv_multicast): checks, then MULTICAST_CASES in alternating rounds"),
+    "multicast_lengths": (lambda run: multicast_lengths_study(run), "only kv_multicast below its default "
+                          "thresholds (MULTICAST_LENGTH_CASES), with and without it, in alternating rounds"),
 }
 
 

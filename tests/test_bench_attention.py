@@ -79,3 +79,23 @@ def test_smoke_run_writes_every_case_with_its_gpu_state(tmp_path):
     assert "ttj" in {c["contender"] for c in timed}
     assert all("gpu_state" in c for c in timed)
     assert all(c["tflops"] > 0 for c in timed)
+
+
+def test_multicast_studies_compare_with_and_without_it_where_they_say():
+    """--multicast times kv_multicast against the same tiling without it at its default lengths, and
+    --multicast_lengths below its thresholds; both are registered studies (a CPU run refuses them: exit 2)."""
+    import bench.bench_attention_mgpu as bam
+    from ttj_jax.kernels.flash_attention_mgpu import MULTICAST_MIN_SEQ_LEN
+
+    for (_, _, seq_len, head_dim), _ in bam.MULTICAST_CASES:
+        assert seq_len >= MULTICAST_MIN_SEQ_LEN[head_dim]
+    for (_, _, seq_len, head_dim), _ in bam.MULTICAST_LENGTH_CASES:
+        assert seq_len < MULTICAST_MIN_SEQ_LEN.get(head_dim, float("inf"))
+    for seq_len, head_dim in ((100_000, 64), (16384, 128), (1000, 64)):
+        on = bam._multicast_variant(seq_len, head_dim)["block_sizes"]
+        off = bam._multicast_variant(seq_len, head_dim, on=False)["block_sizes"]
+        assert on.kv_multicast and not off.kv_multicast
+        assert on.block_kv == off.block_kv and on.num_compute_wgs == off.num_compute_wgs
+        assert bam._kwargs_text({"block_sizes": on}) != bam._kwargs_text({"block_sizes": off})
+    assert {"multicast", "multicast_lengths"} <= set(bam.STUDIES)
+    assert bam.main(["--multicast_lengths"]) == 2   # needs a GPU
