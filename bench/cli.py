@@ -210,12 +210,18 @@ def run_shape(shape: T.Shape, args, device: torch.device, progress: Progress,
     result["ttj_jax_accuracy"] = {"failed_elements": failed, "worst_err_over_tol": worst}
     result["ttj_jax_timing"] = _time_jax_loop(jax_fn, warmup=args.warmup, rounds=args.rounds, calls=calls)
     # Host time of one call from an idle GPU, bridge and JAX-direct sampled in turn (the bridge-cost target
-    # is their difference; measured apart, minutes apart, the host's pace drifted by more than that).
+    # is their difference; measured apart, minutes apart, the host's pace drifted by more than that). The
+    # torch peer beside them (since session 19): where it replays a CUDA graph (small shapes), its host
+    # time is what a graph-replayed bridge call would cost, docs/host-cost.md's open question.
+    host_timed = {"ttj_bridge": timed["ttj_bridge"], "ttj_jax": jax_fn}
+    if "peer" in timed:
+        host_timed["peer"] = timed["peer"]
     with torch.inference_mode():
-        host = interleaved_host_overhead_us({"ttj_bridge": timed["ttj_bridge"], "ttj_jax": jax_fn},
-                                            100 if device.type == "cuda" else 5, device=device)
+        host = interleaved_host_overhead_us(host_timed, 100 if device.type == "cuda" else 5, device=device)
     result["bridge_host_us"] = host["ttj_bridge"]["median_us"]
     result["jax_host_us"] = host["ttj_jax"]["median_us"]
+    if "peer" in host:
+        result["peer_host_us"] = host["peer"]["median_us"]
 
     result["timing"] = timings
     for name in contenders:

@@ -228,3 +228,21 @@ def test_forward_overhead_script_on_the_cpu(tmp_path, capsys):
     assert all(v > 0 for v in record["median_us"].values()) and record["plan"] == "layers"
     assert len(model._FORWARD_CALLS) >= 1
     assert "replanning us" in capsys.readouterr().out
+
+
+def test_run_shape_records_the_host_time_of_the_peer_beside_the_bridge_and_jax():
+    """With the torch peer, its host time per call is sampled in the same interleaved turns as the
+    bridge's and the JAX call's (docs/host-cost.md: on the GPU, where the peer replays a CUDA graph, it is
+    the host cost a graph-replayed bridge call would have)."""
+    import ttj_jax as T
+
+    args = cli.parse_args(["--suite", "small", "--warmup", "1", "--rounds", "2", "--calls", "2"])
+    args.peer, args.extra_seeds = True, 0   # the peer on the CPU: eager, no graph
+    progress = cli.Progress(1)
+    try:
+        result = cli.run_shape(T.SUITES["small"]["cpu-12"], args, torch.device("cpu"), progress)
+    finally:
+        progress.close()
+    for key in ("bridge_host_us", "jax_host_us", "peer_host_us"):
+        assert result[key] > 0
+    assert result["peer_ms"] > 0
