@@ -546,6 +546,17 @@ def _multicast_variant(seq_len: int, head_dim: int, on: bool = True) -> dict:
     return dict(block_sizes=dataclasses.replace(mgpu.default_block_sizes(head_dim, seq_len), kv_multicast=on))
 
 
+def _time_multicast_on_and_off(run: Run, cases, passing: dict) -> None:
+    """Each ((B, H, S, head_dim), rounds) of `cases` whose head_dim passed its checks: the default tiling
+    without and with kv_multicast, in alternating rounds (no other contenders), then the medians."""
+    for (batch, heads, seq_len, head_dim), rounds in cases:
+        if passing[head_dim]:
+            _time_in_rounds(run, [(batch, heads, seq_len, head_dim)],
+                            [_multicast_variant(seq_len, head_dim, on=False), _multicast_variant(seq_len, head_dim)],
+                            rounds, baselines=lambda round_index: False)
+    _medians_over_rounds(run, "medians_over_rounds")
+
+
 # kv_multicast's checks: lengths whose query-tile counts are odd and even at every head_dim (block_q 192 at
 # head_dim 32/64, 128 at 128 and 256), so that pairs with a member past the last tile and full pairs
 # both run, causal (the upper tile's extra blocks) and not.
@@ -557,8 +568,8 @@ def multicast_study(run: Run) -> None:
     """--multicast (session 19): MgpuBlockSizes(kv_multicast=True), K/V blocks shared by 2-block
     clusters through TMA multicast, on each head_dim's default tiling: checked at
     MULTICAST_CHECK_SEQ_LENS causal and not (one repeat bit-identical), at S=100000 head_dim 64 (rows),
-    then timed against the default at MULTICAST_CASES in alternating rounds (fp16 causal, as every
-    timing here)."""
+    then timed against the same tiling without it at MULTICAST_CASES in alternating rounds (fp16
+    causal, as every timing here)."""
     passing = {}
     for head_dim in (64, 128, 32, 256):
         checks = [_check(run, 2, 3, seq_len, head_dim, causal, kernel_kwargs=_multicast_variant(seq_len, head_dim),
@@ -568,12 +579,7 @@ def multicast_study(run: Run) -> None:
             checks += [_check(run, 1, 2, LONG_SEQ_LEN, 64, causal, kernel_kwargs=_multicast_variant(LONG_SEQ_LEN, 64))
                        for causal in (True, False)]
         passing[head_dim] = all(checks)
-    for (batch, heads, seq_len, head_dim), rounds in MULTICAST_CASES:
-        if passing[head_dim]:
-            _time_in_rounds(run, [(batch, heads, seq_len, head_dim)],
-                            [_multicast_variant(seq_len, head_dim, on=False), _multicast_variant(seq_len, head_dim)],
-                            rounds, baselines=lambda round_index: False)
-    _medians_over_rounds(run, "medians_over_rounds")
+    _time_multicast_on_and_off(run, MULTICAST_CASES, passing)
 
 
 # Where kv_multicast starts to pay (MULTICAST_MIN_SEQ_LEN's thresholds were set at the shortest length
@@ -583,19 +589,14 @@ MULTICAST_LENGTH_CASES = [((4, 16, 16384, 64), 3), ((2, 16, 32768, 64), 3), ((4,
 
 
 def multicast_lengths_study(run: Run) -> None:
-    """--multicast-lengths: kv_multicast against the same tiling without it below its thresholds
+    """--multicast_lengths: kv_multicast against the same tiling without it below its thresholds
     (MULTICAST_LENGTH_CASES), checked first at S=1200 and 2000 on each head_dim there."""
     passing = {}
     for head_dim in sorted({case[3] for case, _ in MULTICAST_LENGTH_CASES}):
         passing[head_dim] = all(_check(run, 2, 3, seq_len, head_dim, causal,
                                        kernel_kwargs=_multicast_variant(seq_len, head_dim))
                                 for seq_len in (1200, 2000) for causal in (True, False))
-    for (batch, heads, seq_len, head_dim), rounds in MULTICAST_LENGTH_CASES:
-        if passing[head_dim]:
-            _time_in_rounds(run, [(batch, heads, seq_len, head_dim)],
-                            [_multicast_variant(seq_len, head_dim, on=False), _multicast_variant(seq_len, head_dim)],
-                            rounds, baselines=lambda round_index: False)
-    _medians_over_rounds(run, "medians_over_rounds")
+    _time_multicast_on_and_off(run, MULTICAST_LENGTH_CASES, passing)
 
 
 # The studies run alone (one --NAME flag each): name -> (function of the run, --help text). Each writes

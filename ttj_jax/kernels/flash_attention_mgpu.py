@@ -1318,10 +1318,10 @@ def _launch(operands: tuple, shape: tuple, *, causal, interpret, sm_scale, block
                 plgpu.Barrier(num_arrivals=num_wgs, num_barriers=num_stages),    # v_consumed
                 plgpu.Barrier(num_arrivals=1, num_barriers=num_wgs))             # tokens
     if blocks.kv_multicast:   # k_peer_free, v_peer_free (the producers'), cluster_done (all warpgroups')
-        barriers += (plgpu.ClusterBarrier(collective_axes=(_CLUSTER_MEMBER,), num_arrivals=1, num_barriers=num_stages),
-                     plgpu.ClusterBarrier(collective_axes=(_CLUSTER_MEMBER,), num_arrivals=1, num_barriers=num_stages),
-                     plgpu.ClusterBarrier(collective_axes=(_CLUSTER_MEMBER,), num_arrivals=num_wgs + 1,
-                                          num_barriers=1))
+        cluster_barrier = functools.partial(plgpu.ClusterBarrier, collective_axes=(_CLUSTER_MEMBER,))
+        barriers += (cluster_barrier(num_arrivals=1, num_barriers=num_stages),
+                     cluster_barrier(num_arrivals=1, num_barriers=num_stages),
+                     cluster_barrier(num_arrivals=num_wgs + 1, num_barriers=1))
     kernel = functools.partial(_kernel_body(interpret), causal=causal, sm_scale=sm_scale, seq_len=seq_len,
                                num_q_tiles=num_q_tiles, head_dim=head_dim, blocks=blocks, dtype=dtype)
     if blocks.persistent:
