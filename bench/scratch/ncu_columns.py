@@ -6,7 +6,8 @@ from stdin (and pass other non-CSV lines through, e.g. the profiled program's ow
 import csv
 import sys
 
-COLUMNS = ("Kernel Name", "gpu__time_duration.sum", "sm__cycles_elapsed.avg", "sm__cycles_elapsed.avg.per_second")
+COLUMNS = ("Kernel Name", "gpu__time_duration.sum", "sm__cycles_elapsed.avg", "sm__cycles_elapsed.avg.per_second",
+           "smsp__inst_executed.sum")
 
 
 def main(lines) -> None:
