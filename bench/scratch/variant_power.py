@@ -2,12 +2,14 @@
 and power each ran at (session 18).
 
     PYTHONPATH=. python3 bench/scratch/variant_power.py OUT_DIR [ROUNDS] VARIANT [VARIANT ...] [--causal-only]
+        [--case=B,H,S,HEAD_DIM]
 
 Each VARIANT gives one build: the default for head_dim 64 at S=100000 with MgpuBlockSizes fields set,
 `+`-joined: a bare name sets a bool field True, `name=N` an int field or a bool one as 0/1 (e.g.
 q_in_registers, num_compute_wgs=2, num_compute_wgs=2+q_in_registers, kv_multicast=0; parsed by
 ncu_attention.build_blocks). Per build, causal and non-causal at B=1 H=16 S=100000: its output's
-first 2048 rows against the fp32 reference (harness rule), then ROUNDS alternating rounds of timings
+first 2048 rows against the fp32 reference (harness rule; --case: another case than the main one,
+the default then being that case's), then ROUNDS alternating rounds of timings
 (median of 5 timings of back-to-back calls, >= 0.3 s each), with nvidia-smi's clock and power over each
 build's timings (bench/gpu_power.py), and (since session 18's first run) the energy per call from
 NVML's energy counter over ~0.6 s of back-to-back calls after each timing. Writes
@@ -37,7 +39,7 @@ from bench.scratch.ncu_attention import build_blocks
 from ttj_jax.numerics import harness_check
 
 fm = importlib.import_module("ttj_jax.kernels.flash_attention_mgpu")
-B, H, S, HD = 1, 16, 100_000, 64
+MAIN_B, MAIN_H, MAIN_S, MAIN_HD = 1, 16, 100_000, 64
 CHECK_ROWS = 2048
 
 
@@ -45,6 +47,8 @@ def main(argv):
     out_dir = pathlib.Path(argv[0])
     rounds = int(argv[1]) if len(argv) > 1 and argv[1].isdigit() else 3
     names = [a for a in argv[1:] if not a.isdigit() and not a.startswith("--")]
+    cases = [a.removeprefix("--case=") for a in argv[1:] if a.startswith("--case=")]
+    B, H, S, HD = (int(x) for x in cases[-1].split(",")) if cases else (MAIN_B, MAIN_H, MAIN_S, MAIN_HD)
     default = fm.default_block_sizes(HD, S)
 
     variants = {"default": default, **{n: build_blocks(n, HD, S) for n in names}}
@@ -87,7 +91,8 @@ def main(argv):
     result = dict(gpu=device.device_kind, jax=jax.__version__, date=datetime.date.today().isoformat(),
                   command="PYTHONPATH=. python3 bench/scratch/variant_power.py OUT " + " ".join(argv[1:]),
                   checks=checks, rows=rows)
-    path = write_json(result, out_dir, f"variant-power-{result['date']}-{slug(device.device_kind)}")
+    suffix = f"-b{B}-h{H}-s{S}-hd{HD}" if cases else ""
+    path = write_json(result, out_dir, f"variant-power-{result['date']}-{slug(device.device_kind)}{suffix}")
     for r in rows:
         st = r["gpu_state"] or {}
         print(f"{'causal' if r['causal'] else 'full':6s} {r['build']:16s} {r['ms']:9.3f} ms {r['tflops']:7.1f} TFLOP/s "
