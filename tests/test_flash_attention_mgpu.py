@@ -295,7 +295,8 @@ def test_long_sequences_at_head_dim_128_default_to_the_one_accumulator_overlap()
     assert long_blocks.overlap_softmax and long_blocks.overlap_one_accumulator
     assert fm.default_block_sizes(128, 4095) == fm.default_block_sizes(128) == Blocks(128, 2, 2)
     # lost at head_dim 64: the long default there is the short one, plus K/V multicast (below)
-    assert dataclasses.replace(fm.default_block_sizes(64, 100_000), kv_multicast=False) == fm.default_block_sizes(64)
+    assert dataclasses.replace(fm.default_block_sizes(64, 100_000), kv_multicast=False,
+                               pingpong=True) == fm.default_block_sizes(64)
     # and a call without block sizes lowers to exactly that build
     explicit = _lower_for_cuda(4096, 128, True, block_sizes=long_blocks)
     assert _lower_for_cuda(4096, 128, True) == explicit
@@ -312,7 +313,11 @@ def test_kv_multicast_is_the_default_from_its_measured_lengths(head_dim):
     assert not fm.default_block_sizes(head_dim, threshold - 1).kv_multicast
     blocks = fm.default_block_sizes(head_dim, threshold)
     assert blocks.kv_multicast
-    assert dataclasses.replace(blocks, kv_multicast=False) == fm.default_block_sizes(head_dim, threshold - 1)
+    # with it, head_dim 64 also drops the ping-pong token ring (measured: MULTICAST_WITHOUT_PINGPONG)
+    assert blocks.pingpong == (head_dim not in fm.MULTICAST_WITHOUT_PINGPONG)
+    assert fm.default_block_sizes(head_dim, threshold - 1).pingpong
+    assert dataclasses.replace(blocks, kv_multicast=False, pingpong=True) == fm.default_block_sizes(head_dim,
+                                                                                                   threshold - 1)
     # a call without block sizes lowers to that build on the GPU, and runs without clusters when interpreted
     assert _lower_for_cuda(threshold, head_dim, True) == _lower_for_cuda(threshold, head_dim, True, block_sizes=blocks)
     assert not fm.launch_block_sizes(threshold, head_dim, 2, None, interpret=True).kv_multicast

@@ -40,7 +40,7 @@ from ttj_jax.numerics import harness_check
 
 fm = importlib.import_module("ttj_jax.kernels.flash_attention_mgpu")
 MAIN_B, MAIN_H, MAIN_S, MAIN_HD = 1, 16, 100_000, 64
-CHECK_ROWS = 2048
+CHECK_ROWS = 2048   # at B * H = 16; fewer at larger B * H (the fp32 reference holds B H rows S scores)
 
 
 def main(argv):
@@ -50,18 +50,19 @@ def main(argv):
     cases = [a.removeprefix("--case=") for a in argv[1:] if a.startswith("--case=")]
     B, H, S, HD = (int(x) for x in cases[-1].split(",")) if cases else (MAIN_B, MAIN_H, MAIN_S, MAIN_HD)
     default = fm.default_block_sizes(HD, S)
+    check_rows = max(128, CHECK_ROWS * 16 // (B * H))
 
     variants = {"default": default, **{n: build_blocks(n, HD, S) for n in names}}
     q, k, v = jax.block_until_ready(_random_qkv(S, (B, S, H, HD), jnp.float16))
     builds, checks = {}, []
     for causal in ((True,) if "--causal-only" in argv else (True, False)):
-        ref = _reference_rows(q, k, v, jnp.arange(CHECK_ROWS), causal=causal)
+        ref = _reference_rows(q, k, v, jnp.arange(check_rows), causal=causal)
         for name, blocks in variants.items():
             fn = jax.jit(lambda q, k, v, c=causal, bl=blocks: fm.flash_attention_mgpu(q, k, v, causal=c, block_sizes=bl))
             compiled = fn.lower(q, k, v).compile()
             out = compiled(q, k, v)
-            failed, worst, _ = harness_check(out[:, :CHECK_ROWS].astype(jnp.float32), ref)
-            checks.append(dict(build=name, causal=causal, rows=CHECK_ROWS, failed=int(failed), worst_err_over_tol=float(worst)))
+            failed, worst, _ = harness_check(out[:, :check_rows].astype(jnp.float32), ref)
+            checks.append(dict(build=name, causal=causal, rows=check_rows, failed=int(failed), worst_err_over_tol=float(worst)))
             print(f"check {name:16s} causal={causal}: failed {int(failed)}, worst err/tol {float(worst):.3f}", flush=True)
             builds[(causal, name)] = compiled
     samples = {key: [] for key in builds}

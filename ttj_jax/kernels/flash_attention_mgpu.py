@@ -434,6 +434,14 @@ _LONG_SEQ_BLOCK_SIZES = {
 # 488.8 against 486.6 (2); head_dim 128, B=1 H=16 S=16384, 599.4 against 580.0 (3). Not measured at
 # shorter lengths or at head_dim 32 and 256: those keep their tiling without it.
 MULTICAST_MIN_SEQ_LEN = {64: 65536, 128: 16384}
+# With multicast, these head_dims also drop the consumers' ping-pong token ring (MgpuBlockSizes.pingpong).
+# Measured on the H200 (session 20, `PYTHONPATH=. python3 bench/scratch/variant_power.py OUT 5 pingpong=0
+# ... --causal-only`, alternating rounds, fp16 causal; bench/results/variant-power-2026-12-02-nvidia-h200-
+# pingpong{1,2}.json): head_dim 64, B=1 H=16 S=100000, faster in all 8 rounds of two runs, 498.8 against
+# 494.5 TFLOP/s (3 rounds) and 495.7 against 491.7 (5); Nsight Compute: 66.3 M SM cycles against 66.9 M,
+# 1.5% fewer instructions. Without multicast it was level (491.2 against the multicast default's 491.7;
+# session 16: 485.2 against 484.0). head_dim 128, S=16384: level (594.3 against 594.8), so it keeps it.
+MULTICAST_WITHOUT_PINGPONG = frozenset({64})
 
 
 def default_block_sizes(head_dim: int, seq_len: int | None = None) -> MgpuBlockSizes:
@@ -445,7 +453,8 @@ def default_block_sizes(head_dim: int, seq_len: int | None = None) -> MgpuBlockS
         if seq_len >= min_len:
             blocks = long_blocks
     if seq_len is not None and seq_len >= MULTICAST_MIN_SEQ_LEN.get(head_dim, math.inf):
-        blocks = dataclasses.replace(blocks, kv_multicast=True)
+        blocks = dataclasses.replace(blocks, kv_multicast=True,
+                                     pingpong=blocks.pingpong and head_dim not in MULTICAST_WITHOUT_PINGPONG)
     return blocks
 
 
