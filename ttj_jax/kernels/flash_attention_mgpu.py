@@ -439,8 +439,9 @@ MULTICAST_MIN_SEQ_LEN = {64: 65536, 128: 16384}
 # ... --causal-only`, alternating rounds, fp16 causal; bench/results/variant-power-2026-12-02-nvidia-h200-
 # pingpong{1,2}.json): head_dim 64, B=1 H=16 S=100000, faster in all 8 rounds of two runs, 498.8 against
 # 494.5 TFLOP/s (3 rounds) and 495.7 against 491.7 (5); Nsight Compute: 66.3 M SM cycles against 66.9 M,
-# 1.5% fewer instructions. Without multicast it was level (491.2 against the multicast default's 491.7;
-# session 16: 485.2 against 484.0). head_dim 128, S=16384: level (594.3 against 594.8), so it keeps it.
+# 1.5% fewer instructions; B=8 (shape 14's call), 484.6 against 481.9 in 3 of 3 rounds (...-pingpong3-
+# b8.json). Without multicast it was level (491.2 against the multicast default's 491.7; session 16:
+# 485.2 against 484.0). head_dim 128, S=16384: level (594.3 against 594.8), so it keeps it.
 MULTICAST_WITHOUT_PINGPONG = frozenset({64})
 
 
