@@ -543,7 +543,11 @@ def hd32_study(run: Run) -> None:
 
 
 def _multicast_variant(seq_len: int, head_dim: int, on: bool = True) -> dict:
-    return dict(block_sizes=dataclasses.replace(mgpu.default_block_sizes(head_dim, seq_len), kv_multicast=on))
+    """The tiling this length defaults to, without multicast (and with the ping-pong ring), or with
+    multicast as the defaults take it (mgpu.with_kv_multicast: at head_dim 64 without the ring, since
+    session 20)."""
+    plain = dataclasses.replace(mgpu.default_block_sizes(head_dim, seq_len), kv_multicast=False, pingpong=True)
+    return dict(block_sizes=mgpu.with_kv_multicast(plain, head_dim) if on else plain)
 
 
 def _time_multicast_on_and_off(run: Run, cases, passing: dict) -> None:

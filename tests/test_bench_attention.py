@@ -85,6 +85,7 @@ def test_multicast_studies_compare_with_and_without_it_where_they_say():
     """--multicast times kv_multicast against the same tiling without it at its default lengths, and
     --multicast_lengths below its thresholds; both are registered studies (a CPU run refuses them: exit 2)."""
     import bench.bench_attention_mgpu as bam
+    import ttj_jax.kernels.flash_attention_mgpu as fm
     from ttj_jax.kernels.flash_attention_mgpu import MULTICAST_MIN_SEQ_LEN
 
     for (_, _, seq_len, head_dim), _ in bam.MULTICAST_CASES:
@@ -97,5 +98,9 @@ def test_multicast_studies_compare_with_and_without_it_where_they_say():
         assert on.kv_multicast and not off.kv_multicast
         assert on.block_kv == off.block_kv and on.num_compute_wgs == off.num_compute_wgs
         assert bam._kwargs_text({"block_sizes": on}) != bam._kwargs_text({"block_sizes": off})
+        # "on" is multicast as the defaults take it (at head_dim 64 without the ping-pong ring), "off" the plain tiling
+        assert off.pingpong and on.pingpong == (head_dim not in fm.MULTICAST_WITHOUT_PINGPONG)
+        if seq_len >= MULTICAST_MIN_SEQ_LEN.get(head_dim, float("inf")):
+            assert on == fm.default_block_sizes(head_dim, seq_len)
     assert {"multicast", "multicast_lengths"} <= set(bam.STUDIES)
     assert bam.main(["--multicast_lengths"]) == 2   # needs a GPU

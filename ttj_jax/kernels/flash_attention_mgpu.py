@@ -454,9 +454,15 @@ def default_block_sizes(head_dim: int, seq_len: int | None = None) -> MgpuBlockS
         if seq_len >= min_len:
             blocks = long_blocks
     if seq_len is not None and seq_len >= MULTICAST_MIN_SEQ_LEN.get(head_dim, math.inf):
-        blocks = dataclasses.replace(blocks, kv_multicast=True,
-                                     pingpong=blocks.pingpong and head_dim not in MULTICAST_WITHOUT_PINGPONG)
+        blocks = with_kv_multicast(blocks, head_dim)
     return blocks
+
+
+def with_kv_multicast(blocks: MgpuBlockSizes, head_dim: int) -> MgpuBlockSizes:
+    """`blocks` with K/V multicast as the defaults take it: at MULTICAST_WITHOUT_PINGPONG's head_dims
+    also without the ping-pong token ring."""
+    return dataclasses.replace(blocks, kv_multicast=True,
+                               pingpong=blocks.pingpong and head_dim not in MULTICAST_WITHOUT_PINGPONG)
 
 
 def resolve_block_sizes(seq_len: int, head_dim: int, itemsize: int,
