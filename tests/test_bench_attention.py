@@ -1,6 +1,7 @@
 """bench/bench_attention.py's contenders: ttj's kernel as users call it comes first and is labelled with the
 implementation the dispatcher picks (the script itself runs on the H200; `--smoke` covers it on a CPU)."""
 
+import importlib
 import pytest
 
 import bench.bench_attention as ba
@@ -85,7 +86,7 @@ def test_multicast_studies_compare_with_and_without_it_where_they_say():
     """--multicast times kv_multicast against the same tiling without it at its default lengths, and
     --multicast_lengths below its thresholds; both are registered studies (a CPU run refuses them: exit 2)."""
     import bench.bench_attention_mgpu as bam
-    import ttj_jax.kernels.flash_attention_mgpu as fm
+    fm = importlib.import_module("ttj_jax.kernels.flash_attention_mgpu")   # the package exports a function of that name
     from ttj_jax.kernels.flash_attention_mgpu import MULTICAST_MIN_SEQ_LEN
 
     for (_, _, seq_len, head_dim), _ in bam.MULTICAST_CASES:
