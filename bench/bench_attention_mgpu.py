@@ -586,15 +586,17 @@ def multicast_study(run: Run) -> None:
     _time_multicast_on_and_off(run, MULTICAST_CASES, passing)
 
 
-# Where kv_multicast starts to pay (MULTICAST_MIN_SEQ_LEN's thresholds were set at the shortest length
-# measured, not found): fp16 causal, with and without it, in alternating rounds.
+# Where kv_multicast starts to pay, fp16 causal, with and without it, in alternating rounds: the run of
+# session 20 (bench/results/attention-mgpu-2026-12-02-nvidia-h200-multicast_lengths.json) set
+# MULTICAST_MIN_SEQ_LEN from these (session 19's thresholds, 65536 and 16384, had been the shortest
+# lengths measured then): each head_dim's threshold is its shortest case here that won.
 MULTICAST_LENGTH_CASES = [((4, 16, 16384, 64), 3), ((2, 16, 32768, 64), 3), ((4, 16, 4096, 128), 3),
                           ((2, 16, 8192, 128), 3), ((1, 16, 16384, 256), 3)]
 
 
 def multicast_lengths_study(run: Run) -> None:
-    """--multicast_lengths: kv_multicast against the same tiling without it below its thresholds
-    (MULTICAST_LENGTH_CASES), checked first at S=1200 and 2000 on each head_dim there."""
+    """--multicast_lengths: kv_multicast against the same tiling without it at MULTICAST_LENGTH_CASES
+    (the lengths that set its thresholds), checked first at S=1200 and 2000 on each head_dim there."""
     passing = {}
     for head_dim in sorted({case[3] for case, _ in MULTICAST_LENGTH_CASES}):
         passing[head_dim] = all(_check(run, 2, 3, seq_len, head_dim, causal,
@@ -622,8 +624,8 @@ STUDIES = {
                    "checks, then PERSISTENT_CASES in alternating rounds"),
     "multicast": (lambda run: multicast_study(run), "only K/V multicast to 2-block clusters "
                   "(MgpuBlockSizes.kv_multicast): checks, then MULTICAST_CASES in alternating rounds"),
-    "multicast_lengths": (lambda run: multicast_lengths_study(run), "only kv_multicast below its default "
-                          "thresholds (MULTICAST_LENGTH_CASES), with and without it, in alternating rounds"),
+    "multicast_lengths": (lambda run: multicast_lengths_study(run), "only kv_multicast at the lengths that "
+                          "set its thresholds (MULTICAST_LENGTH_CASES), with and without it, in alternating rounds"),
 }
 
 

@@ -84,15 +84,20 @@ def test_smoke_run_writes_every_case_with_its_gpu_state(tmp_path):
 
 def test_multicast_studies_compare_with_and_without_it_where_they_say():
     """--multicast times kv_multicast against the same tiling without it at its default lengths, and
-    --multicast_lengths below its thresholds; both are registered studies (a CPU run refuses them: exit 2)."""
+    --multicast_lengths at the lengths that set its thresholds; both are registered studies (a CPU run
+    refuses them: exit 2)."""
     import bench.bench_attention_mgpu as bam
     fm = importlib.import_module("ttj_jax.kernels.flash_attention_mgpu")   # the package exports a function of that name
     from ttj_jax.kernels.flash_attention_mgpu import MULTICAST_MIN_SEQ_LEN
 
     for (_, _, seq_len, head_dim), _ in bam.MULTICAST_CASES:
         assert seq_len >= MULTICAST_MIN_SEQ_LEN[head_dim]
+    # the thresholds are lengths --multicast_lengths measures, with a shorter one measured below 64's
+    lengths = {}
     for (_, _, seq_len, head_dim), _ in bam.MULTICAST_LENGTH_CASES:
-        assert seq_len < MULTICAST_MIN_SEQ_LEN.get(head_dim, float("inf"))
+        lengths.setdefault(head_dim, set()).add(seq_len)
+    assert all(MULTICAST_MIN_SEQ_LEN[head_dim] in measured for head_dim, measured in lengths.items())
+    assert min(lengths[64]) < MULTICAST_MIN_SEQ_LEN[64]
     for seq_len, head_dim in ((100_000, 64), (16384, 128), (1000, 64)):
         on = bam._multicast_variant(seq_len, head_dim)["block_sizes"]
         off = bam._multicast_variant(seq_len, head_dim, on=False)["block_sizes"]

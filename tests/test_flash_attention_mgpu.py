@@ -33,6 +33,7 @@ installs absl-py for it, as the GPU machine has.
 from __future__ import annotations
 
 import dataclasses
+import math
 import functools
 import importlib
 import itertools
@@ -316,8 +317,10 @@ def test_kv_multicast_is_the_default_from_its_measured_lengths(head_dim):
     # with it, head_dim 64 also drops the ping-pong token ring (measured: MULTICAST_WITHOUT_PINGPONG)
     assert blocks.pingpong == (head_dim not in fm.MULTICAST_WITHOUT_PINGPONG)
     assert fm.default_block_sizes(head_dim, threshold - 1).pingpong
-    assert dataclasses.replace(blocks, kv_multicast=False, pingpong=True) == fm.default_block_sizes(head_dim,
-                                                                                                   threshold - 1)
+    # the same tiling as without it at that length (head_dim 128's long-sequence tiling starts there too)
+    long_start, long_blocks = fm._LONG_SEQ_BLOCK_SIZES.get(head_dim, (math.inf, None))
+    tiling = long_blocks if threshold >= long_start else fm.default_block_sizes(head_dim)
+    assert dataclasses.replace(blocks, kv_multicast=False, pingpong=True) == tiling
     # a call without block sizes lowers to that build on the GPU, and runs without clusters when interpreted
     assert _lower_for_cuda(threshold, head_dim, True) == _lower_for_cuda(threshold, head_dim, True, block_sizes=blocks)
     assert not fm.launch_block_sizes(threshold, head_dim, 2, None, interpret=True).kv_multicast

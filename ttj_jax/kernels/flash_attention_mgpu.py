@@ -428,12 +428,17 @@ _LONG_SEQ_BLOCK_SIZES = {
 
 
 # K/V multicast to 2-block clusters (MgpuBlockSizes.kv_multicast) from these lengths on, per head_dim.
-# Measured on the H200 (session 19, `python3 bench/bench_attention_mgpu.py --multicast`, 34/34 checks,
-# alternating rounds, fp16 causal; bench/results/attention-mgpu-2026-12-02-nvidia-h200-multicast2.json),
-# faster in every round: head_dim 64, B=1 H=16 S=100000, 494.2 against 489.3 TFLOP/s (5 rounds); B=8,
-# 488.8 against 486.6 (2); head_dim 128, B=1 H=16 S=16384, 599.4 against 580.0 (3). Not measured at
-# shorter lengths or at head_dim 32 and 256: those keep their tiling without it.
-MULTICAST_MIN_SEQ_LEN = {64: 65536, 128: 16384}
+# Measured on the H200, fp16 causal, alternating rounds, faster in every round unless said:
+# - session 19 (`python3 bench/bench_attention_mgpu.py --multicast`, 34/34 checks; bench/results/attention-
+#   mgpu-2026-12-02-nvidia-h200-multicast2.json): head_dim 64, B=1 H=16 S=100000, 494.2 against 489.3
+#   TFLOP/s (5 rounds); B=8, 488.8 against 486.6 (2); head_dim 128, B=1 H=16 S=16384, 599.4 against 580.0 (3).
+# - session 20, below those lengths (`--multicast_lengths`, 12/12 checks, 3 rounds each, multicast as
+#   with_kv_multicast builds it; ...-multicast_lengths.json): head_dim 64, B=2 S=32768, 482.7 against
+#   480.1; B=4 S=16384 level (461.9 against 461.2, 1 of 3 rounds faster), so 64 starts at 32768;
+#   head_dim 128, B=4 S=4096, 504.3 against 496.4, B=2 S=8192, 559.3 against 540.0; head_dim 256, B=1
+#   S=16384, 614.3 against 596.6. Shorter lengths were not measured (head_dim 128's long-sequence tiling,
+#   which these runs used, starts at 4096 too); head_dim 32 keeps its tiling without it.
+MULTICAST_MIN_SEQ_LEN = {64: 32768, 128: 4096, 256: 16384}
 # With multicast, these head_dims also drop the consumers' ping-pong token ring (MgpuBlockSizes.pingpong).
 # Measured on the H200 (session 20, `PYTHONPATH=. python3 bench/scratch/variant_power.py OUT 5 pingpong=0
 # ... --causal-only`, alternating rounds, fp16 causal; bench/results/variant-power-2026-12-02-nvidia-h200-
