@@ -155,8 +155,9 @@ class MgpuBlockSizes:
     half_row_sum: bool = False
     # The consumers' GEMM phases ordered round-robin by the token ring (FA3's ping-pong, the default);
     # False: each consumer issues its GEMMs as soon as its own data is ready, in whatever order the
-    # consumers get there. Opt-in study: level (485.2 against 484.0 TFLOP/s, 3 rounds, in a run whose
-    # default drifted from 492 to 477: bench/results/mufu-probe-2026-12-01-nvidia-h200.json).
+    # consumers get there. Alone: level (485.2 against 484.0 TFLOP/s, 3 rounds, in a run whose default
+    # drifted from 492 to 477: bench/results/mufu-probe-2026-12-01-nvidia-h200.json). With kv_multicast
+    # at head_dim 64 faster, and the default there (MULTICAST_WITHOUT_PINGPONG, session 20).
     pingpong: bool = True
     # The running row sum kept per thread as a [64, 8] fp32 array (each thread's own columns of its
     # rows, P's 8-column chunks added as a tree) and reduced across the 4 lanes of a row once, after
