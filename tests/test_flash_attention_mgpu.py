@@ -33,10 +33,10 @@ installs absl-py for it, as the GPU machine has.
 from __future__ import annotations
 
 import dataclasses
-import math
 import functools
 import importlib
 import itertools
+import math
 import re
 
 import jax
