@@ -28,7 +28,13 @@ the bridge called at once, its output compared with a call on a fresh copy (the 
 the bit). (The event test is short; the harness loop of `ttj-bench` is the one that caught an import
 cache losing the order, see bridge/runtime.py's _Transfer.)
 
-    python -m bench.host_overhead [--shapes 11,13,8,5,2] [--calls 150] [--tag T] [--out bench/results]
+    python -m bench.host_overhead [--shapes 11,13,8,5,2] [--calls 150] [--tag T] [--out bench/results] [--graph]
+
+--graph (session 20, for docs/host-cost.md's second lead) adds `dispatch_graph`: the bridge's program for
+the shape compiled with XLA command buffers that take custom calls too (GRAPH_OPTIONS: the whole program
+one CUDA graph), called like `dispatch`, interleaved with it; its host time against `dispatch`'s is what
+the graph saves per call, `events_ms["jax_loop_graph"]` its back-to-back time beside `jax_loop`'s, and
+`graph_max_abs_diff` its output against the bridge program's (the same program: 0 expected).
 """
 
 from __future__ import annotations
@@ -56,6 +62,10 @@ from ttj_jax.model import validate_inputs  # noqa: E402
 
 CUMULATIVE = ("jax_direct", "dispatch", "+import", "+export", "+weights", "bridge", "bridge_no_mask",
               "bridge_reimport")
+# --graph: XLA command buffers over every kind of op, custom calls (our Pallas kernels) included, from one
+# op on (bench/results/ablate-rows-cmdbuf-2026-12-01-nvidia-h200-session15.json measured the same options).
+GRAPH_OPTIONS = (("xla_gpu_enable_command_buffer", "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL"),
+                 ("xla_gpu_graph_min_graph_size", 1))
 
 
 def ordering_check(ours, x, mask, rounds: int, device: torch.device) -> dict:
@@ -113,7 +123,7 @@ def warm_bridge(sid: str, device: torch.device):
     return config, ours, x, mask, state, next(iter(state.calls.values()))
 
 
-def profile_shape(sid: str, calls: int, device: torch.device) -> dict:
+def profile_shape(sid: str, calls: int, device: torch.device, graph: bool = False) -> dict:
     config, ours, x, mask, state, call = warm_bridge(sid, device)
     with torch.inference_mode():
         transfer = call.transfer
@@ -161,6 +171,13 @@ def profile_shape(sid: str, calls: int, device: torch.device) -> dict:
         if call.direct is not None:   # a direct launch never reaches the jax steps
             for name in ("dispatch", "+import", "+export", "+weights"):
                 variants.pop(name)
+        graph_run = None
+        if graph and call.direct is None:
+            graph_run = T.model.executable(call.plan, state.model_key, True, GRAPH_OPTIONS)
+            graph_out = jax.block_until_ready(graph_run(weights, jx, None))   # compiled before the samples
+            # the same program under other launch options: its output must be the same
+            graph_diff = float(jax.numpy.abs(graph_out - kept).max())
+            variants["dispatch_graph"] = lambda: graph_run(weights, jx, None)
         host = interleaved_host_overhead_us(variants, calls, device=device)
         frees = {}
         if call.direct is None:
@@ -179,10 +196,13 @@ def profile_shape(sid: str, calls: int, device: torch.device) -> dict:
                                     warmup=20, rounds=3, calls=100, device=device)
             events = {name: t["median_ms"] for name, t in timed.items()}
             events["jax_loop"] = _time_jax_loop(jax_fn, warmup=20, rounds=3, calls=100)["median_ms"]
+            if graph_run is not None:
+                events["jax_loop_graph"] = _time_jax_loop(lambda: graph_run(weights, jx, None), warmup=20,
+                                                          rounds=3, calls=100)["median_ms"]
         ordering = ordering_check(ours, x, mask, 10, device)
     return {"plan": call.plan.explain(), "direct_launch": call.direct is not None,
             "jax_plan_stack": jax_plan.stack, "host_us": host, "free_us": frees, "events_ms": events,
-            "ordering": ordering,
+            "ordering": ordering, **({"graph_max_abs_diff": graph_diff} if graph_run is not None else {}),
             "bridge_minus_jax_us": host["bridge"]["median_us"] - host["jax_direct"]["median_us"]}
 
 
@@ -193,6 +213,8 @@ def main(argv=None):
     p.add_argument("--tag", default="")
     p.add_argument("--out", default="bench/results")
     p.add_argument("--device", default="cuda", help="cuda (the measurement) or cpu (a smoke test of the script)")
+    p.add_argument("--graph", action="store_true",
+                   help="also the program as one CUDA graph (dispatch_graph; on the CPU XLA ignores the options)")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -203,10 +225,12 @@ def main(argv=None):
               "calls": args.calls, "shapes": {}}
     for sid in args.shapes.split(","):
         print(f"shape {sid} ...", flush=True)
-        result["shapes"][sid] = profile_shape(sid, args.calls, device)
+        result["shapes"][sid] = profile_shape(sid, args.calls, device, graph=args.graph)
     path = str(write_json(result, args.out, f"host-overhead-{result['date']}-{slug(result['gpu'])}"
                                             f"{'-' + args.tag if args.tag else ''}"))
     names = [n for n in CUMULATIVE] + ["alone_weights_check", "alone_front", "alone_import", "alone_export_kept"]
+    if args.graph:
+        names.insert(2, "dispatch_graph")
     print("drained host us (median), interleaved; " + path)
     print("shape " + " ".join(f"{n[:14]:>14}" for n in names) + "   bridge-jax")
     for sid, r in result["shapes"].items():

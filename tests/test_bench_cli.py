@@ -205,10 +205,13 @@ def test_kernel_table():
 def test_host_overhead_script_on_the_cpu(tmp_path, capsys):
     import json
     from bench import host_overhead
-    host_overhead.main(["--device", "cpu", "--shapes", "2", "--calls", "3", "--tag", "t", "--out", str(tmp_path)])
+    host_overhead.main(["--device", "cpu", "--shapes", "2", "--calls", "3", "--tag", "t", "--out", str(tmp_path),
+                        "--graph"])
     [path] = tmp_path.glob("host-overhead-*-cpu-t.json")
     shape = json.loads(path.read_text())["shapes"]["2"]
     assert set(host_overhead.CUMULATIVE) <= set(shape["host_us"])
+    # --graph: the same program compiled with the command-buffer options (ignored by XLA's CPU backend)
+    assert "dispatch_graph" in shape["host_us"] and shape["graph_max_abs_diff"] == 0.0
     assert all(v["median_us"] > 0 for v in shape["host_us"].values())
     assert shape["bridge_minus_jax_us"] == shape["host_us"]["bridge"]["median_us"] - shape["host_us"]["jax_direct"]["median_us"]
     assert {"jax_array_idle", "exported_tensor_busy", "bridge_output_idle"} <= set(shape["free_us"])
