@@ -495,8 +495,9 @@ def lazy_study(run: Run) -> None:
 
 
 def _persistent_variant(seq_len: int, head_dim: int) -> dict:
-    return dict(block_sizes=dataclasses.replace(mgpu.default_block_sizes(head_dim, seq_len), persistent=True,
-                                                kv_multicast=False))   # no clusters in a persistent build
+    # no clusters in a persistent build: the tiling as it runs without them
+    return dict(block_sizes=dataclasses.replace(mgpu.default_block_sizes(head_dim, seq_len, kv_multicast=False),
+                                                persistent=True))
 
 
 def persistent_study(run: Run) -> None:
@@ -546,7 +547,7 @@ def _multicast_variant(seq_len: int, head_dim: int, on: bool = True) -> dict:
     """The tiling this length defaults to, without multicast (and with the ping-pong ring), or with
     multicast as the defaults take it (mgpu.with_kv_multicast: at head_dim 64 without the ring, since
     session 20)."""
-    plain = dataclasses.replace(mgpu.default_block_sizes(head_dim, seq_len), kv_multicast=False, pingpong=True)
+    plain = mgpu.default_block_sizes(head_dim, seq_len, kv_multicast=False)
     return dict(block_sizes=mgpu.with_kv_multicast(plain, head_dim) if on else plain)
 
 

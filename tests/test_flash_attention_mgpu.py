@@ -321,6 +321,8 @@ def test_kv_multicast_is_the_default_from_its_measured_lengths(head_dim):
     long_start, long_blocks = fm._LONG_SEQ_BLOCK_SIZES.get(head_dim, (math.inf, None))
     tiling = long_blocks if threshold >= long_start else fm.default_block_sizes(head_dim)
     assert dataclasses.replace(blocks, kv_multicast=False, pingpong=True) == tiling
+    # which is what the defaults give without multicast (persistent builds and the studies take that)
+    assert fm.default_block_sizes(head_dim, threshold, kv_multicast=False) == tiling
     # a call without block sizes lowers to that build on the GPU, and runs without clusters when interpreted
     assert _lower_for_cuda(threshold, head_dim, True) == _lower_for_cuda(threshold, head_dim, True, block_sizes=blocks)
     assert not fm.launch_block_sizes(threshold, head_dim, 2, None, interpret=True).kv_multicast

@@ -38,7 +38,7 @@ def main(argv):
     records = []
     for batch, heads, seq_len, head_dim, causal in CASES:
         q, k, v = jax.block_until_ready(_random_qkv(seq_len + head_dim, (batch, seq_len, heads, head_dim), jnp.float16))
-        base = dataclasses.replace(fm.default_block_sizes(head_dim, seq_len), kv_multicast=False)
+        base = fm.default_block_sizes(head_dim, seq_len, kv_multicast=False)
         multicast = dataclasses.replace(base, kv_multicast=True)
         qkv = jnp.stack([q, k, v], axis=2)
         plain = fm.flash_attention_mgpu(q, k, v, causal=causal, block_sizes=base)

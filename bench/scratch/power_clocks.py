@@ -86,8 +86,8 @@ def main(argv):
         if name == "cudnn":
             fn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn"))
         else:
-            blocks = fm.default_block_sizes(HD, S)
-            blocks = dataclasses.replace(blocks, persistent=True, kv_multicast=False) if name == "persistent" else blocks
+            blocks = (dataclasses.replace(fm.default_block_sizes(HD, S, kv_multicast=False), persistent=True)
+                      if name == "persistent" else fm.default_block_sizes(HD, S))
             fn = jax.jit(lambda q, k, v, c=causal, bl=blocks: fm.flash_attention_mgpu(q, k, v, causal=c, block_sizes=bl))
         compiled = fn.lower(*qkv).compile()
         jax.block_until_ready(compiled(*qkv))

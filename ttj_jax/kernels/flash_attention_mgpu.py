@@ -451,15 +451,17 @@ MULTICAST_MIN_SEQ_LEN = {64: 32768, 128: 4096, 256: 16384}
 MULTICAST_WITHOUT_PINGPONG = frozenset({64})
 
 
-def default_block_sizes(head_dim: int, seq_len: int | None = None) -> MgpuBlockSizes:
+def default_block_sizes(head_dim: int, seq_len: int | None = None, *, kv_multicast: bool = True) -> MgpuBlockSizes:
     """The default block sizes at this head_dim (and sequence length, where the tables have a
-    long-sequence entry for it; None: the short-sequence default)."""
+    long-sequence entry for it; None: the short-sequence default). kv_multicast=False: the tiling as it
+    runs without clusters (no multicast, so the ping-pong ring too), for builds that cannot take them
+    (persistent) and for studies that compare against multicast."""
     blocks = _DEFAULT_BLOCK_SIZES[head_dim]
     if seq_len is not None and head_dim in _LONG_SEQ_BLOCK_SIZES:
         min_len, long_blocks = _LONG_SEQ_BLOCK_SIZES[head_dim]
         if seq_len >= min_len:
             blocks = long_blocks
-    if seq_len is not None and seq_len >= MULTICAST_MIN_SEQ_LEN.get(head_dim, math.inf):
+    if kv_multicast and seq_len is not None and seq_len >= MULTICAST_MIN_SEQ_LEN.get(head_dim, math.inf):
         blocks = with_kv_multicast(blocks, head_dim)
     return blocks
 
