@@ -431,3 +431,50 @@ def mosaic_rescale_where_needed(acc, alpha, *, interpret: bool = False):
         return fa.FragmentedArray(_registers=registers, _layout=acc_fa.layout, _is_signed=acc_fa.is_signed)
 
     return rescale(acc, alpha)
+
+
+_CLUSTER_ARRIVE_FROM_WARP = None   # the primitive, built on first use (mosaic_cluster_arrive_from_warp)
+
+
+def mosaic_cluster_arrive_from_warp(barrier_ref) -> None:
+    """Arrive once on a `plgpu.ClusterBarrier` (in every member of the cluster, as `plgpu.barrier_arrive`
+    does from a warpgroup), from inside `pl.core_map(plgpu.WarpMesh(...))` in warp 0 of a warpgroup.
+
+    jax's own barrier_arrive refuses collective barriers in a warp context, because Mosaic GPU's cluster
+    arrive signals from lanes 0 and 8 (one per member) of the warpgroup's first warp: from any other warp
+    nothing would arrive. In warp 0 those lanes are this warp's, so the warpgroup's arrive is exactly
+    right; this primitive lowers to it. The caller must be warp 0 (the kernel guards the warp-mapped body
+    with `lax.axis_index(warp_axis) == 0`). Through jax's private Pallas Mosaic GPU lowering registry
+    (jax 0.10-0.11); raises RuntimeError where this jax has none of it."""
+    global _CLUSTER_ARRIVE_FROM_WARP
+    if _CLUSTER_ARRIVE_FROM_WARP is None:
+        try:
+            import dataclasses  # noqa: PLC0415
+            from jax._src import core as jax_core  # noqa: PLC0415
+            from jax._src.pallas.mosaic_gpu import core as gpu_core  # noqa: PLC0415
+            from jax._src.pallas.mosaic_gpu import lowering as mgpu_lowering  # noqa: PLC0415
+            from jax._src.pallas.mosaic_gpu import primitives as mgpu_primitives  # noqa: PLC0415
+            arrive_rule = mgpu_primitives._barrier_arrive_lowering
+            abstract_eval = mgpu_primitives._barrier_arrive_abstract_eval
+            warp_semantics = gpu_core.LANExWARP_SEMANTICS
+            warpgroup = gpu_core.PrimitiveSemantics.Warpgroup
+        except (ImportError, AttributeError) as e:   # pragma: no cover - depends on the installed jax
+            raise RuntimeError(f"this jax ({jax.__version__}) has no Pallas Mosaic GPU lowering registry "
+                               f"to arrive on a cluster barrier from a warp: {e}") from e
+        primitive = jax_core.Primitive("ttj_cluster_arrive_from_warp")
+        primitive.multiple_results = True
+        primitive.def_effectful_abstract_eval(abstract_eval)
+
+        def lower(ctx, barrier, *flat_transforms, transforms_treedef):
+            if not isinstance(barrier, mgpu_primitives.mgpu.CollectiveBarrierRef):
+                raise ValueError("mosaic_cluster_arrive_from_warp arrives on cluster barriers only")
+            as_warpgroup = dataclasses.replace(
+                ctx, module_ctx=dataclasses.replace(ctx.module_ctx, primitive_semantics=warpgroup))
+            return arrive_rule(as_warpgroup, barrier, *flat_transforms, transforms_treedef=transforms_treedef)
+
+        mgpu_lowering.register_lowering_rule(primitive, *warp_semantics)(lower)
+        _CLUSTER_ARRIVE_FROM_WARP = primitive
+    from jax._src.state import primitives as state_primitives  # noqa: PLC0415
+    barrier, transforms = state_primitives.get_ref_and_transforms(barrier_ref, None, "cluster_arrive_from_warp")
+    flat_transforms, transforms_treedef = jax.tree_util.tree_flatten(transforms)
+    _CLUSTER_ARRIVE_FROM_WARP.bind(barrier, *flat_transforms, transforms_treedef=transforms_treedef)

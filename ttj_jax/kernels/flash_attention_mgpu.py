@@ -77,7 +77,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from ttj_jax.compat import mosaic_half_exp2, mosaic_rescale_where_needed
+from ttj_jax.compat import mosaic_cluster_arrive_from_warp, mosaic_half_exp2, mosaic_rescale_where_needed
 from ttj_jax.kernels.flash_attention import check_causal_and_scale, check_qkv_layout
 
 SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)
@@ -269,6 +269,17 @@ class MgpuBlockSizes:
     # busy (66 clusters fit; ...-multicast-ncu.txt): each cluster arrive is ~10 instructions in
     # every consumer warp, twice per block, in the issue-bound loop.
     kv_multicast: bool = False
+    # The producer's loads issued by one warp of its warpgroup (`pl.core_map` over `plgpu.WarpMesh`,
+    # warp 0; FA3's producer is one warp too) instead of all four: each barrier wait, copy and cluster
+    # arrive then runs in 32 threads, and the copies' per-thread `arrive.expect_tx` and the warpgroup
+    # barrier Mosaic GPU puts before each copy in a warpgroup context go away; the other three warps
+    # wait at the warpgroup barrier after the loop. Why (session 21): Nsight Compute counted the
+    # producer's loop in all four warps, 104 instructions per warp and key block with kv_multicast
+    # (ncu-source-2026-12-02-nvidia-h200-summary.txt), 7% of the kernel's instructions, issued from
+    # the same four SM sub-partitions as the consumers' issue-bound loop. The cluster arrive of
+    # kv_multicast goes through `compat.mosaic_cluster_arrive_from_warp` (jax refuses it in a warp
+    # context). Not in the persistent build; in interpret mode the loads run as without it (no warps there).
+    warp_producer: bool = False
 
     def __post_init__(self):
         def is_int(value):
@@ -307,7 +318,7 @@ class MgpuBlockSizes:
             raise ValueError("half_exp2 replaces the softmax's exp2 and row sums: not with poly_exp_keys "
                              "or row_sum_mma")
         for name in ("prescaled_q", "half_row_sum", "pingpong", "deferred_row_sum", "tree_row_max",
-                     "lazy_rescale", "persistent", "kv_multicast"):
+                     "lazy_rescale", "persistent", "kv_multicast", "warp_producer"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"MgpuBlockSizes.{name}={getattr(self, name)!r} must be a bool")
         if self.half_row_sum and (self.overlap_softmax or self.poly_exp_keys or self.row_sum_mma
@@ -317,6 +328,8 @@ class MgpuBlockSizes:
         if self.deferred_row_sum and (self.row_sum_mma or self.half_exp2 or self.half_row_sum):
             raise ValueError("deferred_row_sum keeps the fp32 sums of the fp32 exp2: not with row_sum_mma, "
                              "half_exp2 or half_row_sum")
+        if self.warp_producer and self.persistent:
+            raise ValueError("warp_producer is built for the one-tile-per-block producer: not with persistent")
         if self.kv_multicast and self.persistent:
             raise ValueError("kv_multicast pairs the grid's query tiles into clusters: not with persistent")
         if self.lazy_rescale and (self.overlap_softmax or self.row_sum_mma or self.half_exp2 or self.half_row_sum
@@ -1083,14 +1096,8 @@ def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_
             load(jnp.int32(block), block, k_ref, k_smem, k_ready)
             load(jnp.int32(block), block, v_ref, v_smem, v_ready)
 
-        for block in range(num_stages):   # fill the ring (tile_blocks >= 1: block 0 always exists)
-            if block == 0:
-                fill(0)
-            elif isinstance(tile_blocks, int):
-                if block < tile_blocks:
-                    fill(block)
-            else:
-                pl.when(block < tile_blocks)(functools.partial(fill, block))
+        in_one_warp = blocks.warp_producer and not interpret
+        cluster_arrive = mosaic_cluster_arrive_from_warp if in_one_warp else plgpu.barrier_arrive
 
         def wait_free(consumed, peer_free, block, slot):
             """Slot `slot` may take `block`: this block's consumers have released the slot's last block
@@ -1099,18 +1106,35 @@ def _attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_
             if blocks.kv_multicast:
                 @pl.when(block < shared_blocks)
                 def _():
-                    plgpu.barrier_arrive(peer_free.at[slot])   # in both members
+                    cluster_arrive(peer_free.at[slot])   # in both members
                     plgpu.barrier_wait(peer_free.at[slot])
 
         k_peer_free, v_peer_free = cluster_barriers[:2] if blocks.kv_multicast else (None, None)
 
-        @pl.loop(num_stages, tile_blocks)
-        def _(block):
-            slot = slot_of(block)
-            wait_free(k_consumed, k_peer_free, block, slot)
-            load(block, slot, k_ref, k_smem, k_ready)
-            wait_free(v_consumed, v_peer_free, block, slot)
-            load(block, slot, v_ref, v_smem, v_ready)
+        def loads():
+            for block in range(num_stages):   # fill the ring (tile_blocks >= 1: block 0 always exists)
+                if block == 0:
+                    fill(0)
+                elif isinstance(tile_blocks, int):
+                    if block < tile_blocks:
+                        fill(block)
+                else:
+                    pl.when(block < tile_blocks)(functools.partial(fill, block))
+
+            @pl.loop(num_stages, tile_blocks)
+            def _(block):
+                slot = slot_of(block)
+                wait_free(k_consumed, k_peer_free, block, slot)
+                load(block, slot, k_ref, k_smem, k_ready)
+                wait_free(v_consumed, v_peer_free, block, slot)
+                load(block, slot, v_ref, v_smem, v_ready)
+
+        if in_one_warp:   # MgpuBlockSizes.warp_producer: warp 0 loads, the other three wait after the map
+            @pl.core_map(plgpu.WarpMesh(axis_name=_PRODUCER_WARP))
+            def _():
+                pl.when(lax.axis_index(_PRODUCER_WARP) == 0)(loads)
+        else:
+            loads()
 
     if blocks.kv_multicast:   # every warpgroup of both members: no block exits while its partner may
         done = cluster_barriers[2]   # still arrive on its barriers or write into its shared memory
@@ -1211,6 +1235,7 @@ GRID_ORDERS = ("tiles_outer", "tiles_inner")
 # two-H200 split of shape 14 gave a wrong output. Names no mesh will use:
 _GRID_Q_TILE, _GRID_HEAD, _GRID_SEQUENCE = "ttj_mgpu_q_tile", "ttj_mgpu_head", "ttj_mgpu_sequence"
 _GRID_PROGRAM = "ttj_mgpu_program"   # the persistent kernel's one grid axis
+_PRODUCER_WARP = "ttj_mgpu_producer_warp"   # warp_producer: the warps of the producer's warpgroup
 _CLUSTER_MEMBER = "ttj_mgpu_pair_member"   # kv_multicast: 0 or 1 within a 2-block cluster
 
 
