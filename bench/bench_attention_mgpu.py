@@ -497,7 +497,7 @@ def lazy_study(run: Run) -> None:
 def _persistent_variant(seq_len: int, head_dim: int) -> dict:
     # no clusters in a persistent build: the tiling as it runs without them
     return dict(block_sizes=dataclasses.replace(mgpu.default_block_sizes(head_dim, seq_len, kv_multicast=False),
-                                                persistent=True))
+                                                persistent=True, warp_producer=False))
 
 
 def persistent_study(run: Run) -> None:

@@ -848,11 +848,16 @@ PINNED_KERNEL_HASHES = {
     "hd256_causalFalse_s1000": "e6237c737f98f51b839f35ea3aefa2c4e8f934aa",
     "hd64_causalTrue_s1000_tiles_outer": "112e941cdb93653701ee117ebd525abd62a238f9",
     "hd64_causalFalse_s1000_tiles_outer": "d39418bb42cb0349f2d1e76590f07951ec39cdcd",
-    "hd64_causalTrue_s1000_lane": "f649d577d1c6f2530716b56d8ba5c166c4d00309",
-    "hd64_causalFalse_s1000_lane": "8b1c556702837beea9276bf52c66fb968271e048",
-    # head_dim 64's default lowering is lane since session 10: the default build is the lane build above
-    "hd64_causalTrue_s1000_default": "f649d577d1c6f2530716b56d8ba5c166c4d00309",
-    "hd64_causalFalse_s1000_default": "8b1c556702837beea9276bf52c66fb968271e048",
+    "hd64_causalTrue_s1000_lane": "0774812c70e48874ba60e5ba1b8b2f3ec05e10ba",
+    "hd64_causalFalse_s1000_lane": "21978265d6ee855373487cc429c82ae41b164237",
+    # head_dim 64's default lowering is lane since session 10: the default build is the lane build above.
+    # Re-pinned in session 21 for the producer's loads from one warp (MgpuBlockSizes.warp_producer, the
+    # default at head_dim 64): the lane hashes above were f649d577... / 8b1c5567...; the new default was
+    # checked on the H200 by `python3 bench/bench_attention_mgpu.py --check` (S=1000 among its cases) and
+    # issue 3's benchmark (bench/results/attention-mgpu-2026-12-02-nvidia-h200-session21-check.json,
+    # attention-2026-12-02-nvidia-h200-session21.json). The warpgroup builds are unchanged.
+    "hd64_causalTrue_s1000_default": "0774812c70e48874ba60e5ba1b8b2f3ec05e10ba",
+    "hd64_causalFalse_s1000_default": "21978265d6ee855373487cc429c82ae41b164237",
 }
 
 PIN_SCRIPT = r"""
@@ -936,6 +941,46 @@ def test_multicast_build_lowers_to_multicast_copies():
         text = _lower_for_cuda(1200, 64, causal, block_sizes=blocks)
         assert "multicast" in text and "mosaic_gpu_v2" in text
     assert "multicast" not in _lower_for_cuda(1200, 64, True)
+
+
+def test_warp_producer_is_the_lane_default_and_changes_the_lowered_kernel():
+    # session 21: the producer's loads from one warp (core_map over WarpMesh) at head_dim 32 and 64
+    for head_dim in (32, 64):
+        assert fm.default_block_sizes(head_dim, 1000).warp_producer
+        assert fm.default_block_sizes(head_dim, 100_000).warp_producer   # with multicast too
+    assert not fm.default_block_sizes(128, 1000).warp_producer
+    assert not fm.default_block_sizes(256, 100_000).warp_producer
+    one_warp = fm.default_block_sizes(64, 1000)
+    four_warps = dataclasses.replace(one_warp, warp_producer=False)
+    assert _lower_for_cuda(1000, 64, True, block_sizes=one_warp) != _lower_for_cuda(1000, 64, True,
+                                                                                   block_sizes=four_warps)
+    # with multicast: the cluster arrive from a warp (compat.mosaic_cluster_arrive_from_warp) lowers
+    multicast = dataclasses.replace(one_warp, kv_multicast=True)
+    assert "multicast" in _lower_for_cuda(1200, 64, True, block_sizes=multicast)
+
+
+def test_warp_producer_needs_the_lane_lowering_unless_it_is_the_default():
+    one_warp = fm.default_block_sizes(64, 1000)
+    four_warps = dataclasses.replace(one_warp, warp_producer=False)
+    # the default tiling lowered the warpgroup way runs with four producer warps: the same kernel
+    assert _lower_for_cuda(1000, 64, True, lowering_semantics="warpgroup") == _lower_for_cuda(
+        1000, 64, True, lowering_semantics="warpgroup", block_sizes=four_warps)
+    with pytest.raises(ValueError, match="warp_producer needs lowering_semantics='lane'"):
+        _lower_for_cuda(1000, 64, True, lowering_semantics="warpgroup", block_sizes=one_warp)
+    with pytest.raises(ValueError, match="warp_producer"):
+        dataclasses.replace(four_warps, warp_producer=True, persistent=True)
+    with pytest.raises(ValueError, match="warp_producer"):
+        Blocks(block_kv=128, num_stages=2, warp_producer=1)
+
+
+def test_warp_producer_changes_nothing_in_interpret_mode():
+    # no warps in jax's interpreter: the loads run as without it, so the output is the same to the bit
+    q, k, v = (jax.random.normal(key, (1, 200, 2, 64), jnp.float16) for key in jax.random.split(
+        jax.random.PRNGKey(21), 3))
+    outs = [fm.flash_attention_mgpu(q, k, v, causal=True, interpret=True,
+                                    block_sizes=Blocks(block_kv=64, num_stages=2, warp_producer=flag))
+            for flag in (True, False)]
+    assert bool(jnp.array_equal(outs[0], outs[1]))
 
 
 def test_multicast_is_refused_where_there_are_no_clusters():

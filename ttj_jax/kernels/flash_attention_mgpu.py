@@ -278,7 +278,12 @@ class MgpuBlockSizes:
     # (ncu-source-2026-12-02-nvidia-h200-summary.txt), 7% of the kernel's instructions, issued from
     # the same four SM sub-partitions as the consumers' issue-bound loop. The cluster arrive of
     # kv_multicast goes through `compat.mosaic_cluster_arrive_from_warp` (jax refuses it in a warp
-    # context). Not in the persistent build; in interpret mode the loads run as without it (no warps there).
+    # context). Measured on the H200 at the main case: 499.8 against 494.6 TFLOP/s (5 of 5 rounds),
+    # Nsight Compute 16.70 G instructions against 17.90 G, 65.4 M SM cycles against 66.3 M, NVML energy
+    # 27.7 J per call against 29.6 (bench/results/variant-power-2026-12-02-nvidia-h200-warp-producer.json,
+    # ncu-2026-12-02-nvidia-h200-warp-producer.txt): the default at head_dim 32 and 64 (_DEFAULT_BLOCK_SIZES).
+    # Lane lowering only (the warpgroup lowering has no warp-level copies: a default tiling lowered that
+    # way drops it); not in the persistent build; in interpret mode the loads run as without it.
     warp_producer: bool = False
 
     def __post_init__(self):
@@ -352,8 +357,14 @@ _DEFAULT_BLOCK_SIZES = {
     # head_dim 32 (session 15): head_dim 64's tiling, the fastest of six at S=8192 (273.4 TFLOP/s; 128-key
     # blocks with two consumers 224.6, 256 with two 232.8, 64 with three 219.4, 192 with three 208.8, the
     # warpgroup lowering 269.1) and at S=1024 (134.1; the next 133.4): ...-hd32.json
-    32: MgpuBlockSizes(block_kv=128, num_stages=4, num_compute_wgs=3),
-    64: MgpuBlockSizes(block_kv=128, num_stages=4, num_compute_wgs=3),
+    # Both with the producer's loads from one warp (warp_producer, session 21; lane lowering only), measured
+    # on the H200, fp16 causal, alternating rounds (`bash bench/scratch/warp_producer_run.sh OUT`, then
+    # `..._run2.sh`; bench/results/variant-power-2026-12-02-nvidia-h200-warp-producer*.json): head_dim 64,
+    # B=1 H=16 S=100000 (with multicast), 499.8 against 494.6 TFLOP/s (5 of 5 rounds) and 500.8 against
+    # 495.5 (3); B=8, 497.5 against 490.3 (2 of 2); without multicast 491.0 against 488.2 (5 of 5);
+    # head_dim 32, B=4 H=16 S=8192, 275.5 against 274.3 (3 of 3).
+    32: MgpuBlockSizes(block_kv=128, num_stages=4, num_compute_wgs=3, warp_producer=True),
+    64: MgpuBlockSizes(block_kv=128, num_stages=4, num_compute_wgs=3, warp_producer=True),
     128: MgpuBlockSizes(block_kv=128, num_stages=2, num_compute_wgs=2),
     256: MgpuBlockSizes(block_kv=64, num_stages=2, num_compute_wgs=2),
 }
@@ -1341,6 +1352,11 @@ def _launch(operands: tuple, shape: tuple, *, causal, interpret, sm_scale, block
                          f"grid_order={grid_order!r}")
     if lowering_semantics is None:
         lowering_semantics = default_lowering_semantics(head_dim)
+    if blocks.warp_producer and lowering_semantics == "warpgroup":
+        if block_sizes is not None:
+            raise ValueError("MgpuBlockSizes.warp_producer needs lowering_semantics='lane' (Mosaic GPU's "
+                             "warpgroup lowering has no warp-level copies)")
+        blocks = dataclasses.replace(blocks, warp_producer=False)   # a default tiling runs either way
     num_q_tiles = pl.cdiv(seq_len, blocks.block_q)
     num_wgs, num_stages = blocks.num_compute_wgs, blocks.num_stages
 
