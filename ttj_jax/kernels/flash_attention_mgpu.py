@@ -14,7 +14,8 @@ Design (one CUDA block per (query tile, head, batch element)):
 - Producer. Issues the TMA copies of K and V blocks of `block_kv` keys into a ring of `num_stages`
   slots, each slot with a "ready" barrier (completed by the copy) and a "consumed" barrier (one arrival
   per consumer). K and V have separate barriers, because a consumer is done with K_j one GEMM phase
-  before it is done with V_j.
+  before it is done with V_j. At head_dim 32 and 64 (lane lowering) one warp of the producer's warpgroup
+  issues all of this and the other three wait (`warp_producer`).
 - Consumers. Each loads its own 64 rows of Q once. Its loop is software-pipelined: one "GEMM phase"
   issues P_{j-1} @ V_{j-1} and Q @ K_j^T together, then the warpgroup does the softmax of block j.
   The GEMM phases of the consumers are ordered round-robin by a token ring of barriers (consumer w
@@ -279,8 +280,8 @@ class MgpuBlockSizes:
     # the same four SM sub-partitions as the consumers' issue-bound loop. The cluster arrive of
     # kv_multicast goes through `compat.mosaic_cluster_arrive_from_warp` (jax refuses it in a warp
     # context). Measured on the H200 at the main case: 499.8 against 494.6 TFLOP/s (5 of 5 rounds),
-    # Nsight Compute 16.70 G instructions against 17.90 G, 65.4 M SM cycles against 66.3 M, NVML energy
-    # 27.7 J per call against 29.6 (bench/results/variant-power-2026-12-02-nvidia-h200-warp-producer.json,
+    # Nsight Compute 16.70 G instructions against 17.90 G, 65.4 M SM cycles against 66.3 M
+    # (bench/results/variant-power-2026-12-02-nvidia-h200-warp-producer.json,
     # ncu-2026-12-02-nvidia-h200-warp-producer.txt): the default at head_dim 32 and 64 (_DEFAULT_BLOCK_SIZES).
     # Lane lowering only (the warpgroup lowering has no warp-level copies: a default tiling lowered that
     # way drops it); not in the persistent build; in interpret mode the loads run as without it.
