@@ -73,14 +73,37 @@ def child(sid: str) -> dict:
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         t0 = time.perf_counter()
+        import ctypes
+        is_capturing = ctypes.CDLL("libcuda.so.1").cuStreamIsCapturing
+        is_capturing.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)]
+        steps = record["capture_status_after"] = {}   # cuStreamIsCapturing: 0 none, 1 active, 2 invalidated
+
+        def status(step, raw_stream):
+            value = ctypes.c_int(-1)
+            rc = is_capturing(ctypes.c_void_p(raw_stream), ctypes.byref(value))
+            steps[step] = {"rc": rc, "status": value.value}
+
         try:
             with torch.cuda.graph(graph, capture_error_mode="relaxed"):
-                kept = program()   # the jax arrays stay alive: their memory is baked into the graph
-                static_y.copy_(kept[2])
+                raw = torch.cuda.current_stream(device).cuda_stream
+                status("begin", raw)
+                transfer.order_before_jax()
+                status("order_before_jax", raw)
+                status("order_before_jax: jax's ready stream", transfer.importer.stream)
+                jx = transfer.to_jax(static_x)
+                status("to_jax", raw)
+                status("to_jax: jax's ready stream", transfer.importer.stream)
+                out = call.run(weights, jx, None)
+                status("run", raw)
+                y = transfer.to_torch(out)
+                status("to_torch", raw)
+                kept = (jx, out, y)   # the jax arrays stay alive: their memory is baked into the graph
+                static_y.copy_(y)
+                status("copy", raw)
             torch.cuda.synchronize()
         except Exception as e:   # noqa: BLE001 - the result of the experiment
             record["captured"] = False
-            record["capture_error"] = f"{type(e).__name__}: {e}"[:2000]
+            record["capture_error"] = f"{type(e).__name__}: {e}"[:300]
             return record
         record["captured"] = True
         record["capture_s"] = time.perf_counter() - t0
