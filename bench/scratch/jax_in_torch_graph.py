@@ -1,6 +1,6 @@
 """Can a torch CUDA graph capture the bridge's JAX program? (session 21, issue 4's host target.)
 
-    PYTHONPATH=. python3 bench/scratch/jax_in_torch_graph.py OUT_DIR [SHAPES]      (default 11,13,8)
+    PYTHONPATH=. python3 bench/scratch/jax_in_torch_graph.py OUT_DIR [SHAPES] [--no-cmdbuf]   (default 11,13,8)
 
 docs/host-cost.md: on shapes 8, 11 and 13 the bridge's host time per call is 78-238 us above the JAX
 call's, DLPack import and export alone over the 30 us target; the torch peer's CUDA-graph replay with
@@ -150,19 +150,25 @@ def main(argv):
         except Exception:   # noqa: BLE001
             print("RESULT " + json.dumps({"shape": argv[1], "error": traceback.format_exc()[-3000:]}), flush=True)
         return 0
+    no_cmdbuf = "--no-cmdbuf" in argv   # run 3: XLA's own command buffers (CUDA graphs) off in the children
+    argv = [a for a in argv if a != "--no-cmdbuf"]
     out_dir = pathlib.Path(argv[0])
     shapes = (argv[1] if len(argv) > 1 else "11,13,8").split(",")
+    env = dict(os.environ)
+    if no_cmdbuf:
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()
     import jax
     import torch
     results = {"gpu": torch.cuda.get_device_name(0), "jax": jax.__version__, "torch": torch.__version__,
                "date": datetime.date.today().isoformat(),
-               "command": "PYTHONPATH=. python3 bench/scratch/jax_in_torch_graph.py OUT " + ",".join(shapes),
+               "command": "PYTHONPATH=. python3 bench/scratch/jax_in_torch_graph.py OUT " + ",".join(shapes)
+               + (" --no-cmdbuf" if no_cmdbuf else ""), "children_xla_flags": env.get("XLA_FLAGS", ""),
                "shapes": {}}
     for sid in shapes:
         print(f"shape {sid} ...", flush=True)
         try:
             done = subprocess.run([sys.executable, __file__, "--child", sid], capture_output=True, text=True,
-                                  timeout=150)
+                                  timeout=150, env=env)
             lines = [l for l in done.stdout.splitlines() if l.startswith("RESULT ")]
             rec = json.loads(lines[-1][7:]) if lines else {"shape": sid, "crash": done.returncode,
                                                              "stderr": done.stderr[-3000:]}
@@ -173,7 +179,7 @@ def main(argv):
         print(json.dumps(rec)[:1500], flush=True)
     out_dir.mkdir(parents=True, exist_ok=True)
     date = results["date"]
-    path = out_dir / f"jax-in-torch-graph-{date}-nvidia-h200.json"
+    path = out_dir / f"jax-in-torch-graph-{date}-nvidia-h200{'-no-cmdbuf' if no_cmdbuf else ''}.json"
     path.write_text(json.dumps(results, indent=1))
     print("wrote", path)
     return 0
