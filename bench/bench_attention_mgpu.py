@@ -287,7 +287,7 @@ def _kwargs_text(kwargs) -> str:
                      + (" deferred-sum" if b.deferred_row_sum else "") + (" tree-max" if b.tree_row_max else "")
                      + (" lazy" if b.lazy_rescale else "") + (" persistent" if b.persistent else "")
                      + (" q-regs" if b.q_in_registers else "") + (" multicast" if b.kv_multicast else "")
-                     + ("" if b.pingpong else " no-pingpong"))
+                     + ("" if b.pingpong else " no-pingpong") + (" warp-producer" if b.warp_producer else ""))
     if "lowering_semantics" in kwargs:
         parts.append(kwargs["lowering_semantics"])
     if "grid_order" in kwargs:
