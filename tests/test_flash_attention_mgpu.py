@@ -957,6 +957,12 @@ def test_warp_producer_is_the_lane_default_and_changes_the_lowered_kernel():
     # with multicast: the cluster arrive from a warp (compat.mosaic_cluster_arrive_from_warp) lowers
     multicast = dataclasses.replace(one_warp, kv_multicast=True)
     assert "multicast" in _lower_for_cuda(1200, 64, True, block_sizes=multicast)
+    # the model's fused-layout call (shape 14's, run on the H200 in session 21) and the lse output too
+    spec = jax.ShapeDtypeStruct((1, 1024, 3, 2, 64), jnp.float16)
+    text = jax.jit(lambda a: fm.flash_attention_mgpu_fused_qkv(a, causal=True)).trace(spec).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert _custom_calls(text) == ["mosaic_gpu_v2"]
+    assert _custom_calls(_lower_for_cuda(1000, 64, True, return_lse=True)) == ["mosaic_gpu_v2"]
 
 
 def test_warp_producer_needs_the_lane_lowering_unless_it_is_the_default():
