@@ -8,7 +8,8 @@ Per module, built once and reused (held in a WeakKeyDictionary, so nothing is ad
 - per input signature (shape, dtype, device, mask kind): the plan and its compiled executable.
 - the kind of the last mask seen, keyed by the tensor object and its version counter.
 Per call, the work is: a few attribute checks, a key comparison, one DLPack import of x (the native
-path, compat.DlpackImporter), the async jax dispatch, and one DLPack export. No host sync: torch's
+path, compat.DlpackImporter; on CUDA kept from the last call for the same x, _Transfer.to_jax_kept),
+the async jax dispatch, and one DLPack export. No host sync: torch's
 pending writes to x are ordered before jax reads it by one cached CUDA event (_Transfer), and torch's
 stream waits on jax's result through the DLPack protocol on export; later torch writes to x are
 therefore ordered after jax's reads too.
@@ -27,7 +28,7 @@ import numpy as np
 import torch
 
 import jax
-from ttj_jax.compat import dlpack_exporter, dlpack_importer
+from ttj_jax.compat import dlpack_exporter, dlpack_importer, jax_compute_stream
 from ttj_jax.config import Config
 from ttj_jax.masks import MaskKind, classify_mask
 from ttj_jax.model import executable, kernel_weights, model_key, plan_for, validate_inputs
@@ -54,7 +55,21 @@ class _Transfer:
     once per call with cached objects, instead of per tensor inside torch's `__dlpack__`.
     CUDA, jax -> torch: jax makes torch's current stream wait for the result (DLPack protocol).
     Elsewhere (the CPU) both directions use the plain protocol.
-    The ordering rides on the import itself: the event wait is put on jax's stream for external ready
+
+    Since session 21 the same event is also waited on by jax's compute stream itself, the stream XLA
+    runs the programs on (its handle from `compat.jax_compute_stream`, jax's `buffer_callback`): every
+    program queued after that wait runs after torch's pending writes, whichever arrays it reads. That
+    makes a kept import of x as well ordered as a fresh one, so `to_jax_kept` imports x once and
+    returns the same jax array while x is the same tensor with the same memory and layout (_KeptImport;
+    its contents may change: those writes are what the wait orders). Measured on the H200
+    (bench/scratch/compute_stream_order.py, bench/results/compute-stream-order-2026-12-02-nvidia-h200.json):
+    x rewritten in place behind ~1 ms of queued torch matmuls, the program on the kept import gave the
+    fresh copy's output to the bit in 10 of 10 rounds on shapes 11, 13 and 8 with the compute-stream
+    wait, and outputs off by up to 8.0 without it (the check can fail); host time of kept import +
+    wait + program + export 34, 65 and 2 us above the JAX call, against 199, 317 and 255 for the bridge
+    as it was, on that host. Without the handle (another jax, the CPU) nothing changes: fresh imports.
+
+    Before that, the ordering rode on the import itself: the event wait is put on jax's stream for external ready
     events, and the import records the new array's definition event on that stream, which the program
     waits for before reading the array. That stream is not the one jax's programs run on, and nothing
     else joins the two: measured on the H200 (bench/scratch/hotpath_parts.py, bench/results/hotpath-
@@ -67,7 +82,8 @@ class _Transfer:
     official-2026-11-30-h200-session8-cachebug.json): with a cached x, jax's program no longer waited
     for torch's stream, ran ahead of the harness's start event, and the export's wait was already met
     when torch's stream reached it: 0.0013 ms "calls". (Session 8 read that as the export's wait
-    failing; it is the missing torch -> jax edge.) Do not cache the import.
+    failing; it is the missing torch -> jax edge.) Never keep an import without the compute-stream
+    wait: `to_jax_kept` is only called when `order_before_jax()` returned True.
 
     The ordering event goes through the CUDA driver (cuEventRecord on torch's current stream,
     cuStreamWaitEvent on jax's, raw handles, one cached event): 12.8-13.8 us of drained host time
@@ -86,26 +102,39 @@ class _Transfer:
         # the public wrappers' argument handling (a few us per call on the H200 host); public fallbacks.
         self.capsule_to_tensor = getattr(torch._C, "_from_dlpack", torch.utils.dlpack.from_dlpack)
         self.driver_order = None
+        self.compute_stream = None
+        self.kept = _KeptImport()
         if self.on_cuda:
             self.jax_stream = torch.cuda.ExternalStream(self.importer.stream, device=device)
             self.event = torch.cuda.Event()
             from bridge.mosaic_launch import current_stream_getter
             self.current_raw_stream = current_stream_getter(device)
-            self.driver_order = _driver_ordering(device, self.current_raw_stream, self.importer.stream)
+            with torch.cuda.device(device):   # the probe's compile and run leave torch's device as it was
+                self.compute_stream = jax_compute_stream(self.importer.device)
+            streams = (self.importer.stream,) + ((self.compute_stream,) if self.compute_stream else ())
+            self.driver_order = _driver_ordering(device, self.current_raw_stream, streams)
 
-    def order_before_jax(self) -> None:
-        """Makes jax's stream wait for everything torch's current stream has queued so far."""
+    def order_before_jax(self) -> bool:
+        """Makes jax's stream for external ready events, and jax's compute stream where its handle is
+        known, wait for everything torch's current stream has queued so far. Returns True when the
+        compute stream waited (a kept import, `to_jax_kept`, is then ordered too)."""
         if self.on_cuda:
             if self.driver_order is not None and self.driver_order():
-                return
+                return self.compute_stream is not None
             self.event.record(torch.cuda.current_stream(self.device))
             self.jax_stream.wait_event(self.event)
+        return False
 
     def to_jax(self, tensor: torch.Tensor):
         """Call order_before_jax() first (once for all tensors of one call)."""
         if self.on_cuda:
             return self.importer.from_capsule(torch.utils.dlpack.to_dlpack(tensor))
         return self.importer(tensor)
+
+    def to_jax_kept(self, tensor: torch.Tensor):
+        """to_jax, kept from the last call for the same tensor, memory and layout. Only after
+        order_before_jax() returned True in this call (see the class docstring)."""
+        return self.kept.get(tensor, self.to_jax)
 
     def to_torch(self, array) -> torch.Tensor:
         if not self.on_cuda:
@@ -119,10 +148,32 @@ class _Transfer:
             return torch.utils.dlpack.from_dlpack(self.export_capsule(array, stream))
 
 
-def _driver_ordering(device: torch.device, torch_raw_stream: Callable[[], int], jax_stream: int):
+class _KeptImport:
+    """The last tensor imported and its jax array: `get(tensor, load)` returns the kept array while
+    `tensor` is the same object with the same data pointer, shape, strides and dtype (an in-place
+    `set_`, `resize_` or `.data =` changes one of those), else `load(tensor)`, which it keeps instead.
+    Holding the array holds the tensor (the DLPack import references it): one input per device stays
+    alive until another takes its place."""
+
+    __slots__ = ("tensor", "key", "array")
+
+    def __init__(self):
+        self.tensor = self.key = self.array = None
+
+    def get(self, tensor: torch.Tensor, load: Callable[[torch.Tensor], Any]):
+        key = (tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype)
+        if tensor is self.tensor and key == self.key:
+            return self.array
+        self.tensor = self.key = self.array = None   # nothing half-kept if load raises
+        array = load(tensor)
+        self.tensor, self.key, self.array = tensor, key, array
+        return array
+
+
+def _driver_ordering(device: torch.device, torch_raw_stream: Callable[[], int], jax_streams: tuple[int, ...]):
     """order() -> bool: one cuEventRecord of a cached event on torch's current stream and one
-    cuStreamWaitEvent of jax's stream on it, through the CUDA driver (see _Transfer); False when the
-    driver refused (e.g. a thread with no CUDA context current), and the caller then orders through
+    cuStreamWaitEvent of each of jax's streams on it, through the CUDA driver (see _Transfer); False when
+    the driver refused (e.g. a thread with no CUDA context current), and the caller then orders through
     torch. None where libcuda or the event cannot be had."""
     try:
         from bridge.direct import _driver
@@ -146,7 +197,9 @@ def _driver_ordering(device: torch.device, torch_raw_stream: Callable[[], int], 
         # when the device's own is current (else torch's wrappers, which switch devices, do it)
         if _current_cuda_device() != index:
             return False
-        return not record(event, torch_raw_stream()) and not wait(jax_stream, event, 0)
+        if record(event, torch_raw_stream()):
+            return False
+        return not any(wait(stream, event, 0) for stream in jax_streams)
     order.event = event   # kept alive with the closure (never destroyed: one per device)
     return order
 
@@ -514,8 +567,7 @@ def forward(module: torch.nn.Module, x: torch.Tensor, valid_token_mask: torch.Te
     weights = state.call_weights(call)
     x, mask = _jax_inputs(call, x, mask)
     transfer = call.transfer
-    transfer.order_before_jax()
-    jx = transfer.to_jax(x)
+    jx = transfer.to_jax_kept(x) if transfer.order_before_jax() else transfer.to_jax(x)
     jmask = transfer.to_jax(mask) if call.passes_mask else None
     out = transfer.to_torch(call.run(weights, jx, jmask))
     return out if call.upcast_to is None else out.to(call.upcast_to)

@@ -304,11 +304,18 @@ def test_driver_ordering_records_on_torchs_stream_then_waits_on_jaxs(monkeypatch
     monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: None)
     current = [3]
     monkeypatch.setattr(runtime, "_current_cuda_device", lambda: current[0])
-    order = runtime._driver_ordering(torch.device("cuda", 3), lambda: 0x5A, 0x7B)
+    order = runtime._driver_ordering(torch.device("cuda", 3), lambda: 0x5A, (0x7B,))
     assert order is not None and [c[0] for c in calls] == ["cuEventCreate"]
     calls.clear()
     assert order() is True
     assert calls == [("cuEventRecord", 0xE1, 0x5A), ("cuStreamWaitEvent", 0x7B, 0xE1, 0)]
+    calls.clear()
+    # session 21: jax's compute stream waits on the same event too (one record, one wait per stream)
+    both = runtime._driver_ordering(torch.device("cuda", 3), lambda: 0x5A, (0x7B, 0x7C))
+    calls.clear()
+    assert both() is True
+    assert calls == [("cuEventRecord", 0xE1, 0x5A), ("cuStreamWaitEvent", 0x7B, 0xE1, 0),
+                     ("cuStreamWaitEvent", 0x7C, 0xE1, 0)]
     calls.clear()
     current[0] = 0                                   # another GPU current: torch's wrappers do it
     assert order() is False and calls == []
@@ -316,4 +323,47 @@ def test_driver_ordering_records_on_torchs_stream_then_waits_on_jaxs(monkeypatch
     fake.cuStreamWaitEvent.result = 1                # the driver refuses the wait
     assert order() is False
     monkeypatch.setattr(direct, "_driver", lambda: (_ for _ in ()).throw(OSError("no libcuda")))
-    assert runtime._driver_ordering(torch.device("cuda", 3), lambda: 0, 0x7B) is None
+    assert runtime._driver_ordering(torch.device("cuda", 3), lambda: 0, (0x7B,)) is None
+
+
+def test_kept_import_is_reused_only_for_the_same_tensor_memory_and_layout():
+    """_Transfer.to_jax_kept's cache (session 21): the same tensor object with the same data pointer,
+    shape, strides and dtype gets the kept array (its contents may change: the compute-stream wait
+    orders those writes); anything else is imported anew and kept instead."""
+    from bridge import runtime
+    kept = runtime._KeptImport()
+    loads = []
+
+    def load(t):
+        loads.append(t)
+        return ("array", len(loads))
+
+    x = torch.zeros(4, 6)
+    first = kept.get(x, load)
+    assert kept.get(x, load) is first and len(loads) == 1
+    x.add_(1.0)                                      # contents change in place: still the same import
+    assert kept.get(x, load) is first and len(loads) == 1
+    y = torch.zeros(4, 6)                            # another tensor, same shape
+    assert kept.get(y, load) == ("array", 2)
+    assert kept.get(x, load) == ("array", 3)         # one kept at a time: x is imported again
+    x.data = torch.ones(4, 6)                        # same object, new memory
+    assert kept.get(x, load) == ("array", 4)
+    x.resize_(6, 4)                                  # same object and memory, another layout
+    assert kept.get(x, load) == ("array", 5)
+    assert kept.get(x.t(), load) == ("array", 6)     # a view is another tensor object
+    failing = torch.zeros(2)
+    with pytest.raises(RuntimeError):
+        kept.get(failing, lambda t: (_ for _ in ()).throw(RuntimeError("import failed")))
+    assert kept.tensor is None and kept.array is None   # nothing half-kept after a failed import
+
+
+def test_no_kept_import_without_a_compute_stream_handle():
+    """On the CPU jax's buffer_callback has no GPU context, so there is no compute stream to order and
+    the bridge's transfer never reports one (every call imports x afresh, as before session 21)."""
+    import jax
+
+    from bridge import runtime
+    from ttj_jax.compat import jax_compute_stream
+    assert jax_compute_stream(jax.devices("cpu")[0]) is None
+    transfer = runtime._transfer(torch.device("cpu"))
+    assert transfer.compute_stream is None and transfer.order_before_jax() is False

@@ -478,3 +478,31 @@ def mosaic_cluster_arrive_from_warp(barrier_ref) -> None:
     barrier, transforms = state_primitives.get_ref_and_transforms(barrier_ref, None, "cluster_arrive_from_warp")
     flat_transforms, transforms_treedef = jax.tree_util.tree_flatten(transforms)
     _CLUSTER_ARRIVE_FROM_WARP.bind(barrier, *flat_transforms, transforms_treedef=transforms_treedef)
+
+
+def jax_compute_stream(device) -> int | None:
+    """The raw CUDA stream XLA runs jax's programs on for `device` (a jax Device), as
+    `jax.experimental.buffer_callback` hands it to a callback (`ctx.stream`): probed twice, returned only
+    when both runs saw the same nonzero handle. None where this jax has no buffer_callback, on a device
+    without a GPU context (the CPU), or on any failure. One small compile per call of this function.
+    The bridge waits on this stream for torch's pending writes (bridge/runtime.py, _Transfer), which
+    orders every later program on it, not only those reading a fresh import."""
+    try:
+        from jax.experimental.buffer_callback import buffer_callback  # noqa: PLC0415
+    except ImportError:   # pragma: no cover - depends on the installed jax
+        return None
+    seen: list[int] = []
+
+    def note_stream(ctx, out):
+        del out
+        seen.append(int(ctx.stream))
+
+    probe = jax.jit(lambda: buffer_callback(note_stream, jax.ShapeDtypeStruct((1,), np.float32),
+                                            has_side_effect=True)())
+    try:
+        with jax.default_device(device):
+            for _ in range(2):
+                jax.block_until_ready(probe())
+    except Exception:   # noqa: BLE001 - no GPU context (the CPU) or an API change: no handle
+        return None
+    return seen[0] if len(seen) == 2 and seen[0] == seen[1] and seen[0] else None
