@@ -222,10 +222,12 @@ def main(argv=None):
     result = {"gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "jax": jax.__version__, "torch": torch.__version__,
               "date": datetime.date.today().isoformat(),
               "command": "python -m bench.host_overhead " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "calls": args.calls, "shapes": {}}
+              "calls": args.calls, runtime.KEEP_X_IMPORT_ENV: runtime.keep_x_import_enabled(), "shapes": {}}
     for sid in args.shapes.split(","):
         print(f"shape {sid} ...", flush=True)
         result["shapes"][sid] = profile_shape(sid, args.calls, device, graph=args.graph)
+        # whether this shape's bridge calls kept x's import (bridge/runtime.py, _Transfer.to_jax_kept)
+        result["shapes"][sid]["compute_stream_ordered"] = runtime._transfer(device).compute_stream is not None
     path = str(write_json(result, args.out, f"host-overhead-{result['date']}-{slug(result['gpu'])}"
                                             f"{'-' + args.tag if args.tag else ''}"))
     names = [n for n in CUMULATIVE] + ["alone_weights_check", "alone_front", "alone_import", "alone_export_kept"]

@@ -367,3 +367,14 @@ def test_no_kept_import_without_a_compute_stream_handle():
     assert jax_compute_stream(jax.devices("cpu")[0]) is None
     transfer = runtime._transfer(torch.device("cpu"))
     assert transfer.compute_stream is None and transfer.order_before_jax() is False
+
+
+def test_keep_x_import_is_off_unless_asked_for(monkeypatch):
+    """Off by default until the bridge's own path has run on the GPU (session 21 had no device time left
+    after validating the mechanism); the environment variable turns it on."""
+    from bridge import runtime
+    monkeypatch.delenv(runtime.KEEP_X_IMPORT_ENV, raising=False)
+    assert runtime.keep_x_import_enabled() is False
+    for value, expected in (("1", True), ("0", False), ("", False)):
+        monkeypatch.setenv(runtime.KEEP_X_IMPORT_ENV, value)
+        assert runtime.keep_x_import_enabled() is expected
