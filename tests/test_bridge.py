@@ -378,3 +378,28 @@ def test_keep_x_import_is_off_unless_asked_for(monkeypatch):
     for value, expected in (("1", True), ("0", False), ("", False)):
         monkeypatch.setenv(runtime.KEEP_X_IMPORT_ENV, value)
         assert runtime.keep_x_import_enabled() is expected
+
+
+def test_forward_keeps_x_import_only_when_the_compute_stream_waited(monkeypatch, harness_rule):
+    """forward's use of the kept import (session 21): when order_before_jax() says jax's compute stream
+    waited (faked here: the CPU has no such stream), x is imported once and reused while it is the same
+    tensor; another tensor is imported anew; when it says no, every call imports afresh."""
+    from bridge import runtime
+    base, ours = pair()
+    x = random_input(T.Config.from_object(CONFIG), 21)
+    ours(x)
+    transfer = _only_call(ours).transfer
+    imports = []
+    real_to_jax = transfer.to_jax
+    monkeypatch.setattr(transfer, "to_jax", lambda t: imports.append(t) or real_to_jax(t))
+    monkeypatch.setattr(transfer, "kept", runtime._KeptImport())
+    monkeypatch.setattr(transfer, "order_before_jax", lambda: True)
+    first, second = ours(x), ours(x)
+    assert len(imports) == 1 and torch.equal(first, second)
+    harness_rule(second, torch_reference(base, x, None))
+    other = random_input(T.Config.from_object(CONFIG), 22)
+    harness_rule(ours(other), torch_reference(base, other, None))
+    assert len(imports) == 2
+    monkeypatch.setattr(transfer, "order_before_jax", lambda: False)
+    ours(x), ours(x)
+    assert len(imports) == 4
