@@ -997,6 +997,6 @@ def test_multicast_is_refused_where_there_are_no_clusters():
     with pytest.raises(ValueError, match="kv_multicast"):
         _lower_for_cuda(1000, 64, True, block_sizes=blocks, grid_order="tiles_outer")
     with pytest.raises(ValueError, match="kv_multicast"):
-        dataclasses.replace(blocks, persistent=True)
+        dataclasses.replace(blocks, persistent=True, warp_producer=False)
     with pytest.raises(ValueError, match="kv_multicast"):
         Blocks(block_kv=128, num_stages=2, kv_multicast=1)
