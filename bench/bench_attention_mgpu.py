@@ -495,9 +495,7 @@ def lazy_study(run: Run) -> None:
 
 
 def _persistent_variant(seq_len: int, head_dim: int) -> dict:
-    # no clusters in a persistent build: the tiling as it runs without them
-    return dict(block_sizes=dataclasses.replace(mgpu.default_block_sizes(head_dim, seq_len, kv_multicast=False),
-                                                persistent=True, warp_producer=False))
+    return dict(block_sizes=mgpu.persistent_block_sizes(head_dim, seq_len))
 
 
 def persistent_study(run: Run) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import os
 import weakref
 from operator import attrgetter
 from typing import Any, Callable
@@ -162,7 +163,6 @@ KEEP_X_IMPORT_ENV = "TTJ_BRIDGE_KEEP_X_IMPORT"
 
 def keep_x_import_enabled() -> bool:
     """Whether new transfers order jax's compute stream and keep x's import (KEEP_X_IMPORT_ENV)."""
-    import os
     return os.environ.get(KEEP_X_IMPORT_ENV, "0") not in ("", "0", "false", "False")
 
 

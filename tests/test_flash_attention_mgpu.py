@@ -323,6 +323,9 @@ def test_kv_multicast_is_the_default_from_its_measured_lengths(head_dim):
     assert dataclasses.replace(blocks, kv_multicast=False, pingpong=True) == tiling
     # which is what the defaults give without multicast (persistent builds and the studies take that)
     assert fm.default_block_sizes(head_dim, threshold, kv_multicast=False) == tiling
+    # the persistent build's tiling: that one, persistent, with all four producer warps (a valid build)
+    assert fm.persistent_block_sizes(head_dim, threshold) == dataclasses.replace(tiling, persistent=True,
+                                                                                 warp_producer=False)
     # a call without block sizes lowers to that build on the GPU, and runs without clusters when interpreted
     assert _lower_for_cuda(threshold, head_dim, True) == _lower_for_cuda(threshold, head_dim, True, block_sizes=blocks)
     assert not fm.launch_block_sizes(threshold, head_dim, 2, None, interpret=True).kv_multicast

@@ -29,7 +29,6 @@ instructions holding 12 HGMMA).
 """
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import importlib
 import json
@@ -107,8 +106,7 @@ def main(argv):
         b, h, s, hd, causal = case
         inputs[case] = _random_qkv(s, (b, s, h, hd), jnp.float16)
         default = fm.default_block_sizes(hd, s)
-        persistent = dataclasses.replace(fm.default_block_sizes(hd, s, kv_multicast=False), persistent=True,
-                                         warp_producer=False)
+        persistent = fm.persistent_block_sizes(hd, s)
         for name, blocks in (("default", default), ("persistent", persistent)):
             fn = jax.jit(lambda q, k, v, c=causal, bl=blocks: fm.flash_attention_mgpu(q, k, v, causal=c, block_sizes=bl))
             compiled = fn.lower(*inputs[case]).compile()

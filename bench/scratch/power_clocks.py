@@ -21,7 +21,6 @@ from the clock the GPU has before its power limiter settles.
 """
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import importlib
 import pathlib
@@ -86,9 +85,7 @@ def main(argv):
         if name == "cudnn":
             fn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn"))
         else:
-            blocks = (dataclasses.replace(fm.default_block_sizes(HD, S, kv_multicast=False), persistent=True,
-                                           warp_producer=False)
-                      if name == "persistent" else fm.default_block_sizes(HD, S))
+            blocks = fm.persistent_block_sizes(HD, S) if name == "persistent" else fm.default_block_sizes(HD, S)
             fn = jax.jit(lambda q, k, v, c=causal, bl=blocks: fm.flash_attention_mgpu(q, k, v, causal=c, block_sizes=bl))
         compiled = fn.lower(*qkv).compile()
         jax.block_until_ready(compiled(*qkv))

@@ -491,6 +491,14 @@ def default_block_sizes(head_dim: int, seq_len: int | None = None, *, kv_multica
     return blocks
 
 
+def persistent_block_sizes(head_dim: int, seq_len: int | None = None) -> MgpuBlockSizes:
+    """The default tiling as the persistent build (MgpuBlockSizes.persistent; opt-in, for studies) takes
+    it: without clusters (kv_multicast=False, so with the ping-pong ring) and with the producer's loads
+    from all four warps (warp_producer=False), the two options the persistent producer does not have."""
+    return dataclasses.replace(default_block_sizes(head_dim, seq_len, kv_multicast=False), persistent=True,
+                               warp_producer=False)
+
+
 def with_kv_multicast(blocks: MgpuBlockSizes, head_dim: int) -> MgpuBlockSizes:
     """`blocks` with K/V multicast as the defaults take it: at MULTICAST_WITHOUT_PINGPONG's head_dims
     also without the ping-pong token ring."""
