@@ -34,6 +34,7 @@ from bench.baseline import TransformerConfig, check_close, harness_models, make_
 from bench.gpu_power import PowerSampler, sampling  # noqa: E402
 from bench.report import slug  # noqa: E402
 from bench.timing import interleaved_host_overhead_us, time_contenders  # noqa: E402
+from bridge import runtime  # noqa: E402
 
 HARNESS_SEEDS = tuple(range(1234, 1239))
 TIMING_SEED_OFFSET = 100000
@@ -335,7 +336,8 @@ def main(argv=None) -> int:
     json_path = os.path.join(args.out, f"{tag}.json")
     document = {"gpu": device_name if on_cuda else None, "device": device_name, "jax": jax.__version__,
                 "torch": torch.__version__, "date": date, "suite": suite_name,
-                "command": "ttj-bench " + " ".join(sys.argv[1:] if argv is None else argv), "shapes": {}}
+                "command": "ttj-bench " + " ".join(sys.argv[1:] if argv is None else argv),
+                "bridge_keep_x_import": runtime.keep_x_import_enabled(), "shapes": {}}
     if args.merge and os.path.exists(json_path):   # runs split over several calls fill one file
         with open(json_path) as f:
             previous = json.load(f)
