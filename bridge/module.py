@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
+from bridge.runtime import forward as _forward
 from ttj_jax.config import Config
 
 
@@ -39,5 +40,4 @@ class TTJTransformer(nn.Module):
         self.final_norm = nn.LayerNorm(self.config.d_model)
 
     def forward(self, x, valid_token_mask=None):
-        from bridge.runtime import forward
-        return forward(self, x, valid_token_mask, config=self.config)
+        return _forward(self, x, valid_token_mask, config=self.config)

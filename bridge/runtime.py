@@ -8,8 +8,8 @@ Per module, built once and reused (held in a WeakKeyDictionary, so nothing is ad
 - per input signature (shape, dtype, device, mask kind): the plan and its compiled executable.
 - the kind of the last mask seen, keyed by the tensor object and its version counter.
 Per call, the work is: a few attribute checks, a key comparison, one DLPack import of x (the native
-path, compat.DlpackImporter; with TTJ_BRIDGE_KEEP_X_IMPORT=1 on CUDA kept from the last call for the
-same x, _Transfer.to_jax_kept),
+path, compat.DlpackImporter; on CUDA kept from the last call for the same x, _Transfer.to_jax_kept,
+unless TTJ_BRIDGE_KEEP_X_IMPORT=0),
 the async jax dispatch, and one DLPack export. No host sync: torch's
 pending writes to x are ordered before jax reads it by one cached CUDA event (_Transfer), and torch's
 stream waits on jax's result through the DLPack protocol on export; later torch writes to x are
@@ -23,7 +23,8 @@ import ctypes
 import dataclasses
 import os
 import weakref
-from operator import attrgetter
+from itertools import chain
+from operator import attrgetter, is_
 from typing import Any, Callable
 
 import numpy as np
@@ -43,6 +44,28 @@ _TRANSFERS: dict[tuple[str, int | None], "_Transfer"] = {}
 _PREPARE = {}   # policy name -> jitted prepare_weights
 _version_of = attrgetter("_version")
 _data_ptr_of = torch.Tensor.data_ptr
+_dict_values = dict.values
+# torch's C++ check that tensors still have the data pointers given (what its CUDA-graph trees check their
+# inputs with; CUDA builds only, private): one call for all parameters instead of one data_ptr() each.
+_data_ptrs_equal = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
+
+
+# Bumped by torch's global registration hooks whenever any module anywhere gets a parameter or submodule
+# assigned (`m.w = nn.Parameter(...)`, `load_state_dict(..., assign=True)`, `seq[0] = layer`, and every
+# module construction): _ModuleState.check_structure compares the module's parameter objects only after
+# it moved, so a steady stream of calls pays one integer comparison. The hooks return None (torch keeps
+# what was assigned); `.to()` under torch's overwrite-on-conversion flag replaces parameters without
+# them, which check_structure asks torch's flag about.
+_REGISTRATIONS = [0]
+
+
+def _count_registration(module, name, value) -> None:
+    _REGISTRATIONS[0] += 1
+
+
+torch.nn.modules.module.register_module_parameter_registration_hook(_count_registration)
+torch.nn.modules.module.register_module_module_registration_hook(_count_registration)
+_overwrites_on_conversion = torch.__future__.get_overwrite_module_params_on_conversion
 
 
 # The current CUDA device's index: torch's C getter (what torch.cuda.current_device wraps), a fraction of a us.
@@ -70,7 +93,7 @@ class _Transfer:
     wait, and outputs off by up to 8.0 without it (the check can fail); host time of kept import +
     wait + program + export 34, 65 and 2 us above the JAX call, against 199, 317 and 255 for the bridge
     as it was, on that host. Without the handle (another jax, the CPU) nothing changes: fresh imports.
-    Off by default until the bridge's own path has been checked on the GPU (KEEP_X_IMPORT_ENV).
+    On by default since session 22 (KEEP_X_IMPORT_ENV says how it was checked on the GPU).
 
     Before that, the ordering rode on the import itself: the event wait is put on jax's stream for external ready
     events, and the import records the new array's definition event on that stream, which the program
@@ -105,6 +128,7 @@ class _Transfer:
         # the public wrappers' argument handling (a few us per call on the H200 host); public fallbacks.
         self.capsule_to_tensor = getattr(torch._C, "_from_dlpack", torch.utils.dlpack.from_dlpack)
         self.driver_order = None
+        self.order_compute = None   # the compute stream's wait alone (order_programs)
         self.compute_stream = None
         self.kept = _KeptImport()
         if self.on_cuda:
@@ -117,6 +141,8 @@ class _Transfer:
                     self.compute_stream = jax_compute_stream(self.importer.device)
             streams = (self.importer.stream,) + ((self.compute_stream,) if self.compute_stream else ())
             self.driver_order = _driver_ordering(device, self.current_raw_stream, streams)
+            if self.compute_stream:
+                self.order_compute = _driver_ordering(device, self.current_raw_stream, (self.compute_stream,))
 
     def order_before_jax(self) -> bool:
         """Makes jax's stream for external ready events, and jax's compute stream where its handle is
@@ -128,6 +154,17 @@ class _Transfer:
             self.event.record(torch.cuda.current_stream(self.device))
             self.jax_stream.wait_event(self.event)
         return False
+
+    def order_programs(self) -> bool:
+        """order_before_jax() for a call whose jax work on the imports is programs on this device and
+        nothing else (forward's single-device path): where the compute stream's handle is known, only
+        that stream waits (one driver call fewer: every program runs on it, so the ready-events stream's
+        wait orders nothing more for them; a fresh import's definition event, recorded there, is then
+        met at once). Anything else that reads the imports (a copy to another device, a host transfer)
+        runs on other streams: order those with order_before_jax()."""
+        if self.order_compute is not None and self.order_compute():
+            return True
+        return self.order_before_jax()
 
     def to_jax(self, tensor: torch.Tensor):
         """Call order_before_jax() first (once for all tensors of one call)."""
@@ -152,18 +189,19 @@ class _Transfer:
             return torch.utils.dlpack.from_dlpack(self.export_capsule(array, stream))
 
 
-# Off by default until the bridge's own path has run on the GPU (session 21 ran out of device time after
-# the experiment that validated the mechanism): `TTJ_BRIDGE_KEEP_X_IMPORT=1` turns on the compute-stream
-# wait and the kept import for the transfers created after it is set. The check to run before turning
-# it on for everyone (docs/host-cost.md, "Next"): `TTJ_BRIDGE_KEEP_X_IMPORT=1 python -m
-# bench.host_overhead --shapes 11,13,8` (its ordering check rewrites x in place behind busy torch work
-# and compares with a fresh copy), then `ttj-bench --suite official --shapes 8,11,13` the same way.
+# On by default since session 22, when the bridge's own path ran on the H200 with it: `python -m
+# bench.host_overhead --shapes 11,13,8` (ordering check: x rewritten in place behind busy torch work,
+# output equal to a fresh copy's, 0.0 in 10 of 10 rounds on each shape) and `ttj-bench --suite official
+# --shapes 8,11,13` (25 seeds, zero failing elements), bench/results/host-overhead-2026-12-02-nvidia-
+# h200-session22-keep1.json and official-2026-12-02-nvidia-h200-session22-keep1-shapes-8-11-13.json.
+# `TTJ_BRIDGE_KEEP_X_IMPORT=0` turns it off (every call imports x afresh, as before) for the transfers
+# created after it is set.
 KEEP_X_IMPORT_ENV = "TTJ_BRIDGE_KEEP_X_IMPORT"
 
 
 def keep_x_import_enabled() -> bool:
     """Whether new transfers order jax's compute stream and keep x's import (KEEP_X_IMPORT_ENV)."""
-    return os.environ.get(KEEP_X_IMPORT_ENV, "0") not in ("", "0", "false", "False")
+    return os.environ.get(KEEP_X_IMPORT_ENV, "1") not in ("", "0", "false", "False")
 
 
 class _KeptImport:
@@ -273,6 +311,21 @@ class _ModuleState:
     def __init__(self, module: torch.nn.Module, config: Config):
         self.config = config
         self.model_key = model_key(config)
+        self.weights_key = None
+        self.registrations = _REGISTRATIONS[0]
+        self._collect(module)
+        self.views: dict[str, Any] = {}          # name -> zero-copy jax view of the parameter
+        self.prepared: dict[str, Any] = {}
+        self.calls: dict[tuple, _Call] = {}
+        self.validated: set[tuple] = set()       # input signatures validate_inputs has passed
+        self.mask_ref = None
+        self.mask_version = None
+        self.mask_kind = None
+
+    def _collect(self, module: torch.nn.Module) -> None:
+        """The module's parameters by the harness's names (checked), and what check_structure compares:
+        every submodule's `_parameters` and `_modules` dicts and their values as they are now."""
+        config = self.config
         named = dict(module.named_parameters())
         expected = expected_shapes(config)
         missing = [n for n in expected if n not in named]
@@ -286,22 +339,43 @@ class _ModuleState:
                                  f"needs {shape}")
         self.names = list(expected)
         self.params = [named[n] for n in self.names]
-        self.weights_key = None
-        self.views: dict[str, Any] = {}          # name -> zero-copy jax view of the parameter
-        self.prepared: dict[str, Any] = {}
-        self.calls: dict[tuple, _Call] = {}
-        self.validated: set[tuple] = set()       # input signatures validate_inputs has passed
-        self.mask_ref = None
-        self.mask_version = None
-        self.mask_kind = None
+        self.ptrs = list(map(_data_ptr_of, self.params))
+        self.ptr_indices = list(range(len(self.params)))
+        modules = list(module.modules())
+        self.containers = [m._parameters for m in modules] + [m._modules for m in modules]
+        self.contents = list(chain.from_iterable(map(_dict_values, self.containers)))
+
+    def check_structure(self, module: torch.nn.Module) -> None:
+        """Notices parameters or submodules replaced by new objects since the last call (`m.w =
+        nn.Parameter(...)`, `load_state_dict(..., assign=True)`, `.to()` under torch's
+        overwrite-on-conversion flag, a submodule swapped): versions and data pointers, which
+        current_key compares, live on the old objects and would not change. Then the parameters are
+        collected again and every cached weight is rebuilt. The identity comparison of every dict entry
+        (~6 us for an official shape's module on the CPU) runs only after a registration anywhere in the
+        process (_REGISTRATIONS) or under torch's overwrite-on-conversion flag, else one int comparison."""
+        if self.registrations == _REGISTRATIONS[0] and not _overwrites_on_conversion():
+            return
+        self.registrations = _REGISTRATIONS[0]
+        contents = list(chain.from_iterable(map(_dict_values, self.containers)))
+        if len(contents) == len(self.contents) and all(map(is_, contents, self.contents)):
+            return
+        self._collect(module)
+        self.weights_key = None   # the next weights() drops every cached derivation
 
     def current_key(self):
-        # map() over C-level getters: ~8 us for 66 parameters, where a Python loop took ~18 us on the H200 host
-        return list(map(_version_of, self.params)), list(map(_data_ptr_of, self.params))
+        """The parameters' (versions, data pointers): what every cached weight is checked against. map()
+        over C-level getters (~8 us for 66 parameters, where a Python loop took ~18 us on the H200
+        host); the pointers by torch's one C++ check where it has it (CUDA builds), which returns the
+        same list object while nothing moved."""
+        versions = list(map(_version_of, self.params))
+        if _data_ptrs_equal is not None and _data_ptrs_equal(self.params, self.ptrs, self.ptr_indices):
+            return versions, self.ptrs
+        self.ptrs = list(map(_data_ptr_of, self.params))
+        return versions, self.ptrs
 
     def weights(self, policy_name: str, data_parallel: int = 1):
         key = self.current_key()
-        if key != self.weights_key:
+        if self.weights_key is None or key != self.weights_key:
             self.prepared.clear()
             self.views = {}
             self.weights_key = key
@@ -504,6 +578,8 @@ def _state(module: torch.nn.Module, config) -> _ModuleState:
     if state is None:
         config = Config.from_object(config if config is not None else _config_of(module))
         state = _STATES[module] = _ModuleState(module, config)
+    else:
+        state.check_structure(module)
     return state
 
 
@@ -534,13 +610,14 @@ def forward(module: torch.nn.Module, x: torch.Tensor, valid_token_mask: torch.Te
     must then divide evenly), meant to offload the other GPUs, which also wait for their copies; on two
     H200s 2-8% of shape 6 that way was slower, not faster (bench/results/split-home-2026-11-30-h200x2.json)."""
     state = _state(module, config)
-    if isinstance(split_chunks, list):
-        split_chunks = tuple(split_chunks)
-    if split_chunks is not None and (isinstance(split_chunks, bool) or not isinstance(split_chunks, (int, tuple)) or (
-            isinstance(split_chunks, int) and split_chunks < 1)):
-        raise ValueError(f"split_chunks must be an int >= 1 or a tuple of positive int weights; got {split_chunks!r}")
-    if isinstance(split_home_rows, bool) or not isinstance(split_home_rows, int) or split_home_rows < 0:
-        raise ValueError(f"split_home_rows must be an int >= 0; got {split_home_rows!r}")
+    if split_chunks is not None or type(split_home_rows) is not int or split_home_rows:   # not the defaults
+        if isinstance(split_chunks, list):
+            split_chunks = tuple(split_chunks)
+        if split_chunks is not None and (isinstance(split_chunks, bool) or not isinstance(split_chunks, (int, tuple))
+                                         or (isinstance(split_chunks, int) and split_chunks < 1)):
+            raise ValueError(f"split_chunks must be an int >= 1 or a tuple of positive int weights; got {split_chunks!r}")
+        if isinstance(split_home_rows, bool) or not isinstance(split_home_rows, int) or split_home_rows < 0:
+            raise ValueError(f"split_home_rows must be an int >= 0; got {split_home_rows!r}")
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor [batch, seq_len, d_model]; got {type(x).__name__}")
     mask = valid_token_mask
@@ -585,7 +662,7 @@ def forward(module: torch.nn.Module, x: torch.Tensor, valid_token_mask: torch.Te
     weights = state.call_weights(call)
     x, mask = _jax_inputs(call, x, mask)
     transfer = call.transfer
-    jx = transfer.to_jax_kept(x) if transfer.order_before_jax() else transfer.to_jax(x)
+    jx = transfer.to_jax_kept(x) if transfer.order_programs() else transfer.to_jax(x)
     jmask = transfer.to_jax(mask) if call.passes_mask else None
     out = transfer.to_torch(call.run(weights, jx, jmask))
     return out if call.upcast_to is None else out.to(call.upcast_to)

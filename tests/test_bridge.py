@@ -270,6 +270,90 @@ def test_weights_fast_path_drops_old_weights_on_change(harness_rule):
     assert call.weights is not before
 
 
+def _fresh_copy_output(ours, x):
+    fresh = bridge.TTJTransformer(CONFIG).eval()
+    fresh.load_state_dict(ours.state_dict())
+    return fresh(x)
+
+
+@pytest.mark.parametrize("replace", ["parameter", "submodule", "assign_load", "overwrite_conversion"])
+def test_replaced_parameter_objects_are_noticed(replace, monkeypatch):
+    """Parameters replaced by new objects (not edited in place) since the last call: the versions and
+    data pointers the weights are keyed on live on the old objects, which do not change. Before
+    session 22 the bridge kept computing with the old weights in all four cases (output equal to the
+    first call's). After each replacement its output equals a fresh module's with the same state_dict."""
+    _, ours = pair()
+    x = random_input(T.Config.from_object(CONFIG), 31)
+    first = ours(x)
+    generator = torch.Generator().manual_seed(5)
+
+    def new_like(t):
+        return torch.randn(t.shape, generator=generator) * 0.05
+
+    if replace == "parameter":
+        ours.layers[0].ffn_in.weight = torch.nn.Parameter(new_like(ours.layers[0].ffn_in.weight))
+    elif replace == "submodule":
+        layer = torch.nn.Linear(CONFIG.d_model, CONFIG.d_model)
+        with torch.no_grad():
+            layer.weight.copy_(new_like(layer.weight))
+        ours.layers[1].attention.q_proj = layer
+    elif replace == "assign_load":
+        ours.load_state_dict({k: new_like(v) for k, v in ours.state_dict().items()}, assign=True)
+    else:   # .to() with torch's flag set: parameters swapped in their dicts, no registration hook fires
+        monkeypatch.setattr(torch.__future__, "_overwrite_module_params_on_conversion", True)
+        from bridge import runtime
+        monkeypatch.setattr(runtime, "_overwrites_on_conversion", lambda: True)
+        ours.double().float()
+        with torch.no_grad():
+            ours.layers[0].ffn_in.weight.mul_(2.0)
+    second = ours(x)
+    assert not torch.equal(second, first)
+    assert torch.equal(second, _fresh_copy_output(ours, x))
+
+
+def test_steady_calls_do_not_collect_the_parameters_again(monkeypatch):
+    """The structure check costs one integer comparison per call while nothing registers a parameter or
+    submodule anywhere: no dict walk, no re-collection; one registration anywhere makes the next call
+    compare the module's objects (equal here: nothing re-collected)."""
+    from bridge import runtime
+    _, ours = pair()
+    x = random_input(T.Config.from_object(CONFIG), 32)
+    ours(x)
+    state = runtime._STATES[ours]
+    collects, walks = [], []
+    monkeypatch.setattr(state, "_collect", lambda module: collects.append(module))
+    real_values = runtime._dict_values
+    monkeypatch.setattr(runtime, "_dict_values", lambda d: walks.append(1) or real_values(d))
+    for _ in range(3):
+        ours(x)
+    assert walks == [] and collects == []
+    torch.nn.Linear(2, 2)   # registers two parameters somewhere else
+    ours(x)
+    assert walks and collects == []
+
+
+def test_data_pointer_check_by_torchs_bulk_call(monkeypatch):
+    """current_key with torch's C++ pointer check (CUDA builds; faked here with its semantics): the
+    same pointer list while nothing moved, a new one after `.data =` (which keeps the version)."""
+    from bridge import runtime
+
+    def ptrs_equal(tensors, ptrs, indices):
+        return all(tensors[i].data_ptr() == ptrs[i] for i in indices)
+    monkeypatch.setattr(runtime, "_data_ptrs_equal", ptrs_equal)
+    base, ours = pair()
+    x = random_input(T.Config.from_object(CONFIG), 33)
+    ours(x)
+    state = runtime._STATES[ours]
+    _, ptrs = state.current_key()
+    assert state.current_key()[1] is ptrs
+    weight = ours.layers[0].ffn_in.weight
+    weight.data = weight.data.clone() * 0.5
+    with torch.no_grad():
+        base.layers[0].ffn_in.weight.mul_(0.5)
+    assert state.current_key()[1] != ptrs
+    assert torch.equal(ours(x), _fresh_copy_output(ours, x))
+
+
 def test_driver_ordering_records_on_torchs_stream_then_waits_on_jaxs(monkeypatch):
     """The CUDA ordering of runtime._driver_ordering, with a fake driver (no GPU in CI; on the H200 the
     real one kept x's writes before jax's reads: bench/results/hotpath-parts-2026-12-01-nvidia-h200*.json):
@@ -369,19 +453,34 @@ def test_no_kept_import_without_a_compute_stream_handle():
     assert transfer.compute_stream is None and transfer.order_before_jax() is False
 
 
-def test_keep_x_import_is_off_unless_asked_for(monkeypatch):
-    """Off by default until the bridge's own path has run on the GPU (session 21 had no device time left
-    after validating the mechanism); the environment variable turns it on."""
+def test_keep_x_import_is_on_unless_turned_off(monkeypatch):
+    """On by default since session 22 (its path checked on the H200); the environment variable turns it
+    off."""
     from bridge import runtime
     monkeypatch.delenv(runtime.KEEP_X_IMPORT_ENV, raising=False)
-    assert runtime.keep_x_import_enabled() is False
-    for value, expected in (("1", True), ("0", False), ("", False)):
+    assert runtime.keep_x_import_enabled() is True
+    for value, expected in (("1", True), ("0", False), ("", False), ("false", False)):
         monkeypatch.setenv(runtime.KEEP_X_IMPORT_ENV, value)
         assert runtime.keep_x_import_enabled() is expected
 
 
+def test_order_programs_waits_on_the_compute_stream_alone_else_falls_back(monkeypatch):
+    """order_programs (forward's single-device path): the compute stream's wait alone when its handle
+    is known and the driver took it; else order_before_jax's full ordering (and its answer)."""
+    from bridge import runtime
+    transfer = runtime._transfer(torch.device("cpu"))
+    full = []
+    monkeypatch.setattr(transfer, "order_before_jax", lambda: full.append(1) or False)
+    monkeypatch.setattr(transfer, "order_compute", lambda: True)
+    assert transfer.order_programs() is True and full == []
+    monkeypatch.setattr(transfer, "order_compute", lambda: False)   # e.g. another device current
+    assert transfer.order_programs() is False and full == [1]
+    monkeypatch.setattr(transfer, "order_compute", None)              # no compute-stream handle
+    assert transfer.order_programs() is False and full == [1, 1]
+
+
 def test_forward_keeps_x_import_only_when_the_compute_stream_waited(monkeypatch, harness_rule):
-    """forward's use of the kept import (session 21): when order_before_jax() says jax's compute stream
+    """forward's use of the kept import (session 21): when order_programs() says jax's compute stream
     waited (faked here: the CPU has no such stream), x is imported once and reused while it is the same
     tensor; another tensor is imported anew; when it says no, every call imports afresh."""
     from bridge import runtime
@@ -393,13 +492,13 @@ def test_forward_keeps_x_import_only_when_the_compute_stream_waited(monkeypatch,
     real_to_jax = transfer.to_jax
     monkeypatch.setattr(transfer, "to_jax", lambda t: imports.append(t) or real_to_jax(t))
     monkeypatch.setattr(transfer, "kept", runtime._KeptImport())
-    monkeypatch.setattr(transfer, "order_before_jax", lambda: True)
+    monkeypatch.setattr(transfer, "order_programs", lambda: True)
     first, second = ours(x), ours(x)
     assert len(imports) == 1 and torch.equal(first, second)
     harness_rule(second, torch_reference(base, x, None))
     other = random_input(T.Config.from_object(CONFIG), 22)
     harness_rule(ours(other), torch_reference(base, other, None))
     assert len(imports) == 2
-    monkeypatch.setattr(transfer, "order_before_jax", lambda: False)
+    monkeypatch.setattr(transfer, "order_programs", lambda: False)
     ours(x), ours(x)
     assert len(imports) == 4
