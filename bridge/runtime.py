@@ -48,6 +48,13 @@ _dict_values = dict.values
 # torch's C++ check that tensors still have the data pointers given (what its CUDA-graph trees check their
 # inputs with; CUDA builds only, private): one call for all parameters instead of one data_ptr() each.
 _data_ptrs_equal = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
+try:   # a private call: used only if it answers a probe as expected
+    _probe = torch.zeros(1)
+    if _data_ptrs_equal is not None and not (_data_ptrs_equal([_probe], [_probe.data_ptr()], [0]) is True
+                                             and _data_ptrs_equal([_probe], [_probe.data_ptr() + 4], [0]) is False):
+        _data_ptrs_equal = None
+except (TypeError, RuntimeError):
+    _data_ptrs_equal = None
 
 
 # Bumped by torch's global registration hooks whenever any module anywhere gets a parameter or submodule
