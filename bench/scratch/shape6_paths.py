@@ -32,7 +32,7 @@ from bridge import runtime
 def throughput_ms(fn, sync, rounds=5, calls=30):
     per_call = []
     for _ in range(rounds):
-        sync()
+        torch.cuda.synchronize()   # the whole device: jax's streams too
         start = time.perf_counter()
         for _ in range(calls):
             out = fn()
