@@ -888,8 +888,9 @@ def weight_views(module: torch.nn.Module) -> dict[str, Any]:
 
 
 def refresh(module: torch.nn.Module) -> None:
-    """Forgets everything cached for `module`. Needed only after changes the bridge cannot see:
-    replacing a Parameter object, or writing through `param.data` (which bypasses the version counter)."""
+    """Forgets everything cached for `module`. Needed only after changes the bridge cannot see: writes
+    through `param.data` (which bypass the version counter). Replaced Parameter objects are noticed
+    (_ModuleState.check_structure)."""
     _STATES.pop(module, None)
 
 
