@@ -45,16 +45,6 @@ _PREPARE = {}   # policy name -> jitted prepare_weights
 _version_of = attrgetter("_version")
 _data_ptr_of = torch.Tensor.data_ptr
 _dict_values = dict.values
-# torch's C++ check that tensors still have the data pointers given (what its CUDA-graph trees check their
-# inputs with; CUDA builds only, private): one call for all parameters instead of one data_ptr() each.
-_data_ptrs_equal = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
-try:   # a private call: used only if it answers a probe as expected
-    _probe = torch.zeros(1)
-    if _data_ptrs_equal is not None and not (_data_ptrs_equal([_probe], [_probe.data_ptr()], [0]) is True
-                                             and _data_ptrs_equal([_probe], [_probe.data_ptr() + 4], [0]) is False):
-        _data_ptrs_equal = None
-except (TypeError, RuntimeError):
-    _data_ptrs_equal = None
 
 
 # Bumped by torch's global registration hooks whenever any module anywhere gets a parameter or submodule
@@ -346,8 +336,6 @@ class _ModuleState:
                                  f"needs {shape}")
         self.names = list(expected)
         self.params = [named[n] for n in self.names]
-        self.ptrs = list(map(_data_ptr_of, self.params))
-        self.ptr_indices = list(range(len(self.params)))
         modules = list(module.modules())
         self.containers = [m._parameters for m in modules] + [m._modules for m in modules]
         self.contents = list(chain.from_iterable(map(_dict_values, self.containers)))
@@ -372,13 +360,10 @@ class _ModuleState:
     def current_key(self):
         """The parameters' (versions, data pointers): what every cached weight is checked against. map()
         over C-level getters (~8 us for 66 parameters, where a Python loop took ~18 us on the H200
-        host); the pointers by torch's one C++ check where it has it (CUDA builds), which returns the
-        same list object while nothing moved."""
-        versions = list(map(_version_of, self.params))
-        if _data_ptrs_equal is not None and _data_ptrs_equal(self.params, self.ptrs, self.ptr_indices):
-            return versions, self.ptrs
-        self.ptrs = list(map(_data_ptr_of, self.params))
-        return versions, self.ptrs
+        host). (Session 22 tried torch's C++ pointer check, `torch._C._tensors_data_ptrs_at_indices_equal`,
+        for the pointers: no faster on the H200 host, its argument conversion cost what the getters
+        cost: bench/results/bridge-pieces-2026-12-02-nvidia-h200.json, current_key against versions_only.)"""
+        return list(map(_version_of, self.params)), list(map(_data_ptr_of, self.params))
 
     def weights(self, policy_name: str, data_parallel: int = 1):
         key = self.current_key()
