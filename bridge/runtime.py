@@ -348,14 +348,14 @@ class _ModuleState:
         collected again and every cached weight is rebuilt. The identity comparison of every dict entry
         (~6 us for an official shape's module on the CPU) runs only after a registration anywhere in the
         process (_REGISTRATIONS) or under torch's overwrite-on-conversion flag, else one int comparison."""
-        if self.registrations == _REGISTRATIONS[0] and not _overwrites_on_conversion():
+        registrations = _REGISTRATIONS[0]
+        if self.registrations == registrations and not _overwrites_on_conversion():
             return
-        self.registrations = _REGISTRATIONS[0]
         contents = list(chain.from_iterable(map(_dict_values, self.containers)))
-        if len(contents) == len(self.contents) and all(map(is_, contents, self.contents)):
-            return
-        self._collect(module)
-        self.weights_key = None   # the next weights() drops every cached derivation
+        if len(contents) != len(self.contents) or not all(map(is_, contents, self.contents)):
+            self._collect(module)   # raises if the module no longer fits the config: checked again next call
+            self.weights_key = None   # the next weights() drops every cached derivation
+        self.registrations = registrations
 
     def current_key(self):
         """The parameters' (versions, data pointers): what every cached weight is checked against. map()

@@ -311,6 +311,21 @@ def test_replaced_parameter_objects_are_noticed(replace, monkeypatch):
     assert torch.equal(second, _fresh_copy_output(ours, x))
 
 
+def test_a_replacement_that_no_longer_fits_raises_on_every_call():
+    """A parameter replaced by one of the wrong shape: a clear error, on this call and the next (not the
+    old weights silently from the second call on); putting a fitting one back works again."""
+    _, ours = pair()
+    x = random_input(T.Config.from_object(CONFIG), 34)
+    ours(x)
+    good = ours.layers[0].ffn_in.weight
+    ours.layers[0].ffn_in.weight = torch.nn.Parameter(torch.zeros(3, 3))
+    for _ in range(2):
+        with pytest.raises(ValueError, match="layers.0.ffn_in.weight has shape"):
+            ours(x)
+    ours.layers[0].ffn_in.weight = good
+    assert torch.equal(ours(x), _fresh_copy_output(ours, x))
+
+
 def test_steady_calls_do_not_collect_the_parameters_again(monkeypatch):
     """The structure check costs one integer comparison per call while nothing registers a parameter or
     submodule anywhere: no dict walk, no re-collection; one registration anywhere makes the next call
