@@ -367,7 +367,7 @@ class _ModuleState:
 
     def weights(self, policy_name: str, data_parallel: int = 1):
         key = self.current_key()
-        if self.weights_key is None or key != self.weights_key:
+        if key != self.weights_key:   # also after check_structure set it to None
             self.prepared.clear()
             self.views = {}
             self.weights_key = key

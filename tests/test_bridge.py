@@ -301,8 +301,6 @@ def test_replaced_parameter_objects_are_noticed(replace, monkeypatch):
         ours.load_state_dict({k: new_like(v) for k, v in ours.state_dict().items()}, assign=True)
     else:   # .to() with torch's flag set: parameters swapped in their dicts, no registration hook fires
         monkeypatch.setattr(torch.__future__, "_overwrite_module_params_on_conversion", True)
-        from bridge import runtime
-        monkeypatch.setattr(runtime, "_overwrites_on_conversion", lambda: True)
         ours.double().float()
         with torch.no_grad():
             ours.layers[0].ffn_in.weight.mul_(2.0)
