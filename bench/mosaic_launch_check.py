@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python3 bench/mosaic_launch_check.py --out bench/results [--shapes 2,1,3,4,5,9,10,12,6]
     PYTHONPATH=. python3 bench/mosaic_launch_check.py --out bench/results --shapes 7 --stack fused_mgpu
+    PYTHONPATH=. python3 bench/mosaic_launch_check.py --out bench/results --shapes 11 --stack fused_mgpu --against planner
 
 --stack forces a stack through `bridge.forward(..., stack=...)` instead of the module's own call (the
 planner's choice): how a build the planner does not pick yet (shape 7's d_model 32) is checked.
@@ -14,7 +15,9 @@ Per official shape, through the bridge module as the harness calls it (all-True 
   stream; its output must equal the default-stream output bitwise (a launch on another stream would read
   x before it is written);
 - host us per call (perf_counter, no sync) and the harness timing (CUDA events per call, 3 x 100 calls)
-  of the bridge with the launch, and of the same module forced to the Triton kernel through jax.
+  of the bridge with the launch, and of the same module forced to the Triton kernel through jax
+  (--against fused, the default) or called as the harness calls it, the planner's choice (--against
+  planner: with --stack, what the forced stack would replace, e.g. shape 11's rows stack).
 Writes <out>/mosaic-launch-<date>-<gpu>.json and prints a table last.
 """
 
@@ -44,7 +47,7 @@ from bridge import runtime  # noqa: E402
 DEFAULT_SHAPES = "2,1,3,4,5,9,10,12,6"
 
 
-def check_shape(sid: str, device: torch.device, stack: str | None = None) -> dict:
+def check_shape(sid: str, device: torch.device, stack: str | None = None, against: str = "fused") -> dict:
     config = T.OFFICIAL[sid].config
     harness_config = TransformerConfig(**vars(config))
     baseline, module = harness_models(harness_config, bridge.TTJTransformer, device=device)
@@ -83,9 +86,14 @@ def check_shape(sid: str, device: torch.device, stack: str | None = None) -> dic
         record["side_stream_equal"] = bool(torch.equal(y_side, y))
 
         record["host_us_bridge"] = host_us(lambda: ours(x, mask))["median_us"]
-        triton = lambda: runtime.forward(module, x, mask, stack="fused")   # noqa: E731
-        triton()
-        timings = time_contenders({"bridge": lambda: ours(x, mask), "bridge_triton_via_jax": triton},
+        if against == "planner":   # the module as the harness calls it
+            other_name, other = "bridge_planner", (lambda: module(x, mask))
+        else:
+            other_name, other = "bridge_triton_via_jax", (lambda: runtime.forward(module, x, mask, stack="fused"))
+        other()
+        record["against"] = other_name
+        record[f"host_us_{other_name}"] = host_us(other)["median_us"]
+        timings = time_contenders({"bridge": lambda: ours(x, mask), other_name: other},
                                   warmup=20, rounds=3, calls=100, device=device)
         record["harness_ms"] = {k: v["median_ms"] for k, v in timings.items()}
     return record
@@ -97,6 +105,8 @@ def main(argv=None) -> int:
     parser.add_argument("--shapes", default=DEFAULT_SHAPES)
     parser.add_argument("--stack", default=None, choices=("fused_mgpu",),
                         help="force this stack instead of the planner's choice (e.g. shape 7's d_model 32)")
+    parser.add_argument("--against", default="fused", choices=("fused", "planner"),
+                        help="time the bridge against the Triton kernel through jax, or the planner's choice")
     args = parser.parse_args(argv)
     device = torch.device("cuda")
     name = torch.cuda.get_device_name(device)
@@ -107,7 +117,7 @@ def main(argv=None) -> int:
     for sid in args.shapes.split(","):
         t0 = time.perf_counter()
         try:
-            record = check_shape(sid, device, args.stack)
+            record = check_shape(sid, device, args.stack, args.against)
         except Exception as e:   # noqa: BLE001 - one shape's failure is recorded, the rest still run
             record = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-2000:]}
         record["wall_s"] = time.perf_counter() - t0
@@ -116,7 +126,7 @@ def main(argv=None) -> int:
         with open(path, "w") as f:
             json.dump(result, f, indent=1)
     print(f"\n{'id':>3} {'stack':>11} {'bridge?':>7} {'failed':>6} {'worst':>6} {'stream':>6} "
-          f"{'host us':>8} {'bridge ms':>9} {'triton ms':>9}")
+          f"{'host us':>8} {'bridge ms':>9} {'other ms':>9} {'other':>22} {'its host us':>11}")
     for sid, r in result["shapes"].items():
         if "error" in r:
             print(f"{sid:>3} ERROR {r['error'][:100]}")
@@ -124,7 +134,7 @@ def main(argv=None) -> int:
         acc, ms = r["accuracy"], r["harness_ms"]
         print(f"{sid:>3} {r['stack']:>11} {str(r['launched_by_bridge']):>7} {acc['failed_elements']:>6} "
               f"{acc['worst_err_over_tol']:>6.3f} {str(r['side_stream_equal']):>6} {r['host_us_bridge']:>8.1f} "
-              f"{ms['bridge']:>9.4f} {ms['bridge_triton_via_jax']:>9.4f}")
+              f"{ms['bridge']:>9.4f} {ms[r['against']]:>9.4f} {r['against']:>22} {r['host_us_' + r['against']]:>11.1f}")
     print(f"wrote {path}")
     return 0
 

@@ -57,12 +57,9 @@ def launch_structs(config: Config, batch: int, seq_len: int) -> tuple:
     import jax
     import jax.numpy as jnp
     from ttj_jax.kernels import fused_stack_mgpu as fsm
-    d = config.d_model
-    _, width, vec_len = fsm.widths(d, config.num_heads)
-    return (jax.ShapeDtypeStruct((batch, seq_len, d), jnp.float32),
-            jax.ShapeDtypeStruct((config.num_layers, fsm.CHUNKS_PER_LAYER, config.num_heads, d, width),
-                                 fsm._GEMM_DTYPE),
-            jax.ShapeDtypeStruct((config.num_layers + 1, fsm.NUM_VECS, vec_len), jnp.float32))
+    mats, vecs = fsm.weight_shapes(config.num_layers, config.d_model, config.num_heads)   # packed heads too
+    return (jax.ShapeDtypeStruct((batch, seq_len, config.d_model), jnp.float32),
+            jax.ShapeDtypeStruct(mats, fsm._GEMM_DTYPE), jax.ShapeDtypeStruct(vecs, jnp.float32))
 
 
 class MosaicStackLaunch:

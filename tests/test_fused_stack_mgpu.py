@@ -4,8 +4,8 @@ Mosaic GPU kernels compile only for sm_90 GPUs; on the CPU the kernel body runs 
 GPU interpret mode (section 5), which stages two wgmma operand paths through shared memory where the
 GPU build reads registers or transposed views. What this file checks, on the CPU:
 1. Lowering for CUDA (`jax.jit(...).trace(...).lower(lowering_platforms=("cuda",))`) succeeds with
-   exactly one `mosaic_gpu_v2` custom call for every target (num_heads 1, 2, 4; S 32 and 128, plus 64)
-   at batch 1, 3 and 64. Lowering runs Pallas -> Mosaic GPU -> NVVM: layout inference, the wgmma
+   exactly one `mosaic_gpu_v2` custom call for every target (num_heads 1, 2, 4, and 8, 16 packed; S 32
+   and 128, plus 64) at batch 1, 3 and 64. Lowering runs Pallas -> Mosaic GPU -> NVVM: layout inference, the wgmma
    shape/operand/swizzle checks and the TMA slicing all happen here.
 2. The bare kernel (`kernel_function`) lowers to a module holding nothing but the Mosaic GPU call, which
    is what `plgpu.as_torch_kernel` accepts (checked with jax's own module scan, minus the GPU launch).
@@ -41,9 +41,8 @@ ATOL, RTOL = 0.002, 0.02   # the harness rule: |err| <= max(atol, rtol * |ref|)
 
 
 def _structs(num_heads, batch, seq_len, num_layers=4, d_model=128):
-    _, width, vec_len = fsm.widths(d_model, num_heads)
-    weights = fsm.MgpuStackWeights(jax.ShapeDtypeStruct((num_layers, 6, num_heads, d_model, width), jnp.float16),
-                                   jax.ShapeDtypeStruct((num_layers + 1, 10, vec_len), jnp.float32),
+    mats, vecs = fsm.weight_shapes(num_layers, d_model, num_heads)   # chunks: head blocks (4 for packed heads)
+    weights = fsm.MgpuStackWeights(jax.ShapeDtypeStruct(mats, jnp.float16), jax.ShapeDtypeStruct(vecs, jnp.float32),
                                    num_heads=num_heads)
     return weights, jax.ShapeDtypeStruct((batch, seq_len, d_model), jnp.float32)
 
@@ -97,6 +96,47 @@ def test_lowers_at_seq_len_64_and_non_causal():
     assert _custom_calls(_lower(4, 2, 128, causal=False)) == ["mosaic_gpu_v2"]
 
 
+@pytest.mark.parametrize("num_heads,batch,seq_len", [(16, 64, 128), (16, 1, 128), (16, 1, 32), (16, 2, 64),
+                                                     (8, 64, 128), (8, 1, 128), (8, 4, 32)])
+def test_lowers_with_packed_heads(num_heads, batch, seq_len):
+    # 16 heads of 8 (shape 11: B=64, S=128) or 8 of 16, packed 4 or 2 to a 32-column block: one kernel,
+    # with the 4-head model's weights and SMEM (mats [L, 6, 4, 128, 32]) and another attention.
+    text = _lower(num_heads, batch, seq_len)
+    assert _custom_calls(text) == ["mosaic_gpu_v2"]
+    assert ("stablehlo.pad" in text) == (batch % (128 // seq_len) != 0)
+    assert fsm.weight_shapes(4, 128, num_heads) == fsm.weight_shapes(4, 128, 4)
+
+
+def test_packed_heads_lower_to_other_kernels_than_four_heads():
+    # Same arguments (the 4-block layout), another attention: 4, 8 and 16 heads are three kernels.
+    def kernel_line(num_heads):
+        weights, x = _structs(4, 1, 128)
+        call = jax.jit(fsm.kernel_function(1, 128, num_heads, 4, True))
+        text = call.trace(x, weights.mats, weights.vecs).lower(lowering_platforms=("cuda",)).as_text(debug_info=False)
+        return re.search(r"custom_call @mosaic_gpu_v2\(.*", text).group(0)
+    assert len({kernel_line(h) for h in (4, 8, 16)}) == 3
+
+
+def test_packed_heads_build_with_every_variant():
+    """The options and ablations keep working with packed heads: each lowers to one kernel at 16 heads,
+    S=128 (split key blocks, or all keys; several options to a build, as lowering 16 heads is slow: ~10 s
+    a build). The profiled build stops only at its host callback on a CPU, as in
+    test_profiled_build_fits_and_leaves_the_default_alone."""
+    options = [dict(half_softmax=True, fast_erf=False, pipeline=True),
+               dict(residual_accumulator=False, chain_key_blocks=False, overlap=True),
+               dict(ablate=frozenset({"all_keys", "no_softmax", "one_head_proj", "no_gelu", "no_layer_norm"})),
+               dict(ablate=frozenset({"no_mask"})), dict(ablate=frozenset({"no_attention"}))]
+    assert set().union(*[o.get("ablate", ()) for o in options]) == set(fsm.ABLATIONS) - {"shift_mask"}   # S < 128 only
+    for option in options:
+        assert _custom_calls(_lower_kernel(16, 1, 128, **option)).count("mosaic_gpu_v2") == 1, option
+    weights, x = _structs(16, 1, 128)
+    traced = jax.jit(fsm.kernel_function(1, 128, 16, 4, True, profile_dir="/nonexistent")).trace(
+        x, weights.mats, weights.vecs)
+    if jax.default_backend() != "gpu":
+        with pytest.raises(ValueError, match="different from the lowering platform cuda"):
+            traced.lower(lowering_platforms=("cuda",))
+
+
 def test_grid_axis_name_is_not_batch():
     assert fsm._GRID_TILE != "batch" and fsm._GRID_TILE.startswith("ttj_")
 
@@ -134,7 +174,12 @@ def test_supports():
     def config(d=128, H=4, ffn=128):
         return T.Config(1, 128, d, H, ffn, 4, True)
     assert all(fsm.supports(config(H=H), S) for H in (1, 2, 4) for S in (32, 64, 128))
-    assert not fsm.supports(config(H=8), 128)
+    assert all(fsm.supports(config(H=H), S) for H in (8, 16) for S in (32, 64, 128))   # packed heads
+    assert not fsm.supports(config(H=32), 128)                                    # head_dim 4
+    assert not fsm.supports(config(d=32, H=8, ffn=32), 128)                        # packed at d_model 128 only
+    assert fsm.blocks(128, 16) == (4, 4) and fsm.blocks(128, 8) == (4, 2) and fsm.blocks(128, 4) == (4, 1)
+    assert fsm.blocks(32, 4) == (4, 1) and fsm.widths(32, 4) == (8, 32, 128)     # d_model 32: padded, not packed
+    assert fsm.widths(128, 16) == (8, 32, 128) and fsm.widths(128, 2) == (64, 64, 128)
     assert not fsm.supports(config(d=64, H=2, ffn=128), 128)
     assert all(fsm.supports(config(d=32, H=H, ffn=32), 128) for H in (1, 2, 4))   # shape 7's widths
     assert not fsm.supports(config(d=32, H=4, ffn=64), 128)                       # ffn must equal d
@@ -163,13 +208,19 @@ def test_argument_errors():
         fsm.fused_stack_mgpu_forward(real, x, num_heads=4, causal=1)
     with pytest.raises(ValueError, match="MgpuStackWeights"):
         fsm.fused_stack_mgpu_forward({"mats": real.mats}, x, num_heads=4)
+    # 16 heads' weights laid out one chunk per head (the padded scheme) instead of in 4 head blocks
+    per_head = fsm.MgpuStackWeights(jnp.zeros((4, 6, 16, 128, 8), jnp.float16), real.vecs, num_heads=16)
+    with pytest.raises(ValueError, match="4 head blocks"):
+        fsm.fused_stack_mgpu_forward(per_head, x, num_heads=16)
 
 
 def test_stack_weights_errors():
-    config = T.Config(1, 32, 128, 8, 128, 1, True)
+    config = T.Config(1, 32, 128, 32, 128, 1, True)
     params = T.init_params(jax.random.key(0), config)
     with pytest.raises(ValueError, match="num_heads"):
-        fsm.stack_weights_mgpu(params, 8)
+        fsm.stack_weights_mgpu(params, 32)
+    with pytest.raises(ValueError, match="num_heads=8 must be one of .* at d_model=32"):
+        fsm.stack_weights_mgpu(T.init_params(jax.random.key(0), T.Config(1, 32, 32, 8, 32, 1, True)), 8)
     with pytest.raises(ValueError, match="num_heads"):
         fsm.stack_weights_mgpu(params, True)
     small = T.init_params(jax.random.key(0), T.Config(1, 32, 64, 2, 64, 1, True))
@@ -200,6 +251,28 @@ def test_weight_chunks_reassemble_the_matrices(num_heads):
         np.testing.assert_array_equal(np.asarray(w.vecs[i, fsm.BK]), np.asarray(layer["qkv_bias"])[128:256])
         np.testing.assert_array_equal(np.asarray(w.vecs[i, fsm.B2]), np.asarray(layer["ffn_out_bias"]))
     np.testing.assert_array_equal(np.asarray(w.vecs[-1, 0]), np.asarray(prepared.final_norm["weight"]))
+
+
+@pytest.mark.parametrize("num_heads", [8, 16])
+def test_packed_heads_have_the_four_head_layout(num_heads):
+    """8 or 16 heads at d_model 128 are packed, not padded: the weights are exactly the 4-head layout of
+    the same parameters (block b = columns 32b..32b+31 = heads 4b..4b+3 at 16 heads), while the weights
+    keep the model's real head count and head_dim (the attention's sub-heads and score scale)."""
+    config = T.Config(1, 32, 128, num_heads, 128, 2, True)
+    prepared = T.prepare_weights(T.init_params(jax.random.key(3), config), T.MIXED_FP16)
+    packed, four = fsm.stack_weights_mgpu(prepared, num_heads), fsm.stack_weights_mgpu(prepared, 4)
+    assert packed.mats.shape == (2, 6, 4, 128, 32) and packed.vecs.shape == (3, 10, 128)
+    assert packed.num_heads == num_heads and packed.head_dim == 128 // num_heads and packed.num_blocks == 4
+    np.testing.assert_array_equal(np.asarray(packed.mats), np.asarray(four.mats))
+    np.testing.assert_array_equal(np.asarray(packed.vecs), np.asarray(four.vecs))
+    # and head h's q columns are columns h*hd.. of block h // heads_per_block
+    hd = 128 // num_heads
+    qkv = np.asarray(prepared.layers[1]["qkv_weight"])
+    for head in range(num_heads):
+        block, sub = divmod(head, 32 // hd)
+        np.testing.assert_array_equal(np.asarray(packed.mats[1, 0, block, :, sub * hd:(sub + 1) * hd]),
+                                      qkv[:, head * hd:(head + 1) * hd])
+    assert fsm.smem_bytes(4, num_heads=num_heads) == fsm.smem_bytes(4, num_heads=4)
 
 
 def test_padded_head_blocks_at_d_model_32():
@@ -253,6 +326,10 @@ EMULATION_CASES = {
     "S128-H4-noncausal": (4, 128, 1, False),
     "shape7-d32-H4": (4, 128, 2, True, 32),
     "d32-H2-S32-B4": (2, 32, 4, True, 32),
+    "shape11-H16-S128-B2": (16, 128, 2, True),      # packed heads: 4 of 8 per block
+    "H8-S128-B1": (8, 128, 1, True),                # 2 of 16 per block
+    "H16-S32-B6-padded": (16, 32, 6, True),
+    "H16-S128-noncausal": (16, 128, 1, False),
 }
 
 
@@ -285,6 +362,27 @@ def test_emulation_detects_a_wrong_mask_and_a_wrong_layout():
     swapped = fsm.MgpuStackWeights(weights.mats.at[:, 3].set(weights.mats[:, 3, ::-1]), weights.vecs,
                                    num_heads=4)
     failed, _ = _harness_failures(fsm.emulate(swapped, x), ref)
+    assert failed > 1000
+
+
+@pytest.mark.parametrize("num_heads", [8, 16])
+def test_emulation_of_packed_heads_detects_a_wrong_packing(num_heads, monkeypatch):
+    """The packed emulation meets the harness rule (test_emulation_meets_the_harness_rule) and the
+    comparison can fail: the same weights run as 4 heads of 32 (no q masking, no column select, scale
+    32^-0.5), as heads of the wrong width (16 heads' weights as 8, or 8 heads' as 16: other sub-heads
+    and scales), or with the right sub-heads but the score scale of head_dim 32, are far outside it."""
+    config, params, x = _model(num_heads, 128, 1, True)
+    weights = fsm.stack_weights_mgpu(params, num_heads)
+    ref = np.asarray(T.reference(params, x, config=config))
+    assert _harness_failures(fsm.emulate(weights, x), ref)[0] == 0
+    other = 8 if num_heads == 16 else 16
+    for wrong_heads in (4, other):
+        wrong = fsm.MgpuStackWeights(weights.mats, weights.vecs, num_heads=wrong_heads)
+        failed, _ = _harness_failures(fsm.emulate(wrong, x), ref)
+        assert failed > 1000, wrong_heads
+    hd = 128 // num_heads   # the scale is hd^-0.5 log2(e): make it 32^-0.5 log2(e)
+    monkeypatch.setattr(fsm, "_LOG2_E", fsm._LOG2_E * (hd / 32) ** 0.5)
+    failed, _ = _harness_failures(fsm.emulate(weights, x), ref)
     assert failed > 1000
 
 
@@ -413,6 +511,63 @@ def test_kernel_in_gpu_interpret_mode(case):
     # ... and within the harness rule of the fp32 reference.
     failed, worst = _harness_failures(y, T.reference(params, x, config=config))
     assert failed == 0, f"{case}: {failed} elements fail, worst err/tol {worst:.2f}"
+
+
+# Packed heads (8 or 16 at d_model 128) have the 4-head build's four head blocks, and such builds hang in
+# GPU interpret mode on two cores (above): 16 heads, S=128, 1 layer made no progress in 11 minutes (2% of
+# a core busy). Split the host platform in 3 or more devices and the same build runs in ~10 s (a 4-head
+# build too, in 5 s, with 8 devices; measured on a 2-core machine). So the hang is in XLA's CPU runtime,
+# not in the kernel: the interpreter runs each of the 3 warpgroups as its own XLA computation on a
+# thread, and (as far as we can tell) these wait for the CPU client's thread pool, sized by the larger of
+# the core and device counts, while the running warpgroups block in barrier callbacks on the one left
+# waiting. jax fixes the device count when it starts, hence a subprocess (conftest.run_on_host_devices,
+# 4 devices) per case.
+PACKED_INTERPRET_SCRIPT = r"""
+import json, sys
+sys.path.insert(0, "tests")
+import jax.numpy as jnp, numpy as np
+import ttj_jax as T
+from conftest import baseline_and_params, random_input
+from ttj_jax.kernels import fused_stack_mgpu as fsm
+from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+num_heads, seq_len, batch, num_layers, causal, mode = json.loads(sys.argv[1])
+config = T.Config(batch, seq_len, 128, num_heads, 128, num_layers, causal)
+_, params = baseline_and_params(config, 0)
+x = jnp.asarray(random_input(config, 1).numpy())
+weights = fsm.stack_weights_mgpu(params, num_heads)
+if mode == "forward":   # the jax entry point: argument checks, batch padding
+    y = fsm.fused_stack_mgpu_forward(weights, x, num_heads=num_heads, causal=causal, interpret=True)
+else:
+    y = fsm.kernel_function(batch, seq_len, num_heads, num_layers, causal, mode)(x, weights.mats, weights.vecs)
+y = np.asarray(y)
+ref = np.asarray(T.reference(params, x, config=config), np.float64)
+ratio = np.abs(y - ref) / np.maximum(0.002, 0.02 * np.abs(ref))
+emulated = fsm.emulate(weights, x, causal=causal)
+print(json.dumps({"shape_ok": y.shape == x.shape, "emulate_diff": float(np.max(np.abs(y - emulated))),
+                  "failed": int((~(ratio <= 1)).sum()), "worst": float(np.nanmax(ratio)),
+                  "races": bool(gpu_callbacks.get_races().races_found) if mode == "detect_races" else None}))
+"""
+PACKED_INTERPRET_CASES = {   # (num_heads, seq_len, batch, num_layers, causal, how it is called)
+    "S128-H16-B1-L2-races": (16, 128, 1, 2, True, "detect_races"),   # split key blocks (shape 11's layout)
+    "S32-H16-B6-L1-padded": (16, 32, 6, 1, True, "forward"),          # own keys, 4 sequences per tile
+    "S128-H8-B1-L1-noncausal": (8, 128, 1, 1, False, True),           # all 128 keys
+}
+
+
+@pytest.mark.parametrize("case", sorted(PACKED_INTERPRET_CASES))
+def test_packed_heads_kernel_in_gpu_interpret_mode(case):
+    """The packed-heads kernel body (q masked per sub-head, scores against the whole block's k, P v
+    selected per sub-head) in GPU interpret mode, in each key layout: the same output as `emulate` (as
+    test_kernel_in_gpu_interpret_mode) and the harness rule against the fp32 reference; no races."""
+    import json
+    from conftest import last_json_line, run_on_host_devices
+    done = run_on_host_devices(["-c", PACKED_INTERPRET_SCRIPT, json.dumps(PACKED_INTERPRET_CASES[case])], 4,
+                               timeout=600)
+    result = last_json_line(done)
+    assert result["shape_ok"]
+    assert result["emulate_diff"] < 2e-3, result
+    assert result["failed"] == 0, f"{case}: {result['failed']} elements fail, worst err/tol {result['worst']:.2f}"
+    assert result["races"] in (None, False)
 
 
 # --- 6. The overlap variant, and the pinned GPU kernel --------------------------------------------------

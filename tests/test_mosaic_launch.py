@@ -82,8 +82,20 @@ def test_forcing_the_mosaic_stack_is_checked():
     assert T.plan(shape_2, _facts(shape_2), T.planner.CPU, stack="fused_mgpu").stack == "fused_mgpu"
     with pytest.raises(ValueError, match="fused_mgpu"):
         T.plan(shape_2, _facts(shape_2, MaskKind.GENERAL), HOPPER, stack="fused_mgpu")
-    with pytest.raises(ValueError, match="fused_mgpu"):
-        T.plan(T.OFFICIAL["11"].config, _facts(T.OFFICIAL["11"].config), HOPPER, stack="fused_mgpu")
+    with pytest.raises(ValueError, match="fused_mgpu"):   # d_model 1024: not a model it builds
+        T.plan(T.OFFICIAL["8"].config, _facts(T.OFFICIAL["8"].config), HOPPER, stack="fused_mgpu")
+    # 16 heads of 8 (shape 11): built (packed four to a block), measured slower than the rows stack, so
+    # planned only where MGPU_STACK_PLANNED_NUM_HEADS lists it; reachable by request
+    shape_11 = T.OFFICIAL["11"].config
+    assert T.plan(shape_11, _facts(shape_11), HOPPER, stack="fused_mgpu").stack == "fused_mgpu"
+    verified_heads = T.planner.MGPU_STACK_PLANNED_NUM_HEADS
+    try:
+        T.planner.MGPU_STACK_PLANNED_NUM_HEADS = (1, 2, 4)
+        assert T.plan(shape_11, _facts(shape_11), HOPPER).stack == "rows"
+        T.planner.MGPU_STACK_PLANNED_NUM_HEADS = (1, 2, 4, 16)
+        assert T.plan(shape_11, _facts(shape_11, caller="torch"), HOPPER).stack == "fused_mgpu"
+    finally:
+        T.planner.MGPU_STACK_PLANNED_NUM_HEADS = verified_heads
     # the planner picks it only at the widths it has run on a GPU with (MGPU_STACK_GPU_VERIFIED_D_MODELS):
     # shape 7's d_model 32 since session 6; a width the kernel builds for but that has not run is only
     # reachable by request
@@ -262,10 +274,12 @@ def test_bridge_builds_one_launch_per_input_signature_and_follows_weight_changes
     assert len(built) == 1                         # ... the compiled launch is not (weights are arguments)
 
 
-@pytest.mark.parametrize("sid", ["2", "9", "12", "7"])
+@pytest.mark.parametrize("sid", ["2", "9", "12", "7", "11"])
 def test_launch_structs_match_the_weights_built(sid):
     """The bridge's launch declares the kernel's arguments itself (bridge/mosaic_launch.launch_structs):
-    they must be what stack_weights_mgpu builds, at d_model 128 and at shape 7's 32 (padded heads)."""
+    they must be what stack_weights_mgpu builds, at d_model 128, at shape 7's 32 (padded heads) and at
+    shape 11's 16 heads (packed four to a block: 4 chunks per matrix, not 16; the first GPU run of the
+    launch declared 16 and was refused, mosaic-launch-2026-12-02-h200-fused_mgpu-session23.json)."""
     from bridge.mosaic_launch import launch_structs
     config = T.OFFICIAL[sid].config
     x, mats, vecs = launch_structs(config, config.batch_size, config.seq_len)

@@ -122,6 +122,16 @@ ROWS_STACK_MAX_SEQ_LEN = 1024
 # seeds clean (worst 0.585), 0.0616 ms per call against 0.131 for the Triton kernel through jax, equal on a
 # side stream (mosaic-launch-2026-11-30-h200-fused_mgpu-session6.json).
 MGPU_STACK_GPU_VERIFIED_D_MODELS = (32, 128)
+# ... and at the head counts where it is the fastest stack. 8 and 16 heads at d_model 128 (head_dim 16 and
+# 8, packed two or four to a 32-column block: kernels/fused_stack_mgpu.py) run correctly on the H200 but
+# slower: shape 11 (16 heads of 8) took 226.7 us per call through jax against the XLA program's 213.5
+# (bench/results/fused-stack-mgpu-2026-12-02-nvidia-h200-session23-packed.json; 0 failing elements, worst
+# err/tol 0.51); launched by the bridge, 0.2263 ms in the harness timing against 0.1501 for the rows stack
+# (28.1 against 129.6 us of host time per call; 5 seeds clean, worst 0.61:
+# mosaic-launch-2026-12-02-h200-fused_mgpu-session23-run2.json). Every sub-head adds a softmax pass on the
+# tile's two warpgroups, on 64 SMs for 64 sequences, where the rows stack's attention uses all of them.
+# So those counts are reachable by request only (stack="fused_mgpu").
+MGPU_STACK_PLANNED_NUM_HEADS = (1, 2, 4)
 # The Mosaic GPU whole-stack kernel (Hopper, d_model = ffn_dim = 128, 1/2/4 heads, S 32/64/128, fp32 x,
 # mask-free) against the Triton one, both through jax (bench/results/fused-stack-mgpu-2026-11-30-nvidia-
 # h200.json, us per call): shape 2 87.8 against 125.8, 1 88.9/128.4, 9 57.2/92.1, 10 68.3/104.3, 5
@@ -352,10 +362,11 @@ def plan(config: Config, inputs: InputFacts, device: DeviceFacts = CPU, *,
         from ttj_jax.kernels import fused_stack_mgpu
         if not fused_stack_mgpu.supports(config, inputs.seq_len) or mask_mode != "none" \
                 or inputs.dtype != "float32":
-            raise ValueError(f"stack 'fused_mgpu' needs d_model = ffn_dim in {fused_stack_mgpu.SUPPORTED_D_MODELS}, "
-                             f"1/2/4 heads, seq_len in "
-                             f"{fused_stack_mgpu.SUPPORTED_SEQ_LENS}, float32 x and no mask work; got {config}, "
-                             f"S={inputs.seq_len}, {inputs.dtype}, mask mode {mask_mode}")
+            model = fused_stack_mgpu.model_error(config.d_model, config.num_heads, config.ffn_dim)
+            raise ValueError(f"stack 'fused_mgpu' needs a model it builds ({model or 'this one is'}), seq_len in "
+                             f"{fused_stack_mgpu.SUPPORTED_SEQ_LENS}, shared memory for its layers, float32 x "
+                             f"and no mask work; got {config}, S={inputs.seq_len}, {inputs.dtype}, mask mode "
+                             f"{mask_mode}")
     if stack in ("fused", "fused_mgpu"):   # the kernel computes attention itself
         attention = "pallas"
     xla_options = ()
@@ -389,7 +400,8 @@ def _stack(config: Config, inputs: InputFacts, device: DeviceFacts, policy: str,
         return "layers", ""
     rows = inputs.batch_size * inputs.seq_len
     if (device.is_hopper and mask_mode == "none" and inputs.dtype == "float32" and rows <= FUSED_STACK_MAX_ROWS
-            and config.d_model in MGPU_STACK_GPU_VERIFIED_D_MODELS and fused_stack_mgpu.supports(config, inputs.seq_len)):
+            and config.d_model in MGPU_STACK_GPU_VERIFIED_D_MODELS and config.num_heads in MGPU_STACK_PLANNED_NUM_HEADS
+            and fused_stack_mgpu.supports(config, inputs.seq_len)):
         if inputs.seq_len >= MGPU_STACK_JAX_MIN_SEQ_LEN:
             return "fused_mgpu", (f"{inputs.batch_size}x{inputs.seq_len} tokens, no mask, on sm_90: the whole "
                                   "stack as one Mosaic GPU kernel, measured faster than the Triton one (88 "

@@ -5,14 +5,30 @@ Mosaic GPU backend ("plgpu") so that it can also be launched on torch tensors wi
 (`torch_kernel`, through `plgpu.as_torch_kernel`, whose launcher ships in jaxlib).
 
 Scope: d_model = ffn_dim = 128 (or 32: shape 7), head_dim = d_model / num_heads with num_heads in
-{1, 2, 4}, seq_len in {32, 64, 128}, 1 to 5 layers (all layers' vectors sit in shared memory), causal or
-not, fp32 x in and fp32 y out, any batch. No masks (mask-free calls only). Everything else belongs to
-`fused_stack.py` (see `supports`). Below, "128" in a weight or vector shape is d_model, and "hd" is the
-per-head block width: head_dim, zero-padded to MIN_BLOCK (32) when smaller (d_model 32 at 2 or 4
-heads): padded q/k columns add 0 to every score, padded v columns give context columns of 0, which meet
-zero rows of the out-projection, and padded MLP columns get GELU(0 + 0) = 0 against zero rows of W2.
+{1, 2, 4} (and 8 or 16 at d_model 128, packed: below), seq_len in {32, 64, 128}, 1 to 5 layers (all
+layers' vectors sit in shared memory), causal or not, fp32 x in and fp32 y out, any batch. No masks
+(mask-free calls only). Everything else belongs to `fused_stack.py` (see `supports`). Below, "128" in a
+weight or vector shape is d_model, "H" the number of head blocks (`blocks`) and "hd" the block width:
+head_dim, zero-padded to MIN_BLOCK (32) when smaller (d_model 32 at 2 or 4 heads): padded q/k columns add
+0 to every score, padded v columns give context columns of 0, which meet zero rows of the out-projection,
+and padded MLP columns get GELU(0 + 0) = 0 against zero rows of W2.
 At d_model 128 with 1/2/4 heads nothing is padded and the kernel is the one verified on the H200 (its
-lowering is pinned); d_model 32 has run only on a CPU (lowering, interpret mode, `emulate`).
+lowering is pinned); d_model 32 (shape 7) has run on the H200 since session 6 (planner.py).
+Packed heads: 8 or 16 heads at d_model 128 (head_dim 16 or 8; shape 11 is 16 heads of 8) are not padded
+(4x the SMEM and projection work at 16 heads) but packed 2 or 4 to a 32-column block: the weights, SMEM,
+projections and MLP are exactly the 4-head model's (block b = columns 32b..32b+31 = heads 4b..4b+3 at
+head_dim 8). Only the attention differs: per sub-head of a block, the block's q with the other heads'
+columns zeroed (fp16) scores against the whole block's k (the zeroed columns add exact zeros), the
+softmax uses the real head_dim's scale, and of P v (over the whole block's v) only the sub-head's
+columns are selected (exactly, in fp32) into the block's context. Per layer and consumer that is
+heads_per_block (2 or 4) times the 4-head build's score and P v wgmmas and softmax passes (all of them
+at the same 64 x 32 x keys shapes). On the H200 (session 23, shape 11; bench/results/fused-stack-mgpu-
+2026-12-02-nvidia-h200-session23-packed.json, mosaic-launch-2026-12-02-h200-fused_mgpu-session23-run2.json):
+correct (0 failing elements on the 5 harness seeds, worst err/tol 0.61; within 0.21 of the tolerance of
+`emulate`) but slow: 226.7 us per call through jax (shape 1's 4 heads: 74.3), 0.226 ms launched by the
+bridge against 0.150 for the rows stack. Each sub-head is a serial softmax pass on the tile's two
+consumer warpgroups (~3 us per sub-head and layer), on 64 SMs for shape 11's 64 sequences, where the rows
+stack spreads attention over all 132: so the planner leaves these head counts to explicit requests.
 
 Design (one CUDA block per 128-row tile; three warpgroups):
 - Tile. A block carries 128 rows: one sequence (S=128) or 128 // S whole sequences one after another
@@ -37,11 +53,11 @@ Design (one CUDA block per 128-row tile; three warpgroups):
   registers as the wgmma A operand); q_h = h Wq_h + bq_h (fp16, registers, every head); k_h and v_h
   are written (fp16) to SMEM buffers [H, 128, hd] shared by both consumers, then a barrier pair
   (kv_written, kv_free, two arrivals each) orders the writes against the other consumer's reads.
-  Per head: scores = q_h k_h^T over the keys it may see (`_key_blocks`: at S < 128 its own 64 rows'
-  keys; at S = 128 causal, in grids of up to SPLIT_MAX_TILES tiles, consumer 0 keys 0-63 and consumer 1
-  keys 0-63 unmasked plus 64-127, its two blocks' wgmmas issued together: `chain_key_blocks`; else all
-  128) in 64 x 64 (or 64 x 128) fp32 blocks, mask, softmax
-  (fp32, base 2, over all its blocks),
+  Per head (packed heads: per sub-head, see Scope): scores = q_h k_h^T over the keys it may see
+  (`_key_blocks`: at S < 128 its own 64 rows' keys; at S = 128 causal, in grids of up to
+  SPLIT_MAX_TILES tiles, consumer 0 keys 0-63 and consumer 1 keys 0-63 unmasked plus 64-127, its two
+  blocks' wgmmas issued together: `chain_key_blocks`; else all 128) in 64 x 64 (or 64 x 128) fp32
+  blocks, mask, softmax (fp32, base 2, over all its blocks),
   P = softmax normalised in fp32 then rounded to fp16, ctx_h = P v_h (fp32) -> fp16. Then
   x + bout + sum_h ctx_h Wout_h (the residual plus bias is the initial value of one fp32 wgmma
   accumulator into which every head's product is chained, heads in order, waited for once:
@@ -97,7 +113,8 @@ from ttj_jax.params import PreparedWeights
 
 D_MODEL = 128               # the default width (shapes 1-6, 9, 10, 12)
 SUPPORTED_D_MODELS = (32, 128)   # d_model = ffn_dim; 32 is shape 7's (see MIN_BLOCK)
-SUPPORTED_NUM_HEADS = (1, 2, 4)
+SUPPORTED_NUM_HEADS = (1, 2, 4)      # at every supported d_model: one head per block (padded at d 32)
+PACKED_NUM_HEADS = (8, 16)           # at D_MODEL only: heads packed several to a block (see `blocks`)
 # Per-head (and MLP block) widths below this (shape 7's head_dim 8, or 16 at 2 heads) are zero-padded to
 # it in the weights, so q.k, P.v and the projections see exact zeros there. wgmma would take 16 (its
 # fp16 contraction depth), but 16-wide blocks (32-byte swizzle) hung the kernel in GPU interpret mode,
@@ -129,20 +146,49 @@ def model_error(d_model: int, num_heads: int, ffn_dim: int) -> str | None:
     if d_model not in SUPPORTED_D_MODELS:
         return f"d_model={d_model} must be one of {SUPPORTED_D_MODELS}"
     if ffn_dim != d_model:
-        return f"ffn_dim={ffn_dim} must equal d_model={d_model} (the MLP runs in num_heads blocks)"
-    if num_heads not in SUPPORTED_NUM_HEADS:
-        return f"num_heads={num_heads} must be one of {SUPPORTED_NUM_HEADS}"
+        return f"ffn_dim={ffn_dim} must equal d_model={d_model} (the MLP runs in the head blocks' width)"
+    if num_heads in PACKED_NUM_HEADS and d_model != D_MODEL:
+        return (f"num_heads={num_heads} must be one of {SUPPORTED_NUM_HEADS} at d_model={d_model} "
+                f"({PACKED_NUM_HEADS} heads are packed into {MIN_BLOCK}-column blocks at d_model={D_MODEL} only)")
+    if num_heads not in SUPPORTED_NUM_HEADS + PACKED_NUM_HEADS:
+        return (f"num_heads={num_heads} must be one of {SUPPORTED_NUM_HEADS} (or {PACKED_NUM_HEADS}, packed, "
+                f"at d_model={D_MODEL})")
     if (d_model // num_heads) % 8:
         return f"head_dim={d_model // num_heads} must be a multiple of 8"
     return None
 
 
+def blocks(d_model: int, num_heads: int) -> tuple[int, int]:
+    """(num_blocks, heads_per_block): how the heads sit in the kernel's column blocks, the unit of every
+    weight chunk, of k and v in SMEM and of every projection's wgmma. 1, 2 or 4 heads: one block per
+    head (head_dim zero-padded to MIN_BLOCK where smaller, d_model 32). 8 or 16 heads at d_model 128
+    (head_dim 16 or 8): PACKED, MIN_BLOCK-column blocks of 2 or 4 whole heads, so block b holds columns
+    32 b .. 32 b + 31, i.e. the layout (and the projections, MLP and SMEM) of the 4-head model; only the
+    attention walks the sub-heads of a block (see `_stack_kernel`)."""
+    if num_heads in SUPPORTED_NUM_HEADS:
+        return num_heads, 1
+    heads_per_block = MIN_BLOCK // (d_model // num_heads)
+    return num_heads // heads_per_block, heads_per_block
+
+
 def widths(d_model: int, num_heads: int) -> tuple[int, int, int]:
-    """(head_dim, the per-head width in the weights and SMEM, the vectors' row length): the head width
-    is head_dim zero-padded to MIN_BLOCK; per-head biases sit at head * width in the vectors."""
+    """(head_dim, the block width in the weights and SMEM, the vectors' row length): one head's
+    head_dim zero-padded to MIN_BLOCK, or MIN_BLOCK for packed heads (`blocks`); per-block biases sit at
+    block * width in the vectors (so packed heads' biases are the unpadded vector)."""
     head_dim = d_model // num_heads
-    width = max(head_dim, MIN_BLOCK)
-    return head_dim, width, max(d_model, num_heads * width)
+    num_blocks, heads_per_block = blocks(d_model, num_heads)
+    width = max(head_dim * heads_per_block, MIN_BLOCK)
+    return head_dim, width, max(d_model, num_blocks * width)
+
+
+def weight_shapes(num_layers: int, d_model: int, num_heads: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The shapes of MgpuStackWeights' mats (fp16) and vecs (fp32), as `stack_weights_mgpu` builds them:
+    [L, 6, num_blocks, d, width] and [L + 1, 10, vec_len] (what a launcher declaring the kernel's
+    arguments itself needs: the chunk dimension is the number of blocks, not of heads)."""
+    _, width, vec_len = widths(d_model, num_heads)
+    num_blocks, _ = blocks(d_model, num_heads)
+    return ((num_layers, CHUNKS_PER_LAYER, num_blocks, d_model, width),
+            (num_layers + 1, NUM_VECS, vec_len))
 
 
 def supports(config: Any, seq_len: int) -> bool:
@@ -157,16 +203,19 @@ def supports(config: Any, seq_len: int) -> bool:
 def smem_bytes(num_layers: int, num_slots: int = NUM_SLOTS, *, d_model: int = D_MODEL, num_heads: int = 4) -> int:
     """Shared memory of one block: residual, k, v, weight ring, vectors, barriers."""
     _, width, vec_len = widths(d_model, num_heads)
-    chunk = num_heads * d_model * width * 2
-    kv = 2 * num_heads * TILE_ROWS * width * 2
+    num_blocks, _ = blocks(d_model, num_heads)
+    chunk = num_blocks * d_model * width * 2
+    kv = 2 * num_blocks * TILE_ROWS * width * 2
     return (TILE_ROWS * d_model * 4 + kv + num_slots * chunk
             + (num_layers + 1) * NUM_VECS * vec_len * 4 + 8 * (2 + 1 + 2 * num_slots + 2))
 
 
 @jax.tree_util.register_pytree_node_class
 class MgpuStackWeights:
-    """mats [L, 6, H, d, w] fp16 and vecs [L + 1, 10, max(d, H w)] fp32, w = max(head_dim, MIN_BLOCK)
-    (module docstring; for d = 128 and 1/2/4 heads w = head_dim and the vectors are 128 long)."""
+    """mats [L, 6, N, d, w] fp16 and vecs [L + 1, 10, max(d, N w)] fp32 with (N, w) the blocks and their
+    width (`blocks`, `widths`): N = H and w = max(head_dim, MIN_BLOCK) for 1/2/4 heads, N = 4 and w = 32
+    for 8 or 16 packed heads (module docstring; for d = 128 the vectors are 128 long). num_heads is the
+    model's real head count (head_dim, the attention's sub-heads); num_blocks is mats' chunk dimension."""
 
     def __init__(self, mats, vecs, *, num_heads: int):
         self.mats, self.vecs, self.num_heads = mats, vecs, num_heads
@@ -190,6 +239,10 @@ class MgpuStackWeights:
     def head_dim(self) -> int:
         return self.d_model // self.num_heads
 
+    @property
+    def num_blocks(self) -> int:
+        return self.mats.shape[2]
+
 
 def stack_weights_mgpu(prepared: PreparedWeights | dict, num_heads: int) -> MgpuStackWeights:
     """MgpuStackWeights from PreparedWeights (mixed_fp16) or raw params; once, outside the hot path."""
@@ -200,19 +253,23 @@ def stack_weights_mgpu(prepared: PreparedWeights | dict, num_heads: int) -> Mgpu
 @functools.partial(jax.jit, static_argnums=(1,))
 def _build_weights(prepared: PreparedWeights, num_heads: int) -> MgpuStackWeights:
     d_model = prepared.layers[0]["ffn_in_weight"].shape[0]
-    hd, width, vec_len = widths(d_model, num_heads)
+    _, width, vec_len = widths(d_model, num_heads)
+    # N blocks of `cols` real columns each: one head (head_dim) each, or heads_per_block packed heads
+    # (MIN_BLOCK columns): then exactly the 4-head model's layout of the same parameters.
+    num_blocks, _ = blocks(d_model, num_heads)
+    cols = d_model // num_blocks
 
     def pad_last(a, size):
         return jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, size - a.shape[-1])]) if a.shape[-1] < size else a
 
-    def column_blocks(w):   # [in, out] -> [H, in, width]: block h = w[:, h*hd:(h+1)*hd], zero-padded
-        return pad_last(jnp.asarray(w).reshape(w.shape[0], num_heads, hd).transpose(1, 0, 2), width)
+    def column_blocks(w):   # [in, out] -> [N, in, width]: block b = w[:, b*cols:(b+1)*cols], zero-padded
+        return pad_last(jnp.asarray(w).reshape(w.shape[0], num_blocks, cols).transpose(1, 0, 2), width)
 
-    def row_blocks_t(w):    # [in, out] -> [H, out, width]: block h = w[h*hd:(h+1)*hd, :]^T, zero-padded
-        return pad_last(jnp.asarray(w).reshape(num_heads, hd, w.shape[1]).transpose(0, 2, 1), width)
+    def row_blocks_t(w):    # [in, out] -> [N, out, width]: block b = w[b*cols:(b+1)*cols, :]^T, zero-padded
+        return pad_last(jnp.asarray(w).reshape(num_blocks, cols, w.shape[1]).transpose(0, 2, 1), width)
 
-    def per_head(b):        # [H hd] -> [vec_len]: head h at h * width, zeros after it
-        return pad_last(pad_last(jnp.asarray(b).reshape(num_heads, hd), width).reshape(-1), vec_len)
+    def per_head(b):        # [N cols] -> [vec_len]: block b at b * width, zeros after it
+        return pad_last(pad_last(jnp.asarray(b).reshape(num_blocks, cols), width).reshape(-1), vec_len)
 
     def whole(v):           # [d] -> [vec_len]
         return pad_last(jnp.asarray(v), vec_len)
@@ -331,7 +388,8 @@ def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, num_layers: int, 
 
     (x_smem, k_smem, v_smem, w_smem, vec_smem, *stages), barriers = scoped
     x_ready, vec_ready, w_ready, w_consumed, kv_written, kv_free = barriers
-    hd, width, _ = widths(d_model, num_heads)   # per-head blocks are `width` wide (hd zero-padded)
+    hd, width, _ = widths(d_model, num_heads)   # blocks are `width` wide (hd zero-padded, or packed heads)
+    num_blocks, heads_per_block = blocks(d_model, num_heads)
     wg = lax.axis_index("wg")
     tile = lax.axis_index(_GRID_TILE)
     seqs_per_tile = TILE_ROWS // seq_len
@@ -534,11 +592,11 @@ def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, num_layers: int, 
 
         def _layer_body(layer, h):
             def project(w, bias_index, store=None, layer=layer, h=h):
-                """Every head's h @ W_head + b_head in fp16: returned, or handed to store(head, value)."""
-                def finish(head, acc):
-                    value = (acc + row_bcast(vec(layer, bias_index, head * width, width), acc.shape)).astype(_GEMM_DTYPE)
-                    return value if store is None else store(head, value)
-                return matmuls(h, [w.at[head] for head in range(num_heads)], finish)
+                """Every block's h @ W_block + b_block in fp16: returned, or handed to store(block, value)."""
+                def finish(block, acc):
+                    value = (acc + row_bcast(vec(layer, bias_index, block * width, width), acc.shape)).astype(_GEMM_DTYPE)
+                    return value if store is None else store(block, value)
+                return matmuls(h, [w.at[block] for block in range(num_blocks)], finish)
 
             with phase("q_proj"):
                 w = chunk_wait(0)
@@ -550,11 +608,11 @@ def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, num_layers: int, 
                 with phase("kv_proj"):
                     w = chunk_wait(slot)
 
-                    def store(head, value, dst=dst):
+                    def store(block, value, dst=dst):
                         if key_blocks != "all":
-                            dst[head, wg] = value
+                            dst[block, wg] = value
                         else:
-                            dst[head, pl.ds(wg * WG_ROWS, WG_ROWS), :] = value
+                            dst[block, pl.ds(wg * WG_ROWS, WG_ROWS), :] = value
                     project(w, bias_index, store)
                     chunk_done(slot)
             plgpu.commit_smem()
@@ -567,7 +625,7 @@ def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, num_layers: int, 
             with phase("out_proj"):
                 w = chunk_wait(3)
                 x = load_x() + row_bcast(vec(layer, BOUT), (WG_ROWS, d_model))
-                x = add_products(x, [(ctx[head], w.at[head]) for head in range(num_heads)])
+                x = add_products(x, [(ctx[block], w.at[block]) for block in range(num_blocks)])
                 chunk_done(3)
             with phase("ln2"):
                 h2 = layer_norm(x, layer, LN2_W, LN2_B).astype(_GEMM_DTYPE)
@@ -579,12 +637,12 @@ def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, num_layers: int, 
                     if "no_gelu" in ablate:
                         return pre.astype(_GEMM_DTYPE)
                     return _gelu(pre, fast_erf).astype(_GEMM_DTYPE)
-                hidden = matmuls(h2, [w.at[block] for block in range(num_heads)], gelu_block)
+                hidden = matmuls(h2, [w.at[block] for block in range(num_blocks)], gelu_block)
                 chunk_done(4)
             with phase("mlp_out"):
                 w = chunk_wait(5)
                 x = x + row_bcast(vec(layer, B2), x.shape)
-                x = add_products(x, [(hidden[block], w.at[block]) for block in range(num_heads)])
+                x = add_products(x, [(hidden[block], w.at[block]) for block in range(num_blocks)])
                 chunk_done(5)
                 rows_smem[...] = x
 
@@ -594,44 +652,62 @@ def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, num_layers: int, 
                                 lambda: _attention_blocks(q, (0, 1)))
             return _attention_blocks(q, (wg,) if key_blocks == "own" else (None,))
 
-        def _attention_blocks(q, blocks):
-            """Per head, softmax(q k^T) v over the key blocks named (None: all 128 keys); the last block is
-            the diagonal one (masked by allowed_keys), any before it are wholly in the past (no mask)."""
+        def _attention_blocks(q, key_ids):
+            """Per head block, its context (fp16 [64, width]) over the key blocks named (None: all 128
+            keys; see head_context). One head per block: softmax(q k^T) v. Packed heads
+            (heads_per_block > 1): per sub-head s of the block (its hd columns), q_s = q with the other
+            columns zeroed (fp16, still the register A operand), so the block's other heads' k columns add
+            exact zeros to q_s k^T, the softmax with the real head_dim's scale, and of P_s v (fp32, all the
+            block's columns) only s's columns kept: an exact select, the sub-heads' columns being disjoint.
+            So the projections, k/v in SMEM and the out-projection stay the 4-block layout's, and the
+            attention costs heads_per_block score and P v products and softmax passes per block."""
             ctx = []
             if "no_attention" in ablate:
                 return list(q)
-            for head in range(num_heads):
-                def kv(ref, block, head=head):
-                    return ref.at[head] if block is None else ref.at[head, block]
-                scores = block_scores(q[head], [kv(k_smem, block) for block in blocks])
-                if "no_softmax" in ablate:
-                    out = matmul(None, scores[-1].astype(_GEMM_DTYPE), kv(v_smem, blocks[-1]))
-                    ctx.append(out.astype(_GEMM_DTYPE))
+            for block in range(num_blocks):
+                def kv(ref, key_id, block=block):
+                    return ref.at[block] if key_id is None else ref.at[block, key_id]
+                if heads_per_block == 1:
+                    ctx.append(head_context(q[block], kv, key_ids).astype(_GEMM_DTYPE))
                     continue
-                allowed = allowed_keys()
-                if allowed is not None:   # every row keeps its own key: the row max is finite
-                    scores[-1] = jnp.where(allowed, scores[-1], -jnp.inf)
-                m = scores[0].max(axis=1)
-                for s in scores[1:]:
-                    m = jnp.maximum(m, s.max(axis=1))
-                m = m * score_scale
-
-                def exp2(s, m=m):   # half_softmax (see kernel_function): fp16 P from the packed exp2
-                    exponent = s * score_scale - col_bcast(m, s.shape)
-                    if half_softmax:
-                        return mosaic_half_exp2(exponent.astype(_GEMM_DTYPE), interpret=bool(interpret))
-                    return jnp.exp2(exponent)
-                ps = [exp2(s) for s in scores]
-                total = ps[0].sum(axis=1)
-                for p in ps[1:]:
-                    total = total + p.sum(axis=1)
-                inverse = 1.0 / total.astype(jnp.float32)   # fp32 either way; fp16 for the fp16 P
-                if half_softmax:
-                    inverse = inverse.astype(_GEMM_DTYPE)
-                ps = [(p * col_bcast(inverse, p.shape)).astype(_GEMM_DTYPE) for p in ps]
-                out = block_context(ps, [kv(v_smem, block) for block in blocks])
+                out = None
+                for sub in range(heads_per_block):
+                    # this sub-head's columns: column // hd == sub (hd is a power of two, 8 or 16)
+                    column = iota((WG_ROWS, width), 1)
+                    mine = lax.shift_right_logical(column, jnp.int32(hd.bit_length() - 1)) == sub
+                    context = head_context(jnp.where(mine, q[block], 0.0), kv, key_ids)
+                    out = jnp.where(mine, context, 0.0 if out is None else out)
                 ctx.append(out.astype(_GEMM_DTYPE))
             return ctx
+
+        def head_context(q_head, kv, key_ids):
+            """softmax(q_head k^T) v (fp32 [64, width]) over the key blocks named; the last key block is the
+            diagonal one (masked by allowed_keys), any before it are wholly in the past (no mask)."""
+            scores = block_scores(q_head, [kv(k_smem, key_id) for key_id in key_ids])
+            if "no_softmax" in ablate:
+                return matmul(None, scores[-1].astype(_GEMM_DTYPE), kv(v_smem, key_ids[-1]))
+            allowed = allowed_keys()
+            if allowed is not None:   # every row keeps its own key: the row max is finite
+                scores[-1] = jnp.where(allowed, scores[-1], -jnp.inf)
+            m = scores[0].max(axis=1)
+            for s in scores[1:]:
+                m = jnp.maximum(m, s.max(axis=1))
+            m = m * score_scale
+
+            def exp2(s, m=m):   # half_softmax (see kernel_function): fp16 P from the packed exp2
+                exponent = s * score_scale - col_bcast(m, s.shape)
+                if half_softmax:
+                    return mosaic_half_exp2(exponent.astype(_GEMM_DTYPE), interpret=bool(interpret))
+                return jnp.exp2(exponent)
+            ps = [exp2(s) for s in scores]
+            total = ps[0].sum(axis=1)
+            for p in ps[1:]:
+                total = total + p.sum(axis=1)
+            inverse = 1.0 / total.astype(jnp.float32)   # fp32 either way; fp16 for the fp16 P
+            if half_softmax:
+                inverse = inverse.astype(_GEMM_DTYPE)
+            ps = [(p * col_bcast(inverse, p.shape)).astype(_GEMM_DTYPE) for p in ps]
+            return block_context(ps, [kv(v_smem, key_id) for key_id in key_ids])
 
         # Two key blocks (consumer 1 of the split layout): with chain_key_blocks both Q @ K^T wgmmas are
         # issued before either is read, and both P @ V products go into one accumulator, one wait each
@@ -814,6 +890,7 @@ def kernel_function(batch: int, seq_len: int, num_heads: int, num_layers: int, c
                          f"more than {SMEM_BUDGET_BYTES}")
     plgpu = _plgpu()
     _, width, vec_len = widths(d_model, num_heads)
+    num_blocks, _ = blocks(d_model, num_heads)   # the chunk dimension of mats, k and v
 
     def fp16_transforms(minor: int):
         swizzle = min(128, minor * 2)
@@ -824,12 +901,12 @@ def kernel_function(batch: int, seq_len: int, num_heads: int, num_layers: int, c
         fast_erf = default_fast_erf(batch, seq_len, causal)
     num_tiles = _tiles(batch, seq_len)
     key_blocks = _key_blocks(seq_len, causal, num_tiles, ablate)
-    keys = TILE_ROWS if key_blocks == "all" else WG_ROWS   # k, v: [H, 128, w] or [H, 2, 64, w]
-    kv_shape = (num_heads, TILE_ROWS, width) if keys == TILE_ROWS else (num_heads, NUM_CONSUMERS, keys, width)
+    keys = TILE_ROWS if key_blocks == "all" else WG_ROWS   # k, v: [N, 128, w] or [N, 2, 64, w]
+    kv_shape = (num_blocks, TILE_ROWS, width) if keys == TILE_ROWS else (num_blocks, NUM_CONSUMERS, keys, width)
     smem = (plgpu.SMEM((NUM_CONSUMERS, WG_ROWS, d_model), jnp.float32),                     # residual
             plgpu.SMEM(kv_shape, _GEMM_DTYPE, transforms=kv_transforms),   # k
             plgpu.SMEM(kv_shape, _GEMM_DTYPE, transforms=kv_transforms),   # v
-            plgpu.SMEM((NUM_SLOTS, num_heads, d_model, width), _GEMM_DTYPE, transforms=kv_transforms),  # ring
+            plgpu.SMEM((NUM_SLOTS, num_blocks, d_model, width), _GEMM_DTYPE, transforms=kv_transforms),  # ring
             plgpu.SMEM((num_layers + 1, NUM_VECS, vec_len), jnp.float32))                   # vectors
     if interpret:   # wgmma operand staging for GPU interpret mode (see _stack_kernel's matmul)
         smem += tuple(plgpu.SMEM((NUM_CONSUMERS,) + shape, _GEMM_DTYPE)
@@ -880,6 +957,12 @@ def _check_call(weights, x, num_heads, causal):
     batch, seq_len, d_model = x.shape
     if d_model != weights.d_model:
         raise ValueError(f"x.shape={x.shape}: d_model={d_model} must be the weights' {weights.d_model}")
+    error = model_error(d_model, num_heads, d_model)
+    if error:
+        raise ValueError(error)
+    if weights.num_blocks != blocks(d_model, num_heads)[0]:   # e.g. 16 heads' weights built one chunk per head
+        raise ValueError(f"weights.mats.shape={weights.mats.shape}: {num_heads} heads at d_model={d_model} "
+                         f"need {blocks(d_model, num_heads)[0]} head blocks (see stack_weights_mgpu)")
     if jnp.dtype(x.dtype) != jnp.dtype(jnp.float32):
         raise ValueError(f"x.dtype={jnp.dtype(x.dtype)} must be float32")
     if seq_len not in SUPPORTED_SEQ_LENS:
@@ -961,11 +1044,13 @@ def emulate(weights: MgpuStackWeights, x, *, causal: bool = True, fast_erf: bool
             half_softmax: bool = False) -> np.ndarray:
     """The kernel's algorithm in NumPy, tile by tile and warpgroup by warpgroup, with its dtypes: fp16
     GEMM operands (rounded where the kernel rounds), fp32 accumulation, the out-projection and the
-    MLP's second GEMM accumulated head (block) by head onto x + bias, the 128-row tile's masked
+    MLP's second GEMM accumulated block by block onto x + bias, the 128-row tile's masked
     64 x 128 score blocks (the kernel's key blocks leave out only keys masked here: exact zeros in
-    the sums), base-2 softmax normalised in fp32 before the fp16 rounding; the GELU's erf as
-    the kernel built with the same `fast_erf` computes it (None: the kernel's default for x's shape;
-    pass it explicitly when emulating a slice of a larger batch)."""
+    the sums), base-2 softmax normalised in fp32 before the fp16 rounding; packed heads (`blocks`) per
+    sub-head with q's other columns zeroed in fp16, the scale of the real head_dim, P v over the whole
+    block in fp32 of which the sub-head's columns are selected into the block's context, then fp16;
+    the GELU's erf as the kernel built with the same `fast_erf` computes it (None: the kernel's default
+    for x's shape; pass it explicitly when emulating a slice of a larger batch)."""
     if fast_erf is None:
         fast_erf = default_fast_erf(np.shape(x)[0], np.shape(x)[1], causal)
     mats = np.asarray(weights.mats).astype(np.float32)   # fp16 values, exactly representable
@@ -973,8 +1058,9 @@ def emulate(weights: MgpuStackWeights, x, *, causal: bool = True, fast_erf: bool
     x = np.asarray(x, np.float32)
     batch, seq_len, d = x.shape
     num_heads, hd = weights.num_heads, weights.head_dim
-    width = mats.shape[-1]                              # hd zero-padded to MIN_BLOCK
-    vecs = vecs[..., :max(d, num_heads * width)]
+    num_blocks, width = mats.shape[2], mats.shape[-1]   # hd zero-padded to MIN_BLOCK, or packed heads
+    heads_per_block = num_heads // num_blocks
+    vecs = vecs[..., :max(d, num_blocks * width)]
     seqs_per_tile = TILE_ROWS // seq_len
     batch_pad = -batch % seqs_per_tile
     xp = np.concatenate([x, np.zeros((batch_pad, seq_len, d), np.float32)]) if batch_pad else x
@@ -1003,29 +1089,40 @@ def emulate(weights: MgpuStackWeights, x, *, causal: bool = True, fast_erf: bool
             v_ = vecs[layer]
             whole = v_[:, :d]                           # the d-long vectors (LayerNorms, BOUT, B2)
             h = f16(ln(res, whole[LN1_W], whole[LN1_B]))
-            heads = [slice(i * width, (i + 1) * width) for i in range(num_heads)]
+            heads = [slice(i * width, (i + 1) * width) for i in range(num_blocks)]   # blocks, in the vectors
             q = [f16(dot(h, wq[i]) + v_[BQ][s]) for i, s in enumerate(heads)]
             k = [f16(dot(h, wk[i]) + v_[BK][s]) for i, s in enumerate(heads)]
             v = [f16(dot(h, wv[i]) + v_[BV][s]) for i, s in enumerate(heads)]
             new = np.empty_like(res)
+
+            def context(q_head, k_block, v_block, r):   # fp32 P v over the block's columns
+                scores = dot(q_head, k_block.T)
+                scores = np.where(allowed[r], scores, -np.inf).astype(np.float32)
+                m = scores.max(axis=1, keepdims=True) * scale
+                if half_softmax:   # fp16 exponent, exp2, sums and normalisation (sums in fp32 here)
+                    p = f16(np.exp2(f16(scores * scale - m)))
+                    total = f16(p.sum(axis=1, keepdims=True, dtype=np.float32))
+                    return dot(f16(p * f16(np.float32(1.0) / total)), v_block)
+                p = np.exp2(scores * scale - m).astype(np.float32)
+                p = p * (np.float32(1.0) / p.sum(axis=1, keepdims=True, dtype=np.float32))
+                return dot(f16(p), v_block)
+
+            sub_heads = np.arange(width) // hd          # packed: the sub-head of each block column
             for wg in range(NUM_CONSUMERS):
                 r = slice(wg * WG_ROWS, (wg + 1) * WG_ROWS)
                 ctx = []
-                for i in range(num_heads):
-                    scores = dot(q[i][r], k[i].T)
-                    scores = np.where(allowed[r], scores, -np.inf).astype(np.float32)
-                    m = scores.max(axis=1, keepdims=True) * scale
-                    if half_softmax:   # fp16 exponent, exp2, sums and normalisation (sums in fp32 here)
-                        p = f16(np.exp2(f16(scores * scale - m)))
-                        total = f16(p.sum(axis=1, keepdims=True, dtype=np.float32))
-                        p = f16(p * f16(np.float32(1.0) / total))
-                        ctx.append(f16(dot(p, v[i])))
+                for i in range(num_blocks):
+                    if heads_per_block == 1:
+                        ctx.append(f16(context(q[i][r], k[i], v[i], r)))
                         continue
-                    p = np.exp2(scores * scale - m).astype(np.float32)
-                    p = p * (np.float32(1.0) / p.sum(axis=1, keepdims=True, dtype=np.float32))
-                    ctx.append(f16(dot(f16(p), v[i])))
+                    selected = np.zeros((WG_ROWS, width), np.float32)
+                    for sub in range(heads_per_block):
+                        mine = sub_heads == sub
+                        q_sub = np.where(mine, q[i][r], np.float32(0.0))   # fp16 values, zeros elsewhere
+                        selected = np.where(mine, context(q_sub, k[i], v[i], r), selected)
+                    ctx.append(f16(selected))
                 xr = res[r] + whole[BOUT]
-                for i in range(num_heads):
+                for i in range(num_blocks):
                     xr = xr + dot(ctx[i], wout_t[i].T)
                 h2 = f16(ln(xr, whole[LN2_W], whole[LN2_B]))
                 xr = xr + whole[B2]
