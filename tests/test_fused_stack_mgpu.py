@@ -137,6 +137,21 @@ def test_packed_heads_build_with_every_variant():
             traced.lower(lowering_platforms=("cuda",))
 
 
+@pytest.mark.parametrize("num_heads", [16, 4])
+def test_head_group_lowers_and_changes_only_its_builds(num_heads):
+    """head_group > 1 (sub-heads of a packed block, or whole heads of several blocks, side by side: a
+    GPU-only code path, measured no faster on the H200, bench/results/head-group-2026-12-02-nvidia-h200-
+    session23.json) lowers to one kernel that differs from the default; head_group=1 is the default
+    build exactly; bad values are refused."""
+    default = _lower_kernel(num_heads, 1, 128)
+    assert _lower_kernel(num_heads, 1, 128, head_group=1) == default
+    grouped = _lower_kernel(num_heads, 1, 128, head_group=2)
+    assert _custom_calls(grouped) == ["mosaic_gpu_v2"] and grouped != default
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="head_group"):
+            fsm.kernel_function(1, 128, num_heads, 4, True, head_group=bad)
+
+
 def test_grid_axis_name_is_not_batch():
     assert fsm._GRID_TILE != "batch" and fsm._GRID_TILE.startswith("ttj_")
 

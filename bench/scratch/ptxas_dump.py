@@ -40,6 +40,10 @@ VARIANTS = {
     "stack_shape6": "dict(shape='6')",
     "stack_shape6_resacc": "dict(shape='6', residual_accumulator=True)",
     "stack_shape2_pipeline": "dict(shape='2', pipeline=True)",
+    # session 23: 16 heads of 8 packed four to a block (shape 11), sub-heads one at a time or side by side
+    "stack_shape11": "dict(shape='11')",
+    "stack_shape11_group2": "dict(shape='11', head_group=2)",
+    "stack_shape1_group2": "dict(shape='1', head_group=2)",
 }
 
 CHILD = r"""

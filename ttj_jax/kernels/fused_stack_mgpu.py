@@ -378,7 +378,8 @@ def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, num_layers: int, 
                   seq_len: int, causal: bool, interpret: bool = False, overlap: bool = False,
                   profile: bool = False, d_model: int = D_MODEL, fast_erf: bool = False,
                   ablate: frozenset = frozenset(), key_blocks: str = "all", half_softmax: bool = False,
-                  residual_accumulator: bool = True, pipeline: bool = False, chain_key_blocks: bool = True):
+                  residual_accumulator: bool = True, pipeline: bool = False, chain_key_blocks: bool = True,
+                  head_group: int = 1):
     plgpu = _plgpu()
 
     def phase(name):
@@ -664,21 +665,67 @@ def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, num_layers: int, 
             ctx = []
             if "no_attention" in ablate:
                 return list(q)
+            def block_kv(block):
+                return lambda ref, key_id: ref.at[block] if key_id is None else ref.at[block, key_id]
+            grouped = not interpret and "no_softmax" not in ablate   # grouped_contexts: GPU build only
+            if heads_per_block == 1 and head_group > 1 and grouped:   # whole heads side by side
+                for first in range(0, num_blocks, head_group):
+                    group = range(first, min(first + head_group, num_blocks))
+                    contexts = grouped_contexts([(q[b], block_kv(b)) for b in group], key_ids)
+                    ctx.extend(context.astype(_GEMM_DTYPE) for context in contexts)
+                return ctx
             for block in range(num_blocks):
-                def kv(ref, key_id, block=block):
-                    return ref.at[block] if key_id is None else ref.at[block, key_id]
+                kv = block_kv(block)
                 if heads_per_block == 1:
                     ctx.append(head_context(q[block], kv, key_ids).astype(_GEMM_DTYPE))
                     continue
                 out = None
-                for sub in range(heads_per_block):
-                    # this sub-head's columns: column // hd == sub (hd is a power of two, 8 or 16)
+                for first in range(0, heads_per_block, head_group):
+                    subs = range(first, min(first + head_group, heads_per_block))
+                    # a sub-head's columns: column // hd == sub (hd is a power of two, 8 or 16)
                     column = iota((WG_ROWS, width), 1)
-                    mine = lax.shift_right_logical(column, jnp.int32(hd.bit_length() - 1)) == sub
-                    context = head_context(jnp.where(mine, q[block], 0.0), kv, key_ids)
-                    out = jnp.where(mine, context, 0.0 if out is None else out)
+                    mines = [lax.shift_right_logical(column, jnp.int32(hd.bit_length() - 1)) == sub for sub in subs]
+                    q_subs = [jnp.where(mine, q[block], 0.0) for mine in mines]
+                    if len(q_subs) > 1 and grouped:
+                        contexts = grouped_contexts([(q_sub, kv) for q_sub in q_subs], key_ids)
+                    else:   # one at a time (GPU interpret mode too: the same values, see grouped_contexts)
+                        contexts = [head_context(q_sub, kv, key_ids) for q_sub in q_subs]
+                    for mine, context in zip(mines, contexts):
+                        out = jnp.where(mine, context, 0.0 if out is None else out)
                 ctx.append(out.astype(_GEMM_DTYPE))
             return ctx
+
+        def grouped_contexts(heads, key_ids):
+            """[head_context(q, kv, key_ids) for q, kv in heads] with the heads side by side (head_group > 1,
+            GPU build; packed sub-heads of one block, or whole heads of several blocks): every head's
+            score wgmmas issued before any is read, the softmaxes
+            in one stretch of code (independent chains the compiler can interleave), every head's P v
+            issued before any is read (its key blocks chained in one accumulator, as chain_key_blocks
+            does). The same products and roundings as one head at a time with chain_key_blocks: the
+            output is meant to be bitwise the same, and the GPU check compares it. Why: a sub-head's
+            attention is a serial chain (wgmma wait, row max, exp2, row sum, P v, wait) that leaves the
+            SM mostly idle at two consumer warpgroups per SM (~3.2 us per sub-head and layer at shape 11
+            against ~0.5 us of issue slots, session 23)."""
+            k_refs = [[kv(k_smem, key_id) for key_id in key_ids] for _, kv in heads]
+            v_refs = [[kv(v_smem, key_id) for key_id in key_ids] for _, kv in heads]
+            n = len(key_ids)
+
+            def score_body(*acc_refs):
+                for g, (q_head, _) in enumerate(heads):
+                    for j, k_ref in enumerate(k_refs[g]):
+                        plgpu.wgmma(acc_refs[g * n + j], q_head, k_ref.transpose((1, 0)))
+                return [acc_ref[...] for acc_ref in acc_refs]
+            flat = pl.run_scoped(score_body, *[plgpu.ACC((WG_ROWS, k_ref.shape[0]), jnp.float32)
+                                               for refs in k_refs for k_ref in refs])
+            all_ps = [softmax_probabilities(list(flat[g * n:(g + 1) * n])) for g in range(len(heads))]
+
+            def context_body(*acc_refs):
+                for acc_ref, ps, refs in zip(acc_refs, all_ps, v_refs):
+                    for p, v_ref in zip(ps, refs):
+                        plgpu.wgmma(acc_ref, p, v_ref)
+                return [acc_ref[...] for acc_ref in acc_refs]
+            return pl.run_scoped(context_body, *[plgpu.ACC((WG_ROWS, refs[0].shape[1]), jnp.float32)
+                                                 for refs in v_refs])
 
         def head_context(q_head, kv, key_ids):
             """softmax(q_head k^T) v (fp32 [64, width]) over the key blocks named; the last key block is the
@@ -686,6 +733,11 @@ def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, num_layers: int, 
             scores = block_scores(q_head, [kv(k_smem, key_id) for key_id in key_ids])
             if "no_softmax" in ablate:
                 return matmul(None, scores[-1].astype(_GEMM_DTYPE), kv(v_smem, key_ids[-1]))
+            return block_context(softmax_probabilities(scores), [kv(v_smem, key_id) for key_id in key_ids])
+
+        def softmax_probabilities(scores):
+            """P (fp16) per key block from the fp32 score blocks: the diagonal (last) block masked, base-2
+            softmax over all blocks, normalised in fp32 (or fp16 with half_softmax) before the rounding."""
             allowed = allowed_keys()
             if allowed is not None:   # every row keeps its own key: the row max is finite
                 scores[-1] = jnp.where(allowed, scores[-1], -jnp.inf)
@@ -706,8 +758,7 @@ def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, num_layers: int, 
             inverse = 1.0 / total.astype(jnp.float32)   # fp32 either way; fp16 for the fp16 P
             if half_softmax:
                 inverse = inverse.astype(_GEMM_DTYPE)
-            ps = [(p * col_bcast(inverse, p.shape)).astype(_GEMM_DTYPE) for p in ps]
-            return block_context(ps, [kv(v_smem, key_id) for key_id in key_ids])
+            return [(p * col_bcast(inverse, p.shape)).astype(_GEMM_DTYPE) for p in ps]
 
         # Two key blocks (consumer 1 of the split layout): with chain_key_blocks both Q @ K^T wgmmas are
         # issued before either is read, and both P @ V products go into one accumulator, one wait each
@@ -814,7 +865,7 @@ def kernel_function(batch: int, seq_len: int, num_heads: int, num_layers: int, c
                     interpret: bool = False, overlap: bool = False, profile_dir: str | None = None,
                     d_model: int = D_MODEL, fast_erf: bool | None = None, ablate: frozenset = frozenset(),
                     half_softmax: bool = False, residual_accumulator: bool = True, pipeline: bool = False,
-                    chain_key_blocks: bool = True):
+                    chain_key_blocks: bool = True, head_group: int = 1):
     """The bare kernel for x [batch, seq_len, d_model] fp32: f(x, mats, vecs) -> y. Nothing but the Mosaic
     GPU call (what `plgpu.as_torch_kernel` needs); batch must be a multiple of 128 // seq_len.
     interpret: False (the GPU kernel), True or "detect_races" (Mosaic GPU's interpret mode on a CPU,
@@ -872,7 +923,20 @@ def kernel_function(batch: int, seq_len: int, num_heads: int, num_layers: int, c
     the two P @ V added in registers (the build before). Kernel time per call on the H200 against False:
     70.0/72.8 us at shape 2, 70.8/73.4 at 1, 68.7/70.5 at 3, 53.8/55.2 at 10, 45.2/48.7 at 7, level at 9
     (one head), zero failing elements (bench/results/fused-stack-mgpu-ablate-2026-12-01-nvidia-h200-
-    session14-chain.json)."""
+    session14-chain.json).
+    head_group (1 = one head at a time, every build before session 23): that many sub-heads of a
+    packed block, or whole heads of consecutive blocks, side by side (`grouped_contexts` in
+    `_stack_kernel`): their score
+    wgmmas issued together, their softmaxes in one stretch, their P v issued together. Same values
+    (GPU build; interpret mode runs them one at a time). More live registers: a [64, 64] or [64, 128]
+    fp32 score block per sub-head at once. Predicted from a sub-head's ~3.2 us per layer against ~0.5 us
+    of issue slots to take shape 11 from ~227 to ~150-170 us; measured on the H200 (bitwise the same
+    output): shape 11 225.8 / 228.7 / 268.7 us per call at groups 1 / 2 / 4, shape 1 73.8 / 80.5 / 90.7
+    (bench/results/head-group-2026-12-02-nvidia-h200-session23.json). Why (ptxas, ptxas-2026-12-02-nvidia-
+    h200-session23-head-group.json): ptxas reports 168 registers per thread for every build, and every
+    build already spills (shape 11: 1028 bytes of spill stores); grouping adds spills (1304 at group 2; shape
+    1 732 -> 968) and leaves the wgmma waits as they were (432 at shape 11 either way). An experiment;
+    the default stays 1."""
     unknown = set(ablate) - set(ABLATIONS)
     if unknown:
         raise ValueError(f"unknown ablations {sorted(unknown)}; known: {sorted(ABLATIONS)}")
@@ -888,6 +952,8 @@ def kernel_function(batch: int, seq_len: int, num_heads: int, num_layers: int, c
     if needed > SMEM_BUDGET_BYTES:
         raise ValueError(f"num_layers={num_layers} needs {needed} bytes of shared memory, "
                          f"more than {SMEM_BUDGET_BYTES}")
+    if isinstance(head_group, bool) or not isinstance(head_group, int) or head_group < 1:
+        raise ValueError(f"head_group={head_group!r} must be an int >= 1")
     plgpu = _plgpu()
     _, width, vec_len = widths(d_model, num_heads)
     num_blocks, _ = blocks(d_model, num_heads)   # the chunk dimension of mats, k and v
@@ -922,7 +988,7 @@ def kernel_function(batch: int, seq_len: int, num_heads: int, num_layers: int, c
                              causal=causal, interpret=interpret, overlap=overlap, profile=bool(profile_dir),
                              d_model=d_model, fast_erf=fast_erf, ablate=frozenset(ablate), key_blocks=key_blocks,
                              half_softmax=half_softmax, residual_accumulator=residual_accumulator,
-                             pipeline=pipeline, chain_key_blocks=chain_key_blocks)
+                             pipeline=pipeline, chain_key_blocks=chain_key_blocks, head_group=head_group)
 
     def entry(x_ref, mats_ref, vecs_ref, y_ref):
         pl.run_scoped(lambda *scoped: body(x_ref, mats_ref, vecs_ref, y_ref, scoped), smem, barriers,
@@ -972,11 +1038,11 @@ def _check_call(weights, x, num_heads, causal):
 
 
 @functools.partial(jax.jit, static_argnames=("num_heads", "causal", "interpret", "overlap", "fast_erf",
-                                             "residual_accumulator", "pipeline"))
+                                             "residual_accumulator", "pipeline", "head_group"))
 def fused_stack_mgpu_forward(weights: MgpuStackWeights, x: jax.Array, *, num_heads: int,
                              causal: bool = True, interpret: bool = False, overlap: bool = False,
                              fast_erf: bool | None = None, residual_accumulator: bool = True,
-                             pipeline: bool = False) -> jax.Array:
+                             pipeline: bool = False, head_group: int = 1) -> jax.Array:
     """y = LN_final(layers(x)) (SPEC section 1, mask-free) in one Mosaic GPU kernel; fp32 [B, S, d].
 
     S in {32, 64, 128}; any B (for S < 128 a B that is not a multiple of 128 // S is padded: one copy
@@ -989,7 +1055,8 @@ def fused_stack_mgpu_forward(weights: MgpuStackWeights, x: jax.Array, *, num_hea
         x = jnp.pad(x, ((0, batch_pad), (0, 0), (0, 0)))
     y = kernel_function(batch + batch_pad, seq_len, num_heads, weights.num_layers, causal, interpret,
                         overlap, d_model=weights.d_model, fast_erf=fast_erf,
-                        residual_accumulator=residual_accumulator, pipeline=pipeline)(x, weights.mats, weights.vecs)
+                        residual_accumulator=residual_accumulator, pipeline=pipeline,
+                        head_group=head_group)(x, weights.mats, weights.vecs)
     return y[:batch] if batch_pad else y
 
 
