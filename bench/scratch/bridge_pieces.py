@@ -78,7 +78,7 @@ def main(out_dir, shapes="11,13,8", device="cuda", loop=""):
     device = torch.device(device)
     result = {"gpu": torch.cuda.get_device_name() if device.type == "cuda" else None, "jax": jax.__version__, "torch": torch.__version__,
               "date": datetime.date.today().isoformat(),
-              "command": "PYTHONPATH=. python3 bench/scratch/bridge_pieces.py OUT " + shapes,
+              "command": "PYTHONPATH=. python3 bench/scratch/bridge_pieces.py OUT " + " ".join(sys.argv[2:]),
               "shapes": {}}
     for sid in shapes.split(","):
         result["shapes"][sid] = pieces(sid, device, loop=bool(loop))

@@ -701,11 +701,11 @@ def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, num_layers: int, 
             score wgmmas issued before any is read, the softmaxes
             in one stretch of code (independent chains the compiler can interleave), every head's P v
             issued before any is read (its key blocks chained in one accumulator, as chain_key_blocks
-            does). The same products and roundings as one head at a time with chain_key_blocks: the
-            output is meant to be bitwise the same, and the GPU check compares it. Why: a sub-head's
-            attention is a serial chain (wgmma wait, row max, exp2, row sum, P v, wait) that leaves the
-            SM mostly idle at two consumer warpgroups per SM (~3.2 us per sub-head and layer at shape 11
-            against ~0.5 us of issue slots, session 23)."""
+            does). The same products and roundings as one head at a time with chain_key_blocks: bitwise
+            the same output on the H200. Built on the premise that a sub-head's attention is a serial
+            chain (wgmma wait, row max, exp2, row sum, P v, wait) leaving the SM mostly idle (~3.2 us per
+            sub-head and layer at shape 11 against ~0.5 us of issue slots); measured no faster, with more
+            spills (kernel_function's `head_group`)."""
             k_refs = [[kv(k_smem, key_id) for key_id in key_ids] for _, kv in heads]
             v_refs = [[kv(v_smem, key_id) for key_id in key_ids] for _, kv in heads]
             n = len(key_ids)
@@ -926,8 +926,8 @@ def kernel_function(batch: int, seq_len: int, num_heads: int, num_layers: int, c
     session14-chain.json).
     head_group (1 = one head at a time, every build before session 23): that many sub-heads of a
     packed block, or whole heads of consecutive blocks, side by side (`grouped_contexts` in
-    `_stack_kernel`): their score
-    wgmmas issued together, their softmaxes in one stretch, their P v issued together. Same values
+    `_stack_kernel`): their score wgmmas issued together, their softmaxes in one stretch, their P v
+    issued together. Same values
     (GPU build; interpret mode runs them one at a time). More live registers: a [64, 64] or [64, 128]
     fp32 score block per sub-head at once. Predicted from a sub-head's ~3.2 us per layer against ~0.5 us
     of issue slots to take shape 11 from ~227 to ~150-170 us; measured on the H200 (bitwise the same
