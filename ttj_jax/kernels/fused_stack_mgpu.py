@@ -117,8 +117,12 @@ SUPPORTED_NUM_HEADS = (1, 2, 4)      # at every supported d_model: one head per 
 PACKED_NUM_HEADS = (8, 16)           # at D_MODEL only: heads packed several to a block (see `blocks`)
 # Per-head (and MLP block) widths below this (shape 7's head_dim 8, or 16 at 2 heads) are zero-padded to
 # it in the weights, so q.k, P.v and the projections see exact zeros there. wgmma would take 16 (its
-# fp16 contraction depth), but 16-wide blocks (32-byte swizzle) hung the kernel in GPU interpret mode,
-# and 32 is the width of the build verified on the H200 at 4 heads of 32 (64-byte swizzle).
+# fp16 contraction depth). 16-wide blocks (32-byte swizzle) once hung the kernel in GPU interpret mode,
+# but that was on a 2-core machine, where 4-block builds hang whatever their width (XLA's CPU thread
+# pool, see tests/test_fused_stack_mgpu.py). With 4 host devices, d_model 32 at 4 heads with 16-wide
+# blocks ran in 6 s in interpret mode and matched `emulate` and the harness rule (session 24). It also
+# lowers for CUDA. It has never run on a GPU, so 32 stays, the width of the build verified on the H200
+# at 4 heads of 32 (64-byte swizzle). For shape 7, 16 would halve the padded head work (not measured).
 MIN_BLOCK = 32
 SUPPORTED_SEQ_LENS = (32, 64, 128)
 TILE_ROWS = 128              # rows per CUDA block
