@@ -41,7 +41,7 @@ wrong numbers, or deadlock. So:
      ~20-35% (shape 2 ~88 -> ~60-70 us), 2 heads (10) less, 1 head (9) nothing. Measured
      (fused-stack-mgpu-2026-11-30-nvidia-h200-session5.json): no gain (shape 2 90.4 against 87.6 us, 1
      89.6/89.3, 9 57.9/58.4, 10 71.0/68.6): the waits are not where the time goes.
-Shape 7 (d_model 32, head blocks padded to 32 columns) is among the defaults: its first GPU run.
+Shape 7 (d_model 32, head blocks padded to 32 columns then, MIN_BLOCK = 16 since session 24) is among the defaults: its first GPU run.
 Writes <out>/fused-stack-mgpu-<date>-<gpu>.json after every shape and prints a table last. Budget:
 about 6 minutes on an H200 (a deadline skips what is left after DEADLINE_S).
 """

@@ -114,20 +114,39 @@ def test_forcing_the_mosaic_stack_is_checked():
 
 # --- the model runs the plan (kernel body in Mosaic GPU's interpret mode on the CPU) -------------------
 
+# In a 4-device subprocess: d_model 32's 16-wide head blocks (since session 24) hang GPU interpret mode in
+# process on two cores (XLA's CPU thread pool; tests/test_fused_stack_mgpu.py says more).
+MODEL_FORWARD_SCRIPT = r"""
+import json, sys
+sys.path.insert(0, "tests")
+import jax.numpy as jnp, numpy as np
+import ttj_jax as T
+from conftest import baseline_and_params, random_input
+from ttj_jax.kernels import fused_stack_mgpu as fsm
+d_model, num_heads = json.loads(sys.argv[1])
+config = T.Config(2, 64, d_model, num_heads, d_model, 1, True)
+_, params = baseline_and_params(config, 3)
+x = jnp.asarray(random_input(config, 4).numpy())
+prepared = T.prepare_weights(params, T.get_policy("mixed_fp16"))
+y = np.asarray(T.forward(prepared, x, config=config, stack="fused_mgpu"))
+ref = np.asarray(T.reference(params, x, config=config), np.float64)
+tolerance = np.maximum(0.002, 0.02 * np.abs(ref))
+weights = T.model.kernel_weights(prepared, T.model_key(config), "fused_mgpu")
+print(json.dumps({"shape_ok": y.shape == x.shape, "failed": int((~(np.abs(y - ref) <= tolerance)).sum()),
+                  "mgpu_weights": isinstance(weights, fsm.MgpuStackWeights),
+                  "built_once": T.model.kernel_weights(prepared, T.model_key(config), "fused_mgpu") is weights,
+                  "layers_are_prepared": T.model.kernel_weights(prepared, T.model_key(config), "layers") is prepared}))
+"""
+
+
 @pytest.mark.parametrize("d_model, num_heads", [(128, 2), (32, 4)])   # (32, 4): shape 7's widths, padded heads
 def test_model_forward_with_the_mosaic_stack_meets_the_harness_rule(d_model, num_heads):
-    config = T.Config(2, 64, d_model, num_heads, d_model, 1, True)
-    _, params = baseline_and_params(config, 3)
-    x = jnp.asarray(random_input(config, 4).numpy())
-    prepared = T.prepare_weights(params, T.get_policy("mixed_fp16"))
-    y = np.asarray(T.forward(prepared, x, config=config, stack="fused_mgpu"))
-    ref = np.asarray(T.reference(params, x, config=config), np.float64)
-    tolerance = np.maximum(0.002, 0.02 * np.abs(ref))
-    assert y.shape == x.shape and np.all(np.abs(y - ref) <= tolerance)
-    weights = T.model.kernel_weights(prepared, T.model_key(config), "fused_mgpu")
-    assert isinstance(weights, fsm.MgpuStackWeights)
-    assert T.model.kernel_weights(prepared, T.model_key(config), "fused_mgpu") is weights   # built once
-    assert T.model.kernel_weights(prepared, T.model_key(config), "layers") is prepared
+    import json
+    from conftest import last_json_line, run_on_host_devices
+    result = last_json_line(run_on_host_devices(["-c", MODEL_FORWARD_SCRIPT, json.dumps([d_model, num_heads])], 4,
+                                                timeout=600))
+    assert result["shape_ok"] and result["failed"] == 0, result
+    assert result["mgpu_weights"] and result["built_once"] and result["layers_are_prepared"], result
 
 
 # --- the module the launch compiles ------------------------------------------------------------------

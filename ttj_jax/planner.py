@@ -115,12 +115,16 @@ FUSED_STACK_MAX_HEADS = 4
 # run), zero failing elements (bench/results/rows-2026-11-30-nvidia-h200.json).
 ROWS_STACK_MAX_SEQ_LEN = 1024
 # The Mosaic GPU stack kernel is planned only at the widths it has run on a GPU with: d_model 128 (every
-# number below) and 32 (shape 7: head_dim 8 zero-padded to 32-column blocks). Shape 7 on the H200
+# number below) and 32 (shape 7: head_dim 8 zero-padded to 16-column blocks, 32 before session 24). Shape 7 on the H200
 # (session 6): zero failing elements against the fp32 reference, within 0.17 of the tolerance of the NumPy
 # emulation, 61.6 us per call through jax against the Triton kernel's 70.8
 # (bench/results/fused-stack-mgpu-2026-11-30-nvidia-h200-session6.json); launched by the bridge, 5 harness
 # seeds clean (worst 0.585), 0.0616 ms per call against 0.131 for the Triton kernel through jax, equal on a
-# side stream (mosaic-launch-2026-11-30-h200-fused_mgpu-session6.json).
+# side stream (mosaic-launch-2026-11-30-h200-fused_mgpu-session6.json). Since session 24 the head blocks
+# are 16 columns wide (fused_stack_mgpu.MIN_BLOCK): 0.0458 against 0.0531 ms per call through jax, the
+# same output to the bit, 0 failing elements over 5 seeds (min-block16-2026-12-02-nvidia-h200-session24.json);
+# the bridge's launch of that build is not yet checked on a GPU (its one-time comparison with the jax
+# path guards each process).
 MGPU_STACK_GPU_VERIFIED_D_MODELS = (32, 128)
 # ... and at the head counts where it is the fastest stack. 8 and 16 heads at d_model 128 (head_dim 16 and
 # 8, packed two or four to a 32-column block: kernels/fused_stack_mgpu.py) run correctly on the H200 but

@@ -9,13 +9,14 @@ Scope: d_model = ffn_dim = 128 (or 32: shape 7), head_dim = d_model / num_heads 
 layers' vectors sit in shared memory), causal or not, fp32 x in and fp32 y out, any batch. No masks
 (mask-free calls only). Everything else belongs to `fused_stack.py` (see `supports`). Below, "128" in a
 weight or vector shape is d_model, "H" the number of head blocks (`blocks`) and "hd" the block width:
-head_dim, zero-padded to MIN_BLOCK (32) when smaller (d_model 32 at 2 or 4 heads): padded q/k columns add
+head_dim, zero-padded to MIN_BLOCK (16) when smaller (d_model 32 at 4 heads): padded q/k columns add
 0 to every score, padded v columns give context columns of 0, which meet zero rows of the out-projection,
 and padded MLP columns get GELU(0 + 0) = 0 against zero rows of W2.
 At d_model 128 with 1/2/4 heads nothing is padded and the kernel is the one verified on the H200 (its
-lowering is pinned); d_model 32 (shape 7) has run on the H200 since session 6 (planner.py).
+lowering is pinned); d_model 32 (shape 7) has run on the H200 since session 6 (planner.py), with 16-wide
+blocks since session 24 (MIN_BLOCK).
 Packed heads: 8 or 16 heads at d_model 128 (head_dim 16 or 8; shape 11 is 16 heads of 8) are not padded
-(4x the SMEM and projection work at 16 heads) but packed 2 or 4 to a 32-column block: the weights, SMEM,
+(4x the SMEM and projection work at 16 heads) but packed 2 or 4 to a PACKED_BLOCK (32) column block: the weights, SMEM,
 projections and MLP are exactly the 4-head model's (block b = columns 32b..32b+31 = heads 4b..4b+3 at
 head_dim 8). Only the attention differs: per sub-head of a block, the block's q with the other heads'
 columns zeroed (fp16) scores against the whole block's k (the zeroed columns add exact zeros), the
@@ -115,15 +116,18 @@ D_MODEL = 128               # the default width (shapes 1-6, 9, 10, 12)
 SUPPORTED_D_MODELS = (32, 128)   # d_model = ffn_dim; 32 is shape 7's (see MIN_BLOCK)
 SUPPORTED_NUM_HEADS = (1, 2, 4)      # at every supported d_model: one head per block (padded at d 32)
 PACKED_NUM_HEADS = (8, 16)           # at D_MODEL only: heads packed several to a block (see `blocks`)
-# Per-head (and MLP block) widths below this (shape 7's head_dim 8, or 16 at 2 heads) are zero-padded to
-# it in the weights, so q.k, P.v and the projections see exact zeros there. wgmma would take 16 (its
-# fp16 contraction depth). 16-wide blocks (32-byte swizzle) once hung the kernel in GPU interpret mode,
-# but that was on a 2-core machine, where 4-block builds hang whatever their width (XLA's CPU thread
-# pool, see tests/test_fused_stack_mgpu.py). With 4 host devices, d_model 32 at 4 heads with 16-wide
-# blocks ran in 6 s in interpret mode and matched `emulate` and the harness rule (session 24). It also
-# lowers for CUDA. It has never run on a GPU, so 32 stays, the width of the build verified on the H200
-# at 4 heads of 32 (64-byte swizzle). For shape 7, 16 would halve the padded head work (not measured).
-MIN_BLOCK = 32
+# Per-head (and MLP block) widths below this (shape 7's head_dim 8) are zero-padded to it in the
+# weights, so q.k, P.v and the projections see exact zeros there: 16, wgmma's fp16 contraction depth
+# (32-byte swizzle). Until session 24 it was 32, after 16-wide blocks hung the kernel in GPU interpret
+# mode; that hang was the 2-core one of 4-block builds of any width (XLA's CPU thread pool, see
+# tests/test_fused_stack_mgpu.py). On the H200 (bench/scratch/min_block16.py, bench/results/min-block16-
+# 2026-12-02-nvidia-h200-session24.json) shape 7 with 16-wide blocks: 0.0458 against 0.0531 ms per
+# call with 32, the same output to the bit, 0 failing elements over 5 seeds (worst err/tol 0.58).
+# Predicted 20-25% faster (half the padded head work); measured 14%.
+MIN_BLOCK = 16
+# Packed heads (8 or 16 at d_model 128) sit in blocks of this width: 2 or 4 heads each, the 4-head
+# model's 32-column layout (`blocks`).
+PACKED_BLOCK = 32
 SUPPORTED_SEQ_LENS = (32, 64, 128)
 TILE_ROWS = 128              # rows per CUDA block
 WG_ROWS = 64                 # rows per consumer warpgroup (wgmma M)
@@ -153,7 +157,7 @@ def model_error(d_model: int, num_heads: int, ffn_dim: int) -> str | None:
         return f"ffn_dim={ffn_dim} must equal d_model={d_model} (the MLP runs in the head blocks' width)"
     if num_heads in PACKED_NUM_HEADS and d_model != D_MODEL:
         return (f"num_heads={num_heads} must be one of {SUPPORTED_NUM_HEADS} at d_model={d_model} "
-                f"({PACKED_NUM_HEADS} heads are packed into {MIN_BLOCK}-column blocks at d_model={D_MODEL} only)")
+                f"({PACKED_NUM_HEADS} heads are packed into {PACKED_BLOCK}-column blocks at d_model={D_MODEL} only)")
     if num_heads not in SUPPORTED_NUM_HEADS + PACKED_NUM_HEADS:
         return (f"num_heads={num_heads} must be one of {SUPPORTED_NUM_HEADS} (or {PACKED_NUM_HEADS}, packed, "
                 f"at d_model={D_MODEL})")
@@ -166,18 +170,18 @@ def blocks(d_model: int, num_heads: int) -> tuple[int, int]:
     """(num_blocks, heads_per_block): how the heads sit in the kernel's column blocks, the unit of every
     weight chunk, of k and v in SMEM and of every projection's wgmma. 1, 2 or 4 heads: one block per
     head (head_dim zero-padded to MIN_BLOCK where smaller, d_model 32). 8 or 16 heads at d_model 128
-    (head_dim 16 or 8): PACKED, MIN_BLOCK-column blocks of 2 or 4 whole heads, so block b holds columns
+    (head_dim 16 or 8): PACKED, PACKED_BLOCK-column blocks of 2 or 4 whole heads, so block b holds columns
     32 b .. 32 b + 31, i.e. the layout (and the projections, MLP and SMEM) of the 4-head model; only the
     attention walks the sub-heads of a block (see `_stack_kernel`)."""
     if num_heads in SUPPORTED_NUM_HEADS:
         return num_heads, 1
-    heads_per_block = MIN_BLOCK // (d_model // num_heads)
+    heads_per_block = PACKED_BLOCK // (d_model // num_heads)
     return num_heads // heads_per_block, heads_per_block
 
 
 def widths(d_model: int, num_heads: int) -> tuple[int, int, int]:
     """(head_dim, the block width in the weights and SMEM, the vectors' row length): one head's
-    head_dim zero-padded to MIN_BLOCK, or MIN_BLOCK for packed heads (`blocks`); per-block biases sit at
+    head_dim zero-padded to MIN_BLOCK, or PACKED_BLOCK for packed heads (`blocks`); per-block biases sit at
     block * width in the vectors (so packed heads' biases are the unpadded vector)."""
     head_dim = d_model // num_heads
     num_blocks, heads_per_block = blocks(d_model, num_heads)
@@ -217,7 +221,7 @@ def smem_bytes(num_layers: int, num_slots: int = NUM_SLOTS, *, d_model: int = D_
 @jax.tree_util.register_pytree_node_class
 class MgpuStackWeights:
     """mats [L, 6, N, d, w] fp16 and vecs [L + 1, 10, max(d, N w)] fp32 with (N, w) the blocks and their
-    width (`blocks`, `widths`): N = H and w = max(head_dim, MIN_BLOCK) for 1/2/4 heads, N = 4 and w = 32
+    width (`blocks`, `widths`): N = H and w = max(head_dim, MIN_BLOCK) for 1/2/4 heads, N = 4 and w = PACKED_BLOCK
     for 8 or 16 packed heads (module docstring; for d = 128 the vectors are 128 long). num_heads is the
     model's real head count (head_dim, the attention's sub-heads); num_blocks is mats' chunk dimension."""
 
@@ -259,7 +263,7 @@ def _build_weights(prepared: PreparedWeights, num_heads: int) -> MgpuStackWeight
     d_model = prepared.layers[0]["ffn_in_weight"].shape[0]
     _, width, vec_len = widths(d_model, num_heads)
     # N blocks of `cols` real columns each: one head (head_dim) each, or heads_per_block packed heads
-    # (MIN_BLOCK columns): then exactly the 4-head model's layout of the same parameters.
+    # (PACKED_BLOCK columns): then exactly the 4-head model's layout of the same parameters.
     num_blocks, _ = blocks(d_model, num_heads)
     cols = d_model // num_blocks
 
