@@ -762,11 +762,20 @@ PINNED_STACK_HASHES_BEFORE_SESSION14 = {(4, 128, 1): "fe3ba0a30d7f5f85", (1, 64,
 PINNED_STACK_HASHES = {(4, 128, 1): "9fb2df4e488f21a4", (1, 64, 2): "1e1b6ec6f62098b2", (2, 32, 8): "58c3c3af40cc5c79"}
 
 
-def test_default_kernel_is_the_h200_verified_build():
-    import json
+def _lowering_script_output(script: str) -> str:
+    """The last line `script` prints, run in a fresh CPU-only python, as the pinned hashes were taken."""
     import os
     import subprocess
     import sys
+    env = dict(os.environ, JAX_TRACEBACK_IN_LOCATIONS_LIMIT="0", JAX_PLATFORMS="cpu")
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.strip().splitlines()[-1]
+
+
+def test_default_kernel_is_the_h200_verified_build():
+    import json
     script = (
         "import hashlib, json, jax, jax.numpy as jnp\n"
         "from ttj_jax.kernels import fused_stack_mgpu as fsm\n"
@@ -780,11 +789,7 @@ def test_default_kernel_is_the_h200_verified_build():
         "            lowering_platforms=('cuda',)).as_text(debug_info=False)\n"
         "        out[f'{key}{H},{S},{B}'] = hashlib.sha256(text.encode()).hexdigest()[:16]\n"
         "print(json.dumps(out))\n")
-    env = dict(os.environ, JAX_TRACEBACK_IN_LOCATIONS_LIMIT="0", JAX_PLATFORMS="cpu")
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300,
-                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert done.returncode == 0, done.stderr[-3000:]
-    hashes = json.loads(done.stdout.strip().splitlines()[-1])
+    hashes = json.loads(_lowering_script_output(script))
     expected = {**{f"{H},{S},{B}": h for (H, S, B), h in PINNED_STACK_HASHES.items()},
                 **{f"before{H},{S},{B}": h for (H, S, B), h in PINNED_STACK_HASHES_BEFORE_SESSION14.items()}}
     assert set(hashes) == set(expected)
@@ -800,10 +805,6 @@ PINNED_D32_STACK_HASH = "fc25d8317875427d"
 
 
 def test_d_model_32_kernel_is_the_h200_checked_build():
-    import json
-    import os
-    import subprocess
-    import sys
     script = (
         "import hashlib, jax, jax.numpy as jnp\n"
         "from ttj_jax.kernels import fused_stack_mgpu as fsm\n"
@@ -813,11 +814,7 @@ def test_d_model_32_kernel_is_the_h200_checked_build():
         "text = jax.jit(fsm.kernel_function(1, 128, 4, 4, True, d_model=32)).trace(*st).lower(\n"
         "    lowering_platforms=('cuda',)).as_text(debug_info=False)\n"
         "print(mats, hashlib.sha256(text.encode()).hexdigest()[:16])\n")
-    env = dict(os.environ, JAX_TRACEBACK_IN_LOCATIONS_LIMIT="0", JAX_PLATFORMS="cpu")
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300,
-                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert done.returncode == 0, done.stderr[-3000:]
-    line = done.stdout.strip().splitlines()[-1]
+    line = _lowering_script_output(script)
     assert line.startswith("(4, 6, 4, 32, 16) "), line   # 16-wide head blocks
     if jax.__version__ != PINNED_JAX_VERSION:
         pytest.skip(f"hash pinned with jax {PINNED_JAX_VERSION}; this is {jax.__version__} (layout checked)")
