@@ -6,13 +6,15 @@ docs/host-cost.md: on shapes 8, 11 and 13 the bridge's call runs a jax program, 
 jax dispatch plus ~56 us of torch-facing pieces (weights check, export, ordering, front), 40-90 us above
 the JAX call, against a 30 us target. This probe moves the jax half of the call to a worker thread:
 
-  caller (the harness's thread): front and weights check as forward does, y = torch.empty(...), one
-      cuEventRecord E_n on torch's current stream, one cuStreamWaitValue32(torch's stream, flag >= n),
-      hand (n, E_n, x, y, weights) to the worker, return y. torch's stream now holds everything queued
-      after the call (y's consumers, x's next writes) until the flag reaches n.
+  caller (the harness's thread): the weights check as forward does, x's kept import, y = torch.empty(...),
+      one cuEventRecord E_n on torch's current stream, one cuStreamWaitValue32(torch's stream, flag >= n),
+      hand (n, E_n, x's jax array, y, weights) to the worker, return y. torch's stream now holds
+      everything queued after the call (y's consumers, x's next writes) until the flag reaches n.
   worker: jax's compute stream waits on E_n (x's producers are done before the program reads x), the
-      kept import of x, the program's dispatch, the DLPack export of its output to the compute stream,
-      y.copy_(output) on the compute stream, cuStreamWriteValue32(compute stream, flag, n).
+      program's dispatch, the DLPack export of its output to the compute stream, a cuMemcpyDtoDAsync of
+      it into y on the compute stream, cuStreamWriteValue32(compute stream, flag, n).
+(The prototype skips forward's front, the argument checks and plan lookup, ~5-11 us: its caller's time
+is a lower bound for a built-in version's.)
 
 DEADLOCK (found by the first runs, which hung on every shape right after the first async call): a
 synchronous bridge call made while the worker had not yet queued its work put a wait for torch's stream
