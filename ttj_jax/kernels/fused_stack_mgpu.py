@@ -123,7 +123,7 @@ PACKED_NUM_HEADS = (8, 16)           # at D_MODEL only: heads packed several to 
 # tests/test_fused_stack_mgpu.py). On the H200 (bench/scratch/min_block16.py, bench/results/min-block16-
 # 2026-12-02-nvidia-h200-session24.json) shape 7 with 16-wide blocks: 0.0458 against 0.0531 ms per
 # call with 32, the same output to the bit, 0 failing elements over 5 seeds (worst err/tol 0.58).
-# Predicted 20-25% faster (half the padded head work); measured 14%.
+# Predicted 20-25% less time per call (half the padded head work); measured 14% less.
 MIN_BLOCK = 16
 # Packed heads (8 or 16 at d_model 128) sit in blocks of this width: 2 or 4 heads each, the 4-head
 # model's 32-column layout (`blocks`).
