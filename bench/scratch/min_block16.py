@@ -79,7 +79,9 @@ def main(argv):
     out_dir.mkdir(parents=True, exist_ok=True)
     import jax
     import numpy as np
-    results = {"date": datetime.date.today().isoformat(), "jax": jax.__version__,
+    import torch
+    results = {"gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none",
+               "torch": torch.__version__, "date": datetime.date.today().isoformat(), "jax": jax.__version__,
                "command": "PYTHONPATH=. python3 bench/scratch/min_block16.py OUT", "widths": {}}
     for width in (32, 16):
         print(f"MIN_BLOCK {width} ...", flush=True)
