@@ -123,8 +123,10 @@ ROWS_STACK_MAX_SEQ_LEN = 1024
 # side stream (mosaic-launch-2026-11-30-h200-fused_mgpu-session6.json). Since session 24 the head blocks
 # are 16 columns wide (fused_stack_mgpu.MIN_BLOCK): 0.0458 against 0.0531 ms per call through jax, the
 # same output to the bit, 0 failing elements over 5 seeds (min-block16-2026-12-02-nvidia-h200-session24.json);
-# the bridge's launch of that build is not yet checked on a GPU (its one-time comparison with the jax
-# path guards each process).
+# launched by the bridge (session 25): 5 harness seeds clean (worst 0.585), equal on a side stream, 0.0378 ms
+# against 0.1009 for the Triton kernel through jax (mosaic-launch-shape7-2026-12-02-nvidia-h200-session25.json),
+# and 0.03786 ms in the official run against session 22's 0.04906, 25 seeds clean
+# (official-2026-12-02-nvidia-h200-session25.json).
 MGPU_STACK_GPU_VERIFIED_D_MODELS = (32, 128)
 # ... and at the head counts where it is the fastest stack. 8 and 16 heads at d_model 128 (head_dim 16 and
 # 8, packed two or four to a 32-column block: kernels/fused_stack_mgpu.py) run correctly on the H200 but
