@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 BENCH_ARGS ?=
 
-.PHONY: test bench env clean
+.PHONY: test test-fast bench env clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +19,9 @@ env: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q
+
+test-fast: $(VENV)/.installed
+	$(PY) -m pytest -q -m "not slow"
 
 bench: $(VENV)/.installed
 	$(VENV)/bin/ttj-bench $(BENCH_ARGS)

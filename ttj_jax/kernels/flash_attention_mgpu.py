@@ -78,7 +78,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from ttj_jax.compat import mosaic_cluster_arrive_from_warp, mosaic_half_exp2, mosaic_rescale_where_needed
+from ttj_jax.kernels.mosaic_primitives import (mosaic_cluster_arrive_from_warp, mosaic_half_exp2,
+                                              mosaic_rescale_where_needed)
 from ttj_jax.kernels.flash_attention import check_causal_and_scale, check_qkv_layout
 
 SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)

@@ -107,7 +107,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from ttj_jax.compat import mosaic_half_exp2
+from ttj_jax.kernels.mosaic_primitives import mosaic_half_exp2
 from ttj_jax.kernels.fused_stack import _erf, checked_prepared
 from ttj_jax.numerics import LAYER_NORM_EPS, MIXED_FP16
 from ttj_jax.params import PreparedWeights

@@ -1,0 +1,133 @@
+"""Mosaic GPU primitives the Hopper kernels use inside their bodies, built on jax's private Pallas Mosaic
+GPU API (jax 0.10-0.11). Each raises RuntimeError where the installed jax lacks what it needs, and each
+has an interpret-mode twin (plain jnp) so the kernels also run on a CPU."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+
+# PTX's packed 16-bit exponentials (two elements per special-function-unit instruction, sm_75+ for f16,
+# sm_90 for bf16), by element type.
+_HALF_EXP2_INSTRUCTIONS = {"float16": ("ex2.approx.f16x2", "ex2.approx.f16"),
+                           "bfloat16": ("ex2.approx.ftz.bf16x2", "ex2.approx.ftz.bf16")}
+
+
+def mosaic_half_exp2(x, *, interpret: bool = False):
+    """exp2 of a float16 or bfloat16 array in the WGMMA register layout, inside a Mosaic GPU kernel: one
+    packed `ex2.approx` per pair of elements (jax's own exp2 takes fp32 only under approx_math). Through
+    `plgpu.inline_mgpu` and two private FragmentedArray helpers (jax 0.10-0.11); raises RuntimeError when
+    this jax has neither. interpret: the kernel body runs in GPU interpret mode (XLA on a CPU): exp2 in
+    fp32, rounded back to x's dtype."""
+    instructions = _HALF_EXP2_INSTRUCTIONS.get(jax.numpy.dtype(x.dtype).name)
+    if instructions is None:
+        raise ValueError(f"mosaic_half_exp2 takes float16 or bfloat16, not {x.dtype}")
+    if interpret:
+        return jax.numpy.exp2(x.astype(jax.numpy.float32)).astype(x.dtype)
+    import jax.experimental.pallas.mosaic_gpu as plgpu  # noqa: PLC0415 - imports absl; lazily
+    if not hasattr(plgpu, "inline_mgpu") or not hasattr(plgpu, "ShapeDtypeStruct"):
+        raise RuntimeError(f"this jax ({jax.__version__}) has no plgpu.inline_mgpu")
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,),
+                       return_type=plgpu.ShapeDtypeStruct(x.shape, x.dtype, layout=plgpu.Layout.WGMMA))
+    def exp2(_, array):
+        lift = getattr(array, "_lift_fast_packed_instr", None)
+        if lift is None or not hasattr(array, "_pointwise"):
+            raise RuntimeError(f"this jax ({jax.__version__}) has no FragmentedArray._lift_fast_packed_instr")
+        return array._pointwise(lift(*instructions))
+
+    return exp2(x)
+
+
+def mosaic_rescale_where_needed(acc, alpha, *, interpret: bool = False):
+    """acc * alpha[:, None] inside a Mosaic GPU kernel, for a [64, n] fp32 accumulator in the WGMMA
+    register layout and its rows' [64] fp32 factors in that layout's row layout, where each thread skips
+    its multiplies (one branch, `scf.if`) when every factor it holds is exactly 1.0: FA4's conditional
+    rescaling of the online softmax, whose running max mostly stays put. Through `plgpu.inline_mgpu` and
+    FragmentedArray's registers (jax 0.10-0.11); raises RuntimeError when this jax has neither.
+    interpret: the kernel body runs in GPU interpret mode (XLA on a CPU): the plain product, the same
+    values (a factor of exactly 1.0 changes nothing)."""
+    if interpret:
+        return acc * jax.lax.broadcast_in_dim(alpha, acc.shape, [0])
+    import jax.experimental.pallas.mosaic_gpu as plgpu  # noqa: PLC0415 - imports absl; lazily
+    if not hasattr(plgpu, "inline_mgpu") or not hasattr(plgpu, "ShapeDtypeStruct"):
+        raise RuntimeError(f"this jax ({jax.__version__}) has no plgpu.inline_mgpu")
+    from jax._src.lib.mlir import ir  # noqa: PLC0415
+    from jax._src.lib.mlir.dialects import arith, scf, vector  # noqa: PLC0415
+    from jax.experimental.mosaic.gpu import fragmented_array as fa  # noqa: PLC0415
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(1)),
+                       return_type=plgpu.ShapeDtypeStruct(acc.shape, acc.dtype, layout=plgpu.Layout.WGMMA))
+    def rescale(_, acc_fa, alpha_fa):
+        one = arith.constant(ir.F32Type.get(), 1.0)
+        needed = None   # this thread holds a factor other than 1.0
+        for reg in alpha_fa.registers.flat:
+            if isinstance(reg.type, ir.VectorType) or (hasattr(ir.VectorType, "isinstance")
+                                                         and ir.VectorType.isinstance(reg.type)):
+                values = [vector.extract(reg, [], [i]) for i in range(ir.VectorType(reg.type).shape[0])]
+            else:
+                values = [reg]
+            for value in values:
+                differs = arith.cmpf(arith.CmpFPredicate.UNE, value, one)
+                needed = differs if needed is None else arith.ori(needed, differs)
+        kept = list(acc_fa.registers.flat)
+        branch = scf.IfOp(needed, [reg.type for reg in kept], has_else=True)
+        with ir.InsertionPoint(branch.then_block):
+            scaled = acc_fa * alpha_fa.broadcast_in_dim(acc_fa.shape, (0,), acc_fa.layout)
+            scf.yield_(list(scaled.registers.flat))
+        with ir.InsertionPoint(branch.else_block):
+            scf.yield_(kept)
+        registers = np.empty(acc_fa.registers.shape, dtype=object)
+        for index, value in zip(np.ndindex(registers.shape), branch.results):
+            registers[index] = value
+        return fa.FragmentedArray(_registers=registers, _layout=acc_fa.layout, _is_signed=acc_fa.is_signed)
+
+    return rescale(acc, alpha)
+
+
+_CLUSTER_ARRIVE_FROM_WARP = None   # the primitive, built on first use (mosaic_cluster_arrive_from_warp)
+
+
+def mosaic_cluster_arrive_from_warp(barrier_ref) -> None:
+    """Arrive once on a `plgpu.ClusterBarrier` (in every member of the cluster, as `plgpu.barrier_arrive`
+    does from a warpgroup), from inside `pl.core_map(plgpu.WarpMesh(...))` in warp 0 of a warpgroup.
+
+    jax's own barrier_arrive refuses collective barriers in a warp context, because Mosaic GPU's cluster
+    arrive signals from lanes 0 and 8 (one per member) of the warpgroup's first warp: from any other warp
+    nothing would arrive. In warp 0 those lanes are this warp's, so the warpgroup's arrive is exactly
+    right; this primitive lowers to it. The caller must be warp 0 (the kernel guards the warp-mapped body
+    with `lax.axis_index(warp_axis) == 0`). Through jax's private Pallas Mosaic GPU lowering registry
+    (jax 0.10-0.11); raises RuntimeError where this jax has none of it."""
+    global _CLUSTER_ARRIVE_FROM_WARP
+    if _CLUSTER_ARRIVE_FROM_WARP is None:
+        try:
+            import dataclasses  # noqa: PLC0415
+            from jax._src import core as jax_core  # noqa: PLC0415
+            from jax._src.pallas.mosaic_gpu import core as gpu_core  # noqa: PLC0415
+            from jax._src.pallas.mosaic_gpu import lowering as mgpu_lowering  # noqa: PLC0415
+            from jax._src.pallas.mosaic_gpu import primitives as mgpu_primitives  # noqa: PLC0415
+            arrive_rule = mgpu_primitives._barrier_arrive_lowering
+            abstract_eval = mgpu_primitives._barrier_arrive_abstract_eval
+            warp_semantics = gpu_core.LANExWARP_SEMANTICS
+            warpgroup = gpu_core.PrimitiveSemantics.Warpgroup
+        except (ImportError, AttributeError) as e:   # pragma: no cover - depends on the installed jax
+            raise RuntimeError(f"this jax ({jax.__version__}) has no Pallas Mosaic GPU lowering registry "
+                               f"to arrive on a cluster barrier from a warp: {e}") from e
+        primitive = jax_core.Primitive("ttj_cluster_arrive_from_warp")
+        primitive.multiple_results = True
+        primitive.def_effectful_abstract_eval(abstract_eval)
+
+        def lower(ctx, barrier, *flat_transforms, transforms_treedef):
+            if not isinstance(barrier, mgpu_primitives.mgpu.CollectiveBarrierRef):
+                raise ValueError("mosaic_cluster_arrive_from_warp arrives on cluster barriers only")
+            as_warpgroup = dataclasses.replace(
+                ctx, module_ctx=dataclasses.replace(ctx.module_ctx, primitive_semantics=warpgroup))
+            return arrive_rule(as_warpgroup, barrier, *flat_transforms, transforms_treedef=transforms_treedef)
+
+        mgpu_lowering.register_lowering_rule(primitive, *warp_semantics)(lower)
+        _CLUSTER_ARRIVE_FROM_WARP = primitive
+    from jax._src.state import primitives as state_primitives  # noqa: PLC0415
+    barrier, transforms = state_primitives.get_ref_and_transforms(barrier_ref, None, "cluster_arrive_from_warp")
+    flat_transforms, transforms_treedef = jax.tree_util.tree_flatten(transforms)
+    _CLUSTER_ARRIVE_FROM_WARP.bind(barrier, *flat_transforms, transforms_treedef=transforms_treedef)
