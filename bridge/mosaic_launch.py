@@ -4,7 +4,7 @@ For calls the planner gives to `Plan.stack == "fused_mgpu"` (Hopper, mask-free, 
 kernels/fused_stack_mgpu.py takes), the GPU work is one kernel of ~60-120 us, and a call through jax
 costs the bridge more host time than that (bench/results/official-2026-11-30-h200-session3.json). So the
 bridge compiles the kernel once, with the compiler and launcher jaxlib ships for `plgpu.as_torch_kernel`
-(compat.mosaic_gpu_module + compat.MosaicLauncher), and each call is one output allocation and one launch
+(compat.mosaic_gpu_module + MosaicLauncher below), and each call is one output allocation and one launch
 with the tensors' pointers: ~16 us of host time on the H200 host, where as_torch_kernel itself costs ~66
 us per call (bench/results/mosaic-launch-debug-2026-11-30-h200.log, fused-stack-mgpu-2026-11-30-nvidia-
 h200.json). Through the bridge's whole forward: 38-71 us, median 40 (official-2026-11-30-h200-session4.json).
@@ -23,6 +23,7 @@ Switch off with TTJ_MOSAIC_LAUNCH=0 (the bridge then runs the same kernel throug
 
 from __future__ import annotations
 
+import ctypes
 import os
 
 import torch
@@ -62,6 +63,38 @@ def launch_structs(config: Config, batch: int, seq_len: int) -> tuple:
             jax.ShapeDtypeStruct(mats, fsm._GEMM_DTYPE), jax.ShapeDtypeStruct(vecs, jnp.float32))
 
 
+class MosaicLauncher:
+    """A Mosaic GPU module (mosaic_gpu_module) compiled and loaded once by jax's own launcher for torch
+    (`_compile_as_torch_gpu_kernel`, what `plgpu.as_torch_kernel` uses: jaxlib's MosaicGpuCompile), and
+    launched with raw device pointers: `launch(pointers)`, the kernel's inputs then its outputs (ints).
+    It launches on torch's DEFAULT stream of the device current at construction; the caller orders
+    that stream against its own (bridge/mosaic_launch.py). Skips as_torch_kernel's per-call tracing
+    lookup, pytree and dtype checks (~66 us per call on the H200 host; this: ~16 us).
+    (A launcher of our own calling the compiled host entry with the caller's stream aborted on the H200
+    with "cuTensorMapEncodeTiled failed: invalid argument", cause not found:
+    bench/results/mosaic-launch-debug-2026-11-30-h200.log.)"""
+
+    def __init__(self, module_asm: bytes, num_buffers: int):
+        import jax
+        try:
+            from jax.experimental.mosaic.gpu import core as mgpu_core
+            compile_for_torch = mgpu_core._compile_as_torch_gpu_kernel
+        except (ImportError, AttributeError) as e:
+            raise RuntimeError(f"this jax ({jax.__version__}) has no Mosaic GPU launcher for torch: {e}") from e
+        if not torch.cuda.is_available():
+            raise RuntimeError("MosaicLauncher needs a CUDA device (torch sees none)")
+        self._launch, _ = compile_for_torch(module_asm)   # (launch, unload): loaded for the process's lifetime
+        self.buffers = (ctypes.c_void_p * num_buffers)()
+        self._num_buffers = num_buffers
+        self._device = torch.device("cuda", torch.cuda.current_device())
+
+    def launch(self, pointers) -> None:
+        if len(pointers) != self._num_buffers:
+            raise ValueError(f"{len(pointers)} pointers, the kernel takes {self._num_buffers}")
+        self.buffers[:] = pointers
+        self._launch(self.buffers, self._device)
+
+
 class MosaicStackLaunch:
     """The Mosaic GPU whole-stack kernel for x [batch, seq_len, d_model] fp32 on one CUDA device:
     `launch(x, mats, vecs)` returns a new y. x must be contiguous fp32 on the device; mats and vecs are
@@ -69,7 +102,7 @@ class MosaicStackLaunch:
     (seconds); raises RuntimeError / ValueError when this jax cannot build it."""
 
     def __init__(self, config: Config, batch: int, seq_len: int, device: torch.device):
-        from ttj_jax.compat import MosaicLauncher, mosaic_gpu_module
+        from ttj_jax.compat import mosaic_gpu_module
         from ttj_jax.kernels import fused_stack_mgpu as fsm
         function = fsm.kernel_function(batch, seq_len, config.num_heads, config.num_layers, config.causal,
                                        d_model=config.d_model)

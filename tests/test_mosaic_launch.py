@@ -22,7 +22,8 @@ import torch
 
 import ttj_jax as T
 from conftest import baseline_and_params, random_input
-from ttj_jax.compat import MosaicLauncher, mosaic_gpu_module
+from bridge.mosaic_launch import MosaicLauncher
+from ttj_jax.compat import mosaic_gpu_module
 from ttj_jax.kernels import fused_stack_mgpu as fsm
 from ttj_jax.masks import MaskKind
 

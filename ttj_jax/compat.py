@@ -275,39 +275,6 @@ def find_gpu_images(blob: bytes) -> list[tuple[str, bytes]]:
     return images
 
 
-class MosaicLauncher:
-    """A Mosaic GPU module (mosaic_gpu_module) compiled and loaded once by jax's own launcher for torch
-    (`_compile_as_torch_gpu_kernel`, what `plgpu.as_torch_kernel` uses: jaxlib's MosaicGpuCompile), and
-    launched with raw device pointers: `launch(pointers)`, the kernel's inputs then its outputs (ints).
-    It launches on torch's DEFAULT stream of the device current at construction; the caller orders
-    that stream against its own (bridge/mosaic_launch.py). Skips as_torch_kernel's per-call tracing
-    lookup, pytree and dtype checks (~66 us per call on the H200 host; this: ~16 us).
-    (A launcher of our own calling the compiled host entry with the caller's stream aborted on the H200
-    with "cuTensorMapEncodeTiled failed: invalid argument", cause not found:
-    bench/results/mosaic-launch-debug-2026-11-30-h200.log.)"""
-
-    def __init__(self, module_asm: bytes, num_buffers: int):
-        import ctypes
-        import torch
-        try:
-            from jax.experimental.mosaic.gpu import core as mgpu_core
-            compile_for_torch = mgpu_core._compile_as_torch_gpu_kernel
-        except (ImportError, AttributeError) as e:
-            raise RuntimeError(f"this jax ({jax.__version__}) has no Mosaic GPU launcher for torch: {e}") from e
-        if not torch.cuda.is_available():
-            raise RuntimeError("MosaicLauncher needs a CUDA device (torch sees none)")
-        self._launch, _ = compile_for_torch(module_asm)   # (launch, unload): loaded for the process's lifetime
-        self.buffers = (ctypes.c_void_p * num_buffers)()
-        self._num_buffers = num_buffers
-        self._device = torch.device("cuda", torch.cuda.current_device())
-
-    def launch(self, pointers) -> None:
-        if len(pointers) != self._num_buffers:
-            raise ValueError(f"{len(pointers)} pointers, the kernel takes {self._num_buffers}")
-        self.buffers[:] = pointers
-        self._launch(self.buffers, self._device)
-
-
 def mosaic_gpu_interpret_params(**options):
     """Mosaic GPU's interpret-mode parameters (a private class in jax 0.10-0.11): what `plgpu.kernel(...,
     interpret=...)` takes to run a kernel body on a CPU."""
@@ -318,7 +285,7 @@ def mosaic_gpu_interpret_params(**options):
 def mosaic_gpu_module(fn, *arg_structs) -> bytes:
     """The serialized Mosaic GPU module of `fn(*arg_structs)`, a function that is one Mosaic GPU kernel
     call and nothing else (as `plgpu.as_torch_kernel` requires), lowered for CUDA (no GPU needed).
-    Checks what the launch in MosaicLauncher assumes: the kernel's operands are the function's
+    Checks what a launch with raw pointers (bridge.mosaic_launch.MosaicLauncher) assumes: the kernel's operands are the function's
     arguments in order and its results are returned in order (no buffers, constants or reshapes
     around the call). Raises ValueError otherwise, RuntimeError where this jax lowers differently."""
     try:
