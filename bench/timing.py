@@ -1,4 +1,4 @@
-"""The harness's timing protocol (SPEC section 2, point 4), and a host-overhead probe.
+"""The harness's timing protocol (docs/spec.md, "Timing"), and a host-overhead probe.
 
 The harness warms each contender up, then runs rounds of calls, alternating which contender goes first,
 and times every call with a pair of CUDA events recorded on torch's current stream. The events see GPU
@@ -98,8 +98,7 @@ def interleaved_host_overhead_us(contenders: dict[str, Callable[[], Any]], calls
     the difference of their calls. The order within each turn is a fresh (seeded) shuffle: a fixed cyclic
     order gives every contender the same predecessor, and a predecessor's after-effects then land on one
     contender only (on the H200, shape 7's bridge call, a direct kernel launch, took 80.7 us in the slot
-    after the JAX-direct call and 57.8 us, the same code path, in another slot:
-    bench/results/host-overhead-2026-11-30-nvidia-h200-session8-cache.json).
+    after the JAX-direct call and 57.8 us, the same code path, in another slot).
     Returns {name: {"median_us", "p10_us", "p90_us"}}.
     """
     on_cuda = device is not None and torch.device(device).type == "cuda"
@@ -121,3 +120,22 @@ def interleaved_host_overhead_us(contenders: dict[str, Callable[[], Any]], calls
     sync()
     return {name: {"median_us": statistics.median(s), "p10_us": float(np.percentile(s, 10)),
                    "p90_us": float(np.percentile(s, 90))} for name, s in samples_us.items()}
+
+
+def host_us(fn: Callable[[], Any], calls: int = 300, warmup: int = 30, drained: bool = False) -> dict:
+    """Host microseconds per call of fn (perf_counter, no sync inside the span). Back to back (default),
+    a GPU-bound call's host time shows the GPU's pace once jax's queue is full; drained=True syncs the
+    GPU before each sample, so each call is timed from an idle GPU."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(calls):
+        if drained:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    return {"median_us": statistics.median(samples), "p90_us": float(np.percentile(samples, 90)),
+            "p10_us": float(np.percentile(samples, 10))}

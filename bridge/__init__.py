@@ -7,14 +7,13 @@
 - `stream_forward(module, x_cpu, ...)`: x in host memory streams through the device in batch chunks.
 """
 
-import os
+from bridge import settings
 
-# jax must not take 75% of the GPU at its first operation: torch shares the device (GPU.md).
-# This only works if it is set before jax initialises its GPU backend, which importing bridge first ensures.
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+settings.apply_process_defaults()   # before jax starts: see bridge/settings.py
 
 from bridge.module import TTJTransformer  # noqa: E402
-from bridge.runtime import explain, forward, refresh, stream_forward, weight_views  # noqa: E402
+from bridge.ops import forward  # noqa: E402
+from bridge.runtime import explain, refresh, stream_forward, weight_views  # noqa: E402
 
 UserOptimizedTransformer = TTJTransformer
 

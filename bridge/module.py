@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from bridge.runtime import forward as _forward
+from bridge.ops import forward as _forward
 from ttj_jax.config import Config
 
 
@@ -30,8 +30,9 @@ class _Layer(nn.Module):
 
 
 class TTJTransformer(nn.Module):
-    """Parameters named exactly as SPEC section 1 (`layers.{i}.attention.q_proj.weight`, ...), PyTorch's
-    default init; `forward(x, valid_token_mask=None)` runs ttj-jax (inference only: no autograd)."""
+    """Parameters named exactly as the harness's (`layers.{i}.attention.q_proj.weight`, ...; docs/spec.md),
+    PyTorch's default init; `forward(x, valid_token_mask=None)` runs ttj-jax (inference only: no autograd).
+    Works under torch.compile and torch.export (bridge/ops.py)."""
 
     def __init__(self, config):
         super().__init__()

@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
-import os
 import weakref
 from itertools import chain
 from operator import attrgetter, is_
@@ -34,10 +33,13 @@ import jax
 from ttj_jax.compat import dlpack_exporter, dlpack_importer, jax_compute_stream
 from ttj_jax.config import Config
 from ttj_jax.masks import MaskKind, classify_mask
-from ttj_jax.model import executable, kernel_weights, model_key, plan_for, validate_inputs
+from ttj_jax import stacks
+from ttj_jax.model import executable, model_key, plan_for, validate_inputs
 from ttj_jax.numerics import get_policy
 from ttj_jax.params import expected_shapes, params_from_state_dict, prepare_weights
 from ttj_jax.planner import Plan
+
+from bridge import mosaic_launch, settings
 
 _STATES: "weakref.WeakKeyDictionary[torch.nn.Module, _ModuleState]" = weakref.WeakKeyDictionary()
 _TRANSFERS: dict[tuple[str, int | None], "_Transfer"] = {}
@@ -67,52 +69,30 @@ _overwrites_on_conversion = torch.__future__.get_overwrite_module_params_on_conv
 
 # The current CUDA device's index: torch's C getter (what torch.cuda.current_device wraps), a fraction of a us.
 _current_cuda_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
+# Whether torch's current CUDA stream is capturing a graph: the C getter torch.cuda wraps.
+_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", torch.cuda.is_current_stream_capturing)
 
 
 class _Transfer:
     """Moves tensors between torch and jax on one device, zero-copy, ordered on the GPU.
 
-    CUDA, torch -> jax: one cached event is recorded on torch's current stream and jax's stream waits
-    on it, then the tensors cross as plain capsules. That is the DLPack stream protocol's ordering done
-    once per call with cached objects, instead of per tensor inside torch's `__dlpack__`.
+    CUDA, torch -> jax: one cached event is recorded on torch's current stream, and jax's stream for
+    external ready events and jax's compute stream (where XLA runs the programs; its handle from
+    `compat.jax_compute_stream`) wait on it. Then the tensors cross as plain capsules: the DLPack stream
+    protocol's ordering done once per call with cached objects instead of per tensor.
     CUDA, jax -> torch: jax makes torch's current stream wait for the result (DLPack protocol).
     Elsewhere (the CPU) both directions use the plain protocol.
 
-    Since session 21 the same event is also waited on by jax's compute stream itself, the stream XLA
-    runs the programs on (its handle from `compat.jax_compute_stream`, jax's `buffer_callback`): every
-    program queued after that wait runs after torch's pending writes, whichever arrays it reads. That
-    makes a kept import of x as well ordered as a fresh one, so `to_jax_kept` imports x once and
-    returns the same jax array while x is the same tensor with the same memory and layout (_KeptImport;
-    its contents may change: those writes are what the wait orders). Measured on the H200
-    (bench/scratch/compute_stream_order.py, bench/results/compute-stream-order-2026-12-02-nvidia-h200.json):
-    x rewritten in place behind ~1 ms of queued torch matmuls, the program on the kept import gave the
-    fresh copy's output to the bit in 10 of 10 rounds on shapes 11, 13 and 8 with the compute-stream
-    wait, and outputs off by up to 8.0 without it (the check can fail); host time of kept import +
-    wait + program + export 34, 65 and 2 us above the JAX call, against 199, 317 and 255 for the bridge
-    as it was, on that host. Without the handle (another jax, the CPU) nothing changes: fresh imports.
-    On by default since session 22 (KEEP_X_IMPORT_ENV says how it was checked on the GPU).
+    The compute-stream wait orders every program queued after it behind torch's pending writes,
+    whichever arrays it reads. That is what makes a kept import of x safe: `to_jax_kept` returns the
+    same jax array while x is the same tensor with the same memory and layout (its contents may change:
+    those writes are what the wait orders). Without that wait a kept import lets jax's program run
+    ahead of torch's writes, so `to_jax_kept` is called only when `order_before_jax()` returned True;
+    without the handle (another jax, the CPU) every call imports afresh.
 
-    Before that, the ordering rode on the import itself: the event wait is put on jax's stream for external ready
-    events, and the import records the new array's definition event on that stream, which the program
-    waits for before reading the array. That stream is not the one jax's programs run on, and nothing
-    else joins the two: measured on the H200 (bench/scratch/hotpath_parts.py, bench/results/hotpath-
-    parts-2026-12-01-nvidia-h200.json, "ordering"), an event recorded on it right after a long jax
-    program completed at once, and a jax program on an array imported *earlier* finished while torch's
-    queued work, which the ordering event had been put in front of, was still running; on a fresh
-    import it waited. So x is imported anew on every call, even when it is the same tensor. That is also
-    what broke the two per-call import caches tried before (session 5: bench/results/official-2026-11-30-
-    h200-session5-cachebug.json; session 8, reusing the import while x's version counter was unchanged:
-    official-2026-11-30-h200-session8-cachebug.json): with a cached x, jax's program no longer waited
-    for torch's stream, ran ahead of the harness's start event, and the export's wait was already met
-    when torch's stream reached it: 0.0013 ms "calls". (Session 8 read that as the export's wait
-    failing; it is the missing torch -> jax edge.) Never keep an import without the compute-stream
-    wait: `to_jax_kept` is only called when `order_before_jax()` returned True.
-
-    The ordering event goes through the CUDA driver (cuEventRecord on torch's current stream,
-    cuStreamWaitEvent on jax's, raw handles, one cached event): 12.8-13.8 us of drained host time
-    against 24.5-28.4 for torch's Event and ExternalStream wrappers, whose `torch.cuda.current_stream()`
-    alone took 14-17 us (same file; the same check of x rewritten behind busy torch work gave equal
-    outputs on shapes 11, 13 and 8). torch's wrappers stay as the fallback.
+    The event goes through the CUDA driver (raw handles, ~13 us of host time against ~25 for torch's
+    Event and ExternalStream wrappers); torch's wrappers are the fallback. docs/decisions.md has the
+    measurements.
     """
 
     def __init__(self, device: torch.device):
@@ -131,9 +111,8 @@ class _Transfer:
         if self.on_cuda:
             self.jax_stream = torch.cuda.ExternalStream(self.importer.stream, device=device)
             self.event = torch.cuda.Event()
-            from bridge.mosaic_launch import current_stream_getter
-            self.current_raw_stream = current_stream_getter(device)
-            if keep_x_import_enabled():
+            self.current_raw_stream = mosaic_launch.current_stream_getter(device)
+            if settings.keep_x_import():
                 with torch.cuda.device(device):   # the probe's compile and run leave torch's device as it was
                     self.compute_stream = jax_compute_stream(self.importer.device)
             streams = (self.importer.stream,) + ((self.compute_stream,) if self.compute_stream else ())
@@ -186,21 +165,6 @@ class _Transfer:
             return torch.utils.dlpack.from_dlpack(self.export_capsule(array, stream))
 
 
-# On by default since session 22, when the bridge's own path ran on the H200 with it: `python -m
-# bench.host_overhead --shapes 11,13,8` (ordering check: x rewritten in place behind busy torch work,
-# output equal to a fresh copy's, 0.0 in 10 of 10 rounds on each shape) and `ttj-bench --suite official
-# --shapes 8,11,13` (25 seeds, zero failing elements), bench/results/host-overhead-2026-12-02-nvidia-
-# h200-session22-keep1.json and official-2026-12-02-nvidia-h200-session22-keep1-shapes-8-11-13.json.
-# `TTJ_BRIDGE_KEEP_X_IMPORT=0` turns it off (every call imports x afresh, as before) for the transfers
-# created after it is set.
-KEEP_X_IMPORT_ENV = "TTJ_BRIDGE_KEEP_X_IMPORT"
-
-
-def keep_x_import_enabled() -> bool:
-    """Whether new transfers order jax's compute stream and keep x's import (KEEP_X_IMPORT_ENV)."""
-    return os.environ.get(KEEP_X_IMPORT_ENV, "1") not in ("", "0", "false", "False")
-
-
 class _KeptImport:
     """The last tensor imported and its jax array: `get(tensor, load)` returns the kept array while
     `tensor` is the same object with the same data pointer, shape, strides and dtype (an in-place
@@ -223,14 +187,23 @@ class _KeptImport:
         return array
 
 
+_LIBCUDA = []
+
+
+def _libcuda():
+    """The CUDA driver library, loaded once (raises OSError where there is none)."""
+    if not _LIBCUDA:
+        _LIBCUDA.append(ctypes.CDLL("libcuda.so.1"))
+    return _LIBCUDA[0]
+
+
 def _driver_ordering(device: torch.device, torch_raw_stream: Callable[[], int], jax_streams: tuple[int, ...]):
     """order() -> bool: one cuEventRecord of a cached event on torch's current stream and one
     cuStreamWaitEvent of each of jax's streams on it, through the CUDA driver (see _Transfer); False when
     the driver refused (e.g. a thread with no CUDA context current), and the caller then orders through
     torch. None where libcuda or the event cannot be had."""
     try:
-        from bridge.direct import _driver
-        driver = _driver()
+        driver = _libcuda()
         create, record, wait = driver.cuEventCreate, driver.cuEventRecord, driver.cuStreamWaitEvent
         create.argtypes = [ctypes.c_void_p, ctypes.c_uint]
         record.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
@@ -293,8 +266,8 @@ class _Call:
     passes_mask: bool
     upcast_to: torch.dtype | None   # float64 inputs compute in float32 and are cast back
     # The plan's whole-stack kernel launched on torch tensors, no JAX dispatch: direct(x, mask, weights)
-    # -> y, weights the kernel's layout as torch tensors (_ModuleState.kernel_tensors). Mosaic GPU
-    # kernels through bridge/mosaic_launch.py, the Triton one through bridge/direct.py.
+    # -> y, weights the kernel's layout as torch tensors (_ModuleState.kernel_tensors), through
+    # bridge/mosaic_launch.py.
     direct: Callable | None = None
     direct_note: str = ""           # why a whole-stack plan runs through jax instead, when it does
     direct_device: int | None = None   # the CUDA device index a direct launch needs current
@@ -360,9 +333,7 @@ class _ModuleState:
     def current_key(self):
         """The parameters' (versions, data pointers): what every cached weight is checked against. map()
         over C-level getters (~8 us for 66 parameters, where a Python loop took ~18 us on the H200
-        host). (Session 22 tried torch's C++ pointer check, `torch._C._tensors_data_ptrs_at_indices_equal`,
-        for the pointers: no faster on the H200 host, its argument conversion cost what the getters
-        cost: bench/results/bridge-pieces-2026-12-02-nvidia-h200.json, current_key against versions_only.)"""
+        host)."""
         return list(map(_version_of, self.params)), list(map(_data_ptr_of, self.params))
 
     def weights(self, policy_name: str, data_parallel: int = 1):
@@ -381,7 +352,7 @@ class _ModuleState:
         over the mesh of a split plan)."""
         prepared = self.weights("mixed_fp16")
         return self._derived(f"{stack}-jax", data_parallel,
-                             lambda: kernel_weights(prepared, self.model_key, stack))
+                             lambda: stacks.kernel_weights(prepared, self.model_key, stack))
 
     def _derived(self, name: str, data_parallel: int, build: Callable):
         """self.prepared[(name, n)]: built by build() once per weight version (weights() clears the cache
@@ -402,18 +373,13 @@ class _ModuleState:
 
     def kernel_tensors(self, stack: str) -> list[torch.Tensor]:
         """A whole-stack kernel's weights as torch tensors on the weights' device, in the order its launch
-        takes them ("fused": FusedWeights.FIELDS, "fused_mgpu": mats, vecs), built by jax from the
+        takes them (`Stack.weight_arrays`), built by jax from the
         current parameters once per weight version. They are torch-owned copies, so torch's allocator
         orders their reuse after the kernels that read them on torch's stream."""
         self.weights("mixed_fp16")   # drops every derived array when a parameter changed
         tensors = self.prepared.get(f"{stack}-torch")
         if tensors is None:
-            weights = self.kernel_jax_weights(stack)
-            if stack == "fused":
-                from ttj_jax.kernels.fused_stack import FusedWeights
-                arrays = [weights.arrays[name] for name in FusedWeights.FIELDS]
-            else:
-                arrays = [weights.mats, weights.vecs]
+            arrays = stacks.get(stack).weight_arrays(self.kernel_jax_weights(stack))
             transfer = _transfer(self.params[0].device)
             tensors = [transfer.to_torch(a).clone() for a in arrays]
             self.prepared[f"{stack}-torch"] = tensors
@@ -456,7 +422,7 @@ class _ModuleState:
         built from (one list comparison per call), rebuilt through the caches when a parameter changed."""
         weights_key = self.current_key()
         if weights_key != call.weights_key:   # first call, or a parameter changed: the caches decide
-            if call.plan.stack in ("fused", "fused_mgpu", "rows"):   # the kernels' own layout
+            if stacks.get(call.plan.stack).build_weights is not None:   # the kernels' own layout
                 call.weights = self.kernel_jax_weights(call.plan.stack, call.plan.data_parallel)
             else:
                 call.weights = self.weights(call.plan.policy, call.plan.data_parallel)
@@ -476,11 +442,10 @@ class _ModuleState:
             stack=stack)
         call = _Call(plan=plan, run=executable(plan, self.model_key, True), transfer=transfer,
                      passes_mask=plan.mask_mode != "none", upcast_to=upcast)
-        if plan.stack in ("fused", "fused_mgpu") and plan.data_parallel > 1:
+        bridge_launch = stacks.get(plan.stack).bridge_launch
+        if bridge_launch is not None and plan.data_parallel > 1:
             call.direct_note = f"the batch is split over {plan.data_parallel} devices, one kernel per device"
-        elif plan.stack == "fused":
-            call.direct, call.direct_note = self._direct_kernel(call, x.shape, shape_probe.dtype, x.device)
-        elif plan.stack == "fused_mgpu":
+        elif bridge_launch is not None:
             call.direct, call.direct_note = self._mosaic_kernel(call, x.shape, x.device)
         if call.direct is not None and x.device.type == "cuda":
             call.direct_device = x.device.index   # a CUDA tensor's device always carries its index
@@ -489,11 +454,9 @@ class _ModuleState:
     def _mosaic_kernel(self, call: _Call, shape, device: torch.device):
         """(launch, "") for the Mosaic GPU stack on this input (bridge/mosaic_launch.py), or (None, why it
         runs through jax)."""
-        from bridge import mosaic_launch
-        from ttj_jax.kernels.fused_stack_mgpu import TILE_ROWS
         why = mosaic_launch.unavailable_reason(device)
-        if why is None and shape[0] % (TILE_ROWS // shape[1]):
-            why = f"x.shape={tuple(shape)}: the batch needs padding to fill the kernel's {TILE_ROWS}-row tiles"
+        if why is None:
+            why = stacks.get(call.plan.stack).bridge_launch(self.config, shape[0], shape[1])
         if why is not None:
             return None, why
         try:
@@ -502,42 +465,6 @@ class _ModuleState:
             return None, f"the Mosaic GPU launch is unavailable: {type(e).__name__}: {e}"
         run = lambda x, mask, tensors: kernel(x, *tensors)   # noqa: E731 - mask-free plans only
         disagreement = self._compare_with_jax(run, call, shape, "float32", device)
-        return (None, disagreement) if disagreement is not None else (run, "")
-
-    def _direct_kernel(self, call: _Call, shape, dtype, device: torch.device):
-        """(launch, "") for the fused (Triton) plan on this input through bridge/direct.py, or (None, why it
-        runs through jax)."""
-        from bridge import direct
-        from ttj_jax.kernels.fused_stack import blocks_for, copy_free, direct_launch
-        blocks = blocks_for(shape[1], self.config.d_model)
-        if shape[0] % blocks.block_sequences:
-            blocks = dataclasses.replace(blocks, block_sequences=1)
-        why = direct.unavailable_reason(device)
-        if why is None and not copy_free(tuple(shape), self.config.d_model, blocks.block_sequences):
-            why = f"x.shape={tuple(shape)} needs padding for the fused kernel"
-        if why is None and shape[0] // blocks.block_sequences > direct.MAX_PROGRAMS:
-            why = (f"{shape[0] // blocks.block_sequences} programs: beyond {direct.MAX_PROGRAMS} the launch's host "
-                   "cost is negligible, and XLA launches it with its exact shared memory")
-        if why is not None:
-            return None, why
-        fused = self.kernel_tensors("fused")   # also builds the weights the launch will read
-        from ttj_jax.kernels.fused_stack import FusedWeights
-        structs = FusedWeights({n: jax.ShapeDtypeStruct(tuple(t.shape), _torch_dtype_name(t.dtype))
-                                for n, t in zip(FusedWeights.FIELDS, fused)},
-                               d_model=self.config.d_model, num_heads=self.config.num_heads,
-                               ffn_dim=self.config.ffn_dim)
-        spec = direct_launch(structs, tuple(shape), dtype, causal=self.config.causal, blocks=blocks,
-                             masked=call.passes_mask)
-        try:
-            kernel = direct.DirectKernel(spec, device)
-        except (RuntimeError, OSError) as e:
-            return None, f"direct launch unavailable: {e}"
-
-        def run(x, mask, tensors, masked=call.passes_mask):
-            out = torch.empty_like(x)
-            kernel(x, *([mask] if masked else []), *tensors, out)
-            return out
-        disagreement = self._compare_with_jax(run, call, shape, dtype, device)
         return (None, disagreement) if disagreement is not None else (run, "")
 
     # The direct launch runs the binary the jax path runs: its output must match to rounding noise.
@@ -600,7 +527,7 @@ def forward(module: torch.nn.Module, x: torch.Tensor, valid_token_mask: torch.Te
     the last one short (on two H200s no faster than equal chunks at shape 6). split_home_rows: that many
     rows at the end of the batch are computed by x's own GPU alone, beside the split of the rest (which
     must then divide evenly), meant to offload the other GPUs, which also wait for their copies; on two
-    H200s 2-8% of shape 6 that way was slower, not faster (bench/results/split-home-2026-11-30-h200x2.json)."""
+    H200s 2-8% of shape 6 that way was slower, not faster."""
     state = _state(module, config)
     if split_chunks is not None or type(split_home_rows) is not int or split_home_rows:   # not the defaults
         if isinstance(split_chunks, list):
@@ -612,6 +539,10 @@ def forward(module: torch.nn.Module, x: torch.Tensor, valid_token_mask: torch.Te
             raise ValueError(f"split_home_rows must be an int >= 0; got {split_home_rows!r}")
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor [batch, seq_len, d_model]; got {type(x).__name__}")
+    if x.is_cuda and _capturing():
+        raise RuntimeError("ttj-jax cannot run inside CUDA graph capture: jax's launches are not captured by "
+                           "torch, so a replay would return stale output. Capture the code around it, or "
+                           "use torch.compile's default mode")
     mask = valid_token_mask
     if mask is not None:
         if not isinstance(mask, torch.Tensor):
@@ -733,7 +664,7 @@ def _run_split(call: _Call, weights, x: torch.Tensor, mask: torch.Tensor | None,
     (a peer-to-peer copy between GPUs) and imported on its device; the slices form one batch-sharded
     jax array, so jax's program moves nothing; each output shard comes back to torch on its device and
     torch copies it into the output on x's device. Moving the slices with jax instead went through host
-    memory on two H200s (~2 GB/s: bench/results/scale-2026-11-30-h200x2.json).
+    memory on two H200s (~2 GB/s).
 
     On CUDA, the copies run on one side stream per GPU, ordered by events, never on the caller's stream:
     all chunks' copies out of x are queued first (on x's GPU's side stream, after x's producers), each
@@ -804,7 +735,7 @@ def _run_split(call: _Call, weights, x: torch.Tensor, mask: torch.Tensor | None,
     copy_out_of_x.wait_stream(torch.cuda.current_stream(home))
     moved, ready = [], []   # per chunk, per device: the slices there, and the event after their copy
     # Each stream context is entered once per call, not per chunk: entering one costs tens of us of host
-    # time (bench/results/split-host-2026-11-30-h200x2.json), and a split call is host-heavy.
+    # time, and a split call is host-heavy.
     with _side_streams([home] + others):   # torch syncs both devices' streams
         for c in range(chunks):
             moved.append([]), ready.append([])

@@ -279,9 +279,8 @@ def _fresh_copy_output(ours, x):
 @pytest.mark.parametrize("replace", ["parameter", "submodule", "assign_load", "overwrite_conversion"])
 def test_replaced_parameter_objects_are_noticed(replace, monkeypatch):
     """Parameters replaced by new objects (not edited in place) since the last call: the versions and
-    data pointers the weights are keyed on live on the old objects, which do not change. Before
-    session 22 the bridge kept computing with the old weights in all four cases (output equal to the
-    first call's). After each replacement its output equals a fresh module's with the same state_dict."""
+    data pointers the weights are keyed on live on the old objects, which do not change. After each
+    replacement the output equals a fresh module's with the same state_dict."""
     _, ours = pair()
     x = random_input(T.Config.from_object(CONFIG), 31)
     first = ours(x)
@@ -361,14 +360,14 @@ def test_data_attribute_reassignment_is_noticed():
 
 
 def test_driver_ordering_records_on_torchs_stream_then_waits_on_jaxs(monkeypatch):
-    """The CUDA ordering of runtime._driver_ordering, with a fake driver (no GPU in CI; on the H200 the
-    real one kept x's writes before jax's reads: bench/results/hotpath-parts-2026-12-01-nvidia-h200*.json):
+    """The CUDA ordering of runtime._driver_ordering, with a fake driver (no GPU in CI; the GPU check is
+    bench.host_overhead's ordering check):
     one event made once, then per call cuEventRecord on torch's current raw stream and cuStreamWaitEvent
     of jax's stream on that event, in that order; False (so the caller falls back to torch's wrappers)
     when the driver refuses either, or when another device is current (handle 0, torch's default
     stream, would then name that device's stream); None when the driver is missing."""
     import ctypes
-    from bridge import direct, runtime
+    from bridge import runtime
 
     calls = []
 
@@ -389,7 +388,7 @@ def test_driver_ordering_records_on_torchs_stream_then_waits_on_jaxs(monkeypatch
             self.cuStreamWaitEvent = FakeFunction("cuStreamWaitEvent")
 
     fake = FakeDriver()
-    monkeypatch.setattr(direct, "_driver", lambda: fake)
+    monkeypatch.setattr(runtime, "_libcuda", lambda: fake)
     monkeypatch.setattr(torch.cuda, "device", lambda d: __import__("contextlib").nullcontext())
     monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: None)
     current = [3]
@@ -400,7 +399,7 @@ def test_driver_ordering_records_on_torchs_stream_then_waits_on_jaxs(monkeypatch
     assert order() is True
     assert calls == [("cuEventRecord", 0xE1, 0x5A), ("cuStreamWaitEvent", 0x7B, 0xE1, 0)]
     calls.clear()
-    # session 21: jax's compute stream waits on the same event too (one record, one wait per stream)
+    # jax's compute stream waits on the same event too (one record, one wait per stream)
     both = runtime._driver_ordering(torch.device("cuda", 3), lambda: 0x5A, (0x7B, 0x7C))
     calls.clear()
     assert both() is True
@@ -412,12 +411,12 @@ def test_driver_ordering_records_on_torchs_stream_then_waits_on_jaxs(monkeypatch
     current[0] = 3
     fake.cuStreamWaitEvent.result = 1                # the driver refuses the wait
     assert order() is False
-    monkeypatch.setattr(direct, "_driver", lambda: (_ for _ in ()).throw(OSError("no libcuda")))
+    monkeypatch.setattr(runtime, "_libcuda", lambda: (_ for _ in ()).throw(OSError("no libcuda")))
     assert runtime._driver_ordering(torch.device("cuda", 3), lambda: 0, (0x7B,)) is None
 
 
 def test_kept_import_is_reused_only_for_the_same_tensor_memory_and_layout():
-    """_Transfer.to_jax_kept's cache (session 21): the same tensor object with the same data pointer,
+    """_Transfer.to_jax_kept's cache: the same tensor object with the same data pointer,
     shape, strides and dtype gets the kept array (its contents may change: the compute-stream wait
     orders those writes); anything else is imported anew and kept instead."""
     from bridge import runtime
@@ -449,7 +448,7 @@ def test_kept_import_is_reused_only_for_the_same_tensor_memory_and_layout():
 
 def test_no_kept_import_without_a_compute_stream_handle():
     """On the CPU jax's buffer_callback has no GPU context, so there is no compute stream to order and
-    the bridge's transfer never reports one (every call imports x afresh, as before session 21)."""
+    the bridge's transfer never reports one (every call imports x afresh)."""
     import jax
 
     from bridge import runtime
@@ -460,14 +459,13 @@ def test_no_kept_import_without_a_compute_stream_handle():
 
 
 def test_keep_x_import_is_on_unless_turned_off(monkeypatch):
-    """On by default since session 22 (its path checked on the H200); the environment variable turns it
-    off."""
-    from bridge import runtime
-    monkeypatch.delenv(runtime.KEEP_X_IMPORT_ENV, raising=False)
-    assert runtime.keep_x_import_enabled() is True
+    """On by default; the environment variable turns it off."""
+    from bridge import settings
+    monkeypatch.delenv(settings.KEEP_X_IMPORT_ENV, raising=False)
+    assert settings.keep_x_import() is True
     for value, expected in (("1", True), ("0", False), ("", False), ("false", False)):
-        monkeypatch.setenv(runtime.KEEP_X_IMPORT_ENV, value)
-        assert runtime.keep_x_import_enabled() is expected
+        monkeypatch.setenv(settings.KEEP_X_IMPORT_ENV, value)
+        assert settings.keep_x_import() is expected
 
 
 def test_order_programs_waits_on_the_compute_stream_alone_else_falls_back(monkeypatch):
@@ -486,7 +484,7 @@ def test_order_programs_waits_on_the_compute_stream_alone_else_falls_back(monkey
 
 
 def test_forward_keeps_x_import_only_when_the_compute_stream_waited(monkeypatch, harness_rule):
-    """forward's use of the kept import (session 21): when order_programs() says jax's compute stream
+    """forward's use of the kept import: when order_programs() says jax's compute stream
     waited (faked here: the CPU has no such stream), x is imported once and reused while it is the same
     tensor; another tensor is imported anew; when it says no, every call imports afresh."""
     from bridge import runtime

@@ -46,7 +46,7 @@ def test_attention_choice():
     assert plan.attention == "pallas" and "Hopper" in plan.explain()
     split = T.plan(SHAPE_14, facts(SHAPE_14), hopper, data_parallel=2)      # in a split too (per device)
     assert split.attention == "pallas" and split.data_parallel == 2 and "Hopper" in split.explain()
-    from ttj_jax.model import ATTENTION, attention_for
+    from ttj_jax.layers import ATTENTION, attention_for
     long_256 = T.OFFICIAL["8"].config.with_input(2, 8192)
     assert attention_for(T.plan(long_256, facts(long_256), hopper, data_parallel=2)) is ATTENTION["pallas"]
     assert T.plan(SHAPE_14, facts(SHAPE_14, MaskKind.GENERAL), H200).attention == "pallas"   # key mask

@@ -15,62 +15,39 @@ from ttj_jax.numerics import POLICIES
 
 ATTENTION_IMPLEMENTATIONS = ("xla", "pallas", "cudnn")
 MASK_MODES = ("none", "rows", "keys", "device")
-# "layers": the XLA program, layer by layer (model.py); "fused": the whole stack as one Pallas kernel
-# (kernels/fused_stack.py), which the torch bridge launches with no JAX dispatch (bridge/direct.py);
+# What runs the layers (stacks.py has one entry per name):
+# "layers": the XLA program, layer by layer (layers.py);
+# "fused": the whole stack as one Pallas (Triton) kernel (kernels/fused_stack.py);
 # "rows": per layer our flash attention and one row-tile kernel for the rest (kernels/row_block.py);
-# "fused_mgpu": the whole stack as one Mosaic GPU kernel (kernels/fused_stack_mgpu.py, Hopper, mask-free),
-# which the torch bridge launches on torch's stream with no JAX dispatch (bridge/mosaic_launch.py).
+# "fused_mgpu": the whole stack as one Mosaic GPU kernel (kernels/fused_stack_mgpu.py, Hopper,
+# mask-free), which the torch bridge launches on torch's stream without JAX dispatch.
 STACKS = ("layers", "fused", "rows", "fused_mgpu")
 CALLERS = ("jax", "torch")
-# ROWS_BLOCK and row_block.RowBlocks' defaults (4 warps, 64-column MLP blocks): the fastest of 12 tilings
-# at shape 13 (774.2 us of kernels per call, the other 11 793.5-1363.5; 32 or 128 rows, 8 warps) and within
-# 1% of the fastest at shape 11 (150.5 against 149.3), every one within the harness rule of the XLA
-# program (bench/results/rows-sweep-2026-12-01-nvidia-h200.json, bench/scratch/rows_sweep.py).
-ROWS_BLOCK = 64   # rows per program of the "rows" stack: batch * seq_len must be a multiple
+# Rows per program of the "rows" stack (batch * seq_len must be a multiple): the fastest of 12 tilings
+# at shape 13 and within 1% of the fastest at shape 11.
+ROWS_BLOCK = 64
 
-# Split the batch over several devices only when one call moves at least this many elements: smaller
-# calls are launch-bound. Over the devices a batch-sharded jax array lives on; an input on one device
-# only from the bridge (torch), whose split moves the slices by peer-to-peer copies and overlaps them
-# with compute, over at most SPLIT_FROM_ONE_DEVICE_MAX devices (the count measured): on two H200s,
-# shape 14 1.99x and shape 6 1.74x as fast (bench/results/scale-2026-11-30-h200x2-session9d.json). A JAX
-# caller's one-device array stays: jax's own device_put between the GPUs went through host memory at
-# ~2 GB/s (shape 14 0.26x, shape 6 0.02x: bench/results/scale-2026-11-30-h200x2.json).
+# Split the batch over several devices only from this many elements per call: smaller calls are
+# launch-bound. From a torch tensor on one device the bridge moves the slices by peer-to-peer copies
+# that overlap compute, over at most SPLIT_FROM_ONE_DEVICE_MAX devices (two H200s: shape 14 1.99x, shape
+# 6 1.74x). A JAX caller's one-device array stays: jax's own device_put between GPUs went through host
+# memory (~2 GB/s, slower than one GPU).
 DATA_PARALLEL_MIN_ELEMENTS = 64 * 2**20
 SPLIT_FROM_ONE_DEVICE_MAX = 2
-# One long sequence from JAX, several GPUs: the sequence split over SPLIT_FROM_ONE_DEVICE_MAX of them,
-# attention as a ring (ring_attention.py, our flash kernel per chunk pair). Measured on two H200s from a
-# one-device x (B=1, d=1024, 16 heads, 2 layers, mask-free): S=100000 1.70x, S=1,000,000 1.87x, and
-# S=16384 0.77x, i.e. slower (bench/results/ring-2026-11-30-h200x2-{s100k-hopper-fixed,s1m,hopper-fixed}.json);
-# from this length on, and for the batch of one measured.
+# One long mask-free sequence from JAX on several GPUs: split the sequence, attention as a ring
+# (ring_attention.py). Two H200s, B=1, d=1024: S=100,000 1.70x, S=1,000,000 1.87x, S=16,384 0.77x.
 SEQUENCE_PARALLEL_MIN_LEN = 100_000
 SEQUENCE_PARALLEL_MAX_BATCH = 1
 # Activations of one chunk may take at most this share of the device's memory.
 ACTIVATION_MEMORY_SHARE = 0.25
-# Attention on the GPU, from bench/results/attention-2026-11-30-nvidia-h200.json (fp16, causal, H200):
-# our Pallas kernel beats XLA's explicit softmax at every measured shape (S=128: 0.014-0.033 ms against
-# 0.035-0.066) and cuDNN up to S=1024 (hd 32 at S=1024: 0.107 ms against 0.117); cuDNN wins at long
-# sequences (S=16384, hd 64: 412 TFLOP/s against our 346). So: Pallas up to this length, cuDNN beyond
-# where it applies (no key mask, head_dim in its range), Pallas otherwise.
+# Attention: our Pallas kernel beats XLA's explicit softmax everywhere measured and cuDNN up to S=1024;
+# cuDNN wins at long sequences (S=16384, hd 64: 412 against 346 TFLOP/s) where it applies (no key mask,
+# head_dim a multiple of 8 up to 128).
 CUDNN_MIN_SEQ_LEN = 4096
-# cuDNN's fused attention through jax.nn.dot_product_attention: head_dim a multiple of 8, at most 128.
 CUDNN_HEAD_DIMS = range(8, 129, 8)
-# Our Hopper (Mosaic GPU) kernel, which `flash_attention` runs on sm_90 from S=4096 on, at head_dims 64 and
-# 128 on one device: shape 14 from JAX took 3020 ms with it against 3224 with cuDNN (same process,
-# bench/results/shape14-attention-2026-11-30-nvidia-h200.json), its attention call (B=8, H=16, S=100000, hd
-# 64) ran at 481 against 446 TFLOP/s (attention-mgpu-2026-11-30-nvidia-h200-grid.json). (With its first
-# grid order the stack had been slower than with cuDNN: 3388 against 3186 ms.) At S=4096-8192 the two are
-# level (sweep file). At head_dim 256 cuDNN does not apply and "pallas" gets the Hopper kernel (577 TFLOP/s
-# against our generic kernel's 226). In a batch split too: the first two-GPU run with it gave a wrong
-# output (scale-2026-11-30-h200x2-p2p.json) because the kernel's grid axis "batch" clashed with the mesh
-# axis of that name; renamed, the kernel inside a split lowers identically to the one-device kernel
-# (tests/test_flash_attention_mgpu.py), and on two H200s the split's output matched one GPU's within
-# 3.5e-4 at 1.99x its speed (scale-2026-11-30-h200x2-session5.json).
-# head_dim 32 on that kernel (session 15): 273.4 against cuDNN's 220.0 TFLOP/s at B=4 H=16 S=8192, our
-# generic kernel 233.8 (bench/results/attention-mgpu-2026-12-01-nvidia-h200-hd32.json); below 8192 not
-# measured against cuDNN at the model's call, so cuDNN keeps 4096-8191.
-# head_dim -> the measurement behind the choice. Each is chosen from CUDNN_MIN_SEQ_LEN or, where later,
-# the length from which `flash_attention` sends the call to the Hopper kernel at all
-# (`flash_attention_mgpu.dispatch_min_seq_len`: 8192 at head_dim 32), so the two rules cannot drift apart.
+# From these head_dims' thresholds on, our Hopper kernel beats cuDNN (H200, fp16, causal). The length
+# is the later of CUDNN_MIN_SEQ_LEN and the kernel's own dispatch threshold
+# (`flash_attention_mgpu.dispatch_min_seq_len`), so the two rules cannot drift apart.
 HOPPER_OVER_CUDNN = {
     64: "measured faster than cuDNN at shape 14's attention call (481 against 446 TFLOP/s)",
     128: "measured faster than cuDNN at shape 14's attention call (481 against 446 TFLOP/s)",
@@ -84,86 +61,33 @@ def hopper_over_cudnn_min_seq_len(head_dim: int) -> int | None:
         return None
     from ttj_jax.kernels.flash_attention_mgpu import dispatch_min_seq_len   # deferred: Pallas import cost
     return max(CUDNN_MIN_SEQ_LEN, dispatch_min_seq_len(head_dim, fused=True))
-# The fused whole-stack kernel up to this many tokens (batch x seq_len) per call, the largest measured:
-# bench/results/direct-2026-11-30-nvidia-h200.json (the kernel run through jax, harness timing): faster
-# than the XLA program on shape 6 (B=10000: 9.94 against 13.85 ms), shape 5 (0.154 against 0.235) and
-# shape 12, level on the host-bound shapes, where the bridge's direct launch (bridge/direct.py) removes
-# the host cost that hides it.
+
+
+# The fused whole-stack kernel up to this many tokens per call (the largest measured: faster than the
+# XLA program at shapes 5, 6 and 12) ...
 FUSED_STACK_MAX_ROWS = 10000 * 128
-# ... and up to this many heads: the kernel walks the heads one after another, and at 16 heads of 8
-# (shape 11) it lost to the XLA program in the same run (JAX loop 0.303 against 0.221 ms,
-# bench/results/official-2026-11-30-h200-fused.json against official-2026-11-30-h200.json); at 1, 2
-# and 4 heads it won (shapes 9, 10, 1: 0.094, 0.106, 0.133 against 0.137, 0.134, 0.135 ms). Beyond it
-# the "rows" stack: at shape 11 its compiled program took 0.167 ms per call against the XLA program's
-# 0.213, zero failing elements (bench/results/ablate-2026-11-30-nvidia-h200-session6.json, which also lists
-# both programs' GPU time by kernel). Through the bridge that first build lost: its ~25 kernel launches
-# (12 of them pads of head_dim 8 to 16, 4 slices back) cost more host time than its GPU time saved
-# (official-2026-11-30-h200-session6-part1: 0.240 ms per bridge call against 0.166 for JAX); with the
-# heads padded in the weights instead (row_block.rows_weights: 9 kernels, no copies) the program took
-# 0.1555 ms (XLA program 0.2153, ablate11-padded-2026-11-30-nvidia-h200-session6.json) and the bridge
-# 0.1756 against the peer's 0.2259 (official-2026-11-30-h200-session6, part 3), zero failing elements.
-# With its weights stacked over the layers (row_block.RowsWeights: a 15-argument program instead of 51)
-# the bridge took 0.152 ms against the peer's 0.229, level with the JAX loop's 0.155
-# (official-2026-12-01-h200-session11), zero failing elements.
+# ... and up to this many heads: it walks the heads one after another, and at 16 heads of 8 (shape 11)
+# lost to the XLA program (0.303 against 0.221 ms). Beyond it the "rows" stack, measured faster than the
+# XLA program there (0.156 against 0.215 ms).
 FUSED_STACK_MAX_HEADS = 4
-# The fused kernel's mask path (valid_token_mask: keys excluded, invalid rows zeroed) ran on the H200 with
-# zero failing elements on prefix and general masks (shape 2, 3 seeds each,
-# bench/results/direct-2026-11-30-nvidia-h200-session3.json), and in the official run's inference-mode
-# seeds on every fused shape (official-2026-11-30-h200-session3.json), so masked calls use it too.
-# The "rows" stack for sequences longer than the fused kernel takes, up to this length: at S=1024 (shape
-# 13) it ran 0.776 ms through the bridge against the XLA program's 1.088 (torch peer 1.037 in an earlier
-# run), zero failing elements (bench/results/rows-2026-11-30-nvidia-h200.json).
+# The "rows" stack for sequences longer than the fused kernel takes, up to this length: at S=1024
+# (shape 13) 0.776 ms through the bridge against the XLA program's 1.088.
 ROWS_STACK_MAX_SEQ_LEN = 1024
-# The Mosaic GPU stack kernel is planned only at the widths it has run on a GPU with: d_model 128 (every
-# number below) and 32 (shape 7: head_dim 8 zero-padded to 16-column blocks, 32 before session 24). Shape 7 on the H200
-# (session 6): zero failing elements against the fp32 reference, within 0.17 of the tolerance of the NumPy
-# emulation, 61.6 us per call through jax against the Triton kernel's 70.8
-# (bench/results/fused-stack-mgpu-2026-11-30-nvidia-h200-session6.json); launched by the bridge, 5 harness
-# seeds clean (worst 0.585), 0.0616 ms per call against 0.131 for the Triton kernel through jax, equal on a
-# side stream (mosaic-launch-2026-11-30-h200-fused_mgpu-session6.json). Since session 24 the head blocks
-# are 16 columns wide (fused_stack_mgpu.MIN_BLOCK): 0.0458 against 0.0531 ms per call through jax, the
-# same output to the bit, 0 failing elements over 5 seeds (min-block16-2026-12-02-nvidia-h200-session24.json);
-# launched by the bridge (session 25): 5 harness seeds clean (worst 0.585), equal on a side stream, 0.0378 ms
-# against 0.1009 for the Triton kernel through jax (mosaic-launch-shape7-2026-12-02-nvidia-h200-session25.json),
-# and 0.03786 ms in the official run against session 22's 0.04906, 25 seeds clean
-# (official-2026-12-02-nvidia-h200-session25.json).
+# The Mosaic GPU stack kernel is planned only at the widths it has run on a GPU with: d_model 128 and 32
+# (head_dim 8 zero-padded to 16-column blocks).
 MGPU_STACK_GPU_VERIFIED_D_MODELS = (32, 128)
-# ... and at the head counts where it is the fastest stack. 8 and 16 heads at d_model 128 (head_dim 16 and
-# 8, packed two or four to a 32-column block: kernels/fused_stack_mgpu.py) run correctly on the H200 but
-# slower: shape 11 (16 heads of 8) took 226.7 us per call through jax against the XLA program's 213.5
-# (bench/results/fused-stack-mgpu-2026-12-02-nvidia-h200-session23-packed.json; 0 failing elements, worst
-# err/tol 0.51); launched by the bridge, 0.2263 ms in the harness timing against 0.1501 for the rows stack
-# (28.1 against 129.6 us of host time per call; 5 seeds clean, worst 0.61:
-# mosaic-launch-2026-12-02-h200-fused_mgpu-session23-run2.json). Every sub-head adds a softmax pass on the
-# tile's two warpgroups, on 64 SMs for 64 sequences, where the rows stack's attention uses all of them.
-# So those counts are reachable by request only (stack="fused_mgpu").
+# ... and at the head counts where it is the fastest stack: 8 and 16 heads (packed several to a block)
+# run correctly but slower (shape 11: 0.226 ms against the rows stack's 0.150), so they are reachable by
+# request only (stack="fused_mgpu").
 MGPU_STACK_PLANNED_NUM_HEADS = (1, 2, 4)
-# The Mosaic GPU whole-stack kernel (Hopper, d_model = ffn_dim = 128, 1/2/4 heads, S 32/64/128, fp32 x,
-# mask-free) against the Triton one, both through jax (bench/results/fused-stack-mgpu-2026-11-30-nvidia-
-# h200.json, us per call): shape 2 87.8 against 125.8, 1 88.9/128.4, 9 57.2/92.1, 10 68.3/104.3, 5
-# 98.1/129.8; zero failing elements on all of them. In the official run with it (official-2026-11-30-
-# h200-session4.json, 25 seeds, zero failures) shape 6 (B=10000) took 7.59 ms through the bridge against
-# the Triton kernel's 10.05 (session 3) and the torch peer's 13.47. At S=32 (shape 12) it was slower
-# (122.0 against 74.1) until each consumer scored only its own keys (session 7): 74.7 against 78.5 us
-# through jax in one run (fused-stack-mgpu-2026-11-30-nvidia-h200-session7-own-keys.json), not a clear
-# win, so JAX callers keep the Triton kernel there (not re-decided) and a torch caller gets the Mosaic one,
-# which the bridge launches with ~40 us of host time where the Triton kernel through jax costs it ~0.2 ms
-# (shape 12 through the bridge: 0.0742 ms, official-2026-11-30-h200-session7).
+# For a JAX caller from this length on (shape 2: 88 against the Triton kernel's 126 us); at S=32 the two
+# are level on the GPU, and a torch caller still gets the Mosaic kernel there, which the bridge launches
+# with ~40 us of host time where the Triton kernel through jax costs ~0.2 ms.
 MGPU_STACK_JAX_MIN_SEQ_LEN = 64
-# GEMM-bound calls (the layer-by-layer XLA program at d_model >= this, short sequences, one device,
-# unchunked: shape 8) take the mixed_fp16_qkv16 policy (the q/k/v GEMM writes fp16 with its bias in the
-# epilogue, so attention reads half the bytes and no pass rounds an fp32 copy) and cuBLAS for every GEMM
-# (XLA's Triton GEMMs off: cuBLAS then also fuses both residual adds into the out-projection and MLP-out
-# GEMMs' epilogues). Shape 8 on the H200, compiled programs in one process
-# (bench/results/ablate8-2026-11-30-nvidia-h200-session6.json, kernels listed): 1.135 ms per call against
-# 1.288 (cuBLAS, fp32 q/k/v); in another process (ablate8-defaults-...-session6.json, with the optimized
-# HLO) XLA's defaults took 1.302 and Triton GEMMs with fp16 q/k/v were slower (1.333); zero failing
-# elements, worst err/tol 0.527. Session 12: the MLP's pre-activation in fp16 too and the tanh GELU
-# (numerics.MIXED_FP16_GEMM16_TANH), which cuBLASLt takes into the first MLP GEMM's epilogue (BIAS_GELU in
-# the optimized HLO): 1.031 against 1.133 ms per call in one process, the ~26 us GELU pass per layer gone,
-# zero failing elements over 10 seeds, worst err/tol 0.650 (bench/results/ablate8-tanh-2026-12-01-nvidia-
-# h200-session12.json; with the erf GELU on the fp16 pre-activation, no epilogue fusion: 1.113 against
-# 1.139, ablate8-gemm16-...). Longer sequences (shape 14) are not measured with it and keep the defaults.
+# GEMM-bound calls (the one-device XLA program at d_model >= this, S below CUDNN_MIN_SEQ_LEN, unchunked:
+# shape 8): q/k/v and the MLP's pre-activation written in fp16 by their GEMMs, every GEMM on cuBLAS
+# (XLA's Triton GEMMs off, so cuBLAS fuses the residual adds and the tanh GELU into its epilogues):
+# shape 8 1.031 ms against 1.133 (fp16 q/k/v only) and 1.30 (XLA's defaults), worst err/tol 0.65.
 GEMM_BOUND_MIN_D_MODEL = 1024
 GEMM_BOUND_POLICY = "mixed_fp16_gemm16_tanh"
 GEMM_BOUND_XLA_OPTIONS = (("xla_gpu_enable_triton_gemm", False),)

@@ -1,0 +1,35 @@
+"""The bridge's settings, all read here, and what importing the bridge changes in the process.
+
+Environment switches (read when a device's first call sets up its transfers or launches):
+- `TTJ_BRIDGE_KEEP_X_IMPORT=0`: import x afresh on every call instead of keeping the last import of
+  the same tensor (on CUDA, where jax's compute stream is ordered after torch's writes).
+- `TTJ_MOSAIC_LAUNCH=0`: run the Mosaic GPU whole-stack kernel through jax instead of launching it on
+  torch's stream.
+
+Effects of `import bridge`:
+- `XLA_PYTHON_CLIENT_PREALLOCATE=false` unless already set, so jax does not take 75% of the GPU's
+  memory at its first operation (torch shares the device). It must be set before jax starts its GPU
+  backend, which importing the bridge first ensures.
+- Two global torch hooks that count parameter and submodule registrations (runtime.py): they return
+  None, so torch keeps what was assigned.
+"""
+
+from __future__ import annotations
+
+import os
+
+KEEP_X_IMPORT_ENV = "TTJ_BRIDGE_KEEP_X_IMPORT"
+MOSAIC_LAUNCH_ENV = "TTJ_MOSAIC_LAUNCH"
+_OFF = ("0", "false", "False", "")
+
+
+def keep_x_import() -> bool:
+    return os.environ.get(KEEP_X_IMPORT_ENV, "1") not in _OFF
+
+
+def mosaic_launch() -> bool:
+    return os.environ.get(MOSAIC_LAUNCH_ENV, "1") not in _OFF
+
+
+def apply_process_defaults() -> None:
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")

@@ -1,0 +1,137 @@
+"""The layer-by-layer XLA program: LayerNorm -> fused QKV GEMM -> attention -> out-projection ->
+residual -> LayerNorm -> MLP -> residual, per layer, then the final LayerNorm (docs/spec.md).
+
+Numerics come from the plan's policy (numerics.py), attention from the plan's implementation, masking
+work from its mask mode. `layer_stack` takes an `attention` override, which the ring (ring_attention.py)
+uses to run the same layers on a slice of each sequence.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import jax
+import jax.numpy as jnp
+
+from ttj_jax.config import Config
+from ttj_jax.numerics import NumericsPolicy, get_policy, layer_norm
+from ttj_jax.params import PreparedWeights, prepare_weights
+from ttj_jax.planner import Plan
+
+# A large finite negative instead of -inf for excluded keys: a row with no allowed key then yields a
+# finite (uniform) softmax instead of NaN, and such rows are always zeroed afterwards (docs/spec.md).
+MASKED_SCORE = -1e30
+
+
+def xla_attention(qkv: jax.Array, key_valid: jax.Array | None, *, causal: bool,
+                  policy: NumericsPolicy) -> jax.Array:
+    """qkv: (B, S, 3, H, hd) fp32 -> context (B, S, H, hd) fp32, explicit scores, softmax in fp32."""
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]                                  # (B, S, H, hd)
+    S, head_dim = q.shape[1], q.shape[-1]
+    scores = policy.einsum("bqhd,bkhd->bhqk", q * head_dim ** -0.5, k)                  # (B, H, S, S)
+    allowed = None
+    if causal:
+        allowed = jnp.tril(jnp.ones((S, S), bool))[None, None]
+    if key_valid is not None:
+        keys = key_valid[:, None, None, :]
+        allowed = keys if allowed is None else allowed & keys
+    if allowed is not None:
+        scores = jnp.where(allowed, scores, MASKED_SCORE)
+    probs = jax.nn.softmax(scores.astype(policy.statistics_dtype), axis=-1)
+    return policy.einsum("bhqk,bkhd->bqhd", probs, v)
+
+
+def pallas_attention(qkv, key_valid, *, causal, policy, implementation="auto"):
+    """Our flash kernel, reading q, k and v straight from the fused layout. Its dots take fp16 operands
+    with fp32 accumulation whatever the policy (the kernel's documented choice), so the exact_fp32
+    policy never plans it. On the CPU (forced, for tests) it runs interpreted."""
+    from ttj_jax.kernels import flash_attention_fused_qkv   # deferred: Pallas import cost only when used
+    interpret = jax.default_backend() == "cpu"
+    return flash_attention_fused_qkv(qkv.astype(policy.gemm_dtype), causal=causal, key_mask=key_valid,
+                                     interpret=interpret, implementation=implementation).astype(jnp.float32)
+
+
+def cudnn_attention(qkv, key_valid, *, causal, policy):
+    if key_valid is not None:
+        raise ValueError("the cudnn attention plan takes no key mask; the planner must choose another")
+    qkv = qkv.astype(policy.gemm_dtype)
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    return jax.nn.dot_product_attention(q, k, v, is_causal=causal,
+                                        implementation="cudnn").astype(jnp.float32)
+
+
+ATTENTION = {"xla": xla_attention, "pallas": pallas_attention, "cudnn": cudnn_attention}
+
+
+def attention_for(plan: Plan):
+    """The plan's attention function."""
+    return ATTENTION[plan.attention]
+
+
+def layer(w: Mapping[str, jax.Array], x, row_valid, key_valid, *, config: Config, plan: Plan,
+           policy: NumericsPolicy, attention=None):
+    """One pre-LN block on the fp32 residual x (B, S, d). attention: the plan's (attention_for) unless
+    given (ring_attention.py runs this on a slice of the sequence with a ring in its place)."""
+    B, S, d = x.shape
+    h = layer_norm(x, w["norm1_weight"], w["norm1_bias"])
+    qkv = policy.project_qkv(h, w["qkv_weight"], w["qkv_bias"])                         # (B, S, 3d)
+    qkv = qkv.reshape(B, S, 3, config.num_heads, config.head_dim)                        # free reshape
+    context = (attention or attention_for(plan))(qkv, key_valid, causal=config.causal, policy=policy)
+    a = policy.matmul(context.reshape(B, S, d), w["out_weight"]) + w["out_bias"]
+    if row_valid is not None:
+        a = jnp.where(row_valid, a, 0.0)
+    x = x + a
+    h = layer_norm(x, w["norm2_weight"], w["norm2_bias"])
+    h = policy.mlp_hidden(h, w["ffn_in_weight"], w["ffn_in_bias"])
+    x = x + policy.matmul(h, w["ffn_out_weight"]) + w["ffn_out_bias"]
+    if row_valid is not None:
+        x = jnp.where(row_valid, x, 0.0)
+    return x
+
+
+def key_mask_for(mask, *, mode: str, causal: bool):
+    """The key mask attention must apply, or None. In "device" mode a sequence whose mask is a prefix
+    needs none under causal attention (docs/spec.md), so its keys are all let through."""
+    if mode == "keys" or (mode == "device" and not causal):
+        return mask
+    if mode == "device":
+        turns_back_on = jnp.any(~mask[:, :-1] & mask[:, 1:], axis=1)                     # (B,)
+        return mask | ~turns_back_on[:, None]
+    return None
+
+
+def layer_stack(weights: PreparedWeights, x, mask, *, config: Config, plan: Plan, attention=None):
+    """The layer stack on x (B, S, d); attention: see `layer`."""
+    policy = get_policy(plan.policy)
+    row_valid = mask[:, :, None] if plan.mask_mode != "none" else None
+    key_valid = key_mask_for(mask, mode=plan.mask_mode, causal=config.causal)
+    h = x.astype(policy.residual_dtype)
+    for w in weights.layers:
+        h = layer(w, h, row_valid, key_valid, config=config, plan=plan, policy=policy, attention=attention)
+    y = layer_norm(h, weights.final_norm["weight"], weights.final_norm["bias"])
+    if row_valid is not None:
+        y = jnp.where(row_valid, y, 0.0)
+    return y.astype(x.dtype)
+
+
+def run_layers(weights: PreparedWeights, x, mask, *, config: Config, plan: Plan):
+    if not get_policy(weights.policy_name).shares_weights_with(get_policy(plan.policy)):
+        raise ValueError(f"weights were prepared for policy {weights.policy_name!r}, "
+                         f"the plan needs {plan.policy!r}")
+    if not plan.batch_chunk or plan.batch_chunk >= x.shape[0]:
+        return layer_stack(weights, x, mask, config=config, plan=plan)
+    # Batch chunks run one after another (lax.map is a scan): peak activations are one chunk's.
+    # The planner picks a divisor of B, so both reshapes are free.
+    B, S, d = x.shape
+    n = B // plan.batch_chunk
+    xs = x.reshape(n, plan.batch_chunk, S, d)
+    if mask is None:
+        ys = jax.lax.map(lambda xc: layer_stack(weights, xc, None, config=config, plan=plan), xs)
+    else:
+        masks = mask.reshape(n, plan.batch_chunk, S)
+        ys = jax.lax.map(lambda a: layer_stack(weights, a[0], a[1], config=config, plan=plan), (xs, masks))
+    return ys.reshape(B, S, d)
+
+
+def run_raw_layers(params, x, mask, *, config: Config, plan: Plan):
+    return run_layers(prepare_weights(params, get_policy(plan.policy)), x, mask, config=config, plan=plan)

@@ -1,0 +1,136 @@
+"""The layer stacks a plan can run, by name (`Plan.stack`): the layer-by-layer XLA program and our
+whole-stack and row-tile kernels.
+
+Each `Stack` says how to run it (`run`), which weight layout it takes (`build_weights`, built once per
+PreparedWeights; None: the PreparedWeights themselves), and, for the kernels the torch bridge launches
+itself without JAX dispatch, which shapes it can launch (`bridge_launch`) and the weight arrays that
+launch reads (`weight_arrays`). model.py and the bridge look a plan's stack up here instead of testing
+its name. Kernel modules are imported on first use: importing Pallas' GPU backends costs seconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import weakref
+from typing import Any, Callable
+
+import jax
+
+from ttj_jax.config import Config
+from ttj_jax.layers import key_mask_for, run_layers
+from ttj_jax.numerics import get_policy
+from ttj_jax.params import PreparedWeights, prepare_weights
+from ttj_jax.planner import ROWS_BLOCK, STACKS as PLANNED_STACKS, Plan
+
+
+@dataclasses.dataclass(frozen=True)
+class Stack:
+    name: str
+    run: Callable                                  # run(weights, x, mask, *, config, plan) -> y
+    build_weights: Callable | None = None          # (prepared, config) -> the kernel's weight layout
+    weight_arrays: Callable | None = None          # that layout -> the arrays a bridge launch reads
+    bridge_launch: Callable | None = None          # (config, batch, seq_len) -> None, or why not
+
+
+def _run_fused(weights, x, mask, *, config: Config, plan: Plan):
+    """The fused whole-stack kernel (plan.stack == "fused"); a mask, when the plan passes one, is applied
+    inside the kernel in full (key masking and row zeroing, whatever the mask mode). weights: FusedWeights
+    (the fast path, see `kernel_weights`), PreparedWeights or raw params (stacked inside this call)."""
+    from ttj_jax.kernels.fused_stack import FusedWeights, blocks_for, fused_stack_forward, stack_weights
+    if not isinstance(weights, FusedWeights):
+        if not isinstance(weights, PreparedWeights):
+            weights = prepare_weights(weights, get_policy(plan.policy))
+        weights = stack_weights(weights, num_heads=config.num_heads)
+    blocks = blocks_for(x.shape[1], config.d_model)
+    if x.shape[0] % blocks.block_sequences:
+        blocks = dataclasses.replace(blocks, block_sequences=1)
+    return fused_stack_forward(weights, x, mask, num_heads=config.num_heads, causal=config.causal,
+                               block_sequences=blocks.block_sequences, ffn_block=blocks.ffn_block,
+                               num_warps=blocks.num_warps, num_stages=blocks.num_stages, unroll=blocks.unroll,
+                               interpret=jax.default_backend() == "cpu")
+
+
+def _run_fused_mgpu(weights, x, mask, *, config: Config, plan: Plan):
+    """The whole stack as one Mosaic GPU kernel (plan.stack == "fused_mgpu"; mask-free plans only).
+    weights: MgpuStackWeights (the fast path, see `kernel_weights`), PreparedWeights or raw params."""
+    from ttj_jax.kernels.fused_stack_mgpu import MgpuStackWeights, fused_stack_mgpu_forward, stack_weights_mgpu
+    if not isinstance(weights, MgpuStackWeights):
+        if not isinstance(weights, PreparedWeights):
+            weights = prepare_weights(weights, get_policy(plan.policy))
+        weights = stack_weights_mgpu(weights, config.num_heads)
+    return fused_stack_mgpu_forward(weights, x, num_heads=config.num_heads, causal=config.causal,
+                                    interpret=jax.default_backend() == "cpu")
+
+
+def _run_rows(weights, x, mask, *, config: Config, plan: Plan):
+    """Per layer our flash attention and one row-tile kernel for everything else (plan.stack == "rows")."""
+    from ttj_jax.kernels.row_block import RowsWeights, rows_forward
+    if not isinstance(weights, (PreparedWeights, RowsWeights)):
+        weights = prepare_weights(weights, get_policy(plan.policy))
+    row_valid = mask if plan.mask_mode != "none" else None
+    key_valid = key_mask_for(mask, mode=plan.mask_mode, causal=config.causal) if row_valid is not None else None
+    return rows_forward(weights, x, row_valid, key_valid, num_heads=config.num_heads, causal=config.causal,
+                        block_rows=ROWS_BLOCK, interpret=jax.default_backend() == "cpu")
+
+
+def _mgpu_bridge_launch(config: Config, batch: int, seq_len: int) -> str | None:
+    from ttj_jax.kernels.fused_stack_mgpu import TILE_ROWS
+    if batch % (TILE_ROWS // seq_len):
+        return (f"batch {batch} at S={seq_len} needs padding to fill the kernel's {TILE_ROWS}-row tiles "
+                "(the jax path pads)")
+    return None
+
+
+def _rows_weights(prepared, config: Config):
+    from ttj_jax.kernels.row_block import rows_weights
+    return jax.jit(functools.partial(rows_weights, num_heads=config.num_heads))(prepared)
+
+
+def _fused_weights(prepared, config: Config):
+    from ttj_jax.kernels.fused_stack import stack_weights
+    return jax.jit(functools.partial(stack_weights, num_heads=config.num_heads))(prepared)
+
+
+def _mgpu_weights(prepared, config: Config):
+    from ttj_jax.kernels.fused_stack_mgpu import stack_weights_mgpu   # jitted inside
+    return stack_weights_mgpu(prepared, config.num_heads)
+
+
+def _run_layers(weights, x, mask, *, config: Config, plan: Plan):
+    if not isinstance(weights, PreparedWeights):
+        weights = prepare_weights(weights, get_policy(plan.policy))
+    return run_layers(weights, x, mask, config=config, plan=plan)
+
+
+STACKS: dict[str, Stack] = {stack.name: stack for stack in (
+    Stack("layers", _run_layers),
+    Stack("fused", _run_fused, build_weights=_fused_weights),
+    Stack("rows", _run_rows, build_weights=_rows_weights),
+    Stack("fused_mgpu", _run_fused_mgpu, build_weights=_mgpu_weights,
+          weight_arrays=lambda weights: [weights.mats, weights.vecs], bridge_launch=_mgpu_bridge_launch),
+)}
+assert tuple(STACKS) == PLANNED_STACKS, "the planner's stack names and this registry must agree"
+
+
+def get(name: str) -> Stack:
+    try:
+        return STACKS[name]
+    except KeyError:
+        raise ValueError(f"no stack {name!r}; the stacks are {sorted(STACKS)}") from None
+
+
+_KERNEL_WEIGHTS: "weakref.WeakKeyDictionary[PreparedWeights, dict]" = weakref.WeakKeyDictionary()
+
+
+def kernel_weights(prepared: PreparedWeights, config: Config, stack: str):
+    """What the plan's executable takes for `prepared`: the stack's own weight layout, built once per
+    PreparedWeights object (they are immutable) and kept as long as it lives; `prepared` itself for
+    stacks without one."""
+    build = get(stack).build_weights
+    if build is None:
+        return prepared
+    cached = _KERNEL_WEIGHTS.setdefault(prepared, {})
+    if stack not in cached:
+        cached[stack] = build(prepared, config)
+    return cached[stack]
