@@ -16,11 +16,9 @@ recorded with its error and the run goes on. With --kernels (CUDA only), each va
 which kernels XLA emitted and where the microseconds go. Writes <out>/ablate-<date>-<gpu>.json (or --tag) and
 prints a table last.
 
-First question (shape 8, GEMM-bound, 0.92x the torch peer): the q/k/v GEMM writes a [B*S, 3d] fp32
-tensor (~100 MB per layer there) that a second pass reads back and rounds to fp16; written in fp16 by
-the GEMM itself, ~250 MB less traffic per layer, ~0.2 ms of shape 8's ~1.26 ms. Answer (session 6,
---kernels): slower with XLA's Triton GEMM (1.333 ms), faster with cuBLAS (1.135 against 1.288;
-bench/results/ablate8-2026-11-30-nvidia-h200-session6.json), now planner.GEMM_BOUND_*.
+Example: on shape 8 (GEMM-bound) a q/k/v GEMM that writes fp16 itself, instead of an fp32 [B*S, 3d] tensor
+that a second pass rounds, is faster with cuBLAS and slower with XLA's Triton GEMM (1.135 and 1.333 against
+1.288 ms on the H200); planner.GEMM_BOUND_* holds that choice.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""A faithful replica of the user's harness script (`torch_transformer_benchmark.py`, SPEC section 2).
+"""A faithful replica of the user's harness script (`torch_transformer_benchmark.py`, docs/spec.md).
 
-`BaselineTransformer` is SPEC section 1 written the way the harness writes it: explicit `[B, H, S, S]`
+`BaselineTransformer` is docs/spec.md's model written the way the harness writes it: explicit `[B, H, S, S]`
 scores, fp32, eager PyTorch. It is the PyTorch reference that the tests and benchmarks compare against,
 and the class a harness user's `UserOptimizedTransformer` inherits from.
 """

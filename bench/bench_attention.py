@@ -47,7 +47,7 @@ from ttj_jax.kernels.flash_attention_mgpu import default_lowering_semantics, fla
 # Timing cases, all causal fp16: (B, H, S, head_dim).
 CASES = [(1, 16, 100_000, 64), (1, 16, 16384, 64), (64, 4, 1024, 32),
          (64, 4, 128, 8), (64, 4, 128, 32), (64, 4, 128, 128), (64, 4, 128, 256),
-         (4, 16, 8192, 32)]   # the last: head_dim 32 on the Hopper kernel (session 15)
+         (4, 16, 8192, 32)]   # the last: head_dim 32 on the Hopper kernel
 SMOKE_CASES = [(1, 2, 100, 64), (2, 2, 40, 8)]
 CHECK_PREFIX_LEN = 4096    # rows of a big case checked against the reference on the prefix
 CHECK_LAST_ROWS = 64       # and the last rows, which see the most keys

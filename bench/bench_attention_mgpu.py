@@ -1,8 +1,7 @@
 """Check and time the Mosaic GPU flash-attention kernel (ttj_jax/kernels/flash_attention_mgpu.py) on an H200.
 
     PYTHONPATH=. python3 bench/bench_attention_mgpu.py [--quick] [--check] [--out DIR]
-        [--sweep | --grid | --poly | --overlap | --softmax | --hd32 | --lazy | --persistent
-         | --multicast | --multicast_lengths]
+        [--sweep | --lowering | --overlap | --hd32 | --multicast | --multicast_lengths]
         [--budget-s 420]
 
 In order (most important first): head_dim 64 checks, the main timing case, the other head_dim checks,
@@ -12,8 +11,7 @@ the block-size variants (each checked, then timed at the main case), the other t
    head_dim 32, 64, 128, 256, causal and not, S in {1, 113, 128, 1000} (whole outputs), and, at
    head_dim 64, S = 100000 (rows at the start, middle and end, against all the keys they may see).
    Pass rule: the harness's, |out - ref| <= max(0.002, 0.02 |ref|) elementwise, finite
-   (ttj_jax.numerics.harness_check; before session 16, 0.002 + 0.02 |ref|, up to 2x looser); the
-   worst err/tol is recorded. Also: one bf16 case, one case run twice (the outputs must be bit-identical), each variant at S=1000.
+   (ttj_jax.numerics.harness_check); the worst err/tol is recorded. Also: one bf16 case, one case run twice (the outputs must be bit-identical), each variant at S=1000.
 2. Timing, fp16 causal, TFLOP/s = 2 B H S^2 hd / time (the causal half of 4 B H S^2 hd): our Mosaic
    kernel (its default and block-size variants at the main case), cuDNN
    (`jax.nn.dot_product_attention(implementation="cudnn")`), our generic Pallas kernel, and jax's
@@ -55,6 +53,7 @@ from bench.jax_timing import stream_ms_per_call  # noqa: E402
 from bench.report import describe_error, slug  # noqa: E402
 from ttj_jax.kernels import flash_attention, flash_attention_reference  # noqa: E402
 from ttj_jax.numerics import HARNESS_ATOL, HARNESS_RTOL, harness_check  # noqa: E402
+from ttj_jax.kernels import flash_attention_mgpu_config as mgpu_config  # noqa: E402
 # The module, not the function of the same name that ttj_jax.kernels exports.
 mgpu = importlib.import_module("ttj_jax.kernels.flash_attention_mgpu")
 
@@ -67,16 +66,14 @@ MAIN_CASE = (1, 16, LONG_SEQ_LEN, 64)
 OTHER_TIMING_CASES = [(64, 4, 1024, 32), (64, 4, 1024, 64), (1, 16, 16384, 128), (1, 16, 16384, 256)]
 # Variants timed at the main case next to the default (and checked at S=1000 and at the main case).
 MAIN_VARIANTS = [
-    dict(block_sizes=Blocks(128, 4, 2, overlap_softmax=True), lowering_semantics="lane"),
-    dict(block_sizes=Blocks(128, 4, 2, overlap_softmax=False)),
-    dict(block_sizes=Blocks(128, 4, 2, overlap_softmax=False), lowering_semantics="lane"),
-    dict(block_sizes=Blocks(128, 2, 2, overlap_softmax=True)),
-    dict(block_sizes=Blocks(128, 4, 3)),
+    dict(block_sizes=Blocks(128, 4, 2)),
+    dict(block_sizes=Blocks(128, 4, 2), lowering_semantics="lane"),
+    dict(block_sizes=Blocks(128, 4, 3), lowering_semantics="warpgroup"),
     dict(block_sizes=Blocks(256, 2, 2)),
     dict(block_sizes=Blocks(192, 3, 2)),
 ]
 MIN_TIMING_S, TIMING_REPEATS = 0.05, 5
-# --sweep: tilings around the measured defaults (2026-11-30: three consumers won at head_dim 64), each
+# --sweep: tilings around the measured defaults, each
 # checked at S=1000 then timed at its case; then the defaults at the lengths that set MIN_SEQ_LEN.
 SWEEP = [
     ((1, 16, LONG_SEQ_LEN, 64), [dict(block_sizes=Blocks(128, 3, 3)), dict(block_sizes=Blocks(128, 5, 3)),
@@ -86,68 +83,34 @@ SWEEP = [
     ((1, 16, 16384, 128), [dict(block_sizes=Blocks(128, 2, 3)), dict(block_sizes=Blocks(64, 4, 3)),
                            dict(block_sizes=Blocks(64, 4, 2))]),
 ]
-# --grid: shape 14's attention call (a chunk of 8 sequences) and the main case: the default against the
-# lane lowering, alone and with the stage counts around the default, checked, then timed next to cuDNN at
-# both cases. (The other grid order, tiles_outer, lost at both in two runs: 478 and 407 against 492 and
-# 486 TFLOP/s, attention-mgpu-2026-11-30-nvidia-h200-grid-session4.json; the lane lowering won by 0.5-1%.)
-GRID_CASES = [(8, 16, LONG_SEQ_LEN, 64), MAIN_CASE]
-GRID_VARIANTS = [dict(lowering_semantics="lane"),
-                 dict(lowering_semantics="lane", block_sizes=Blocks(128, 3, 3)),
-                 dict(lowering_semantics="lane", block_sizes=Blocks(128, 5, 3))]
-# --poly: the softmax variants, checked, then timed at the main case next to the default, the lane lowering
-# and cuDNN. row_sum_mma: the row sums by a wgmma against ones, one FADD per score fewer (measured 300
-# against 497 TFLOP/s: attention-mgpu-2026-11-30-nvidia-h200-rowsum.json). poly_exp_keys, part of each KV
-# block's exp2 on the FMA units instead of the MUFU (FA4's trick), was here until it measured 375 against
-# 485 TFLOP/s, the softmax being issue-bound (attention-mgpu-2026-11-30-nvidia-h200-poly.json).
-# half_exp2: P from PTX's packed fp16 exp2 and fp16 row sums, about one instruction per score fewer.
-POLY_VARIANTS = [dict(block_sizes=Blocks(128, 4, 3, half_exp2=True)),
-                 dict(block_sizes=Blocks(128, 3, 3, half_exp2=True)),
-                 dict(block_sizes=Blocks(128, 5, 3, half_exp2=True))]
-# --overlap: FA3's intra-warpgroup overlap with one output accumulator (MgpuBlockSizes.overlap_one_accumulator):
-# three consumers at head_dim 64 (FA3's head_dim-64 tiling), two at 64 and 128; each checked, then timed at
-# its case next to the default and cuDNN.
+# --lowering: shape 14's attention call (a chunk of 8 sequences) and the main case: the default against the
+# warpgroup lowering, and the lane lowering with the stage counts around the default, checked, then timed
+# next to cuDNN at both cases.
+LOWERING_CASES = [(8, 16, LONG_SEQ_LEN, 64), MAIN_CASE]
+LOWERING_VARIANTS = [dict(lowering_semantics="warpgroup"),
+                     dict(lowering_semantics="lane", block_sizes=Blocks(128, 3, 3)),
+                     dict(lowering_semantics="lane", block_sizes=Blocks(128, 5, 3))]
+# --overlap: FA3's intra-warpgroup overlap (MgpuBlockSizes.overlap_softmax): three consumers at head_dim 64
+# (FA3's head_dim-64 tiling), two at 64 and 128; each checked, then timed at its case next to the default
+# and cuDNN.
 OVERLAP_VARIANTS = {
-    64: [dict(block_sizes=Blocks(128, 4, 3, overlap_softmax=True, overlap_one_accumulator=True)),
-         dict(block_sizes=Blocks(128, 4, 3, overlap_softmax=True, overlap_one_accumulator=True),
+    64: [dict(block_sizes=Blocks(128, 4, 3, overlap_softmax=True)),
+         dict(block_sizes=Blocks(128, 4, 3, overlap_softmax=True),
               lowering_semantics="warpgroup"),
-         dict(block_sizes=Blocks(128, 3, 3, overlap_softmax=True, overlap_one_accumulator=True)),
-         dict(block_sizes=Blocks(128, 4, 2, overlap_softmax=True, overlap_one_accumulator=True))],
-    128: [dict(block_sizes=Blocks(128, 2, 2, overlap_softmax=True, overlap_one_accumulator=True)),
-          dict(block_sizes=Blocks(128, 3, 2, overlap_softmax=True, overlap_one_accumulator=True))],
+         dict(block_sizes=Blocks(128, 3, 3, overlap_softmax=True)),
+         dict(block_sizes=Blocks(128, 4, 2, overlap_softmax=True))],
+    128: [dict(block_sizes=Blocks(128, 2, 2, overlap_softmax=True)),
+          dict(block_sizes=Blocks(128, 3, 2, overlap_softmax=True))],
 }
 OVERLAP_CASES = {64: MAIN_CASE, 128: (1, 16, 16384, 128)}
-# --softmax (session 15): fewer instructions per score in the issue-bound softmax, at the main case.
-# prescaled_q: Q scaled to base-2 score units once per tile in SMEM (score - max, not score * c - max);
-# half_row_sum: each block's row sums of P in packed fp16 adds. Checked, then timed in SOFTMAX_ROUNDS
-# alternating rounds next to the default (cuDNN in the first), since the gap to the target is ~1%.
-# First run (attention-mgpu-2026-12-01-nvidia-h200-softmax.json, 3 rounds, 9/9 checks): default 495.1,
-# prescaled_q 491.2 (ptxas had already contracted score * c - max into one FFMA: the FMUL it removes
-# did not exist), half_row_sum summed by `p.sum(axis=1)` 442.7 (Mosaic converts each fp16 key to fp32
-# before adding: one HADD2.F32 more per key). Second run (...-softmax-run2.json, 5 rounds): half_row_sum
-# with `_packed_row_sum` 474.8 against 497.2: 16 instructions fewer per iteration and 4.5% slower.
-# Third (this list): the row sum's chain and shuffles off the end of every iteration (deferred_row_sum),
-# the row max as a tree over 8-column chunks (tree_row_max), and both.
-SOFTMAX_VARIANTS = [dict(block_sizes=Blocks(128, 4, 3, deferred_row_sum=True)),
-                    dict(block_sizes=Blocks(128, 4, 3, tree_row_max=True)),
-                    dict(block_sizes=Blocks(128, 4, 3, deferred_row_sum=True, tree_row_max=True))]
-SOFTMAX_ROUNDS = 5
-# --hd32 (session 15): head_dim 32 on the Hopper kernel (64-byte swizzle), new. Checked like the others,
+# --hd32: head_dim 32 on the Hopper kernel (64-byte swizzle). Checked like the others,
 # then its default and tilings timed next to our generic kernel and cuDNN in alternating rounds at
-# shape 13's attention call (B=64, H=4, S=1024: the generic kernel serves it now) and a longer one.
+# shape 13's attention call (B=64, H=4, S=1024: the generic kernel serves it) and a longer one.
 HD32_VARIANTS = [dict(block_sizes=Blocks(128, 4, 2)), dict(block_sizes=Blocks(256, 2, 2)),
                  dict(block_sizes=Blocks(64, 4, 3)), dict(block_sizes=Blocks(192, 3, 3)),
                  dict(block_sizes=Blocks(128, 4, 3), lowering_semantics="warpgroup")]
 HD32_CASES = [(64, 4, 1024, 32), (4, 16, 8192, 32)]
 HD32_ROUNDS = 3
-# --lazy (session 16): conditional rescaling of the online softmax (MgpuBlockSizes.lazy_rescale), and the
-# inputs that make its branch run late: (S, (first key, last key + 1, factor)).
-LAZY_VARIANTS = [dict(block_sizes=Blocks(128, 4, 3, lazy_rescale=True))]
-# --persistent (session 16): MgpuBlockSizes.persistent on each head_dim's default tiling, per timing case
-# (B, H, S, head_dim) -> its rounds: the main case, shape 14's call, shape 13's call (head_dim 32 at
-# S=1024, where our generic kernel serves the model now) and a longer head_dim-32 and 128 case.
-PERSISTENT_CASES = [(MAIN_CASE, 5), ((64, 4, 1024, 32), 5), ((4, 16, 8192, 32), 3), ((8, 16, LONG_SEQ_LEN, 64), 2),
-                    ((1, 16, 16384, 128), 3), ((64, 4, 1024, 64), 3)]
-LAZY_BOOSTS = [(1000, (600, 610, 10.0)), (LONG_SEQ_LEN, (70000, 70010, 10.0))]
 THRESHOLD_CASES = [(64, 4, 1024, 64), (4, 16, 4096, 64), (4, 16, 8192, 64), (4, 16, 4096, 128)]
 
 
@@ -203,8 +166,7 @@ def _random_qkv(seed, shape, dtype):
 
 def _worst_ratio(out, ref):
     """The harness rule (ttj_jax.numerics.harness_check): worst |out - ref| / max(ATOL, RTOL |ref|), inf
-    where a value is not finite, and max |out - ref|. Until session 16 this divided by ATOL + RTOL |ref|,
-    up to 2x looser; the checks recorded before then used that."""
+    where a value is not finite, and max |out - ref|."""
     _, ratio, err = harness_check(out, ref)
     return ratio, err
 
@@ -222,14 +184,10 @@ def _reference_rows(q, k, v, rows, *, causal: bool):
 
 
 def _check(run: Run, batch, heads, seq_len, head_dim, causal, *, dtype=jnp.float16, kernel_kwargs=None,
-           repeat: bool = False, boost_keys: tuple[int, int, float] | None = None):
-    """boost_keys=(start, stop, factor): keys [start, stop) multiplied by factor, so that the rows that
-    see them meet scores far above those of the keys before (a running max that jumps late)."""
+           repeat: bool = False):
     kernel_kwargs = kernel_kwargs or {}
     label = (f"check B={batch} H={heads} S={seq_len} hd={head_dim} {'causal' if causal else 'full'} "
              f"{jnp.dtype(dtype).name} {_kwargs_text(kernel_kwargs)}").strip()
-    if boost_keys is not None:
-        label += f" keys[{boost_keys[0]}:{boost_keys[1]}]x{boost_keys[2]:g}"
     record = dict(name=label, B=batch, H=heads, S=seq_len, head_dim=head_dim, causal=causal,
                   dtype=jnp.dtype(dtype).name, variant=_kwargs_json(kernel_kwargs), passed=False)
     if run.over_budget():
@@ -240,10 +198,6 @@ def _check(run: Run, batch, heads, seq_len, head_dim, causal, *, dtype=jnp.float
     run.begin(label)
     try:
         q, k, v = _random_qkv(seq_len * 7 + head_dim, (batch, seq_len, heads, head_dim), dtype)
-        if boost_keys is not None:
-            start, stop, factor = boost_keys
-            k = k.at[:, start:stop].multiply(jnp.asarray(factor, k.dtype))
-            record["boost_keys"] = list(boost_keys)
         fn = jax.jit(lambda q, k, v: mgpu.flash_attention_mgpu(q, k, v, causal=causal, **kernel_kwargs))
         start = time.perf_counter()
         compiled = fn.lower(q, k, v).compile()
@@ -280,18 +234,10 @@ def _kwargs_text(kwargs) -> str:
     if "block_sizes" in kwargs:
         b = kwargs["block_sizes"]
         parts.append(f"kv{b.block_kv} s{b.num_stages} wg{b.num_compute_wgs}{' ovl' if b.overlap_softmax else ''}"
-                     + (" one-acc" if b.overlap_one_accumulator else "")
-                     + (f" poly{b.poly_exp_keys}" if b.poly_exp_keys else "")
-                     + (" rowsum-mma" if b.row_sum_mma else "") + (" half-exp2" if b.half_exp2 else "")
-                     + (" prescaled-q" if b.prescaled_q else "") + (" half-row-sum" if b.half_row_sum else "")
-                     + (" deferred-sum" if b.deferred_row_sum else "") + (" tree-max" if b.tree_row_max else "")
-                     + (" lazy" if b.lazy_rescale else "") + (" persistent" if b.persistent else "")
-                     + (" q-regs" if b.q_in_registers else "") + (" multicast" if b.kv_multicast else "")
-                     + ("" if b.pingpong else " no-pingpong") + (" warp-producer" if b.warp_producer else ""))
+                     + (" multicast" if b.kv_multicast else "") + ("" if b.pingpong else " no-pingpong")
+                     + (" warp-producer" if b.warp_producer else ""))
     if "lowering_semantics" in kwargs:
         parts.append(kwargs["lowering_semantics"])
-    if "grid_order" in kwargs:
-        parts.append(kwargs["grid_order"].replace("tiles_", "tiles-"))
     return " ".join(parts)
 
 
@@ -400,9 +346,9 @@ def sweep(run: Run) -> None:
         _time_case(run, *case, variants=[{}])
 
 
-def grid_orders(run: Run, variants=GRID_VARIANTS, cases=GRID_CASES) -> None:
-    """--grid: each GRID_VARIANTS entry checked (S=1000, causal and not; S=100000 rows), then all timed at
-    each of GRID_CASES next to the default and cuDNN. (--poly: the same with POLY_VARIANTS, main case.)"""
+def lowering_study(run: Run, variants=LOWERING_VARIANTS, cases=LOWERING_CASES) -> None:
+    """--lowering: each LOWERING_VARIANTS entry checked (S=1000, causal and not; S=100000 rows), then all
+    timed at each of LOWERING_CASES next to the default and cuDNN."""
     passing = [{}]
     for kwargs in variants:
         checks = [_check(run, 2, 3, 1000, 64, causal, kernel_kwargs=kwargs) for causal in (True, False)]
@@ -425,20 +371,6 @@ def overlap_study(run: Run) -> None:
             if all(checks):
                 passing.append(kwargs)
         _time_case(run, *OVERLAP_CASES[head_dim], variants=passing)
-
-
-def softmax_study(run: Run) -> None:
-    """--softmax: each SOFTMAX_VARIANTS entry checked (S=1000, causal and not; rows of S=100000; the
-    repeat is bit-identical), then the passing ones and the default timed at the main case in
-    SOFTMAX_ROUNDS alternating rounds; the table ends with each contender's median over the rounds."""
-    passing = [{}]
-    for kwargs in SOFTMAX_VARIANTS:
-        checks = [_check(run, 2, 3, 1000, 64, causal, kernel_kwargs=kwargs, repeat=causal) for causal in (True, False)]
-        checks.append(_check(run, 1, 2, LONG_SEQ_LEN, 64, True, kernel_kwargs=kwargs))
-        if all(checks):
-            passing.append(kwargs)
-    _time_in_rounds(run, [MAIN_CASE], passing, SOFTMAX_ROUNDS)
-    _medians_over_rounds(run, "medians_over_rounds")
 
 
 def _time_in_rounds(run: Run, cases, variants, rounds: int, baselines=lambda round_index: round_index == 0):
@@ -471,59 +403,6 @@ def _medians_over_rounds(run: Run, key: str) -> None:
             f"rounds {['%.1f' % x for x in values]}")
 
 
-def lazy_study(run: Run) -> None:
-    """--lazy (session 16): MgpuBlockSizes(lazy_rescale=True), FA4's conditional rescaling, on head_dim
-    64's default tiling. Checked like the softmax variants, and also with keys made to jump late
-    (LAZY_BOOSTS: a block of keys scaled up, so the running max of the rows that see them moves by far
-    more than the threshold in a late block: the rescaling branch taken on the GPU), then timed against
-    the default at the main case in SOFTMAX_ROUNDS alternating rounds and at shape 14's call in 3."""
-    passing = [{}]
-    for kwargs in LAZY_VARIANTS:
-        checks = [_check(run, 2, 3, 1000, 64, causal, kernel_kwargs=kwargs, repeat=causal) for causal in (True, False)]
-        checks.append(_check(run, 1, 2, LONG_SEQ_LEN, 64, True, kernel_kwargs=kwargs))
-        for seq_len, boost in LAZY_BOOSTS:
-            for causal in (True, False):
-                checks.append(_check(run, 1 if seq_len > 4096 else 2, 2, seq_len, 64, causal, kernel_kwargs=kwargs,
-                                     boost_keys=boost))
-        if all(checks):
-            passing.append(kwargs)
-    for seq_len, boost in LAZY_BOOSTS:   # the default on the same inputs, for comparison
-        _check(run, 1 if seq_len > 4096 else 2, 2, seq_len, 64, True, boost_keys=boost)
-    _time_in_rounds(run, [MAIN_CASE], passing, SOFTMAX_ROUNDS)
-    _time_in_rounds(run, [GRID_CASES[0]], passing, 3, baselines=lambda round_index: False)
-    _medians_over_rounds(run, "medians_over_rounds")
-
-
-def _persistent_variant(seq_len: int, head_dim: int) -> dict:
-    return dict(block_sizes=mgpu.persistent_block_sizes(head_dim, seq_len))
-
-
-def persistent_study(run: Run) -> None:
-    """--persistent (session 16): the persistent kernel (one CUDA block per SM looping over its tiles)
-    on each head_dim's default tiling, checked (S=1000 causal and not, its repeat bit-identical; rows of
-    S=100000 at head_dim 64; shape 13's head_dim-32 call whole), then timed against the default in
-    alternating rounds at PERSISTENT_CASES (at shape 13's call also our generic kernel and cuDNN)."""
-    passing = {}
-    for (batch, heads, seq_len, head_dim), _ in PERSISTENT_CASES:
-        kwargs = _persistent_variant(seq_len, head_dim)
-        key = (seq_len, head_dim)
-        if key in passing:
-            continue
-        checks = [_check(run, 2, 3, 1000, head_dim, causal, kernel_kwargs=_persistent_variant(1000, head_dim),
-                         repeat=causal) for causal in (True, False)]
-        if seq_len > 4096 and head_dim == 64:
-            checks.append(_check(run, 1, 2, seq_len, head_dim, True, kernel_kwargs=kwargs))
-        elif seq_len <= 4096:
-            checks.append(_check(run, batch, heads, seq_len, head_dim, True, kernel_kwargs=kwargs))
-        passing[key] = all(checks)
-    for (batch, heads, seq_len, head_dim), rounds in PERSISTENT_CASES:
-        variants = [{}] + ([_persistent_variant(seq_len, head_dim)] if passing[(seq_len, head_dim)] else [])
-        # at shape 13's call the generic kernel (what the model runs there) in every round
-        _time_in_rounds(run, [(batch, heads, seq_len, head_dim)], variants, rounds,
-                        baselines=lambda round_index: round_index == 0 or (seq_len, head_dim) == (1024, 32))
-    _medians_over_rounds(run, "medians_over_rounds")
-
-
 def hd32_study(run: Run) -> None:
     """--hd32: head_dim 32's default checked at every CHECK_SEQ_LENS length (causal and not), in bf16
     and at S=100000 (rows), each HD32_VARIANTS entry at S=1000; then the passing builds, our generic
@@ -543,10 +422,10 @@ def hd32_study(run: Run) -> None:
 
 def _multicast_variant(seq_len: int, head_dim: int, on: bool = True) -> dict:
     """The tiling this length defaults to, without multicast (and with the ping-pong ring), or with
-    multicast as the defaults take it (mgpu.with_kv_multicast: at head_dim 64 without the ring, since
-    session 20)."""
-    plain = mgpu.default_block_sizes(head_dim, seq_len, kv_multicast=False)
-    return dict(block_sizes=mgpu.with_kv_multicast(plain, head_dim) if on else plain)
+    multicast as the defaults take it (mgpu_config.with_kv_multicast: at head_dim 64 without the ring, since
+    MULTICAST_WITHOUT_PINGPONG)."""
+    plain = mgpu_config.default_block_sizes(head_dim, seq_len, kv_multicast=False)
+    return dict(block_sizes=mgpu_config.with_kv_multicast(plain, head_dim) if on else plain)
 
 
 def _time_multicast_on_and_off(run: Run, cases, passing: dict) -> None:
@@ -568,8 +447,8 @@ MULTICAST_CASES = [(MAIN_CASE, 5), ((8, 16, LONG_SEQ_LEN, 64), 2), ((1, 16, 1638
 
 
 def multicast_study(run: Run) -> None:
-    """--multicast (session 19): MgpuBlockSizes(kv_multicast=True), K/V blocks shared by 2-block
-    clusters through TMA multicast, on each head_dim's default tiling: checked at
+    """--multicast: MgpuBlockSizes(kv_multicast=True), K/V blocks shared by 2-block clusters through TMA
+    multicast, on each head_dim's default tiling: checked at
     MULTICAST_CHECK_SEQ_LENS causal and not (one repeat bit-identical), at S=100000 head_dim 64 (rows),
     then timed against the same tiling without it at MULTICAST_CASES in alternating rounds (fp16
     causal, as every timing here)."""
@@ -585,10 +464,8 @@ def multicast_study(run: Run) -> None:
     _time_multicast_on_and_off(run, MULTICAST_CASES, passing)
 
 
-# Where kv_multicast starts to pay, fp16 causal, with and without it, in alternating rounds: the run of
-# session 20 (bench/results/attention-mgpu-2026-12-02-nvidia-h200-multicast_lengths.json) set
-# MULTICAST_MIN_SEQ_LEN from these (session 19's thresholds, 65536 and 16384, had been the shortest
-# lengths measured then): each head_dim's threshold is its shortest case here that won.
+# Where kv_multicast starts to pay, fp16 causal, with and without it, in alternating rounds: each head_dim's
+# MULTICAST_MIN_SEQ_LEN is its shortest case here that won.
 MULTICAST_LENGTH_CASES = [((4, 16, 16384, 64), 3), ((2, 16, 32768, 64), 3), ((4, 16, 4096, 128), 3),
                           ((2, 16, 8192, 128), 3), ((1, 16, 16384, 256), 3)]
 
@@ -608,19 +485,11 @@ def multicast_lengths_study(run: Run) -> None:
 # attention-mgpu-<date>-<gpu>-<name>.json.
 STUDIES = {
     "sweep": (lambda run: sweep(run), "only the tiling sweep and the threshold cases"),
-    "grid": (lambda run: grid_orders(run),
-             "only the grid orders and the lane lowering, at shape 14's attention call and the main case"),
-    "poly": (lambda run: grid_orders(run, POLY_VARIANTS, [MAIN_CASE]),
-             "only the softmax variants (POLY_VARIANTS), at the main case"),
-    "overlap": (lambda run: overlap_study(run), "only the one-accumulator overlap variants (OVERLAP_VARIANTS)"),
-    "softmax": (lambda run: softmax_study(run),
-                "only the softmax instruction-count variants (SOFTMAX_VARIANTS), in alternating rounds"),
+    "lowering": (lambda run: lowering_study(run),
+                 "only the lowerings and stage counts, at shape 14's attention call and the main case"),
+    "overlap": (lambda run: overlap_study(run), "only the softmax overlap variants (OVERLAP_VARIANTS)"),
     "hd32": (lambda run: hd32_study(run),
              "only head_dim 32 on the Hopper kernel: checks, then HD32_VARIANTS at HD32_CASES"),
-    "lazy": (lambda run: lazy_study(run), "only the conditional rescaling (LAZY_VARIANTS): checks incl. late max "
-             "jumps, then alternating rounds at the main case and shape 14's call"),
-    "persistent": (lambda run: persistent_study(run), "only the persistent kernel (MgpuBlockSizes.persistent): "
-                   "checks, then PERSISTENT_CASES in alternating rounds"),
     "multicast": (lambda run: multicast_study(run), "only K/V multicast to 2-block clusters "
                   "(MgpuBlockSizes.kv_multicast): checks, then MULTICAST_CASES in alternating rounds"),
     "multicast_lengths": (lambda run: multicast_lengths_study(run), "only kv_multicast at the lengths that "

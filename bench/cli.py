@@ -1,6 +1,6 @@
 """`ttj-bench`: the main job. Per shape, every contender in one process and one run:
 
-  baseline     the SPEC reference in eager PyTorch (bench/baseline.py), TF32 on CUDA as the harness sets
+  baseline     the reference model (docs/spec.md) in eager PyTorch (bench/baseline.py), TF32 on CUDA as the harness sets
   peer         the best PyTorch-only design (bench/torch_peer.py); on CUDA only unless --peer
   ttj_bridge   ttj-jax through the PyTorch bridge: what a harness user gets
   ttj_jax      ttj-jax called from JAX directly: prepared weights, jax arrays in and out
@@ -9,7 +9,9 @@ Accuracy: the harness's seeds (1234..1238) plus --extra-seeds more, every elemen
 harness rule against the baseline. Timing: the harness protocol (bench/timing.py) for the torch-facing
 contenders; ttj_jax, whose work runs on JAX's own stream that torch's events cannot see, is timed as
 JAX users see it in a loop: back-to-back calls, one block_until_ready per round, time / calls.
-Results: a table, JSON under --out, and (with matplotlib) a PNG of the speedups.
+Results: a table, JSON and (with matplotlib) a PNG of the speedups under --out (default: the git-ignored
+results/ at the repository root; `--out bench/results` for a run meant to be committed).
+`ttj-bench --report FILE.json [--markdown]` prints a saved run's table (as GitHub markdown: the README's).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import argparse
 import datetime
 import json
 import os
+import pathlib
 import platform
 import statistics
 import sys
@@ -32,12 +35,18 @@ import jax  # noqa: E402
 import ttj_jax as T  # noqa: E402
 from bench.baseline import TransformerConfig, check_close, harness_models, make_inputs  # noqa: E402
 from bench.gpu_power import PowerSampler, sampling  # noqa: E402
-from bench.report import slug  # noqa: E402
+from bench.report import by_shape_id, geomean, markdown_table, slug  # noqa: E402
 from bench.timing import interleaved_host_overhead_us, time_contenders  # noqa: E402
-from bridge import runtime  # noqa: E402
+from bridge import settings  # noqa: E402
 
 HARNESS_SEEDS = tuple(range(1234, 1239))
 TIMING_SEED_OFFSET = 100000
+
+
+def default_out_dir() -> str:
+    """results/ at the repository root (git-ignored), or under the working directory for an installed copy."""
+    root = pathlib.Path(__file__).resolve().parent.parent
+    return str(root / "results") if (root / "pyproject.toml").is_file() else "results"
 
 
 def parse_args(argv=None):
@@ -56,31 +65,37 @@ def parse_args(argv=None):
     p.add_argument("--calls", type=int, default=None, help="calls per round (default 100, 10 on the CPU)")
     p.add_argument("--peer", action=argparse.BooleanOptionalAction, default=None,
                    help="include the torch peer (default: on CUDA only)")
-    p.add_argument("--out", default="bench/results", help="folder for the JSON and the PNG")
+    p.add_argument("--out", default=None,
+                   help="folder for the JSON and the PNG (default: results/ at the repository root, "
+                        "git-ignored; bench/results for a run to commit)")
     p.add_argument("--tag", default=None, help="file name stem (default: <suite>-<date>-<device>)")
     p.add_argument("--merge", action="store_true",
                    help="keep the other shapes already in the output file (runs split over several calls)")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--report", default=None, metavar="JSON",
                    help="run nothing: print the table of a saved result file and write its PNG beside it")
-    return p.parse_args(argv)
+    p.add_argument("--markdown", action="store_true",
+                   help="with --report: print the table as GitHub markdown only (no PNG written)")
+    args = p.parse_args(argv)
+    if args.markdown and not args.report:
+        p.error("--markdown needs --report FILE.json")
+    return args
 
 
-def report(json_path: str, *, write_plot: bool = True) -> int:
-    """--report: the table and chart of a saved run (e.g. one made on a GPU machine with --no-plot)."""
+def report(json_path: str, *, write_plot: bool = True, markdown: bool = False) -> int:
+    """--report: the table and chart of a saved run (e.g. one made on a GPU machine with --no-plot);
+    with markdown=True only the markdown table, printed as the README holds it."""
     with open(json_path) as f:
         document = json.load(f)
-    ordered = _by_shape_id(document["shapes"])
+    if markdown:
+        print(markdown_table(document), end="")
+        return 0
+    ordered = by_shape_id(document["shapes"])
     device_name = document.get("device") or document.get("gpu") or "unknown device"
     print_table(ordered, device_name)
     if write_plot:
         _plot_beside(ordered, json_path, device_name)
     return 0
-
-
-def _by_shape_id(shapes: dict) -> dict:
-    """Results in shape order (1, 2, ..., 10, not 1, 10, 2)."""
-    return dict(sorted(shapes.items(), key=lambda kv: (len(kv[0]), kv[0])))
 
 
 def _plot_beside(ordered: dict, json_path: str, device_name: str) -> None:
@@ -210,10 +225,10 @@ def run_shape(shape: T.Shape, args, device: torch.device, progress: Progress,
         failed, worst = check_close(out, baseline(x, mask))
     result["ttj_jax_accuracy"] = {"failed_elements": failed, "worst_err_over_tol": worst}
     result["ttj_jax_timing"] = _time_jax_loop(jax_fn, warmup=args.warmup, rounds=args.rounds, calls=calls)
-    # Host time of one call from an idle GPU, bridge and JAX-direct sampled in turn (the bridge-cost target
-    # is their difference; measured apart, minutes apart, the host's pace drifted by more than that). The
-    # torch peer beside them (since session 19): where it replays a CUDA graph (small shapes), its host
-    # time is what a graph-replayed bridge call would cost, docs/host-cost.md's open question.
+    # Host time of one call issued on an idle GPU, every contender sampled in turn (measured apart, minutes
+    # apart, the host's pace drifts by more than the differences). The host-cost target compares the
+    # bridge's with its GPU time per call (docs/decisions.md); where the torch peer replays a CUDA graph
+    # (small shapes), its host time is what a graph-replayed bridge call would cost.
     host_timed = {"ttj_bridge": timed["ttj_bridge"], "ttj_jax": jax_fn}
     if "peer" in timed:
         host_timed["peer"] = timed["peer"]
@@ -235,11 +250,6 @@ def run_shape(shape: T.Shape, args, device: torch.device, progress: Progress,
     return result
 
 
-def _geomean(values):
-    values = [v for v in values if v]
-    return float(statistics.geometric_mean(values)) if values else None
-
-
 def print_table(results: dict, device_name: str):
     try:
         from rich.console import Console
@@ -255,7 +265,7 @@ def print_table(results: dict, device_name: str):
                      fmt(r.get("ttj_jax_ms")), fmt(r["speedup"].get("ttj_bridge")),
                      fmt(r["speedup"].get("ttj_jax")), str(r["failed_elements"]),
                      f"{r['worst_err_over_tol']:.3f}"])
-    geo = {k: _geomean([r["speedup"].get(k) for r in results.values()]) for k in ("peer", "ttj_bridge", "ttj_jax")}
+    geo = {k: geomean([r["speedup"].get(k) for r in results.values()]) for k in ("peer", "ttj_bridge", "ttj_jax")}
     footer = "geomean speedup over baseline: " + ", ".join(
         f"{k} {v:.2f}x" for k, v in geo.items() if v is not None)
     if Console is not None:
@@ -304,7 +314,7 @@ def plot(results: dict, path: str, title: str) -> bool:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.report:
-        return report(args.report, write_plot=not args.no_plot)
+        return report(args.report, write_plot=not args.no_plot, markdown=args.markdown)
     if args.device == "auto":
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     else:
@@ -332,12 +342,13 @@ def main(argv=None) -> int:
 
     date = datetime.date.today().isoformat()
     tag = args.tag or f"{suite_name}-{date}-{slug(device_name.removeprefix('NVIDIA '))}"
-    os.makedirs(args.out, exist_ok=True)
-    json_path = os.path.join(args.out, f"{tag}.json")
+    out_dir = args.out or default_out_dir()
+    os.makedirs(out_dir, exist_ok=True)
+    json_path = os.path.join(out_dir, f"{tag}.json")
     document = {"gpu": device_name if on_cuda else None, "device": device_name, "jax": jax.__version__,
                 "torch": torch.__version__, "date": date, "suite": suite_name,
                 "command": "ttj-bench " + " ".join(sys.argv[1:] if argv is None else argv),
-                "bridge_keep_x_import": runtime.keep_x_import_enabled(), "shapes": {}}
+                "bridge_keep_x_import": settings.keep_x_import(), "shapes": {}}
     if args.merge and os.path.exists(json_path):   # runs split over several calls fill one file
         with open(json_path) as f:
             previous = json.load(f)
@@ -358,7 +369,7 @@ def main(argv=None) -> int:
                     torch.cuda.empty_cache()
     finally:
         progress.close()
-    ordered = _by_shape_id(document["shapes"])
+    ordered = by_shape_id(document["shapes"])
     geo = print_table(ordered, device_name)
     document["geomean_speedup"] = geo
     with open(json_path, "w") as f:

@@ -4,7 +4,7 @@
 
 On two H200s a split call left cuda:1 current, and the next one-device call of shape 6, a Mosaic kernel
 launched directly, then ran nowhere: the harness's events timed 0.05 ms and its output was whatever the
-allocator's block held (bench/results/scale-2026-11-30-h200x2-session9c.json). The bridge now restores
+allocator's block held. The bridge restores
 the current device after a split and launches a direct kernel with its own device current. This checks
 both on the GPU: (1) the current device after a split call is the one before it; (2) with cuda:1 made
 current by hand, the one-device call on cuda:0 data gives the same output as with cuda:0 current (its

@@ -1,13 +1,13 @@
 """Host time of a JAX user's call: `ttj_jax.forward(prepared, x, config=...)` against the compiled
 executable it ends in (`ttj_jax.executable(plan, ...)(weights, x, None)`), per shape; and forward with its
-plan cache emptied before every call ("forward_replanning": how every call went before session 11,
-less the ~8 us jnp.asarray of an Array it also dropped).
+plan cache emptied before every call ("forward_replanning": validation, planning and the executable lookup
+paid on every call, i.e. what the cache saves).
 
-forward validates, plans and looks the executable up; since session 11 it keeps the plan and executable
-per input signature (model._forward_call), so a repeated call should cost little more than the
-executable's own dispatch. Samples of the two are interleaved (forward, executable, forward, ...), no
-sync inside a call, medians in microseconds. On a GPU the queue is drained every 50 calls so that it
-never fills (a full queue would make the host wait on the GPU, not on Python).
+forward keeps the plan and executable per input signature (model._forward_call), so a repeated call
+should cost little more than the executable's own dispatch. Samples of the three are interleaved
+(forward, executable, forward_replanning, forward, ...), no sync inside a call, medians in microseconds.
+On a GPU the queue is drained every 50 calls so that it never fills (a full queue would make the host wait
+on the GPU, not on Python).
 
     PYTHONPATH=. python3 -m bench.forward_overhead [--shapes 2,11,13] [--calls 2000] [--out DIR]
 On a machine without a GPU it runs the CPU-sized suite's shapes (ttj_jax.CPU_SMALL) instead.
@@ -39,7 +39,7 @@ def measure(shape: T.Shape, calls: int) -> dict:
     plan = plan_for(config, x, T.MaskKind.NONE)
     run = executable(plan, model_key(config), True)
     weights = kernel_weights(prepared, model_key(config), plan.stack)
-    def forward_replanning():   # forward as it was before session 11: planned on every call
+    def forward_replanning():   # forward with its per-signature cache emptied: planned on every call
         model._FORWARD_CALLS.clear()
         return T.forward(prepared, x, config=config)
 

@@ -3,8 +3,7 @@
     PYTHONPATH=. python3 bench/fused_stack_mgpu_check.py --out bench/results [--shapes 2,1,9,10,12,5]
     PYTHONPATH=. python3 bench/fused_stack_mgpu_check.py --out /tmp/x --smoke     # CPU: no GPU work
 
-The kernel has never run before this script: its first launch may fail to compile (ptxas), produce
-wrong numbers, or deadlock. So:
+A new build's first launch may fail to compile (ptxas), produce wrong numbers, or deadlock. So:
 1. Probe, in child processes: each shape's kernel is compiled and run once (90 s for a child's first
    shape, 45 s for each later one, 200 s in all); a shape that overruns (a barrier deadlock) is marked
    "hung" and its child killed, and a new child continues with the remaining shapes. Only shapes whose
@@ -18,30 +17,7 @@ wrong numbers, or deadlock. So:
    - timing (median of TIMING_REPEATS timings of back-to-back calls, bench.jax_timing) of the Mosaic
      kernel, the Triton fused kernel (`fused_stack_forward`) and the XLA program
      (`ttj_jax.forward(..., stack="layers")`);
-   - the torch launch: `plgpu.as_torch_kernel` (if the installed jax has it) of the bare kernel, called
-     on torch CUDA tensors: output equal to the jax call's, host microseconds per call (perf_counter
-     around each call, median), device time per call (torch.cuda.Event around TORCH_DEVICE_CALLS
-     back-to-back calls). as_torch_kernel launches on torch's DEFAULT stream (recorded in the JSON).
-3. A variant of the kernel (--variant, VARIANTS) for the shapes whose default passed: probed the same
-   way (VARIANT_PROBE_BUDGET_S), then its accuracy (against the reference, and against `emulate` built
-   the same way), its largest difference from the default's output, and its time ("mgpu_<variant>");
-   --no-variant skips it.
-   - rational_erf (the default variant since session 7, when the fast erf became the kernel's default):
-     the GELU's erf as XLA's rational erf with an IEEE divide, the build before.
-   - (session 6, as "fast_erf", then a variant) the GELU's erf by A&S 7.1.26 on the special-function
-     unit instead of the rational erf with an IEEE divide. Prediction: the Mosaic profiler
-     (fused-stack-mgpu-profile-2026-11-30-nvidia-h200-session6.json) puts mlp_in (GEMM + GELU) at ~37 us
-     of a tile against mlp_out's ~13 (the same GEMM plus an add), so the GELU is ~24 of ~178
-     instrumented us; with ~2.3x fewer instructions per element, a tile should get ~7% faster (shape 2
-     ~88 -> ~82 us), at 1 head (shape 9, MLP a larger share) ~10%.
-   - overlap (`overlap=True`: each weight chunk's per-head projections issued together, the per-head
-     out-projection and MLP-out products chained in one accumulator). Prediction before its first run:
-     per layer and consumer the default waits on 8H small wgmmas one by one (32 at 4 heads), the variant
-     on 2H + 5 (13); if those waits are most of a tile's ~88 us, the 4-head shapes (1-6, 12) gain
-     ~20-35% (shape 2 ~88 -> ~60-70 us), 2 heads (10) less, 1 head (9) nothing. Measured
-     (fused-stack-mgpu-2026-11-30-nvidia-h200-session5.json): no gain (shape 2 90.4 against 87.6 us, 1
-     89.6/89.3, 9 57.9/58.4, 10 71.0/68.6): the waits are not where the time goes.
-Shape 7 (d_model 32, head blocks padded to 32 columns then, MIN_BLOCK = 16 since session 24) is among the defaults: its first GPU run.
+The bridge's own launch of the kernel on torch tensors is checked by bench/mosaic_launch_check.py.
 Writes <out>/fused-stack-mgpu-<date>-<gpu>.json after every shape and prints a table last. Budget:
 about 6 minutes on an H200 (a deadline skips what is left after DEADLINE_S).
 """
@@ -53,7 +29,6 @@ import datetime
 import json
 import os
 import pathlib
-import statistics
 import subprocess
 import sys
 import time
@@ -65,19 +40,15 @@ _REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 if str(_REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(_REPO_ROOT))
 
-DEFAULT_SHAPES = ("2", "1", "9", "10", "12", "5", "7")   # 7: d_model 32, not run on a GPU before
+DEFAULT_SHAPES = ("2", "1", "9", "10", "12", "5", "7")
 TIMING_REPEATS = 7
 MIN_TIMING_S = 0.05
-HOST_CALLS = 300
-TORCH_DEVICE_CALLS = 200
 EMULATED_SEQUENCES = 2
 ATOL, RTOL = 0.002, 0.02
 DEADLINE_S = 330.0
 PROBE_FIRST_SHAPE_S = 90.0    # jax start-up and the first compile in a child
 PROBE_PER_SHAPE_S = 45.0
 PROBE_BUDGET_S = 200.0
-VARIANT_PROBE_BUDGET_S = 120.0   # the variant's probe, for the shapes whose default passed
-VARIANTS = {"rational_erf": {"fast_erf": False}, "overlap": {"overlap": True}}   # kernel keyword arguments
 
 
 def _error(exc: BaseException) -> str:
@@ -90,7 +61,7 @@ def _error(exc: BaseException) -> str:
 
 def harness_stats(out, ref) -> dict:
     """Failing elements and worst |err|/tolerance of `out` against `ref` under the harness rule, with the
-    largest absolute error and the count of non-finite outputs (also bench/fused_stack_mgpu_ablate.py)."""
+    largest absolute error and the count of non-finite outputs."""
     import numpy as np
     out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
     tolerance = np.maximum(ATOL, RTOL * np.abs(ref))
@@ -114,7 +85,7 @@ def _setup(sid: str):
 
 # --- 1. Probe (child processes) -----------------------------------------------------------------------
 
-def _probe_child(shape_ids, variant: str | None = None) -> None:
+def _probe_child(shape_ids) -> None:
     """Runs each shape's kernel once; prints 'START sid', then 'DONE sid seconds' or 'ERROR sid msg'."""
     import jax
     from ttj_jax.kernels import fused_stack_mgpu as fsm
@@ -123,14 +94,13 @@ def _probe_child(shape_ids, variant: str | None = None) -> None:
         start = time.perf_counter()
         try:
             config, _, x, weights = _setup(sid)
-            jax.block_until_ready(fsm.fused_stack_mgpu_forward(weights, x, num_heads=config.num_heads,
-                                                               **VARIANTS.get(variant, {})))
+            jax.block_until_ready(fsm.fused_stack_mgpu_forward(weights, x, num_heads=config.num_heads))
             print(f"DONE {sid} {time.perf_counter() - start:.1f}", flush=True)
         except Exception as e:   # recorded by the parent; the next shape still runs
             print(f"ERROR {sid} {_error(e)}".replace("\n", " "), flush=True)
 
 
-def probe(shape_ids, budget_s: float = PROBE_BUDGET_S, variant: str | None = None) -> dict:
+def probe(shape_ids, budget_s: float = PROBE_BUDGET_S) -> dict:
     """{sid: {"status": "ok"|"error"|"hung"|"crashed"|"not probed", ...}} from child processes (module
     docstring). A child gets PROBE_FIRST_SHAPE_S for its first shape (jax start-up, compile) and
     PROBE_PER_SHAPE_S for each later one; a shape that overruns is "hung", its child is killed, and a
@@ -140,8 +110,7 @@ def probe(shape_ids, budget_s: float = PROBE_BUDGET_S, variant: str | None = Non
     results, remaining = {}, list(shape_ids)
     probe_end = time.perf_counter() + budget_s
     while remaining and time.perf_counter() < probe_end:
-        command = [sys.executable, os.path.abspath(__file__), "--probe-child", ",".join(remaining)] + (
-            ["--probe-variant", variant] if variant else [])
+        command = [sys.executable, os.path.abspath(__file__), "--probe-child", ",".join(remaining)]
         child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                  cwd=_REPO_ROOT)
         lines: queue.Queue = queue.Queue()
@@ -195,58 +164,7 @@ def _time_jax(fn, args) -> dict:
     return {"ms_per_call": ms, "calls_per_timing": calls}
 
 
-def _torch_launch(config, x, weights, y_jax) -> dict:
-    import numpy as np
-    import torch
-    from ttj_jax.kernels import fused_stack_mgpu as fsm
-    plgpu = fsm._plgpu()
-    record = {"stream": "torch default stream (as_torch_kernel launches there)",
-              "has_as_torch_kernel": hasattr(plgpu, "as_torch_kernel")}
-    if not record["has_as_torch_kernel"]:
-        record["error"] = "jax.experimental.pallas.mosaic_gpu has no as_torch_kernel in this jax"
-        return record
-    B, S, d = x.shape
-    function = fsm.torch_kernel(B, S, config.num_heads, weights.num_layers, True, d_model=d)
-    xt = torch.from_numpy(np.array(x)).cuda().contiguous()
-    mt = torch.from_numpy(np.array(weights.mats)).cuda().contiguous()
-    vt = torch.from_numpy(np.array(weights.vecs)).cuda().contiguous()
-    start = time.perf_counter()
-    yt = function(xt, mt, vt)
-    torch.cuda.synchronize()
-    record["first_call_s"] = time.perf_counter() - start
-    y_torch = yt.cpu().numpy()
-    diff = np.abs(y_torch.astype(np.float64) - np.asarray(y_jax, np.float64))
-    record["max_abs_diff_vs_jax"] = float(np.nanmax(diff)) if diff.size else 0.0
-    record["bitwise_equal_to_jax"] = bool(np.array_equal(y_torch, np.asarray(y_jax)))
-    for _ in range(20):
-        function(xt, mt, vt)
-    torch.cuda.synchronize()
-    host = []
-    for _ in range(HOST_CALLS):
-        t0 = time.perf_counter()
-        function(xt, mt, vt)
-        host.append(time.perf_counter() - t0)
-        if len(host) % 50 == 0:
-            torch.cuda.synchronize()   # keep the queue short so host timing is not blocked by a full queue
-    torch.cuda.synchronize()
-    record["host_us_per_call_median"] = statistics.median(host) * 1e6
-    record["host_us_per_call_p10"] = sorted(host)[len(host) // 10] * 1e6
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    device = []
-    for _ in range(3):
-        begin.record()
-        for _ in range(TORCH_DEVICE_CALLS):
-            function(xt, mt, vt)
-        end.record()
-        torch.cuda.synchronize()
-        device.append(begin.elapsed_time(end) / TORCH_DEVICE_CALLS * 1e3)
-    record["device_us_per_call_median"] = statistics.median(device)
-    record["device_us_per_call_runs"] = device
-    return record
-
-
-def run_shape(sid: str, probe_status: dict, deadline: float, variant: str | None = None,
-              variant_status: dict | None = None) -> dict:
+def run_shape(sid: str, probe_status: dict, deadline: float) -> dict:
     import jax
     import numpy as np
     import ttj_jax as T
@@ -284,23 +202,6 @@ def run_shape(sid: str, probe_status: dict, deadline: float, variant: str | None
                         "emulation_vs_reference": harness_stats(emulated, ref[:n])}
             record["accuracy"]["mgpu_vs_emulation"] = step("mgpu_vs_emulation", vs_emulation)
             record["timing"]["mgpu"] = step("mgpu_timing", lambda: _time_jax(mgpu, (weights, x)))
-        if variant and (variant_status or {}).get("status") == "ok":
-            kwargs = VARIANTS[variant]
-            other = lambda w, x: fsm.fused_stack_mgpu_forward(w, x, num_heads=H, **kwargs)   # noqa: E731
-            name = f"mgpu_{variant}"
-            y = step(f"{name}_run", lambda: np.asarray(jax.block_until_ready(other(weights, x))))
-            if y is not None:
-                record["accuracy"][name] = harness_stats(y, ref)
-                if y_mgpu is not None:
-                    record[f"{variant}_max_abs_diff_vs_default"] = float(np.max(np.abs(y - y_mgpu)))
-
-                def variant_vs_emulation():
-                    n = min(EMULATED_SEQUENCES, x.shape[0])
-                    emulated = fsm.emulate(weights, np.asarray(x[:n]), fast_erf=kwargs.get("fast_erf", default_erf))
-                    return {"sequences": n, **harness_stats(y[:n], emulated)}
-                record["accuracy"][f"{name}_vs_emulation"] = step(f"{name}_vs_emulation", variant_vs_emulation)
-                record["timing"][name] = step(f"{name}_timing", lambda: _time_jax(other, (weights, x)))
-        record["variant"], record["variant_probe"] = variant, variant_status
     else:
         record["mgpu_skipped"] = f"probe status {probe_status.get('status')}"
 
@@ -321,8 +222,6 @@ def run_shape(sid: str, probe_status: dict, deadline: float, variant: str | None
             record["accuracy"]["xla"] = harness_stats(y, ref)
             record["timing"]["xla"] = step("xla_timing", lambda: _time_jax(xla, (prepared, x)))
 
-    if y_mgpu is not None:
-        record["torch_launch"] = step("torch_launch", lambda: _torch_launch(config, x, weights, y_mgpu))
     return record
 
 
@@ -337,14 +236,9 @@ def _row(sid, rec) -> str:
         a = (rec.get("accuracy") or {}).get(name)
         return ("ok" if a["failed_elements"] == 0 else f"FAIL{a['failed_elements']}") if a else "-"
 
-    torch_rec = rec.get("torch_launch") or {}
-    host = torch_rec.get("host_us_per_call_median")
-    dev = torch_rec.get("device_us_per_call_median")
     probe_status = (rec.get("probe") or {}).get("status", "-")
-    name = f"mgpu_{rec.get('variant')}"
-    return (f"{sid:>3} {probe_status:>7} {acc('mgpu'):>9} {acc(name):>7} {acc('triton'):>7} "
-            f"{acc('xla'):>7} {ms('mgpu')} {ms(name)} {ms('triton')} {ms('xla')} "
-            f"{(f'{host:7.1f}' if host else '      -')} {(f'{dev:7.1f}' if dev else '      -')}")
+    return (f"{sid:>3} {probe_status:>7} {acc('mgpu'):>9} {acc('triton'):>7} {acc('xla'):>7} "
+            f"{ms('mgpu')} {ms('triton')} {ms('xla')}")
 
 
 def main(argv=None) -> int:
@@ -353,14 +247,10 @@ def main(argv=None) -> int:
     parser.add_argument("--shapes", default=",".join(DEFAULT_SHAPES), help="official shape ids, comma separated")
     parser.add_argument("--smoke", action="store_true", help="CPU: parse, plan and write the JSON; no GPU work")
     parser.add_argument("--no-probe", action="store_true", help="skip the child-process probe (trust the kernel)")
-    parser.add_argument("--variant", default="rational_erf", choices=sorted(VARIANTS),
-                        help="the kernel variant checked and timed beside the default")
-    parser.add_argument("--no-variant", action="store_true", help="skip the variant")
     parser.add_argument("--probe-child", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--probe-variant", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.probe_child is not None:
-        _probe_child(args.probe_child.split(","), variant=args.probe_variant)
+        _probe_child(args.probe_child.split(","))
         return 0
     if not args.out:
         parser.error("--out is required")
@@ -373,7 +263,6 @@ def main(argv=None) -> int:
     result: dict = {"script": "bench/fused_stack_mgpu_check.py", "smoke": args.smoke,
                     "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                     "shapes_requested": shape_ids, "harness_rule": {"atol": ATOL, "rtol": RTOL},
-                    "torch_stream_note": "as_torch_kernel launches on torch's default stream",
                     "shapes": {}}
     try:
         import jax
@@ -388,16 +277,9 @@ def main(argv=None) -> int:
             raise ValueError(f"unknown shape ids {unknown}")
         result["supported"] = {s: fsm.supports(T.OFFICIAL[s].config, T.OFFICIAL[s].config.seq_len)
                                for s in shape_ids}
-        result["has_as_torch_kernel"] = hasattr(fsm._plgpu(), "as_torch_kernel")
     except Exception as e:
         result["setup_error"] = _error(e)
         device_name = "unknown"
-    try:
-        import torch
-        result["torch_version"] = torch.__version__
-    except Exception as e:   # torch is only needed for the torch launch
-        result["torch_version"] = f"unavailable: {_error(e)}"
-
     stamp = datetime.date.today().isoformat()
     slug = "".join(c if c.isalnum() else "-" for c in str(device_name).lower()).strip("-") or "unknown"
     path = out_dir / f"fused-stack-mgpu-{stamp}-{'smoke' if args.smoke else slug}.json"
@@ -421,24 +303,11 @@ def main(argv=None) -> int:
         except Exception as e:
             result["probe_error"] = _error(e)
     result["probe"] = probes
-    variant = None if args.no_variant else args.variant
-    variant_probes = {}
-    ok = [s for s in shape_ids if probes.get(s, {}).get("status") == "ok"]
-    if ok and variant:
-        if args.no_probe:
-            variant_probes = {s: {"status": "ok", "note": "probe skipped"} for s in ok}
-        else:
-            try:
-                variant_probes = probe(ok, VARIANT_PROBE_BUDGET_S, variant=variant)
-            except Exception as e:
-                result["variant_probe_error"] = _error(e)
-    result["variant"], result["variant_probe"] = variant, variant_probes
     save()
     for sid in shape_ids:
         t0 = time.perf_counter()
         try:
-            record = run_shape(sid, probes.get(sid, {"status": "not probed"}), deadline, variant,
-                               variant_probes.get(sid))
+            record = run_shape(sid, probes.get(sid, {"status": "not probed"}), deadline)
         except Exception as e:
             record = {"error": _error(e)}
         record["wall_s"] = round(time.perf_counter() - t0, 1)
@@ -448,11 +317,8 @@ def main(argv=None) -> int:
         print(f"shape {sid}: {json.dumps(record, default=str)[:600]}", flush=True)
 
     print(f"\nwrote {path}  ({result['total_wall_s']} s)")
-    print("times: us per call (jax: stream of back-to-back calls; torch host: perf_counter per call; "
-          "torch dev: cuda events / call)")
-    label = (variant or "-")[:8]
-    print(f"{'id':>3} {'probe':>7} {'mgpu':>9} {label:>7} {'triton':>7} {'xla':>7} {'mgpu':>8} {label:>8} "
-          f"{'triton':>8} {'xla':>8} {'t.host':>7} {'t.dev':>7}")
+    print("times: us per call (stream of back-to-back jax calls)")
+    print(f"{'id':>3} {'probe':>7} {'mgpu':>9} {'triton':>7} {'xla':>7} {'mgpu':>8} {'triton':>8} {'xla':>8}")
     for sid, rec in result["shapes"].items():
         try:
             print(_row(sid, rec))

@@ -1,11 +1,9 @@
 """The GPU's SM clock and power draw while a benchmark times something: nvidia-smi sampled in the background.
 
-Why the benchmarks record it (session 17, bench/results/power-clocks-2026-12-01-nvidia-h200-*.json): on
-the H200, our attention kernel and cuDNN both run at the 700 W power cap on random fp16 data, the cap
-holds the SM clock at ~1740-1785 MHz instead of 1980, and their speed follows that clock: the same
-kernel ran 559.5 TFLOP/s on zero Q and K (1980 MHz, uncapped) against 492.6 on random data; 493.6 in
-the first quarter second after idle against 483.7 after 4 s. So a TFLOP/s figure means little without
-the clock and power it ran at, and two runs (or two machines) compare better with them.
+Why the benchmarks record it: on the H200, our attention kernel and cuDNN both run at the 700 W power cap
+on random fp16 data, the cap holds the SM clock at ~1740-1785 MHz instead of 1980, and their speed follows
+that clock (the same kernel: 559.5 TFLOP/s on zero Q and K, uncapped, against 492.6 on random data). So a
+TFLOP/s figure means little without the clock and power it ran at (docs/power.md).
 
     with sampling(on_gpu) as power:   # a running PowerSampler, or None where nothing is sampled
         start = time.perf_counter(); ...timed work...; end = time.perf_counter()
@@ -15,14 +13,11 @@ It samples one GPU, nvidia-smi's index 0 unless told (`gpu_index`): on a several
 benchmark's single-device timings run on. Where nvidia-smi is missing (a CPU machine) the sampler
 records nothing and window() returns None.
 The clock is read as it is at each sample; nvidia-smi's power.draw is an average over a longer period,
-so for timings shorter than a second or so it lags (the first run with it, a `--quick` run of
-bench/bench_attention.py stopped by its time limit before writing its JSON, showed 1830 MHz at 204-278 W
-"capped" for 0.3 s timings: attention-2026-12-01-nvidia-h200-session17-quick-gpustate.log). Read the
-clock; take the power of short windows as a lower bound.
+so for timings shorter than a second or so it lags (0.3 s timings read 204-278 W while "capped"). Read
+the clock; take the power of short windows as a lower bound.
 And read the clock as a relative figure: under the power cap it is ~10% above the clock the SMs
-effectively deliver (session 18: Nsight Compute counts the same SM cycles per call at any clock, and
-plain runs' times then imply ~1.55 GHz where nvidia-smi sampled ~1.72, for our kernel and for cuBLAS
-alike: bench/results/ncu-gap-2026-12-01-nvidia-h200.json).
+effectively deliver (Nsight Compute counts the same SM cycles per call at any clock, and plain runs'
+times then imply ~1.55 GHz where nvidia-smi samples ~1.72, for our kernel and for cuBLAS alike).
 """
 
 from __future__ import annotations
@@ -149,7 +144,7 @@ def sampling(enabled: bool = True, **kwargs):
 def nvml_energy_reader(gpu_index: int = 0, library: str = "libnvidia-ml.so.1"):
     """A function that returns GPU `gpu_index`'s energy counter in joules (NVML's total energy
     consumption since the driver loaded, read in mJ), or None where NVML or the counter is missing (a
-    CPU machine). Why (session 18, docs/power.md): at the H200's power cap, time per call is energy per
+    CPU machine). Why (docs/power.md): at the H200's power cap, time per call is energy per
     call over ~690 W, so energy per call is what a faster kernel must lower; nvidia-smi's power.draw is
     a lagging average and its clock reads ~10% high there. The counter advances in steps of some
     milliseconds: read it over many calls (joules_per_call)."""

@@ -1,4 +1,5 @@
-"""Where the bridge's host time goes, against the JAX-direct call, per shape (GPU): issue 4's bridge-cost table.
+"""Where the bridge's host time goes, against the JAX-direct call, per shape (GPU), and how it compares
+with the GPU time of the same call.
 
 Every number is a drained host time (the GPU synced before each call, `perf_counter` around the call: the
 official run's `bridge_host_us` / `jax_host_us`), and all the variants of one shape are sampled
@@ -18,9 +19,7 @@ bridge's call up step by step:
 
 and each step alone: the weights check, the front of forward (validation once per signature, the mask's
 kind, the plan lookup), the import (event included), the export of a kept result (nothing freed).
-(bench/results/host-overhead-2026-11-30-nvidia-h200-session8-*.json were measured before "+weights" and
-the front followed forward's per-call weights key and once-per-signature validation: there they timed the
-per-weight-version cache lookup and a validation on every call.) Then how long freeing an output takes: a
+Then how long freeing an output takes: a
 jax array and a DLPack-exported torch tensor, from an idle GPU and right after the call that made it (GPU
 busy). Then the harness's CUDA event timing of the bridge (one input, and two in turn) next to the JAX
 loop, and an ordering check of the import: x rewritten in place on torch's stream behind a long matmul,
@@ -28,9 +27,15 @@ the bridge called at once, its output compared with a call on a fresh copy (the 
 the bit). (The event test is short; the harness loop of `ttj-bench` is the one that caught an import
 cache losing the order, see bridge/runtime.py's _Transfer.)
 
-    python -m bench.host_overhead [--shapes 11,13,8,5,2] [--calls 150] [--tag T] [--out bench/results] [--graph]
+The target: per shape, the bridge's host time per call (`bridge` above, drained) below 60% of its GPU time
+per call. `gpu_ms` is the CUDA-event median of back-to-back bridge calls, as the harness times them
+(`events_ms["bridge"]`), and `host_over_gpu` the ratio of the two; a host-bound call reads about 1 or more
+(its events then span the host's issue time too). Both are None on the CPU.
 
---graph (session 20, for docs/host-cost.md's second lead) adds `dispatch_graph`: the bridge's program for
+    python -m bench.host_overhead [--shapes 11,13,8,5,2 | all] [--calls 150] [--tag T] [--out bench/results] [--graph]
+
+--shapes takes official shape ids, comma-separated, or "all" (the harness's shapes, 1-13).
+--graph (docs/decisions.md, "Bridge and host cost") adds `dispatch_graph`: the bridge's program for
 the shape compiled with XLA command buffers that take custom calls too (GRAPH_OPTIONS: the whole program
 one CUDA graph), called like `dispatch`, interleaved with it; its host time against `dispatch`'s is what
 the graph saves per call, `events_ms["jax_loop_graph"]` its back-to-back time beside `jax_loop`'s, and
@@ -57,15 +62,29 @@ from bench.baseline import TransformerConfig, harness_models, make_inputs  # noq
 from bench.cli import _time_jax_loop, _ttj_jax_contender  # noqa: E402
 from bench.report import slug, write_json  # noqa: E402
 from bench.timing import interleaved_host_overhead_us, time_contenders  # noqa: E402
-from bridge import runtime  # noqa: E402
+from bridge import runtime, settings  # noqa: E402
 from ttj_jax.model import validate_inputs  # noqa: E402
+from ttj_jax.shapes import HARNESS_IDS  # noqa: E402
 
 CUMULATIVE = ("jax_direct", "dispatch", "+import", "+export", "+weights", "bridge", "bridge_no_mask",
               "bridge_reimport")
 # --graph: XLA command buffers over every kind of op, custom calls (our Pallas kernels) included, from one
-# op on (bench/results/ablate-rows-cmdbuf-2026-12-01-nvidia-h200-session15.json measured the same options).
+# op on.
 GRAPH_OPTIONS = (("xla_gpu_enable_command_buffer", "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL"),
                  ("xla_gpu_graph_min_graph_size", 1))
+# The owner's target: the bridge's host time per call below this fraction of its GPU time per call.
+HOST_OVER_GPU_TARGET = 0.6
+
+
+def parse_shapes(text: str) -> list[str]:
+    """Official shape ids from "11,13,8" (any order, no repeats) or "all" (the harness's shapes)."""
+    if text.strip() == "all":
+        return list(HARNESS_IDS)
+    ids = [s.strip() for s in text.split(",") if s.strip()]
+    unknown = [s for s in ids if s not in T.OFFICIAL]
+    if unknown or not ids:
+        raise argparse.ArgumentTypeError(f"unknown shape ids {unknown}; known: {list(T.OFFICIAL)} or 'all'")
+    return list(dict.fromkeys(ids))
 
 
 def ordering_check(ours, x, mask, rounds: int, device: torch.device) -> dict:
@@ -200,15 +219,20 @@ def profile_shape(sid: str, calls: int, device: torch.device, graph: bool = Fals
                 events["jax_loop_graph"] = _time_jax_loop(lambda: graph_run(weights, jx, None), warmup=20,
                                                           rounds=3, calls=100)["median_ms"]
         ordering = ordering_check(ours, x, mask, 10, device)
+    gpu_ms = events.get("bridge")   # back-to-back calls under the harness's events; None on the CPU
+    host_ms = host["bridge"]["median_us"] / 1e3
     return {"plan": call.plan.explain(), "direct_launch": call.direct is not None,
             "jax_plan_stack": jax_plan.stack, "host_us": host, "free_us": frees, "events_ms": events,
             "ordering": ordering, **({"graph_max_abs_diff": graph_diff} if graph_run is not None else {}),
-            "bridge_minus_jax_us": host["bridge"]["median_us"] - host["jax_direct"]["median_us"]}
+            "bridge_minus_jax_us": host["bridge"]["median_us"] - host["jax_direct"]["median_us"],
+            "host_ms": host_ms, "gpu_ms": gpu_ms,
+            "host_over_gpu": host_ms / gpu_ms if gpu_ms else None}
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shapes", default="11,13,8,5,2")
+    p.add_argument("--shapes", type=parse_shapes, default="11,13,8,5,2",
+                   help='official shape ids, comma-separated, or "all" (shapes 1-13)')
     p.add_argument("--calls", type=int, default=150, help="samples per variant (default 150)")
     p.add_argument("--tag", default="")
     p.add_argument("--out", default="bench/results")
@@ -222,8 +246,9 @@ def main(argv=None):
     result = {"gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "jax": jax.__version__, "torch": torch.__version__,
               "date": datetime.date.today().isoformat(),
               "command": "python -m bench.host_overhead " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "calls": args.calls, runtime.KEEP_X_IMPORT_ENV: runtime.keep_x_import_enabled(), "shapes": {}}
-    for sid in args.shapes.split(","):
+              "calls": args.calls, settings.KEEP_X_IMPORT_ENV: settings.keep_x_import(),
+              "host_over_gpu_target": HOST_OVER_GPU_TARGET, "shapes": {}}
+    for sid in args.shapes:
         print(f"shape {sid} ...", flush=True)
         result["shapes"][sid] = profile_shape(sid, args.calls, device, graph=args.graph)
         # whether this shape's bridge calls kept x's import (bridge/runtime.py, _Transfer.to_jax_kept)
@@ -241,6 +266,13 @@ def main(argv=None):
         print("      free us: " + ", ".join(f"{k} {v:.1f}" for k, v in r["free_us"].items()))
         print("      events ms: " + ", ".join(f"{k} {v:.4f}" for k, v in r["events_ms"].items())
               + f"; ordering check: {r['ordering']}")
+    print(f"\nbridge host time against GPU time per call (target: host_over_gpu < {HOST_OVER_GPU_TARGET})")
+    print(f"{'shape':>5} {'host_ms':>9} {'gpu_ms':>9} {'host_over_gpu':>14}")
+    for sid, r in result["shapes"].items():
+        gpu = f"{r['gpu_ms']:9.4f}" if r["gpu_ms"] is not None else f"{'-':>9}"
+        ratio = r["host_over_gpu"]
+        verdict = "" if ratio is None else ("  ok" if ratio < HOST_OVER_GPU_TARGET else "  above target")
+        print(f"{sid:>5} {r['host_ms']:9.4f} {gpu} {('-' if ratio is None else f'{ratio:.3f}'):>14}{verdict}")
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ import bridge  # noqa: E402
 import jax  # noqa: E402
 import ttj_jax as T  # noqa: E402
 from bench.baseline import TransformerConfig, check_close, harness_models, make_inputs  # noqa: E402
-from bench.bridge_profile import host_us  # noqa: E402
+from bench.timing import host_us  # noqa: E402
 from bench.cli import HARNESS_SEEDS, TIMING_SEED_OFFSET  # noqa: E402
 from bench.timing import time_contenders  # noqa: E402
 from bridge import runtime  # noqa: E402

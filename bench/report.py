@@ -1,8 +1,10 @@
-"""What the benchmark scripts write besides numbers: result-file names, error summaries, the per-shape loop."""
+"""What the benchmark scripts write besides numbers: result-file names, error summaries, the per-shape loop,
+and a saved run's results table as GitHub markdown (the README's table is this output, never hand-edited)."""
 
 import json
 import pathlib
 import re
+import statistics
 import time
 import traceback
 
@@ -51,3 +53,64 @@ def run_shapes(result: dict, path: str, shape_ids, run_one, summary) -> bool:
             json.dump(result, f, indent=1)
         print(f"shape {sid} ({record['wall_s']} s): {summary(record)}", flush=True)
     return bad
+
+
+def by_shape_id(shapes: dict) -> dict:
+    """Results in shape order (1, 2, ..., 10, not 1, 10, 2)."""
+    return dict(sorted(shapes.items(), key=lambda kv: (len(kv[0]), kv[0])))
+
+
+def geomean(values) -> float | None:
+    values = [v for v in values if v]
+    return float(statistics.geometric_mean(values)) if values else None
+
+
+def _id_list(ids: list[str]) -> str:
+    """'1-13' for consecutive numeric ids, else the ids joined by commas."""
+    if len(ids) > 2 and all(i.isdigit() for i in ids) and [int(i) for i in ids] == list(
+            range(int(ids[0]), int(ids[0]) + len(ids))):
+        return f"{ids[0]}-{ids[-1]}"
+    return ", ".join(ids)
+
+
+def _ms(value) -> str:
+    return "-" if value is None else f"{value:.4g}"
+
+
+def markdown_table(document: dict) -> str:
+    """A saved `ttj-bench` run as GitHub markdown: one line naming the machine, the table, the geometric means.
+
+    failed: elements outside the harness rule, through the bridge and from JAX together; worst err/tol: the
+    larger of the two. host us: the bridge's host time per call issued on an idle GPU; host/GPU: that over
+    the bridge's median time per call."""
+    shapes = by_shape_id(document["shapes"])
+    seeds = sorted({r.get("seeds") for r in shapes.values()} - {None})
+    machine = document.get("device") or document.get("gpu") or "unknown device"
+    about = [machine, f"jax {document.get('jax', '?')}", f"torch {document.get('torch', '?')}",
+             document.get("date", "undated")]
+    if len(seeds) == 1:
+        about.append(f"{seeds[0]} accuracy seeds per shape")
+    lines = ["; ".join(about) + ".", "",
+             "| shape | plan | baseline ms | torch peer ms | ttj bridge ms | ttj JAX ms | bridge speedup "
+             "| peer/bridge | failed | worst err/tol | host us | host/GPU |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for sid, r in shapes.items():
+        bridge_ms, peer_ms = r.get("ttj_bridge_ms"), r.get("peer_ms")
+        jax_accuracy = r.get("ttj_jax_accuracy", {})
+        failed = r["failed_elements"] + jax_accuracy.get("failed_elements", 0)
+        worst = max(r["worst_err_over_tol"], jax_accuracy.get("worst_err_over_tol", 0.0))
+        host_us = r.get("bridge_host_us")
+        plan = r.get("plan", "").split(":")[0]
+        speedup = r["speedup"].get("ttj_bridge")
+        lines.append("| " + " | ".join([
+            sid, f"`{plan}`" if plan else "-", _ms(r.get("baseline_ms")), _ms(peer_ms), _ms(bridge_ms),
+            _ms(r.get("ttj_jax_ms")), "-" if speedup is None else f"{speedup:.1f}x",
+            "-" if peer_ms is None or not bridge_ms else f"{peer_ms / bridge_ms:.2f}",
+            str(failed), f"{worst:.2f}", "-" if host_us is None else f"{host_us:.0f}",
+            "-" if host_us is None or not bridge_ms else f"{host_us / (bridge_ms * 1e3):.2f}"]) + " |")
+    means = {label: geomean([r["speedup"].get(key) for r in shapes.values()])
+             for key, label in (("peer", "torch peer"), ("ttj_bridge", "ttj via the bridge"),
+                                ("ttj_jax", "ttj from JAX"))}
+    lines += ["", f"Geometric mean speedup over the baseline, shapes {_id_list(list(shapes))}: " + ", ".join(
+        f"{label} {value:.2f}x" for label, value in means.items() if value is not None) + "."]
+    return "\n".join(lines) + "\n"

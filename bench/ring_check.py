@@ -65,7 +65,7 @@ def main(argv=None) -> int:
         failed, _, diff = harness_check(jax.device_put(y, jax.devices()[0]), one)
         return int(failed), float(diff)
 
-    # the planner now picks the ring itself for long single sequences on several GPUs: the one-device
+    # the planner picks the ring itself for long single sequences on several GPUs: the one-device
     # figure asks for one device, and the planner's own choice is timed beside the explicit rings
     one, one_first_s, one_ms = timed(lambda: T.forward(params, x, mask, config=config, sequence_parallel=1))
     one = jax.device_put(one, jax.devices()[0])

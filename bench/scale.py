@@ -3,7 +3,7 @@
 Shape 14 (B=32, S=100000, d=1024) has no baseline: its [B, H, S, S] scores would take 20 TB. Instead:
   1. time ttj-jax through the bridge, harness-style (CUDA events on torch's stream, median of the timed
      calls after one warm-up), and measure the device memory it needs beyond its input and output;
-  2. prefix check, every sequence: causal output rows [:, :K] depend only on input rows [:, :K] (SPEC 1),
+  2. prefix check, every sequence: causal output rows [:, :K] depend only on input rows [:, :K] (docs/spec.md),
      so each sequence's first K output rows are compared with a reference run on its first K input rows:
      the torch baseline in fp32 with TF32 off when its K x K scores fit, else the chunked fp32 reference;
   3. full check, the first N sequences: the chunked fp32 reference (ttj_jax/chunked_reference.py) on the
@@ -43,7 +43,7 @@ TORCH_PREFIX_SCORES_LIMIT_BYTES = 8e9
 # temporaries on the device.
 CHECK_ROWS = 8192
 INPUT_SEED = 1234
-PEER_BATCH_CHUNK = 4   # SPEC 4's peer number for shape 14 came from chunks of 4 sequences
+PEER_BATCH_CHUNK = 4   # the torch peer runs shape 14 four sequences at a time, as its reference number was taken
 GB = 1e9
 
 
@@ -134,7 +134,7 @@ class Progress:
 
 @contextlib.contextmanager
 def exact_fp32_matmuls():
-    """TF32 off while the torch baseline serves as the reference (the harness turns it on: SPEC 2)."""
+    """TF32 off while the torch baseline serves as the reference (the harness turns it on: docs/spec.md)."""
     saved = torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.set_float32_matmul_precision("highest")
@@ -455,7 +455,7 @@ def main(argv=None) -> int:
     harness_config = TransformerConfig(**vars(config))
     baseline, ours = harness_models(harness_config, bridge.TTJTransformer, device=device)
     # Through host copies, then onto jax's first device: with two GPUs visible, jax.dlpack.from_dlpack refused
-    # these cuda:0 tensors (seen on an H200 x2, 2026-11-30; see the current-device note in main).
+    # these cuda:0 tensors (on two H200s; see the current-device note in main).
     params = jax.device_put(T.params_from_state_dict(
         {k: v.detach().cpu().clone() for k, v in baseline.state_dict().items()}, config), jax.devices()[0])
     chunked = chunked_reference(params, config, args.ref_chunk)

@@ -1,6 +1,6 @@
 """The torch peer: the best PyTorch-only design for this model, kept as the bar ttj-jax must beat.
 
-Design (SPEC sections 4 and 5):
+Design (docs/spec.md, "The reference points" and "Numerics known to matter"):
 - One fused QKV weight `[3d, d]`; every weight cast to fp16 once, at build time.
 - GEMMs take fp16 inputs and accumulate in fp32. The QKV GEMM writes fp16 (q, k and v feed an fp16
   attention anyway); the out-projection and both FFN GEMMs write fp32, so the residual stream stays
@@ -12,9 +12,9 @@ Design (SPEC sections 4 and 5):
   there the GEMM runs in fp32 on fp16-rounded operands. That is the same arithmetic: a product of two
   fp16 values is exact in fp32, and the accumulation is fp32 either way.
 
-Masks (SPEC section 1): None or an all-True mask means no masking. A prefix mask under causal attention
-only zeroes invalid rows (masking keys changes nothing for valid queries, and invalid rows are zeroed).
-Any other mask also masks keys. Telling these apart needs a look at the mask's values (a host sync), so
+Masks (docs/spec.md, `valid_token_mask`): None or an all-True mask means no masking. A prefix mask
+under causal attention only zeroes invalid rows (masking keys changes nothing for valid queries, and
+invalid rows are zeroed). Any other mask also masks keys. Telling these apart needs a look at the mask's values (a host sync), so
 the answer is cached for the last mask seen, keyed on the tensor object (a weak reference) and its
 version counter, which every in-place write through torch bumps: the harness's timing loop passes one mask
 object and pays once. (Inference tensors keep no version counter: such a mask is classified every call.)
@@ -241,7 +241,7 @@ def _raise_call_time_recompile_limit():
     """Guards are also re-checked at call time: a caller's tensor that differs from the compiled one (an
     inference tensor against a normal one) recompiles then, outside _raised_recompile_limit. With 13
     peers in one process sharing PeerModel.forward's variants, the default limit (8) was passed there and
-    Dynamo silently ran shape 6 eager (37 ms against 13; H200, 2026-11-30). Raise it for the process."""
+    Dynamo silently ran shape 6 eager (37 ms against 13 on the H200). Raise it for the process."""
     import torch._dynamo  # noqa: F401
 
     config = torch._dynamo.config

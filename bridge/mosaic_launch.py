@@ -2,39 +2,38 @@
 
 For calls the planner gives to `Plan.stack == "fused_mgpu"` (Hopper, mask-free, fp32, the shapes
 kernels/fused_stack_mgpu.py takes), the GPU work is one kernel of ~60-120 us, and a call through jax
-costs the bridge more host time than that (bench/results/official-2026-11-30-h200-session3.json). So the
-bridge compiles the kernel once, with the compiler and launcher jaxlib ships for `plgpu.as_torch_kernel`
-(compat.mosaic_gpu_module + MosaicLauncher below), and each call is one output allocation and one launch
-with the tensors' pointers: ~16 us of host time on the H200 host, where as_torch_kernel itself costs ~66
-us per call (bench/results/mosaic-launch-debug-2026-11-30-h200.log, fused-stack-mgpu-2026-11-30-nvidia-
-h200.json). Through the bridge's whole forward: 38-71 us, median 40 (official-2026-11-30-h200-session4.json).
+costs the bridge more host time than that. So the bridge compiles the kernel once, with the compiler and
+launcher jaxlib ships for `plgpu.as_torch_kernel` (compat.mosaic_gpu_module + MosaicLauncher below), and
+each call is one output allocation and one launch with the tensors' pointers: ~16 us of host time on the
+H200 host, where as_torch_kernel itself costs ~66 us per call. Everything about the kernel (function,
+argument layout, output) comes from `fused_stack_mgpu.launch_spec`.
 
 Stream order: the launcher launches on torch's default stream. A caller on the default stream (the
 harness) gets torch's own ordering: no event, no host sync. A caller on another stream gets two cached
 events per call: the default stream waits for the caller's queued work, the caller's stream for the
-kernel (checked on the H200 with x written on a side stream behind ~50 ms of matmuls, output equal to
-the default stream's: bench/results/mosaic-launch-2026-11-30-h200.json, shapes 2 and 12). The weights are the kernel's layout built
-by jax from the module's parameters once per weight version, kept as torch-owned tensors (runtime.py), so
-torch's allocator orders their reuse after the kernels that read them. Before first use the bridge
-compares one launch with the jax path's output on the same input.
+kernel. The weights are the kernel's layout built by jax from the module's parameters once per weight
+version, kept as torch-owned tensors (runtime.py), so torch's allocator orders their reuse after the
+kernels that read them. Before first use the bridge compares one launch with the jax path's output on
+the same input.
 
-Switch off with TTJ_MOSAIC_LAUNCH=0 (the bridge then runs the same kernel through jax).
+Switch off with TTJ_MOSAIC_LAUNCH=0 (bridge/settings.py; the bridge then runs the same kernel through jax).
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
 
+import numpy as np
 import torch
 
+from bridge import settings
 from ttj_jax.config import Config
 
 
 def unavailable_reason(device: torch.device) -> str | None:
     """Why the bridge cannot launch Mosaic GPU kernels itself on `device`, or None."""
-    if os.environ.get("TTJ_MOSAIC_LAUNCH", "1") == "0":
-        return "TTJ_MOSAIC_LAUNCH=0"
+    if not settings.mosaic_launch():
+        return f"{settings.MOSAIC_LAUNCH_ENV}=0"
     if device.type != "cuda":
         return f"x is on {device}, not a CUDA device"
     major, _ = torch.cuda.get_device_capability(device)
@@ -52,27 +51,15 @@ def current_stream_getter(device: torch.device):
     return lambda: torch.cuda.current_stream(index).cuda_stream
 
 
-def launch_structs(config: Config, batch: int, seq_len: int) -> tuple:
-    """(x, mats, vecs) as jax.ShapeDtypeStructs: the kernel's arguments, laid out as
-    fused_stack_mgpu.stack_weights_mgpu builds the weights (tests compare the two)."""
-    import jax
-    import jax.numpy as jnp
-    from ttj_jax.kernels import fused_stack_mgpu as fsm
-    mats, vecs = fsm.weight_shapes(config.num_layers, config.d_model, config.num_heads)   # packed heads too
-    return (jax.ShapeDtypeStruct((batch, seq_len, config.d_model), jnp.float32),
-            jax.ShapeDtypeStruct(mats, fsm._GEMM_DTYPE), jax.ShapeDtypeStruct(vecs, jnp.float32))
-
-
 class MosaicLauncher:
     """A Mosaic GPU module (mosaic_gpu_module) compiled and loaded once by jax's own launcher for torch
     (`_compile_as_torch_gpu_kernel`, what `plgpu.as_torch_kernel` uses: jaxlib's MosaicGpuCompile), and
     launched with raw device pointers: `launch(pointers)`, the kernel's inputs then its outputs (ints).
     It launches on torch's DEFAULT stream of the device current at construction; the caller orders
-    that stream against its own (bridge/mosaic_launch.py). Skips as_torch_kernel's per-call tracing
-    lookup, pytree and dtype checks (~66 us per call on the H200 host; this: ~16 us).
-    (A launcher of our own calling the compiled host entry with the caller's stream aborted on the H200
-    with "cuTensorMapEncodeTiled failed: invalid argument", cause not found:
-    bench/results/mosaic-launch-debug-2026-11-30-h200.log.)"""
+    that stream against its own (MosaicStackLaunch). Skips as_torch_kernel's per-call tracing lookup,
+    pytree and dtype checks (~66 us per call on the H200 host; this: ~16 us). (A launcher of our own
+    calling the compiled host entry with the caller's stream aborted on the H200 with
+    "cuTensorMapEncodeTiled failed: invalid argument", cause not found.)"""
 
     def __init__(self, module_asm: bytes, num_buffers: int):
         import jax
@@ -103,14 +90,16 @@ class MosaicStackLaunch:
 
     def __init__(self, config: Config, batch: int, seq_len: int, device: torch.device):
         from ttj_jax.compat import mosaic_gpu_module
-        from ttj_jax.kernels import fused_stack_mgpu as fsm
-        function = fsm.kernel_function(batch, seq_len, config.num_heads, config.num_layers, config.causal,
-                                       d_model=config.d_model)
-        structs = launch_structs(config, batch, seq_len)
-        self.shape = structs[0].shape
+        from ttj_jax.kernels import fused_stack_mgpu
+        spec = fused_stack_mgpu.launch_spec(config, batch, seq_len)
+        if spec.out_dtype != np.float32:
+            raise ValueError(f"the kernel writes {spec.out_dtype}; this launch allocates float32")
+        self.shape = spec.out_shape
         self.device = device
+        num_buffers = len(spec.arg_structs) + 1   # the inputs, then the one output
         with torch.cuda.device(device):   # the module loads into this device's CUDA context
-            self._launch = MosaicLauncher(mosaic_gpu_module(function, *structs), num_buffers=4).launch
+            self._launch = MosaicLauncher(mosaic_gpu_module(spec.function, *spec.arg_structs),
+                                          num_buffers=num_buffers).launch
         self._stream = current_stream_getter(device)
         self._default = torch.cuda.default_stream(device)
         self._ready, self._done = torch.cuda.Event(), torch.cuda.Event()

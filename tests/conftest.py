@@ -1,4 +1,4 @@
-"""Shared helpers: the PyTorch reference (bench/baseline.py, written from SPEC section 1), input and
+"""Shared helpers: the PyTorch reference (bench/baseline.py, written from docs/spec.md), input and
 mask builders, and a report of the worst |err|/tolerance seen per test under the harness rule."""
 
 import json

@@ -1,6 +1,7 @@
 """The main job end to end on the CPU: one small shape, all contenders, JSON written, exit code 0."""
 
 import json
+import pathlib
 
 import jax
 import pytest
@@ -99,6 +100,48 @@ def test_report_renders_a_saved_run(tmp_path, capsys):
     assert "Some GPU" in out and "geomean speedup" in out
     assert out.index("│     1 │") < out.index("│     2 │") < out.index("│    10 │")   # numeric order
     assert (tmp_path / "run.png").stat().st_size > 1000
+
+
+COMMITTED_OFFICIAL_RUN = "bench/results/official-2026-12-02-nvidia-h200.json"
+REPOSITORY = pathlib.Path(__file__).resolve().parent.parent
+
+
+def test_report_markdown_prints_the_table_only(tmp_path, capsys):
+    shapes = {sid: {"baseline_ms": 2.0, "ttj_bridge_ms": 0.1 * i, "ttj_jax_ms": 0.1, "failed_elements": 0,
+                    "worst_err_over_tol": 0.4, "ttj_jax_accuracy": {"failed_elements": 1, "worst_err_over_tol": 0.5},
+                    "seeds": 25, "plan": "layers/mixed_fp16: why", "bridge_host_us": 50.0,
+                    "speedup": {"ttj_bridge": 20.0 / i, "ttj_jax": 20.0}}
+              for i, sid in enumerate(("2", "10", "1"), start=1)}
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"device": "Some GPU", "jax": "0.1", "torch": "2.0", "date": "2026-01-01",
+                                "shapes": shapes}))
+    assert cli.main(["--report", str(path), "--markdown"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("Some GPU; jax 0.1; torch 2.0; 2026-01-01; 25 accuracy seeds per shape.\n")
+    rows = [line for line in out.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert [row.split(" | ")[0] for row in rows] == ["| 1", "| 2", "| 10"]     # numeric order
+    # shape 1 (i=3): bridge 0.3 ms, speedup 6.7x, no peer, 0 + 1 failed, worst of the two, host/GPU 50/300
+    assert rows[0] == "| 1 | `layers/mixed_fp16` | 2 | - | 0.3 | 0.1 | 6.7x | - | 1 | 0.50 | 50 | 0.17 |"
+    assert "shapes 1, 2, 10: ttj via the bridge 11.01x, ttj from JAX 20.00x." in out   # (20 * 10 * 20/3) ** (1/3)
+    assert not (tmp_path / "run.png").exists()
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--markdown"])
+
+
+def test_readme_results_table_is_the_markdown_of_the_committed_run():
+    """The README's results table is `ttj-bench --report <committed run> --markdown`, verbatim, with that
+    command stated above it: regenerate it from the JSON, never edit it by hand."""
+    from bench.report import markdown_table
+    table = markdown_table(json.loads((REPOSITORY / COMMITTED_OFFICIAL_RUN).read_text()))
+    readme = (REPOSITORY / "README.md").read_text()
+    assert f"ttj-bench --report {COMMITTED_OFFICIAL_RUN} --markdown" in readme
+    assert table in readme
+
+
+def test_results_go_to_the_ignored_results_folder_by_default():
+    assert cli.parse_args([]).out is None
+    assert pathlib.Path(cli.default_out_dir()) == REPOSITORY / "results"
+    assert "/results/" in (REPOSITORY / ".gitignore").read_text().split()
 
 
 def test_profile_trace_summary():
@@ -235,7 +278,7 @@ def test_forward_overhead_script_on_the_cpu(tmp_path, capsys):
 
 def test_run_shape_records_the_host_time_of_the_peer_beside_the_bridge_and_jax():
     """With the torch peer, its host time per call is sampled in the same interleaved turns as the
-    bridge's and the JAX call's (docs/host-cost.md: on the GPU, where the peer replays a CUDA graph, it is
+    bridge's and the JAX call's (on the GPU, where the peer replays a CUDA graph, it is
     the host cost a graph-replayed bridge call would have)."""
     import ttj_jax as T
 

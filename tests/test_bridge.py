@@ -146,7 +146,7 @@ def test_inference_tensor_masks_are_decided_on_the_device(harness_rule):
 
 
 def test_harness_flow_assigning_our_class(harness_rule):
-    """SPEC section 2, way (a): our module assigned as UserOptimizedTransformer, weights copied strictly,
+    """The harness (docs/spec.md), way (a): our module assigned as UserOptimizedTransformer, weights copied strictly,
     `.to(device, dtype).eval()`, five seeds under inference_mode, every element checked."""
     UserOptimizedTransformer = bridge.UserOptimizedTransformer
     for padding_ratio in (0.0, 0.3):

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from ttj_jax.kernels import BlockSizes, flash_attention, flash_attention_fused_qkv, flash_attention_reference
-from ttj_jax.kernels.flash_attention import _DEFAULT_BLOCK_SIZES, default_block_sizes, resolve_block_sizes
+from ttj_jax.kernels.flash_attention import default_block_sizes, padded_head_dim, resolve_block_sizes
 
 # Tolerance in units of u * max|v|, and u itself, per input dtype (see the module docstring).
 _TOLERANCE_UNITS = {jnp.float16: (2, 2.0 ** -11), jnp.float32: (4, 2.0 ** -11), jnp.bfloat16: (2, 2.0 ** -8)}
@@ -61,22 +61,26 @@ def _check(q, k, v, *, causal, block_sizes=None, **masks):
 
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("seq_len", [1, 7, 33, 127])
+@pytest.mark.interpret
 def test_odd_sequence_lengths(seq_len, causal):
     _check(*_inputs(seq_len, seq_len, 32), causal=causal)
 
 
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("head_dim", [8, 16, 32, 64, 128, 256, 48])  # 8 and 48 take the head_dim padding
+@pytest.mark.interpret
 def test_every_head_dim(head_dim, causal):
     _check(*_inputs(head_dim, 33, head_dim), causal=causal)
 
 
 @pytest.mark.parametrize("seq_len,head_dim,causal", [(7, 8, True), (33, 64, False), (127, 256, True), (127, 32, False)])
+@pytest.mark.interpret
 def test_float32_inputs(seq_len, head_dim, causal):
     _check(*_inputs(1, seq_len, head_dim, jnp.float32), causal=causal, block_sizes=SMALL_BLOCKS)
 
 
 @pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.interpret
 def test_bfloat16_inputs(causal):
     _check(*_inputs(2, 33, 64, jnp.bfloat16), causal=causal)
 
@@ -84,12 +88,14 @@ def test_bfloat16_inputs(causal):
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("block_sizes", [SMALL_BLOCKS, UNEVEN_BLOCKS, BlockSizes(16, 64, 4, 2)],
                          ids=["16x16", "32x16", "16x64"])
+@pytest.mark.interpret
 def test_block_size_settings(block_sizes, causal):
     # S=127 with 16-wide blocks runs both key loops (unmasked, then diagonal/limit) for several blocks,
     # with block_q > block_k and block_q < block_k both exercised.
     _check(*_inputs(3, 127, 32), causal=causal, block_sizes=block_sizes)
 
 
+@pytest.mark.interpret
 def test_long_sequence_default_blocks_for_head_dim_64():
     """S past the short-sequence cutoff picks the measured long entry (128x128 blocks for head_dim 64),
     with a ragged tail and several query blocks on and off the causal diagonal."""
@@ -99,6 +105,7 @@ def test_long_sequence_default_blocks_for_head_dim_64():
 
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("block_sizes", [None, SMALL_BLOCKS], ids=["default", "16x16"])
+@pytest.mark.interpret
 def test_kv_lengths(block_sizes, causal):
     q, k, v = _inputs(4, 127, 32)
     lengths = jnp.asarray([0, 50], jnp.int32)  # 0: no key at all -> zeros
@@ -108,6 +115,7 @@ def test_kv_lengths(block_sizes, causal):
 
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("block_sizes", [None, SMALL_BLOCKS], ids=["default", "16x16"])
+@pytest.mark.interpret
 def test_key_mask_with_a_fully_masked_row(block_sizes, causal):
     q, k, v = _inputs(5, 127, 32)
     mask = _random_mask(5, BATCH, 127, fully_masked_row=1)
@@ -116,6 +124,7 @@ def test_key_mask_with_a_fully_masked_row(block_sizes, causal):
 
 
 @pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.interpret
 def test_kv_lengths_and_key_mask_together(causal):
     q, k, v = _inputs(6, 33, 16)
     lengths = jnp.asarray([20, 33], jnp.int32)
@@ -127,6 +136,8 @@ def test_kv_lengths_and_key_mask_together(causal):
 @given(seq_len=st.integers(1, 130), head_dim=st.sampled_from([8, 16, 24, 32, 64]), causal=st.booleans(),
        masks=st.sampled_from(["none", "lengths", "mask", "both"]), dtype=st.sampled_from([jnp.float16, jnp.float32]),
        block_sizes=st.sampled_from([None, SMALL_BLOCKS, UNEVEN_BLOCKS]), seed=st.integers(0, 2**16))
+@pytest.mark.slow
+@pytest.mark.interpret
 def test_property_any_shape_and_masks(seq_len, head_dim, causal, masks, dtype, block_sizes, seed):
     q, k, v = _inputs(seed, seq_len, head_dim, dtype)
     kwargs = {}
@@ -137,6 +148,7 @@ def test_property_any_shape_and_masks(seq_len, head_dim, causal, masks, dtype, b
     _check(q, k, v, causal=causal, block_sizes=block_sizes, **kwargs)
 
 
+@pytest.mark.interpret
 def test_out_of_range_kv_lengths_are_clamped():
     q, k, v = _inputs(7, 33, 16)
     out = flash_attention(q, k, v, causal=False, kv_lengths=jnp.asarray([-3, 1000], jnp.int32), interpret=True)
@@ -144,6 +156,7 @@ def test_out_of_range_kv_lengths_are_clamped():
     np.testing.assert_array_equal(np.asarray(out), np.asarray(expected))
 
 
+@pytest.mark.interpret
 def test_custom_sm_scale():
     q, k, v = _inputs(8, 33, 32)
     out = flash_attention(q, k, v, causal=True, sm_scale=0.3, interpret=True)
@@ -154,6 +167,7 @@ def test_custom_sm_scale():
 
 @pytest.mark.parametrize("seq_len,head_dim,causal,masked", [(33, 32, True, False), (127, 8, False, True),
                                                            (64, 64, True, True)])
+@pytest.mark.interpret
 def test_fused_qkv_matches_separate_layout(seq_len, head_dim, causal, masked):
     rng = np.random.default_rng(9)
     qkv = jnp.asarray(rng.standard_normal((BATCH, seq_len, 3, HEADS, head_dim)), jnp.float16)
@@ -168,6 +182,7 @@ def test_fused_qkv_matches_separate_layout(seq_len, head_dim, causal, masked):
     np.testing.assert_array_equal(np.asarray(fused), np.asarray(separate))  # same kernel, same data
 
 
+@pytest.mark.interpret
 def test_two_runs_are_bit_identical():
     q, k, v = _inputs(10, 127, 64, jnp.float32)
     mask = _random_mask(10, BATCH, 127)
@@ -180,7 +195,7 @@ def test_default_block_table_covers_every_padded_head_dim():
     for head_dim in (8, 16, 32, 48, 64, 96, 128, 256):
         for seq_len in (1, 128, 1000, 100_000):
             assert isinstance(default_block_sizes(seq_len, head_dim), BlockSizes)
-    assert {hd for hd, _ in _DEFAULT_BLOCK_SIZES} == {16, 32, 64, 128, 256}
+    assert {padded_head_dim(hd) for hd in range(8, 257)} == {16, 32, 64, 128, 256}
 
 
 def test_blocks_are_clamped_for_a_tiny_sequence():
@@ -213,11 +228,13 @@ _Q = jnp.zeros((2, 5, 2, 16), jnp.float16)
     ((_Q, _Q, _Q), {"key_mask": jnp.ones((2, 5), jnp.int32)}, "key_mask"),          # not bool
     ((_Q, _Q, _Q), {"block_sizes": (64, 64)}, "block_sizes"),                        # not a BlockSizes
 ])
+@pytest.mark.interpret
 def test_bad_inputs_name_the_argument(args, kwargs, name):
     with pytest.raises(ValueError, match=name):
         flash_attention(*args, causal=True, interpret=True, **kwargs)
 
 
+@pytest.mark.interpret
 def test_bad_causal_and_fused_layout_name_the_argument():
     with pytest.raises(ValueError, match="causal"):
         flash_attention(_Q, _Q, _Q, causal=1, interpret=True)
@@ -254,6 +271,8 @@ def test_kernel_lowers_through_triton_for_cuda(fused, causal, dtype, head_dim):
 
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("seq_len, block_sizes", [(37, None), (64, SMALL_BLOCKS), (50, UNEVEN_BLOCKS)])
+@pytest.mark.slow
+@pytest.mark.interpret
 def test_log_sum_exp(causal, seq_len, block_sizes):
     """return_lse: each row's log(sum_j exp(sm_scale q.k_j)) over its allowed keys (what ring_attention
     merges visits with), -inf where no key is allowed; the output itself is unchanged."""
@@ -280,6 +299,7 @@ def test_log_sum_exp(causal, seq_len, block_sizes):
         np.testing.assert_allclose(lse[finite], expected[finite], rtol=0, atol=1e-4)
 
 
+@pytest.mark.interpret
 def test_log_sum_exp_argument_is_checked():
     q, k, v = _inputs(0, 16, 64)
     with pytest.raises(ValueError, match="return_lse"):

@@ -9,7 +9,7 @@ Each case is compared three ways:
   downstream by up to ~1e-4 and spreads through later layers. Tolerance: REFERENCE_ATOL_PER_LAYER per
   layer (measured worst over these cases: see the module constant), plus one output ulp for fp16/bf16
   outputs. A structural error (a wrong mask, LayerNorm over padded columns) is >= 1e-2; a subtle one
-  such as tanh GELU for erf GELU moves the output by only ~5e-4, so `_erf` and `_gelu` are pinned
+  such as tanh GELU for erf GELU moves the output by only ~5e-4, so `pallas_common.erf` and `gelu` are pinned
   against jax's own on their own.
 - against `ttj_jax.forward` (the project's XLA path, same mixed policy): the harness rule, zero failures.
 - against the exact fp32 reference (`ttj_jax.reference`): the kernel may be no further from it than the
@@ -30,7 +30,8 @@ from hypothesis import strategies as st
 import ttj_jax as T
 from bench.baseline import check_close
 from conftest import to_torch
-from ttj_jax.kernels.fused_stack import (FusedWeights, StackBlocks, _erf, _gelu, fused_stack_forward,
+from ttj_jax.kernels.pallas_common import erf, gelu
+from ttj_jax.kernels.fused_stack import (FusedWeights, StackBlocks, fused_stack_forward,
                                          fused_stack_reference, stack_weights, supports)
 
 REFERENCE_ATOL_PER_LAYER = 3e-4   # measured worst: 1.4e-4 per layer (S32-hd8-H16, one layer)
@@ -108,8 +109,8 @@ def test_erf_and_gelu_match_jax():
     # Triton has no erf rule, so the kernel evaluates XLA's rational approximation itself: it must stay
     # within a few fp32 ulps of lax.erf (measured 6e-7 over [-10, 10]) and be the erf GELU, not tanh.
     x = jnp.linspace(-10.0, 10.0, 200_001, dtype=jnp.float32)
-    np.testing.assert_allclose(np.asarray(_erf(x)), np.asarray(jax.lax.erf(x)), rtol=0, atol=1e-6)
-    np.testing.assert_allclose(np.asarray(_gelu(x)), np.asarray(jax.nn.gelu(x, approximate=False)),
+    np.testing.assert_allclose(np.asarray(erf(x)), np.asarray(jax.lax.erf(x)), rtol=0, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(gelu(x)), np.asarray(jax.nn.gelu(x, approximate=False)),
                                rtol=0, atol=5e-6)
 
 
@@ -126,7 +127,7 @@ def test_block_sequences_only_repack_the_batch():
 
 
 def test_causal_prefix_rows_depend_only_on_the_prefix():
-    # SPEC section 1: output rows [:K] under causal attention depend only on input rows [:K].
+    # docs/spec.md: output rows [:K] under causal attention depend only on input rows [:K].
     _, _, weights = _model(32, 32, 4, 32, 2, True, 1)
     x = jax.random.normal(jax.random.key(4), (1, 32, 32), jnp.float32)
     full = _f32(fused_stack_forward(weights, x, num_heads=4, causal=True, interpret=True))
@@ -246,7 +247,7 @@ def _lower_for_cuda(S, d, H, ffn, L, B, block_sequences, dtype=jnp.float32, caus
 ])
 def test_kernel_lowers_through_triton_for_cuda(S, d, H, ffn, L, B, block_sequences, dtype):
     # Runs Pallas's Triton lowering (to Triton IR, no GPU needed) on the CPU: catches a primitive the
-    # Triton backend cannot lower (erf, for one, has no rule: hence `_erf`) long before the H200 does.
+    # Triton backend cannot lower (erf, for one, has no rule: hence `pallas_common.erf`) long before the H200 does.
     # Compiling that IR to PTX still needs Triton itself (bench/bench_fused_stack.py --ptxas).
     try:
         jax.jit(lambda x: x + 1).trace(jnp.zeros(4)).lower(lowering_platforms=("cuda",))
@@ -269,7 +270,7 @@ def test_bench_script_imports_and_explains_itself(capsys):
     assert all(supports(T.OFFICIAL[s].config, T.OFFICIAL[s].config.seq_len) for s in bench_fused_stack.SHAPE_IDS)
 
 
-# Masks (SPEC section 1): (S, d, H, ffn, L, causal, B, block_sequences, mask kind).
+# Masks (docs/spec.md): (S, d, H, ffn, L, causal, B, block_sequences, mask kind).
 MASKED_CASES = {
     "prefix-causal-S32": (32, 64, 4, 64, 2, True, 3, 1, "prefix"),
     "general-causal-S20-packed": (20, 32, 2, 48, 2, True, 4, 2, "general"),

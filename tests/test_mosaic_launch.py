@@ -98,7 +98,7 @@ def test_forcing_the_mosaic_stack_is_checked():
     finally:
         T.planner.MGPU_STACK_PLANNED_NUM_HEADS = verified_heads
     # the planner picks it only at the widths it has run on a GPU with (MGPU_STACK_GPU_VERIFIED_D_MODELS):
-    # shape 7's d_model 32 since session 6; a width the kernel builds for but that has not run is only
+    # shape 7's d_model 32; a width the kernel builds for but that has not run is only
     # reachable by request
     shape_7 = T.OFFICIAL["7"].config
     assert T.plan(shape_7, _facts(shape_7), HOPPER).stack == "fused_mgpu"
@@ -115,8 +115,8 @@ def test_forcing_the_mosaic_stack_is_checked():
 
 # --- the model runs the plan (kernel body in Mosaic GPU's interpret mode on the CPU) -------------------
 
-# In a 4-device subprocess: d_model 32's 16-wide head blocks (since session 24) hang GPU interpret mode in
-# process on two cores (XLA's CPU thread pool; tests/test_fused_stack_mgpu.py says more).
+# In a 4-device subprocess: d_model 32's 16-wide head blocks hang GPU interpret mode in
+# process on two cores (XLA's CPU thread pool; tests/test_fused_stack_mgpu_numerics.py says more).
 MODEL_FORWARD_SCRIPT = r"""
 import json, sys
 sys.path.insert(0, "tests")
@@ -295,16 +295,16 @@ def test_bridge_builds_one_launch_per_input_signature_and_follows_weight_changes
 
 
 @pytest.mark.parametrize("sid", ["2", "9", "12", "7", "11"])
-def test_launch_structs_match_the_weights_built(sid):
-    """The bridge's launch declares the kernel's arguments itself (bridge/mosaic_launch.launch_structs):
-    they must be what stack_weights_mgpu builds, at d_model 128, at shape 7's 32 (padded heads) and at
-    shape 11's 16 heads (packed four to a block: 4 chunks per matrix, not 16; the first GPU run of the
-    launch declared 16 and was refused, mosaic-launch-2026-12-02-h200-fused_mgpu-session23.json)."""
-    from bridge.mosaic_launch import launch_structs
+def test_launch_spec_matches_the_weights_built(sid):
+    """The bridge's launch declares the kernel's arguments from fused_stack_mgpu.launch_spec: they must be
+    what stack_weights_mgpu builds, at d_model 128, at shape 7's 32 (padded heads) and at shape 11's 16
+    heads (packed four to a block: 4 chunks per matrix, not 16)."""
     config = T.OFFICIAL[sid].config
-    x, mats, vecs = launch_structs(config, config.batch_size, config.seq_len)
+    spec = fsm.launch_spec(config, config.batch_size, config.seq_len)
+    x, mats, vecs = spec.arg_structs
     built = jax.eval_shape(lambda p: fsm.stack_weights_mgpu(p, config.num_heads),
                            T.init_params(jax.random.key(0), config))
     assert (mats.shape, mats.dtype) == (built.mats.shape, built.mats.dtype)
     assert (vecs.shape, vecs.dtype) == (built.vecs.shape, built.vecs.dtype)
-    assert x.shape == (config.batch_size, config.seq_len, config.d_model)
+    assert x.shape == spec.out_shape == (config.batch_size, config.seq_len, config.d_model)
+    assert spec.out_dtype == np.float32

@@ -2,7 +2,6 @@
 subprocess, since the device count is fixed when jax starts). The same code path runs over GPUs."""
 
 import dataclasses
-import json
 import re
 import textwrap
 
@@ -83,11 +82,13 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
+@pytest.mark.interpret   # the fused stack kernel on each device
 def test_two_devices_match_one():
     out = last_json_line(run_on_host_devices(["-c", SCRIPT], 2))
     # Each device multiplies a smaller batch, so GEMM shapes and the fp32 accumulation order change:
-    # differences up to ~3e-4 were seen against outputs of order 1 (torch's init and input were drawn
-    # fresh each run until they were seeded). The issue's criterion is the harness rule; 1e-3 bounds the rest.
+    # differences up to ~3e-4 against outputs of order 1. The criterion is the harness rule; 1e-3 bounds the
+    # rest.
     bridge_names = ("bridge_none", "bridge_general", "bridge_fused", "bridge_chunks", "bridge_home",
                     "bridge_home_fused", "bridge_weighted", "bridge_default")
     for name in ("none", "general", "fused_none", "fused_general") + bridge_names:
@@ -151,14 +152,3 @@ def test_planner_splits_only_large_batches_already_spread_over_devices():
     with pytest.raises(ValueError, match="cannot be split evenly"):
         T.plan(shape_6, facts(shape_6, 9999), H200X2, data_parallel=2)
 
-
-def test_scale_tool_reports_several_devices(tmp_path):
-    """bench.scale's several-devices section, end to end on two CPU devices with tiny configs."""
-    code = ("import sys; from bench import scale; sys.exit(scale.main(['--config', '4,96,32,2,32,1', "
-            "'--prefix-k', '32', '--full-ref', '1', '--timing-calls', '1', '--device', 'cpu', "
-            f"'--multi-second', '4,16,32,2,32,1', '--out', {str(tmp_path)!r}, '--tag', 't']))")
-    run_on_host_devices(["-c", code], 2)
-    multi = json.loads((tmp_path / "t.json").read_text())["multi_gpu"]
-    assert multi["devices"] == 2 and multi["harness_failed_vs_one_gpu"] == 0
-    assert multi["shape14_speedup"] > 0 and multi["shape6_speedup"] > 0
-    assert multi["max_abs_diff_vs_one_gpu"] <= 1e-3

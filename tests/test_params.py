@@ -1,4 +1,4 @@
-"""Parameters: PyTorch-equivalent init, the SPEC's state_dict names both ways, clear errors."""
+"""Parameters: PyTorch-equivalent init, docs/spec.md's state_dict names both ways, clear errors."""
 
 import jax
 import numpy as np
@@ -55,7 +55,7 @@ def test_state_dict_errors_name_what_is_wrong():
 
 def test_host_arrays_go_to_the_default_device(monkeypatch):
     """On a GPU machine a numpy or CPU-torch state_dict must land on the GPU: imported zero-copy as it is,
-    it stays CPU-committed and drags the forward onto the CPU (it did on the H200). Here the default
+    it stays CPU-committed and drags the forward onto the CPU. Here the default
     backend is made to look like a GPU and the move is recorded."""
     import jax
     import numpy as np

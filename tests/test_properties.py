@@ -2,6 +2,7 @@
 reference everywhere (exact policy within fp32 noise, mixed policy under the harness rule)."""
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
@@ -26,6 +27,7 @@ def cases(draw):
     return config, mask, draw(st.integers(0, 2**16)), draw(st.sampled_from([0.5, 1.0, 3.0]))
 
 
+@pytest.mark.slow
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
 def test_forward_matches_torch_reference(case):

@@ -1,7 +1,6 @@
 """Sequence parallelism (ttj_jax/ring_attention.py): one sequence split over 2 and 4 CPU devices (XLA's
 host platform split, in a subprocess, since the device count is fixed when jax starts), against the
-one-device forward and the fp32 reference. The same code ran over two H200s (bench/ring_check.py; results
-in bench/results/ring-2026-11-30-h200x2-*.json)."""
+one-device forward and the fp32 reference. bench/ring_check.py runs the same code over GPUs."""
 
 import json
 import textwrap
@@ -33,14 +32,17 @@ SCRIPT = textwrap.dedent("""
                 kwargs = dict(config=config, devices=n, query_chunk=4, key_chunk=5)
                 exact = sequence_parallel_forward(params, x, m, policy="exact_fp32", **kwargs)
                 mixed = sequence_parallel_forward(params, x, m, **kwargs)
-                # our flash kernel per zigzag-chunk pair (interpreted here), merged by log-sum-exp
-                flash = sequence_parallel_forward(params, x, m, attention="pallas", **kwargs)
-                out[f"{causal}/{mask_name}/{n}"] = {
-                    "exact_vs_one_device": float(jnp.abs(exact - exact_one).max()),
-                    "mixed_failed_vs_reference": failing(mixed, reference),
-                    "flash_failed_vs_reference": failing(flash, reference),
-                    "flash_vs_mixed": float(jnp.abs(flash - mixed).max()),
-                    "finite": bool(jnp.isfinite(mixed).all() & jnp.isfinite(flash).all()), "shape": list(mixed.shape)}
+                case = {"exact_vs_one_device": float(jnp.abs(exact - exact_one).max()),
+                        "mixed_failed_vs_reference": failing(mixed, reference),
+                        "finite": bool(jnp.isfinite(mixed).all()), "shape": list(mixed.shape)}
+                # our flash kernel per zigzag-chunk pair (interpreted here, ~6 s a program), merged by
+                # log-sum-exp: on one device count per (causal, mask), 2 and 4 each twice
+                if (n == 4) == (causal == (mask_name == "general")):
+                    flash = sequence_parallel_forward(params, x, m, attention="pallas", **kwargs)
+                    case.update(flash_failed_vs_reference=failing(flash, reference),
+                                flash_vs_mixed=float(jnp.abs(flash - mixed).max()),
+                                finite=case["finite"] and bool(jnp.isfinite(flash).all()))
+                out[f"{causal}/{mask_name}/{n}"] = case
     # through ttj_jax.forward: the plan's sequence_parallel (the planner picks it on GPUs; asked for here)
     config = T.Config(1, 48, 32, 2, 48, 2, True)
     params = T.init_params(jax.random.key(2), config)
@@ -82,17 +84,22 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
+@pytest.mark.interpret   # our flash kernel inside the ring
 def test_sequence_parallel_matches_one_device():
     out = last_json_line(run_on_host_devices(["-c", SCRIPT], 4, timeout=600))
     cases = [k for k in out if k.count("/") == 2]
     assert len(cases) == 8
+    flash_cases = sorted(k for k in cases if "flash_failed_vs_reference" in out[k])
+    assert flash_cases == ["False/general/2", "False/none/4", "True/general/4", "True/none/2"], flash_cases
     for name in cases:
         case = out[name]
         # exact policy: the same fp32 math in another order (one device: 0 up to rounding)
         assert case["exact_vs_one_device"] <= 1e-5, (name, case)
         # fp16 GEMMs: the harness rule against the fp32 reference, every element
         assert case["mixed_failed_vs_reference"] == 0 and case["finite"] and case["shape"] == [2, 48, 32], (name, case)
-        assert case["flash_failed_vs_reference"] == 0 and case["flash_vs_mixed"] <= 2e-3, (name, case)
+        if name in flash_cases:
+            assert case["flash_failed_vs_reference"] == 0 and case["flash_vs_mixed"] <= 2e-3, (name, case)
     # N - 1 = 3 ring hops per attention, one layer: k/v, positions and key mask each travel (permutes of a
     # tuple may be fused into one op or stay several: at least 3); nothing gathers the sequence
     assert out["hlo"]["collective_permute"] >= 3 and out["hlo"]["all_gather"] == 0 and out["hlo"]["all_to_all"] == 0, out["hlo"]
@@ -122,6 +129,8 @@ def test_zigzag_order_balances_causal_work():
         zigzag_order(50, 4)
 
 
+@pytest.mark.slow
+@pytest.mark.interpret   # its "pallas" ring
 def test_ring_check_tool_on_two_cpu_devices(tmp_path):
     """bench/ring_check.py (the GPU check of the ring) end to end on two CPU devices, tiny config."""
     run_on_host_devices(["bench/ring_check.py", "--config", "2,64,32,2,48,2", "--query-chunk", "8", "--key-chunk",

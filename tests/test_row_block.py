@@ -1,6 +1,6 @@
 """The "rows" stack (kernels/row_block.py) in interpret mode on the CPU: per layer our flash attention and
 one row-tile kernel for everything else. Compared with the XLA program (same mixed policy) under the
-harness rule and with the exact fp32 reference; masks as SPEC 1 says; its Triton lowering for CUDA.
+harness rule and with the exact fp32 reference; masks as docs/spec.md says; its Triton lowering for CUDA.
 Its speed is measured on the H200 by `python -m bench.rows_check`, not here."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""ttj-jax: a pre-LN causal Transformer layer stack in JAX (SPEC section 1), planned per shape."""
+"""ttj-jax: a pre-LN causal Transformer layer stack in JAX (docs/spec.md), planned per shape."""
 
 from ttj_jax.config import Config
 from ttj_jax.masks import MaskKind, classify_mask

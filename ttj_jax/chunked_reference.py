@@ -1,4 +1,4 @@
-"""The fp32 reference of SPEC section 1 in bounded memory, for sequences whose [S, S] scores cannot exist.
+"""The fp32 reference of docs/spec.md's model in bounded memory, for sequences whose [S, S] scores cannot exist.
 
 Same semantics and numerics as `ttj_jax.reference.reference_forward` (fp32, `precision=HIGHEST`, erf GELU,
 the same masking rules), computed so that no [S, S] or [H, S, S] tensor is ever built:
@@ -20,7 +20,7 @@ keys and padded query rows are dropped, so any S works.
 Masked keys get -inf and a running max of -inf is replaced by 0 before it is subtracted: a query whose
 keys are all excluded so far contributes exp(-inf) = 0, never NaN. A row with no allowed key at all
 (l == 0: an invalid query of a sequence without valid tokens, or a padded row) gets a zero context;
-every such row is zeroed afterwards anyway (SPEC section 1), where the reference's NaN is replaced too.
+every such row is zeroed afterwards anyway (docs/spec.md), where the reference's NaN is replaced too.
 
 The result differs from `reference_forward` by fp32 rounding only: the softmax is summed in a different
 order (per chunk, rescaled) and normalised after the `probs @ v` product instead of before it.
@@ -135,7 +135,7 @@ def _chunked_forward(params, x, mask, *, config: Config, query_chunk: int, key_c
 
 def chunked_reference_forward(params, x, valid_token_mask=None, *, config: Config,
                               query_chunk: int = QUERY_CHUNK, key_chunk: int = KEY_CHUNK):
-    """fp32 forward of SPEC section 1 in O(S * d + H * query_chunk * key_chunk) memory per sequence.
+    """fp32 forward of docs/spec.md's model in O(S * d + H * query_chunk * key_chunk) memory per sequence.
 
     params: raw params (`init_params` / `params_from_state_dict`); x: (B, S, d); valid_token_mask: bool
     (B, S) or None. Returns fp32 (B, S, d) whatever x's dtype. Chunks larger than S are cut to S (rounded

@@ -1,4 +1,4 @@
-"""The model's configuration: the seven fields of SPEC section 1, validated once."""
+"""The model's configuration: the seven fields of docs/spec.md's model, validated once."""
 
 from __future__ import annotations
 

@@ -62,7 +62,7 @@ def plan_for(config: Config, x, mask_kind: MaskKind, device=None, caller: str = 
 def forward(params: Any, x, valid_token_mask=None, *, config, mask_kind: MaskKind | str | None = None,
             policy: str | None = None, attention: str | None = None, data_parallel: int | None = None,
             stack: str | None = None, sequence_parallel: int | None = None):
-    """y = Transformer(x) per SPEC section 1, same shape and dtype as x.
+    """y = Transformer(x) per docs/spec.md, same shape and dtype as x.
 
     params: raw params (init_params / params_from_state_dict; prepared inside the same jitted call) or
     a PreparedWeights (prepared once, the fast path). valid_token_mask: bool [B, S] or None.

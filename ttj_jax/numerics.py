@@ -1,6 +1,6 @@
 """The numerics policy: which dtype each stage of the layer computes in. No other module decides this.
 
-SPEC section 5 sets the constraints this policy encodes:
+docs/spec.md ("Numerics known to matter") sets the constraints this policy encodes:
 - FP16 GEMM operands with FP32 accumulation and FP32 outputs pass the harness rule; the residual stream
   must stay FP32 (an FP16 residual fails: the final LayerNorm amplifies its rounding near the row mean).
 - BF16 cannot meet atol 0.002, so no bf16 policy is offered for fp32 inputs.
@@ -20,7 +20,7 @@ import numpy as np
 
 LAYER_NORM_EPS = 1e-5
 
-# The harness's pass rule (SPEC section 2), which every policy here is chosen against: an element passes
+# The harness's pass rule (docs/spec.md, "Accuracy rule"), which every policy here is chosen against: an element passes
 # when both values are finite and |out - ref| <= HARNESS_ATOL or <= HARNESS_RTOL * |ref|, i.e. the
 # tolerance is max(atol, rtol |ref|), not their sum. bench.baseline.check_close is the same rule on torch
 # tensors (tests/test_numerics_rule.py holds the two equal).
@@ -45,7 +45,7 @@ class NumericsPolicy:
     # second GEMM takes in gemm_dtype: fp32, or gemm_dtype so the GEMM writes half the bytes and the
     # GELU pass reads half (one more fp16 rounding, of the GELU's input).
     hidden_dtype: np.dtype = np.dtype(np.float32)
-    # "erf": the model's GELU (SPEC section 1). "tanh": its tanh approximation (within 4.8e-4 of it,
+    # "erf": the model's GELU (docs/spec.md). "tanh": its tanh approximation (within 4.8e-4 of it,
     # under half an fp16 ulp of the hidden value there), evaluated on the pre-activation in
     # hidden_dtype without a conversion between, the pattern cuBLASLt can take into its epilogue.
     gelu: str = "erf"

@@ -68,9 +68,7 @@ def data_parallel(body, mesh: Mesh):
 
 
 # Consecutive chunks a split call goes through by default, the first count that divides the batch. On two
-# H200s, shape 6 split in 1 / 2 / 4 chunks: 5.44 / 4.73 / 4.43 ms (bench/results/split-home-2026-11-30-
-# h200x2.json); 5, 8 and weighted chunks were no faster (scale-2026-11-30-h200x2-session9b/d.json); shape
-# 14: 1509.5 ms in 1 chunk, 1494.9 in 4 (scale-2026-11-30-h200x2-session5.json).
+# H200s, shape 6 split in 1 / 2 / 4 chunks: 5.44 / 4.73 / 4.43 ms; 5, 8 and weighted chunks were no faster.
 DEFAULT_SPLIT_CHUNKS = (4, 2, 1)
 
 
@@ -85,7 +83,7 @@ def split_chunk_rows(rows: int, devices: int, chunks) -> list[int]:
     positive weights, chunks in those proportions, each a multiple of `devices` rows (rows must divide
     by devices), the last taking what rounding leaves. Small first and last chunks shorten the copies
     that nothing overlaps, before the first chunk's program and after the last one's (on two H200s,
-    shape 6: within noise of equal chunks, scale-2026-11-30-h200x2-session9b/d.json)."""
+    shape 6: within noise of equal chunks)."""
     if isinstance(chunks, bool):
         raise ValueError(f"split chunks must be an int >= 1 or a sequence of positive ints; got {chunks!r}")
     if isinstance(chunks, int):

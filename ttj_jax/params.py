@@ -1,4 +1,4 @@
-"""Parameters: PyTorch-equivalent init, the SPEC's state_dict names both ways, and prepared weights.
+"""Parameters: PyTorch-equivalent init, docs/spec.md's state_dict names both ways, and prepared weights.
 
 Raw params are a nested dict that mirrors the state_dict names exactly:
     params["layers"][i]["attention"]["q_proj"]["weight"]   <->   "layers.{i}.attention.q_proj.weight"
@@ -26,7 +26,7 @@ NORMS = ("norm1", "norm2")
 
 
 def expected_shapes(config: Config) -> dict[str, tuple[int, ...]]:
-    """Every state_dict name of SPEC section 1 with its shape, in the harness's order."""
+    """Every state_dict name of docs/spec.md with its shape, in the harness's order."""
     d, f = config.d_model, config.ffn_dim
     linear_shapes = {"attention.q_proj": (d, d), "attention.k_proj": (d, d), "attention.v_proj": (d, d),
                      "attention.out_proj": (d, d), "ffn_in": (f, d), "ffn_out": (d, f)}
@@ -68,7 +68,7 @@ def to_jax_array(value: Any) -> jax.Array:
     """Any array that speaks DLPack or numpy, as a jax array on jax's default device: zero-copy where the
     producer allows and already lives there. A host array (numpy, a CPU torch tensor) on a machine whose
     default backend is a GPU is copied to the GPU: imported as it is, it would be a CPU-committed array
-    that pulls every computation using it onto the CPU (bench/ablate.py ran on the CPU of the H200 so)."""
+    that pulls every computation using it onto the CPU."""
     if isinstance(value, jax.Array):
         return value
     if getattr(value, "requires_grad", False):   # a framework tensor that tracks gradients
@@ -87,7 +87,7 @@ def to_jax_array(value: Any) -> jax.Array:
 
 
 def params_from_state_dict(state_dict: Mapping[str, Any], config: Config | None = None) -> dict:
-    """Builds raw params from a mapping with the SPEC's names. With a config, every name and shape is
+    """Builds raw params from a mapping with docs/spec.md's names. With a config, every name and shape is
     checked against it; without one, the layer count and widths are read from the names."""
     names = list(state_dict)
     if config is None:
@@ -113,7 +113,7 @@ def params_from_state_dict(state_dict: Mapping[str, Any], config: Config | None 
 
 
 def params_to_state_dict(params: Mapping) -> dict[str, jax.Array]:
-    """The inverse of params_from_state_dict: SPEC names -> arrays, in the harness's order."""
+    """The inverse of params_from_state_dict: docs/spec.md's names -> arrays, in the harness's order."""
     flat = {}
     for i, layer in enumerate(params["layers"]):
         for module in ("norm1", *LINEARS[:4], "norm2", *LINEARS[4:]):

@@ -196,7 +196,7 @@ def plan(config: Config, inputs: InputFacts, device: DeviceFacts = CPU, *,
 
     if policy is None:
         policy = "mixed_fp16"
-        reasons.append("fp16 GEMMs with fp32 accumulation and fp32 residual meet the harness rule (SPEC 5)")
+        reasons.append("fp16 GEMMs with fp32 accumulation and fp32 residual meet the harness rule (docs/spec.md)")
     else:
         reasons.append(f"policy {policy} requested")
 

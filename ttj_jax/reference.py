@@ -1,4 +1,4 @@
-"""The plain-jnp reference forward: SPEC section 1 line by line, fp32, highest matmul precision,
+"""The plain-jnp reference forward: docs/spec.md's model line by line, fp32, highest matmul precision,
 explicit [B, H, S, S] scores. Tests compare the fast paths against this; it is not meant to be fast."""
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def _attention(p, x, mask, config: Config):
 
 @functools.partial(jax.jit, static_argnames=("config",))
 def reference_forward(params, x, valid_token_mask=None, *, config: Config):
-    """fp32 forward of SPEC section 1; returns fp32 whatever x's dtype."""
+    """fp32 forward of docs/spec.md's model; returns fp32 whatever x's dtype."""
     mask = valid_token_mask
     x = x.astype(jnp.float32)
     for layer in params["layers"]:

@@ -2,7 +2,7 @@
 (the design: docs/sequence-parallel.md).
 
 Everything in a layer but attention is token-local, so each device runs the usual layer code
-(`model._layer`) on its own tokens; only attention is replaced, by `ring_attention`: the devices pass
+(`layers.layer`) on its own tokens; only attention is replaced, by `ring_attention`: the devices pass
 their keys and values around a ring (`lax.ppermute`), N - 1 hops for N devices, and every device keeps
 an online softmax (running max, sum and unnormalised context, fp32) for its own queries, merged over the
 visiting blocks. The ppermute of the next block is issued before the current block's compute, so XLA may
@@ -19,7 +19,7 @@ skipped under causal attention (`lax.cond`), which halves the work over the ring
 
 Numerics are the plan's policy (numerics.py): the two dots with gemm_dtype operands and fp32
 accumulation, softmax statistics in fp32. Masks: the key mask (with row zeroing, done by the layer code)
-is the general semantics of SPEC section 1, so every mask mode runs as "keys" here: the "rows" and
+is the general semantics of docs/spec.md, so every mask mode runs as "keys" here: the "rows" and
 "device" shortcuts of the one-device program need whole sequences.
 
 The per-visit attention is one of two (`attention=`): "xla" as above, or "pallas": our generic flash
@@ -43,10 +43,13 @@ from jax.sharding import PartitionSpec as P
 
 from ttj_jax.compat import shard_map
 from ttj_jax.config import Config
+from ttj_jax.inputs import cached_mask_kind, validate_inputs
+from ttj_jax.layers import layer_stack
 from ttj_jax.masks import MaskKind
 from ttj_jax.numerics import get_policy
 from ttj_jax.parallel import device_mesh
 from ttj_jax.params import PreparedWeights, prepare_weights
+from ttj_jax.planner import Plan
 
 SEQ_AXIS = "seq"
 QUERY_CHUNK = 512
@@ -222,7 +225,6 @@ def sequence_parallel_forward(weights, x: jax.Array, mask: jax.Array | None = No
     as the one-device Pallas path; interpreted on the CPU)."""
     if attention not in ("xla", "pallas"):
         raise ValueError(f"attention={attention!r} must be 'xla' or 'pallas'")
-    from ttj_jax.model import _mask_kind, validate_inputs
     validate_inputs(x.shape, str(jnp.dtype(x.dtype)), None if mask is None else mask.shape,
                     None if mask is None else str(jnp.dtype(mask.dtype)), config)
     if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
@@ -230,7 +232,7 @@ def sequence_parallel_forward(weights, x: jax.Array, mask: jax.Array | None = No
     if not isinstance(weights, PreparedWeights):
         weights = prepare_weights(weights, get_policy(policy))
     check_ring_length(x.shape[1], devices)   # before anything compiles (the order itself is built at trace time)
-    if mask is not None and not isinstance(mask, jax.core.Tracer) and _mask_kind(mask) == MaskKind.ALL_TRUE:
+    if mask is not None and not isinstance(mask, jax.core.Tracer) and cached_mask_kind(mask) == MaskKind.ALL_TRUE:
         mask = None   # as the one-device forward's plan: no mask work (and the Hopper kernel stays eligible)
     return _compiled(config.with_input(1, 1), devices, policy, query_chunk, key_chunk, mask is not None,
                      jax.default_backend(), attention)(weights, x, mask)
@@ -239,8 +241,6 @@ def sequence_parallel_forward(weights, x: jax.Array, mask: jax.Array | None = No
 @functools.lru_cache(maxsize=None)
 def _compiled(config: Config, devices: int, policy_name: str, query_chunk: int, key_chunk: int,
               has_mask: bool, platform: str, attention: str = "xla"):
-    from ttj_jax.model import _stack   # the one-device layer stack, with its attention replaced
-    from ttj_jax.planner import Plan
     mesh = device_mesh(devices, platform, SEQ_AXIS)
     # "keys": the general masking (key mask and row zeroing), right on any slice of a sequence
     plan = Plan(policy=policy_name, attention="xla", mask_mode="keys" if has_mask else "none")
@@ -249,7 +249,7 @@ def _compiled(config: Config, devices: int, policy_name: str, query_chunk: int, 
     def body(weights, x, mask, positions):   # this device's tokens: x (B, L, d), mask (B, L), positions (L,)
         ring = functools.partial(ring_attention, positions=positions, devices=devices, query_chunk=query_chunk,
                                  key_chunk=key_chunk, attention=attention)
-        return _stack(weights, x, mask, config=config, plan=plan, attention=ring)
+        return layer_stack(weights, x, mask, config=config, plan=plan, attention=ring)   # attention replaced
 
     if has_mask:
         mapped = shard_map(body, mesh=mesh, in_specs=(P(), along_sequence, along_sequence, P(SEQ_AXIS)),

@@ -1,6 +1,6 @@
 """The one table of shapes, shared by tests, benchmarks and the CLI.
 
-`OFFICIAL` holds the fourteen official harness shapes (SPEC section 3, all causal).
+`OFFICIAL` holds the fourteen official harness shapes (docs/spec.md, all causal).
 `CPU_SMALL` holds CPU-sized versions of them: the same head_dim, d_model/ffn ratio and regime, with
 batch and sequence cut down so the whole suite runs in seconds without a GPU.
 """

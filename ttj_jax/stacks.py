@@ -37,14 +37,12 @@ def _run_fused(weights, x, mask, *, config: Config, plan: Plan):
     """The fused whole-stack kernel (plan.stack == "fused"); a mask, when the plan passes one, is applied
     inside the kernel in full (key masking and row zeroing, whatever the mask mode). weights: FusedWeights
     (the fast path, see `kernel_weights`), PreparedWeights or raw params (stacked inside this call)."""
-    from ttj_jax.kernels.fused_stack import FusedWeights, blocks_for, fused_stack_forward, stack_weights
+    from ttj_jax.kernels.fused_stack import FusedWeights, StackBlocks, fused_stack_forward, stack_weights
     if not isinstance(weights, FusedWeights):
         if not isinstance(weights, PreparedWeights):
             weights = prepare_weights(weights, get_policy(plan.policy))
         weights = stack_weights(weights, num_heads=config.num_heads)
-    blocks = blocks_for(x.shape[1], config.d_model)
-    if x.shape[0] % blocks.block_sequences:
-        blocks = dataclasses.replace(blocks, block_sequences=1)
+    blocks = StackBlocks()
     return fused_stack_forward(weights, x, mask, num_heads=config.num_heads, causal=config.causal,
                                block_sequences=blocks.block_sequences, ffn_block=blocks.ffn_block,
                                num_warps=blocks.num_warps, num_stages=blocks.num_stages, unroll=blocks.unroll,

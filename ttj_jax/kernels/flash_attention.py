@@ -8,7 +8,7 @@ projection.
 On a Hopper GPU (sm_90) `flash_attention` and `flash_attention_fused_qkv` hand mask-free fp16/bf16 calls
 with head_dim 64, 128 or 256 and S >= `flash_attention_mgpu.MIN_SEQ_LEN` (fused-layout calls from the
 shorter lengths of `FUSED_MIN_SEQ_LEN`; head_dim 32 from 8192, `UNFUSED_MIN_SEQ_LEN`; all in
-`flash_attention_mgpu.dispatch_min_seq_len`) to the Mosaic GPU kernel in
+`flash_attention_dispatch_min_seq_len`) to the Mosaic GPU kernel in
 `flash_attention_mgpu.py` (wgmma, TMA, warp specialization), measured faster there; `implementation=`
 forces one kernel ("generic" or "mosaic"). Everything below describes the generic kernel.
 
@@ -27,15 +27,20 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 import math
-import numbers
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
+
+from ttj_jax.kernels.attention_common import attention_reference, check_causal_and_scale, check_qkv_layout
+from ttj_jax.kernels.flash_attention_mgpu import (SUPPORTED_HEAD_DIMS as MOSAIC_HEAD_DIMS, dispatch_min_seq_len,
+                                                  flash_attention_mgpu, flash_attention_mgpu_fused_qkv)
+
+__all__ = ["BlockSizes", "attention_reference", "check_causal_and_scale", "check_qkv_layout", "flash_attention",
+           "flash_attention_fused_qkv", "use_mosaic_kernel"]
 
 # A finite stand-in for -inf: exp2(_MASK_VALUE - m) is exactly 0 for any real score m, and unlike -inf
 # it never makes `m_prev - m_next` a NaN (-inf - -inf) while a row has seen no allowed key yet.
@@ -71,11 +76,9 @@ class BlockSizes:
 # Start points from Triton's Hopper flash-attention tutorial, checked on the H200 where measured
 # (an earlier quick run of bench/bench_attention.py, fp16, causal): the short entries for head_dim
 # 16 (8 padded), 32 and 256 and the long entry for 32 won against the variant tried; the long entry
-# for 64 is the variant that won (346 against 325 TFLOP/s at S=16384). The short entry for 128 is the
-# variant that won in both of session 10's runs (B=64, H=4, S=128: 74.3 and 68.2 TFLOP/s against 56.1 and
-# 48.9 for the earlier 64x64 w4 s2; attention-2026-11-30-nvidia-h200{,-session10b}.json); no official
-# shape runs it (head_dim 128 at S=128 is shape 9, planned as the whole-stack kernel on Hopper). Entries
-# not named are unmeasured. bench/bench_attention.py times variants per case; update this table from its JSON.
+# for 64 is the variant that won (346 against 325 TFLOP/s at S=16384). The short entry for 128 won in two
+# runs (B=64, H=4, S=128: 74.3 and 68.2 TFLOP/s against 56.1 and 48.9 for 64x64 w4 s2). Entries not named
+# are unmeasured. bench/bench_attention.py times variants per case; update this table from its JSON.
 _SHORT_SEQ_LEN = 256
 _DEFAULT_BLOCK_SIZES: dict[tuple[int, str], BlockSizes] = {
     (16, "short"): BlockSizes(block_q=64, block_k=64, num_warps=4, num_stages=2),
@@ -230,18 +233,6 @@ def _check_dtype_and_head_dim(name: str, x: jax.Array):
         raise ValueError(f"{name}.shape={x.shape} must have no empty dimension")
 
 
-def check_qkv_layout(q, k, v):
-    """q, k, v are [batch, seq_len, num_heads, head_dim] arrays of one shape and one dtype (shared with
-    the Hopper kernel, flash_attention_mgpu.py)."""
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.ndim != 4:
-            raise ValueError(f"{name}.shape={x.shape} must be [batch, seq_len, num_heads, head_dim] (rank 4)")
-    if not q.shape == k.shape == v.shape:
-        raise ValueError(f"q.shape={q.shape}, k.shape={k.shape} and v.shape={v.shape} must match")
-    if not q.dtype == k.dtype == v.dtype:
-        raise ValueError(f"q.dtype={q.dtype}, k.dtype={k.dtype} and v.dtype={v.dtype} must match")
-
-
 def _check_qkv(q, k, v):
     check_qkv_layout(q, k, v)
     _check_dtype_and_head_dim("q", q)
@@ -256,14 +247,6 @@ def _check_masks(kv_lengths, key_mask, batch: int, seq_len: int):
         if key_mask.shape != (batch, seq_len) or key_mask.dtype != jnp.bool_:
             raise ValueError(f"key_mask.shape={key_mask.shape}, key_mask.dtype={key_mask.dtype}: "
                              f"must be bool [batch, seq_len]=({batch}, {seq_len})")
-
-
-def check_causal_and_scale(causal, sm_scale):
-    """The static arguments both attention kernels share (also used by flash_attention_mgpu.py)."""
-    if not isinstance(causal, bool):
-        raise ValueError(f"causal={causal!r} must be a bool")
-    if sm_scale is not None and (isinstance(sm_scale, bool) or not isinstance(sm_scale, numbers.Real)):
-        raise ValueError(f"sm_scale={sm_scale!r} must be a Python float or None")
 
 
 def _check_statics(causal, sm_scale, block_sizes):
@@ -287,28 +270,21 @@ def use_mosaic_kernel(dtype, seq_len: int, head_dim: int, *, masked: bool, block
                       implementation: str = "auto", fused: bool = False) -> bool:
     """The dispatch rule between the two kernels (module docstring); raises when `implementation`
     forces the Mosaic kernel onto a call it cannot take."""
-    # deferred (that module imports this one); by module path: the package exports a function of its name
-    mgpu = importlib.import_module("ttj_jax.kernels.flash_attention_mgpu")
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation={implementation!r} must be one of {IMPLEMENTATIONS}")
     if implementation == "generic":
         return False
     applicable = (not masked and block_sizes is None and not interpret
                   and jnp.dtype(dtype) in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
-                  and head_dim in mgpu.SUPPORTED_HEAD_DIMS)
+                  and head_dim in MOSAIC_HEAD_DIMS)
     if implementation == "mosaic":
         if not applicable:
             raise ValueError("implementation='mosaic' needs float16/bfloat16 q, k, v, head_dim in "
-                             f"{mgpu.SUPPORTED_HEAD_DIMS}, no kv_lengths or key_mask, no BlockSizes and no "
+                             f"{MOSAIC_HEAD_DIMS}, no kv_lengths or key_mask, no BlockSizes and no "
                              f"interpret mode; got dtype={jnp.dtype(dtype)}, head_dim={head_dim}, "
                              f"masked={masked}, block_sizes={block_sizes}, interpret={interpret}")
         return True
-    return applicable and seq_len >= mgpu.dispatch_min_seq_len(head_dim, fused) and on_hopper()
-
-
-def _mosaic_attention(q, k, v, *, causal, sm_scale, return_lse=False):
-    from ttj_jax.kernels.flash_attention_mgpu import flash_attention_mgpu
-    return flash_attention_mgpu(q, k, v, causal=causal, sm_scale=sm_scale, return_lse=return_lse)
+    return applicable and seq_len >= dispatch_min_seq_len(head_dim, fused) and on_hopper()
 
 
 def _pad_seq_and_head_dim(x: jax.Array, seq_pad: int, head_dim_pad: int) -> jax.Array:
@@ -442,7 +418,7 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool,
     if use_mosaic_kernel(
             q.dtype, q.shape[1], q.shape[-1], masked=kv_lengths is not None or key_mask is not None,
             block_sizes=block_sizes, interpret=interpret, implementation=implementation):
-        return _mosaic_attention(q, k, v, causal=causal, sm_scale=sm_scale, return_lse=return_lse)
+        return flash_attention_mgpu(q, k, v, causal=causal, sm_scale=sm_scale, return_lse=return_lse)
     return _attention_pallas_call(q, k, v, kv_lengths, key_mask, fused=False, causal=causal,
                                   sm_scale=sm_scale, block_sizes=block_sizes, interpret=interpret,
                                   return_lse=return_lse)
@@ -462,8 +438,7 @@ def flash_attention_fused_qkv(qkv: jax.Array, *, causal: bool, kv_lengths: jax.A
         made once for the whole qkv array). A `[3, B, S, H, hd]` or `[B, S, H, 3, hd]` layout would need
         a transpose first; give those to `flash_attention` as three arrays instead. The Hopper kernel
         (where the dispatch rule picks it: from the lengths of flash_attention_mgpu.FUSED_MIN_SEQ_LEN,
-        shorter than `flash_attention`'s) reads this layout in place too
-        (`flash_attention_mgpu_fused_qkv`; until session 11 q, k and v were sliced out first).
+        shorter than `flash_attention`'s) reads this layout in place too (`flash_attention_mgpu_fused_qkv`).
       Other arguments: as in `flash_attention`.
 
     Returns:
@@ -476,36 +451,6 @@ def flash_attention_fused_qkv(qkv: jax.Array, *, causal: bool, kv_lengths: jax.A
     _check_masks(kv_lengths, key_mask, qkv.shape[0], qkv.shape[1])
     if use_mosaic_kernel(qkv.dtype, qkv.shape[1], qkv.shape[-1], masked=kv_lengths is not None or key_mask is not None,
                          block_sizes=block_sizes, interpret=interpret, implementation=implementation, fused=True):
-        from ttj_jax.kernels.flash_attention_mgpu import flash_attention_mgpu_fused_qkv
         return flash_attention_mgpu_fused_qkv(qkv, causal=causal, sm_scale=sm_scale)
     return _attention_pallas_call(qkv, qkv, qkv, kv_lengths, key_mask, fused=True, causal=causal,
                                   sm_scale=sm_scale, block_sizes=block_sizes, interpret=interpret)
-
-
-def attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool,
-                        kv_lengths: jax.Array | None = None, key_mask: jax.Array | None = None,
-                        sm_scale: float | None = None, precision=lax.Precision.HIGHEST) -> jax.Array:
-    """Plain-jnp attention with `flash_attention`'s semantics, computed in fp32 (materialises [B,H,S,S]).
-
-    Returns q's dtype. A query with no allowed key gets zeros.
-    """
-    batch, seq_len, _, head_dim = q.shape
-    sm_scale = head_dim ** -0.5 if sm_scale is None else sm_scale
-    q32, k32, v32 = (x.astype(jnp.float32) for x in (q, k, v))
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q32, k32, precision=precision) * sm_scale  # (B, H, S, S)
-    positions = jnp.arange(seq_len)
-    allowed = jnp.ones((batch, 1, seq_len, seq_len), bool)
-    if causal:
-        allowed &= positions[:, None] >= positions[None, :]
-    if kv_lengths is not None:
-        allowed &= (positions[None, :] < kv_lengths[:, None])[:, None, None, :]
-    if key_mask is not None:
-        allowed &= key_mask[:, None, None, :]
-    scores = jnp.where(allowed, scores, -jnp.inf)
-    row_max = jnp.max(scores, axis=-1, keepdims=True)
-    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)  # rows with no allowed key
-    weights = jnp.where(allowed, jnp.exp(scores - row_max), 0.0)
-    row_sum = jnp.sum(weights, axis=-1, keepdims=True)
-    probs = weights / jnp.where(row_sum > 0, row_sum, 1.0)
-    out = jnp.einsum("bhqk,bkhd->bqhd", probs, v32, precision=precision)  # (B, S, H, hd)
-    return out.astype(q.dtype)

@@ -1,4 +1,4 @@
-"""The whole pre-LN layer stack (SPEC section 1) as one generic (Triton-style) Pallas kernel.
+"""The whole pre-LN layer stack (docs/spec.md) as one generic (Triton-style) Pallas kernel.
 
 On launch-bound shapes (S <= 128, d <= 128) the XLA program is ~50 kernels; this is one launch. The grid
 runs over the batch: each program takes `block_sequences` whole sequences, packed one after another into
@@ -11,7 +11,7 @@ Numerics (the project's mixed policy, numerics.MIXED_FP16):
 - LayerNorm (eps 1e-5, biased variance) and the softmax are computed in fp32; the probabilities are
   normalised in fp32 and then rounded to fp16 for the `p @ v` dot, as in the XLA path.
 - Scores are `q k^T` in fp32, then scaled by head_dim**-0.5. GELU is the erf GELU, with erf evaluated by
-  XLA's own fp32 rational approximation (`_erf`, within 4e-7 of the exact erf), because Triton's lowering
+  XLA's own fp32 rational approximation (`pallas_common.erf`, within 4e-7 of the exact erf), because Triton's lowering
   has no erf primitive.
 
 Layout (`FusedWeights`, built once by `stack_weights`): weights are stacked over layers and split per
@@ -39,8 +39,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from ttj_jax.numerics import LAYER_NORM_EPS, MIXED_FP16, layer_norm
-from ttj_jax.params import PreparedWeights, prepare_weights
+from ttj_jax.kernels.pallas_common import GEMM_DTYPE, checked_prepared, dot, gelu, layer_norm_rows, loop
+from ttj_jax.numerics import layer_norm
+from ttj_jax.params import PreparedWeights
 
 # Limits of one program holding a whole sequence (and its [S, S] scores) on chip.
 MAX_SEQ_LEN = 256
@@ -50,7 +51,6 @@ MIN_HEAD_DIM, MAX_HEAD_DIM = 8, 128
 MAX_ROWS = 256   # block_sequences * padded seq_len: rows of the tile one program carries
 
 _SUPPORTED_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
-_GEMM_DTYPE = jnp.dtype(MIXED_FP16.gemm_dtype)   # fp16: numerics.py owns the choice
 # Triton's tensor-core dot needs every dimension >= 16, and every Triton tensor has power-of-two sizes.
 _MIN_BLOCK = 16
 # A finite stand-in for -inf (see flash_attention.py): every row here keeps at least one allowed key.
@@ -83,16 +83,6 @@ class StackBlocks:
             raise ValueError(f"StackBlocks.num_stages={self.num_stages!r} must be an int >= 1")
         if not isinstance(self.unroll, bool):
             raise ValueError(f"StackBlocks.unroll={self.unroll!r} must be a bool")
-
-
-# Tilings by (padded seq_len, padded d_model), from `python -m bench.direct_check` on the H200 (see the
-# result file named there); anything not listed runs the defaults.
-MEASURED_BLOCKS: dict[tuple[int, int], StackBlocks] = {}
-
-
-def blocks_for(seq_len: int, d_model: int) -> StackBlocks:
-    """The tiling to run for this sequence length and model width (MEASURED_BLOCKS, else the defaults)."""
-    return MEASURED_BLOCKS.get((_padded(seq_len), _padded(d_model)), StackBlocks())
 
 
 def model_limits_error(d_model: int, num_heads: int, ffn_dim: int) -> str | None:
@@ -159,26 +149,6 @@ class FusedWeights:
         return self.d_model // self.num_heads
 
 
-def checked_prepared(prepared: PreparedWeights | dict, num_heads, limits_error):
-    """(PreparedWeights, d_model, ffn_dim) for a whole-stack kernel's weight builder (this one and
-    fused_stack_mgpu's): raw params prepared with the mixed fp16 policy, the policy, num_heads and the
-    kernel's width limits (`limits_error(d_model, num_heads, ffn_dim) -> str | None`) checked."""
-    if not isinstance(prepared, PreparedWeights):
-        prepared = prepare_weights(prepared, MIXED_FP16)
-    if prepared.policy_name != MIXED_FP16.name:
-        raise ValueError(f"prepared.policy_name={prepared.policy_name!r} must be {MIXED_FP16.name!r}: "
-                         "the fused kernels run the mixed fp16 policy only")
-    if isinstance(num_heads, bool) or not isinstance(num_heads, int):
-        raise ValueError(f"num_heads={num_heads!r} must be an int")
-    if prepared.num_layers < 1:
-        raise ValueError("prepared has no layers")
-    d_model, ffn_dim = prepared.layers[0]["ffn_in_weight"].shape
-    error = limits_error(d_model, num_heads, ffn_dim)
-    if error:
-        raise ValueError(error)
-    return prepared, d_model, ffn_dim
-
-
 def stack_weights(prepared: PreparedWeights | dict, *, num_heads: int) -> FusedWeights:
     """FusedWeights from PreparedWeights (mixed_fp16 policy) or raw params; run once, outside the hot path.
 
@@ -198,20 +168,20 @@ def stack_weights(prepared: PreparedWeights | dict, *, num_heads: int) -> FusedW
     stacked: dict[str, list] = {name: [] for name in FusedWeights.FIELDS[:-2]}
     for layer in prepared.layers:
         qkv_weight = jnp.moveaxis(per_head_columns(layer["qkv_weight"]), 0, 2)            # (3, H, d, hd)
-        qkv_weight = pad(qkv_weight, ((0, 0), (0, 0), (0, d_pad), (0, hd_pad)), _GEMM_DTYPE)
+        qkv_weight = pad(qkv_weight, ((0, 0), (0, 0), (0, d_pad), (0, hd_pad)), GEMM_DTYPE)
         out_weight = layer["out_weight"].reshape(num_heads, head_dim, d_model)            # (H, hd, d)
         entries = {
             "norm1_weight": pad(layer["norm1_weight"], ((0, d_pad),), f32),
             "norm1_bias": pad(layer["norm1_bias"], ((0, d_pad),), f32),
             "qkv_weight": qkv_weight,
             "qkv_bias": pad(per_head_columns(layer["qkv_bias"]), ((0, 0), (0, 0), (0, hd_pad)), f32),
-            "out_weight": pad(out_weight, ((0, 0), (0, hd_pad), (0, d_pad)), _GEMM_DTYPE),
+            "out_weight": pad(out_weight, ((0, 0), (0, hd_pad), (0, d_pad)), GEMM_DTYPE),
             "out_bias": pad(layer["out_bias"], ((0, d_pad),), f32),
             "norm2_weight": pad(layer["norm2_weight"], ((0, d_pad),), f32),
             "norm2_bias": pad(layer["norm2_bias"], ((0, d_pad),), f32),
-            "ffn_in_weight": pad(layer["ffn_in_weight"], ((0, d_pad), (0, ffn_pad)), _GEMM_DTYPE),
+            "ffn_in_weight": pad(layer["ffn_in_weight"], ((0, d_pad), (0, ffn_pad)), GEMM_DTYPE),
             "ffn_in_bias": pad(layer["ffn_in_bias"], ((0, ffn_pad),), f32),
-            "ffn_out_weight": pad(layer["ffn_out_weight"], ((0, ffn_pad), (0, d_pad)), _GEMM_DTYPE),
+            "ffn_out_weight": pad(layer["ffn_out_weight"], ((0, ffn_pad), (0, d_pad)), GEMM_DTYPE),
             "ffn_out_bias": pad(layer["ffn_out_bias"], ((0, d_pad),), f32),
         }
         for name, value in entries.items():
@@ -220,58 +190,6 @@ def stack_weights(prepared: PreparedWeights | dict, *, num_heads: int) -> FusedW
     arrays["final_norm_weight"] = pad(prepared.final_norm["weight"], ((0, d_pad),), f32)
     arrays["final_norm_bias"] = pad(prepared.final_norm["bias"], ((0, d_pad),), f32)
     return FusedWeights(arrays, d_model=d_model, num_heads=num_heads, ffn_dim=ffn_dim)
-
-
-def _erf(x):
-    """erf in fp32 by XLA's rational approximation (Eigen's generic_fast_erf_float): x * P(x^2) / Q(x^2)
-    on x clamped to [-4, 4], within 4e-7 of the exact erf. Only multiplies, adds and one divide, all of
-    which Triton lowers."""
-    x = jnp.clip(x, -4.0, 4.0)
-    x2 = x * x
-    numerator = jnp.float32(-2.72614225801306e-10)
-    for c in (2.77068142495902e-08, -2.10102402082508e-06, -5.69250639462346e-05, -7.34990630326855e-04,
-              -2.95459980854025e-03, -1.60960333262415e-02):
-        numerator = numerator * x2 + c
-    denominator = jnp.float32(-1.45660718464996e-05)
-    for c in (-2.13374055278905e-04, -1.68282697438203e-03, -7.37332916720468e-03, -1.42647390514189e-02):
-        denominator = denominator * x2 + c
-    return x * numerator / denominator
-
-
-def _gelu(x):
-    return 0.5 * x * (1.0 + _erf(x * 0.7071067811865476))
-
-
-def _dot(a, b, *, transpose_b=False):
-    """a @ b (or a @ b.T) with fp16 operands, accumulated and returned in fp32."""
-    contract = (((1,), (1,)) if transpose_b else ((1,), (0,)), ((), ()))
-    return lax.dot_general(a.astype(_GEMM_DTYPE), b.astype(_GEMM_DTYPE), contract,
-                           preferred_element_type=jnp.float32)
-
-
-def _layer_norm_rows(x, weight, bias, *, d_model: int):
-    """LayerNorm of each row of x (rows, Dp) over its first d_model columns; columns past d_model are
-    zero in x, weight and bias, so they come out zero."""
-    inv_d = 1.0 / d_model
-    mean = jnp.sum(x, axis=1) * inv_d
-    centered = x - mean[:, None]
-    if x.shape[1] != d_model:   # padded columns would add mean**2 each to the variance
-        columns = lax.broadcasted_iota(jnp.int32, x.shape, 1)
-        centered = jnp.where(columns < d_model, centered, 0.0)
-    variance = jnp.sum(centered * centered, axis=1) * inv_d
-    return centered * lax.rsqrt(variance + LAYER_NORM_EPS)[:, None] * weight[None, :] + bias[None, :]
-
-
-def _loop(count: int, body, carry, unroll: bool = False):
-    # A one-step loop is just its body (no scf.for around it in the Triton program); unrolled, every
-    # step is (with plain int indices).
-    if count == 1:
-        return body(0, carry)
-    if unroll:
-        for step in range(count):
-            carry = body(step, carry)
-        return carry
-    return lax.fori_loop(0, count, body, carry)
 
 
 def _fused_stack_kernel(*refs, num_layers: int, num_heads: int, d_model: int, head_dim: int, seq_len: int,
@@ -301,7 +219,7 @@ def _fused_stack_kernel(*refs, num_layers: int, num_heads: int, d_model: int, he
         real_key = lax.rem(key, padded_seq_len) < seq_len
         allowed = real_key if allowed is None else allowed & real_key
     row_valid = None
-    if masked:   # SPEC 1: invalid keys excluded; invalid rows' attention output, residual and output zeroed
+    if masked:   # docs/spec.md: invalid keys excluded; invalid rows' attention output, residual and output zeroed
         valid = mask_ref[...] != 0                                                       # (rows,)
         key_valid = jnp.broadcast_to(valid[None, :], (rows, rows))
         allowed = key_valid if allowed is None else allowed & key_valid
@@ -309,42 +227,42 @@ def _fused_stack_kernel(*refs, num_layers: int, num_heads: int, d_model: int, he
 
     x = x_ref[...].astype(jnp.float32)                                                   # (rows, Dp)
     for layer in range(num_layers):
-        h = _layer_norm_rows(x, norm1_w_ref[layer], norm1_b_ref[layer], d_model=d_model).astype(_GEMM_DTYPE)
+        h = layer_norm_rows(x, norm1_w_ref[layer], norm1_b_ref[layer], d_model=d_model).astype(GEMM_DTYPE)
 
         def attention_head(head, residual, layer=layer, h=h):
             def project(slot):   # q, k or v of this head, (rows, HDp), rounded to fp16 at once
                 weight, bias = qkv_w_ref[layer, slot, head], qkv_b_ref[layer, slot, head]
-                return (_dot(h, weight) + bias[None, :]).astype(_GEMM_DTYPE)
+                return (dot(h, weight) + bias[None, :]).astype(GEMM_DTYPE)
 
             # v is projected only after the softmax, so it is not live next to the scores.
-            scores = _dot(project(0), project(1), transpose_b=True) * sm_scale           # (rows, rows)
+            scores = dot(project(0), project(1), transpose_b=True) * sm_scale           # (rows, rows)
             if allowed is not None:
                 scores = jnp.where(allowed, scores, _MASK_VALUE)
             probs = jnp.exp(scores - jnp.max(scores, axis=1)[:, None])
             probs = probs * (1.0 / jnp.sum(probs, axis=1))[:, None]
-            context = _dot(probs, project(2))                                            # (rows, HDp)
-            return residual + _dot(context, out_w_ref[layer, head])                      # (rows, Dp)
+            context = dot(probs, project(2))                                            # (rows, HDp)
+            return residual + dot(context, out_w_ref[layer, head])                      # (rows, Dp)
 
         # x + out_bias + sum over heads of context_h @ W_out[h]: the out-projection accumulates into
         # the residual itself, so no second (rows, Dp) accumulator is live during the head loop.
-        attended = _loop(num_heads, attention_head, x + out_b_ref[layer][None, :], unroll)
+        attended = loop(num_heads, attention_head, x + out_b_ref[layer][None, :], unroll)
         x = attended if row_valid is None else jnp.where(row_valid, attended, x)
 
-        h = _layer_norm_rows(x, norm2_w_ref[layer], norm2_b_ref[layer], d_model=d_model).astype(_GEMM_DTYPE)
+        h = layer_norm_rows(x, norm2_w_ref[layer], norm2_b_ref[layer], d_model=d_model).astype(GEMM_DTYPE)
 
         def mlp_slice(block, residual, layer=layer, h=h):
             start = block * ffn_block
             if not isinstance(start, int):   # a traced loop index (a one-step loop passes a plain 0)
                 start = pl.multiple_of(start, ffn_block)
             columns = pl.ds(start, ffn_block)
-            hidden = _gelu(_dot(h, ffn_in_w_ref[layer, :, columns]) + ffn_in_b_ref[layer, columns][None, :])
-            return residual + _dot(hidden, ffn_out_w_ref[layer, columns, :])             # (rows, Dp)
+            hidden = gelu(dot(h, ffn_in_w_ref[layer, :, columns]) + ffn_in_b_ref[layer, columns][None, :])
+            return residual + dot(hidden, ffn_out_w_ref[layer, columns, :])             # (rows, Dp)
 
-        x = _loop(num_ffn_blocks, mlp_slice, x + ffn_out_b_ref[layer][None, :], unroll)
+        x = loop(num_ffn_blocks, mlp_slice, x + ffn_out_b_ref[layer][None, :], unroll)
         if row_valid is not None:
             x = jnp.where(row_valid, x, 0.0)
 
-    y = _layer_norm_rows(x, final_w_ref[...], final_b_ref[...], d_model=d_model)
+    y = layer_norm_rows(x, final_w_ref[...], final_b_ref[...], d_model=d_model)
     if row_valid is not None:
         y = jnp.where(row_valid, y, 0.0)
     y_ref[...] = y.astype(y_ref.dtype)
@@ -380,7 +298,7 @@ def fused_stack_forward(weights: FusedWeights, x: jax.Array, valid_token_mask: j
                         num_heads: int, causal: bool, block_sequences: int = 1, ffn_block: int | None = None,
                         num_warps: int | None = None, num_stages: int | None = None, unroll: bool = False,
                         interpret: bool = False) -> jax.Array:
-    """y = LN_final(layers(x)) per SPEC section 1, in one kernel launch.
+    """y = LN_final(layers(x)) per docs/spec.md, in one kernel launch.
 
     Args:
       weights: from `stack_weights` (its num_heads must equal num_heads).
@@ -388,7 +306,7 @@ def fused_stack_forward(weights: FusedWeights, x: jax.Array, valid_token_mask: j
         multiple of block_sequences), any S (padded to a power of two >= 16) and any d_model <= 256.
       valid_token_mask: None, or [B, S] bool or int8 (nonzero = valid): invalid keys are excluded from
         attention and invalid rows are zeroed (attention output, residual after each layer, output), as
-        SPEC section 1 says; any mask, prefix or not. int8 is read as is, bool is converted first.
+        docs/spec.md says; any mask, prefix or not. int8 is read as is, bool is converted first.
       num_heads, causal: the model's (config.num_heads, config.causal).
       block_sequences: sequences per program, a power of two; block_sequences * padded S <= 256. Packing
         sequences makes every dot taller but the score tile grows as its square, so it pays only for
@@ -460,74 +378,13 @@ def fused_stack_forward(weights: FusedWeights, x: jax.Array, valid_token_mask: j
     return y
 
 
-def copy_free(x_shape: tuple[int, ...], d_model: int, block_sequences: int = 1) -> bool:
-    """Whether fused_stack_forward runs x of this shape with no padded copy in or slice out: B a multiple
-    of block_sequences, S and d_model powers of two >= 16. Then the kernel reads x and writes y in
-    place, and its launch is just the Triton kernel (what `direct_launch` needs)."""
-    batch, seq_len, d = x_shape
-    return (d == d_model and batch % block_sequences == 0 and seq_len == _padded(seq_len)
-            and d_model == _padded(d_model))
-
-
-@dataclasses.dataclass(frozen=True)
-class DirectLaunch:
-    """The fused kernel for one input shape, for a caller that launches it itself (bridge/direct.py does,
-    on torch tensors, with no JAX dispatch): its name, grid and tiling, the Triton IR Pallas lowered it
-    to, and the jax function (with argument structs) whose compiled executable holds XLA's build of it.
-
-    Kernel arguments, all pointers to contiguous row-major memory: x viewed as [B*S, d], then (when
-    `masked`) the valid_token_mask as [B*S] bytes (int8; a torch bool tensor has the same bytes), then the
-    14 FusedWeights arrays in FusedWeights.FIELDS order, then y (x's shape and dtype), written whole."""
-    name: str
-    ttir: str
-    grid: tuple[int, int, int]
-    num_warps: int
-    num_stages: int
-    blocks: StackBlocks
-    function: Any = None        # the jax function whose only kernel this is, and its argument structs
-    arg_structs: Any = None     # (for compat.xla_gpu_images)
-    masked: bool = False
-
-    @property
-    def argument_count(self) -> int:
-        return 1 + int(self.masked) + len(FusedWeights.FIELDS) + 1
-
-
-def direct_launch(weights: FusedWeights, x_shape: tuple[int, int, int], x_dtype, *, causal: bool,
-                  blocks: StackBlocks = StackBlocks(), masked: bool = False) -> DirectLaunch:
-    """The DirectLaunch of `fused_stack_forward` for x of this shape and dtype (weights may be arrays or
-    ShapeDtypeStructs). Only for copy-free shapes (`copy_free`), where the whole jitted function is
-    this one kernel; raises ValueError otherwise."""
-    from ttj_jax.compat import pallas_triton_kernels
-    if not copy_free(tuple(x_shape), weights.d_model, blocks.block_sequences):
-        raise ValueError(f"x.shape={tuple(x_shape)} needs padding for the fused kernel (d_model="
-                         f"{weights.d_model}, block_sequences={blocks.block_sequences}): no direct launch")
-    structs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), weights)
-    x = jax.ShapeDtypeStruct(tuple(x_shape), jnp.dtype(x_dtype))
-    mask = jax.ShapeDtypeStruct(tuple(x_shape[:2]), jnp.int8) if masked else None
-    forward = functools.partial(fused_stack_forward, num_heads=weights.num_heads, causal=causal,
-                                block_sequences=blocks.block_sequences, ffn_block=blocks.ffn_block,
-                                num_warps=blocks.num_warps, num_stages=blocks.num_stages, unroll=blocks.unroll)
-
-    def function(w, x, *mask):
-        return forward(w, x, *mask)
-
-    arg_structs = (structs, x) + ((mask,) if masked else ())
-    kernels = pallas_triton_kernels(function, *arg_structs)
-    if len(kernels) != 1:
-        raise RuntimeError(f"expected one Triton kernel in the fused stack, Pallas lowered {len(kernels)}")
-    [kernel] = kernels
-    return DirectLaunch(kernel.name, kernel.ttir, kernel.grid, blocks.num_warps, blocks.num_stages, blocks,
-                        function, arg_structs, masked)
-
-
 def fused_stack_reference(weights: FusedWeights, x: jax.Array, valid_token_mask: jax.Array | None = None, *,
                           num_heads: int, causal: bool) -> jax.Array:
     """Plain-jnp forward with the kernel's numerics, on the unpadded weights; materialises [B, H, S, S].
 
     Same operations in the same order as the kernel (fp16 dot operands with fp32 accumulation, the fp32
     residual taking the out-projection bias first and then one head at a time, softmax normalised by a
-    reciprocal, `_erf`'s GELU), so the two differ only by the fp32 summation order inside the dots.
+    reciprocal, `pallas_common.gelu`), so the two differ only by the fp32 summation order inside the dots.
     Returns x's dtype."""
     if num_heads != weights.num_heads:
         raise ValueError(f"num_heads={num_heads!r} must match the weights' num_heads={weights.num_heads}")
@@ -535,7 +392,7 @@ def fused_stack_reference(weights: FusedWeights, x: jax.Array, valid_token_mask:
     seq_len = x.shape[1]
 
     def einsum(spec, a, b):
-        return jnp.einsum(spec, a.astype(_GEMM_DTYPE), b.astype(_GEMM_DTYPE), preferred_element_type=jnp.float32)
+        return jnp.einsum(spec, a.astype(GEMM_DTYPE), b.astype(GEMM_DTYPE), preferred_element_type=jnp.float32)
 
     residual = x.astype(jnp.float32)                                                      # (B, S, d)
     valid = None if valid_token_mask is None else valid_token_mask.astype(bool)           # (B, S)
@@ -558,7 +415,7 @@ def fused_stack_reference(weights: FusedWeights, x: jax.Array, valid_token_mask:
             attended = attended + einsum("bse,ed->bsd", context[:, head], weights.out_weight[i, head, :hd, :d])
         residual = attended if valid is None else jnp.where(valid[..., None], attended, residual)
         h = layer_norm(residual, weights.norm2_weight[i, :d], weights.norm2_bias[i, :d])
-        hidden = _gelu(einsum("bsd,df->bsf", h, weights.ffn_in_weight[i, :d, :ffn]) + weights.ffn_in_bias[i, :ffn])
+        hidden = gelu(einsum("bsd,df->bsf", h, weights.ffn_in_weight[i, :d, :ffn]) + weights.ffn_in_bias[i, :ffn])
         residual = residual + weights.ffn_out_bias[i, :d] \
             + einsum("bsf,fd->bsd", hidden, weights.ffn_out_weight[i, :ffn, :d])
         if valid is not None:

@@ -5,7 +5,13 @@ has an interpret-mode twin (plain jnp) so the kernels also run on a CPU."""
 from __future__ import annotations
 
 import jax
-import numpy as np
+
+
+def plgpu_module():
+    """`jax.experimental.pallas.mosaic_gpu`, imported on first use: it imports absl (layout inference logs
+    through it), which a CPU environment may lack."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu  # noqa: PLC0415 - see the docstring
+    return plgpu
 
 
 # PTX's packed 16-bit exponentials (two elements per special-function-unit instruction, sm_75+ for f16,
@@ -38,52 +44,6 @@ def mosaic_half_exp2(x, *, interpret: bool = False):
         return array._pointwise(lift(*instructions))
 
     return exp2(x)
-
-
-def mosaic_rescale_where_needed(acc, alpha, *, interpret: bool = False):
-    """acc * alpha[:, None] inside a Mosaic GPU kernel, for a [64, n] fp32 accumulator in the WGMMA
-    register layout and its rows' [64] fp32 factors in that layout's row layout, where each thread skips
-    its multiplies (one branch, `scf.if`) when every factor it holds is exactly 1.0: FA4's conditional
-    rescaling of the online softmax, whose running max mostly stays put. Through `plgpu.inline_mgpu` and
-    FragmentedArray's registers (jax 0.10-0.11); raises RuntimeError when this jax has neither.
-    interpret: the kernel body runs in GPU interpret mode (XLA on a CPU): the plain product, the same
-    values (a factor of exactly 1.0 changes nothing)."""
-    if interpret:
-        return acc * jax.lax.broadcast_in_dim(alpha, acc.shape, [0])
-    import jax.experimental.pallas.mosaic_gpu as plgpu  # noqa: PLC0415 - imports absl; lazily
-    if not hasattr(plgpu, "inline_mgpu") or not hasattr(plgpu, "ShapeDtypeStruct"):
-        raise RuntimeError(f"this jax ({jax.__version__}) has no plgpu.inline_mgpu")
-    from jax._src.lib.mlir import ir  # noqa: PLC0415
-    from jax._src.lib.mlir.dialects import arith, scf, vector  # noqa: PLC0415
-    from jax.experimental.mosaic.gpu import fragmented_array as fa  # noqa: PLC0415
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(1)),
-                       return_type=plgpu.ShapeDtypeStruct(acc.shape, acc.dtype, layout=plgpu.Layout.WGMMA))
-    def rescale(_, acc_fa, alpha_fa):
-        one = arith.constant(ir.F32Type.get(), 1.0)
-        needed = None   # this thread holds a factor other than 1.0
-        for reg in alpha_fa.registers.flat:
-            if isinstance(reg.type, ir.VectorType) or (hasattr(ir.VectorType, "isinstance")
-                                                         and ir.VectorType.isinstance(reg.type)):
-                values = [vector.extract(reg, [], [i]) for i in range(ir.VectorType(reg.type).shape[0])]
-            else:
-                values = [reg]
-            for value in values:
-                differs = arith.cmpf(arith.CmpFPredicate.UNE, value, one)
-                needed = differs if needed is None else arith.ori(needed, differs)
-        kept = list(acc_fa.registers.flat)
-        branch = scf.IfOp(needed, [reg.type for reg in kept], has_else=True)
-        with ir.InsertionPoint(branch.then_block):
-            scaled = acc_fa * alpha_fa.broadcast_in_dim(acc_fa.shape, (0,), acc_fa.layout)
-            scf.yield_(list(scaled.registers.flat))
-        with ir.InsertionPoint(branch.else_block):
-            scf.yield_(kept)
-        registers = np.empty(acc_fa.registers.shape, dtype=object)
-        for index, value in zip(np.ndindex(registers.shape), branch.results):
-            registers[index] = value
-        return fa.FragmentedArray(_registers=registers, _layout=acc_fa.layout, _is_signed=acc_fa.is_signed)
-
-    return rescale(acc, alpha)
 
 
 _CLUSTER_ARRIVE_FROM_WARP = None   # the primitive, built on first use (mosaic_cluster_arrive_from_warp)

@@ -24,7 +24,7 @@ kernel's own padding would make them; the softmax scale stays head_dim ** -0.5.
 
 Numerics are the project's mixed policy (numerics.MIXED_FP16), as in the XLA program: fp16 dot operands
 with fp32 accumulation, fp32 residual, LayerNorm in fp32, q/k/v rounded to fp16 (what attention reads),
-GELU on fp32 with the erf evaluated by XLA's rational approximation (fused_stack._erf, within 4e-7).
+GELU on fp32 with the erf evaluated by XLA's rational approximation (pallas_common.erf, within 4e-7).
 """
 
 from __future__ import annotations
@@ -37,13 +37,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from ttj_jax.kernels.fused_stack import _dot, _gelu, _layer_norm_rows, _loop
+from ttj_jax.kernels.pallas_common import GEMM_DTYPE, dot, gelu, layer_norm_rows, loop
 from ttj_jax.numerics import MIXED_FP16
 from ttj_jax.params import LayerStackWeights, PreparedWeights
 
 MAX_D_MODEL = 128
 MAX_FFN_DIM = 1024
-_GEMM_DTYPE = jnp.dtype(MIXED_FP16.gemm_dtype)
 
 
 def _power_of_two(n: int) -> bool:
@@ -85,12 +84,12 @@ def _project_qkv(h, qkv_w_ref, qkv_b_ref, q_ref, k_ref, v_ref, d_model: int):
         for start in range(0, width, d_model):
             columns = pl.ds(slot * width + start, d_model)
             out_ref[:, pl.ds(start, d_model)] = (
-                _dot(h, qkv_w_ref[:, columns]) + qkv_b_ref[columns][None, :]).astype(out_ref.dtype)
+                dot(h, qkv_w_ref[:, columns]) + qkv_b_ref[columns][None, :]).astype(out_ref.dtype)
 
 
 def _entry_kernel(x_ref, n_w_ref, n_b_ref, qkv_w_ref, qkv_b_ref, q_ref, k_ref, v_ref, *, d_model: int):
-    h = _layer_norm_rows(x_ref[...].astype(jnp.float32), n_w_ref[...], n_b_ref[...], d_model=d_model)
-    _project_qkv(h.astype(_GEMM_DTYPE), qkv_w_ref, qkv_b_ref, q_ref, k_ref, v_ref, d_model)
+    h = layer_norm_rows(x_ref[...].astype(jnp.float32), n_w_ref[...], n_b_ref[...], d_model=d_model)
+    _project_qkv(h.astype(GEMM_DTYPE), qkv_w_ref, qkv_b_ref, q_ref, k_ref, v_ref, d_model)
 
 
 def _between_kernel(*refs, d_model: int, ffn_block: int, masked: bool, last: bool):
@@ -104,29 +103,29 @@ def _between_kernel(*refs, d_model: int, ffn_block: int, masked: bool, last: boo
     row_valid = (mask_ref[...] != 0)[:, None] if masked else None
 
     x = x_ref[...].astype(jnp.float32)
-    attended = x + _dot(context_ref[...], out_w_ref[...]) + out_b_ref[...][None, :]
+    attended = x + dot(context_ref[...], out_w_ref[...]) + out_b_ref[...][None, :]
     x = attended if row_valid is None else jnp.where(row_valid, attended, x)
-    h = _layer_norm_rows(x, n2_w_ref[...], n2_b_ref[...], d_model=d_model).astype(_GEMM_DTYPE)
+    h = layer_norm_rows(x, n2_w_ref[...], n2_b_ref[...], d_model=d_model).astype(GEMM_DTYPE)
 
     def mlp_slice(block, residual):
         start = block * ffn_block
         if not isinstance(start, int):
             start = pl.multiple_of(start, ffn_block)
         columns = pl.ds(start, ffn_block)
-        hidden = _gelu(_dot(h, f_in_w_ref[:, columns]) + f_in_b_ref[columns][None, :])
-        return residual + _dot(hidden, f_out_w_ref[columns, :])
+        hidden = gelu(dot(h, f_in_w_ref[:, columns]) + f_in_b_ref[columns][None, :])
+        return residual + dot(hidden, f_out_w_ref[columns, :])
 
-    x = _loop(f_in_w_ref.shape[1] // ffn_block, mlp_slice, x + f_out_b_ref[...][None, :])
+    x = loop(f_in_w_ref.shape[1] // ffn_block, mlp_slice, x + f_out_b_ref[...][None, :])
     if row_valid is not None:
         x = jnp.where(row_valid, x, 0.0)
     if last:
         final_w_ref, final_b_ref, y_ref = refs
-        y = _layer_norm_rows(x, final_w_ref[...], final_b_ref[...], d_model=d_model)
+        y = layer_norm_rows(x, final_w_ref[...], final_b_ref[...], d_model=d_model)
         y_ref[...] = (y if row_valid is None else jnp.where(row_valid, y, 0.0)).astype(y_ref.dtype)
         return
     n1_w_ref, n1_b_ref, qkv_w_ref, qkv_b_ref, x_out_ref, q_ref, k_ref, v_ref = refs
     x_out_ref[...] = x
-    h = _layer_norm_rows(x, n1_w_ref[...], n1_b_ref[...], d_model=d_model).astype(_GEMM_DTYPE)
+    h = layer_norm_rows(x, n1_w_ref[...], n1_b_ref[...], d_model=d_model).astype(GEMM_DTYPE)
     _project_qkv(h, qkv_w_ref, qkv_b_ref, q_ref, k_ref, v_ref, d_model)
 
 
@@ -135,12 +134,8 @@ class RowsWeights(LayerStackWeights):
     """The rows stack's weights: PreparedWeights' per-layer arrays stacked over the layers (`layers[name]`
     is [L, ...]), and the final LayerNorm's two vectors. Fourteen arrays whatever the depth, where
     PreparedWeights has twelve per layer: jax's dispatch costs about 1 us of host time per argument on the
-    H200 host (32 us for a 1-argument program, 86 us for 50: bench/results/hotpath-parts-2026-12-01-
-    nvidia-h200.json), and shapes 11 and 13 called this program with 51 arguments before. Each kernel reads
-    its layer's slice in place (a BlockSpec on the stacked array), so stacking adds no copy to the call.
-    Measured after: the program's drained dispatch 63 us at shape 11 (171 before) and 138 at 13 (213;
-    hotpath-parts-2026-12-01-nvidia-h200-stacked.json, another machine), and shape 11 through the bridge
-    0.152 ms against 0.200, level with the JAX loop (official-2026-12-01-h200-session11.json)."""
+    H200 host, so fewer arguments make a cheaper call. Each kernel reads its layer's slice in place (a
+    BlockSpec on the stacked array), so stacking adds no copy to the call."""
 
     @property
     def num_layers(self) -> int:
@@ -195,14 +190,14 @@ def _compiler(blocks: RowBlocks):
 def rows_forward(weights: RowsWeights | PreparedWeights, x: jax.Array, row_valid: jax.Array | None = None,
                  key_valid: jax.Array | None = None, *, num_heads: int, causal: bool, block_rows: int = 64,
                  ffn_block: int = 64, num_warps: int = 4, interpret: bool = False) -> jax.Array:
-    """y = LN_final(layers(x)) per SPEC section 1: per layer our flash-attention kernel and one row-tile
+    """y = LN_final(layers(x)) per docs/spec.md: per layer our flash-attention kernel and one row-tile
     kernel for everything else (module docstring).
 
     weights: RowsWeights of the mixed_fp16 policy (`rows_weights`: heads padded, so no copies around
     attention; `stacked_weights`: as they are, and the flash kernel pads heads narrower than 16 itself),
     or PreparedWeights, stacked here as they are (copies inside the call: build RowsWeights once instead).
     x: [B, S, d] (any float dtype; computed with an fp32 residual, returned in x's dtype). row_valid: None or bool [B, S]: invalid rows are zeroed as
-    SPEC 1 says. key_valid: None or bool [B, S]: keys attention may see (see model.key_mask_for).
+    docs/spec.md says. key_valid: None or bool [B, S]: keys attention may see (see model.key_mask_for).
     B * S must be a multiple of block_rows (the caller pads; the planner only plans shapes that are).
     """
     from ttj_jax.kernels.flash_attention import flash_attention, padded_head_dim
@@ -231,7 +226,7 @@ def rows_forward(weights: RowsWeights | PreparedWeights, x: jax.Array, row_valid
     masked = row_valid is not None
     mask_inputs = [row_valid.reshape(n).astype(jnp.int8)] if masked else []
     mask_specs = [pl.BlockSpec((block_rows,), lambda i: (i,))] if masked else []
-    qkv_shapes = [jax.ShapeDtypeStruct((n, width), _GEMM_DTYPE)] * 3
+    qkv_shapes = [jax.ShapeDtypeStruct((n, width), GEMM_DTYPE)] * 3
 
     entry_names = ("norm1_weight", "norm1_bias", "qkv_weight", "qkv_bias")
     q, k, v = pl.pallas_call(
