@@ -83,7 +83,8 @@ def main(argv=None):
         result["shapes"][sid] = measure(suite[sid], args.calls)
     path = write_json(result, args.out, f"forward-overhead-{result['date']}-{slug(result['device'])}"
                                         f"{'-' + args.tag if args.tag else ''}")
-    print(f"{'shape':>8} {'plan':>12} {'forward us':>11} {'executable us':>14} {'difference':>11} {'replanning us':>14}")
+    print(f"{'shape':>8} {'plan':>12} {'forward us':>11} {'executable us':>14} {'difference':>11} "
+          f"{'replanning us':>14}")
     for sid, r in result["shapes"].items():
         m = r["median_us"]
         print(f"{sid:>8} {r['plan']:>12} {m['forward']:11.1f} {m['executable']:14.1f} "

@@ -243,7 +243,8 @@ def main(argv=None):
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         sys.exit("bench.host_overhead measures on a CUDA GPU; none is visible (--device cpu runs a smoke test)")
-    result = {"gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "jax": jax.__version__, "torch": torch.__version__,
+    result = {"gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "jax": jax.__version__, "torch": torch.__version__,
               "date": datetime.date.today().isoformat(),
               "command": "python -m bench.host_overhead " + " ".join(argv if argv is not None else sys.argv[1:]),
               "calls": args.calls, settings.KEEP_X_IMPORT_ENV: settings.keep_x_import(),

@@ -2,62 +2,102 @@
 op (`torch.ops.ttj.forward`) with a fake implementation instead of tracing into jax.
 
 Eager calls skip the operator (its dispatch costs host time) and run bridge/runtime.py directly. Under
-`torch.compile` the module is named by an integer handle, fixed when Dynamo traces the call, so the
-graph holds the op, x and the mask; the op looks the module up and runs the same eager path. Its
-parameters are read there, as in eager mode: edits between calls are seen.
+`torch.compile` the graph holds the op with x, the mask and the module's parameters (in the harness's
+order) as inputs, and the two config values the parameters' shapes do not carry (heads, causal). The op
+runs the same runtime on those parameters, so edits between calls are seen, and an exported program
+carries everything it needs.
 
 - CUDA graphs: the op is tagged `cudagraph_unsafe` where torch has that tag, so inductor keeps it out
   of captured graphs; a capture that still reaches it raises (jax's launches cannot be captured by
   torch, and a replay would return stale output).
-- `torch.export`: the exported program calls the op with the handle of a module alive in this process.
-  Loading it in another process and running it raises an error that says so.
 - Inference only: the op has no autograd formula; torch raises if a compiled graph needs one.
 """
 
 from __future__ import annotations
 
-import weakref
+from collections import OrderedDict
+from operator import is_
 
 import torch
 
 from bridge import runtime
+from ttj_jax.config import Config
+from ttj_jax.params import expected_shapes
 
-_MODULES: dict[int, tuple[weakref.ref, object]] = {}
-
-
-@torch._dynamo.assume_constant_result
-def module_handle(module: torch.nn.Module, config=None) -> int:
-    """An integer naming `module` (and the config to run it with) for the operator; stable per module."""
-    handle = id(module)
-    entry = _MODULES.get(handle)
-    if entry is None or entry[0]() is not module or entry[1] is not config:
-        _MODULES[handle] = (weakref.ref(module, lambda _, h=handle: _MODULES.pop(h, None)), config)
-    return handle
+# Parameter holders by (storage pointers, heads, causal): the runtime's per-module caches live on them.
+# A few models' worth: each entry keeps its parameters alive.
+_HOLDERS: OrderedDict[tuple, _ParameterHolder] = OrderedDict()
+MAX_HOLDERS = 8
 
 
-def _module_of(handle: int):
-    entry = _MODULES.get(handle)
-    module = entry[0]() if entry is not None else None
-    if module is None:
-        raise RuntimeError(
-            "torch.ops.ttj.forward: the module this graph was traced from is not alive in this process. "
-            "A torch.export program of a ttj-jax module runs only in the process that exported it, while "
-            "the module lives; export again there, or call the module itself.")
-    return module, entry[1]
+class _ParameterHolder(torch.nn.Module):
+    """Parameters handed to the op, under the harness's names, as the runtime reads a module's."""
+
+    def __init__(self, names: list[str], params: list[torch.Tensor], config: Config):
+        super().__init__()
+        self.names, self.params, self.config = names, list(params), config
+
+    def named_parameters(self, *args, **kwargs):
+        return zip(self.names, self.params)
+
+
+def _config_from(params: list[torch.Tensor], num_heads: int, causal: bool, x: torch.Tensor) -> Config:
+    if len(params) < 18 or (len(params) - 2) % 16:
+        raise ValueError("torch.ops.ttj.forward takes a model's parameters in the harness's order (16 per layer "
+                         f"and the final norm's 2); got {len(params)}")
+    d_model = params[0].shape[0]                              # layers.0.norm1.weight: (d,)
+    ffn_dim = params[12].shape[0] if len(params) > 12 else d_model   # layers.0.ffn_in.weight: (ffn, d)
+    num_layers = (len(params) - 2) // 16
+    return Config(batch_size=int(x.shape[0]), seq_len=int(x.shape[1]), d_model=int(d_model),
+                  num_heads=num_heads, ffn_dim=int(ffn_dim), num_layers=num_layers, causal=causal)
+
+
+def _holder(params: list[torch.Tensor], num_heads: int, causal: bool, x: torch.Tensor) -> _ParameterHolder:
+    key = (tuple(p.data_ptr() for p in params), num_heads, causal)
+    holder = _HOLDERS.get(key)
+    if holder is not None and len(holder.params) == len(params) and all(map(is_, holder.params, params)):
+        _HOLDERS.move_to_end(key)
+        return holder
+    config = _config_from(params, num_heads, causal, x)
+    names = list(expected_shapes(config))
+    if len(names) != len(params):
+        raise ValueError(f"torch.ops.ttj.forward takes the {len(names)} parameters of a {config.num_layers}-layer "
+                         f"model in the harness's order; got {len(params)}")
+    if holder is not None:
+        runtime.refresh(holder)   # new tensor objects on the same storage: rebuild the views
+    holder = _HOLDERS[key] = _ParameterHolder(names, params, config)
+    while len(_HOLDERS) > MAX_HOLDERS:
+        _HOLDERS.popitem(last=False)
+    return holder
 
 
 _TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
 
 
 @torch.library.custom_op("ttj::forward", mutates_args=(), tags=_TAGS)
-def forward_op(x: torch.Tensor, valid_token_mask: torch.Tensor | None, handle: int) -> torch.Tensor:
-    module, config = _module_of(handle)
-    return runtime.forward(module, x, valid_token_mask, config=config)
+def forward_op(x: torch.Tensor, valid_token_mask: torch.Tensor | None, params: list[torch.Tensor],
+               num_heads: int, causal: bool) -> torch.Tensor:
+    holder = _holder(params, num_heads, causal, x)
+    return runtime.forward(holder, x, valid_token_mask, config=holder.config)
 
 
 @forward_op.register_fake
-def _forward_fake(x, valid_token_mask, handle):
+def _forward_fake(x, valid_token_mask, params, num_heads, causal):
     return torch.empty_like(x)
+
+
+def ordered_parameters(module: torch.nn.Module, num_layers: int) -> list[torch.Tensor]:
+    """The module's parameters in the harness's order, by attribute access (what Dynamo traces)."""
+    params = []
+    for i in range(num_layers):
+        layer = module.layers[i]
+        attention = layer.attention
+        params += [layer.norm1.weight, layer.norm1.bias,
+                   attention.q_proj.weight, attention.q_proj.bias, attention.k_proj.weight, attention.k_proj.bias,
+                   attention.v_proj.weight, attention.v_proj.bias, attention.out_proj.weight, attention.out_proj.bias,
+                   layer.norm2.weight, layer.norm2.bias,
+                   layer.ffn_in.weight, layer.ffn_in.bias, layer.ffn_out.weight, layer.ffn_out.bias]
+    return params + [module.final_norm.weight, module.final_norm.bias]
 
 
 def forward(module: torch.nn.Module, x: torch.Tensor, valid_token_mask: torch.Tensor | None = None, *,
@@ -67,5 +107,7 @@ def forward(module: torch.nn.Module, x: torch.Tensor, valid_token_mask: torch.Te
     if torch.compiler.is_compiling():
         if any(value not in (None, 0) for value in options.values()):
             raise ValueError(f"options {sorted(options)} are not supported under torch.compile; call eagerly")
-        return torch.ops.ttj.forward(x, valid_token_mask, module_handle(module, config))
+        config = module.config if config is None else config
+        return torch.ops.ttj.forward(x, valid_token_mask, ordered_parameters(module, config.num_layers),
+                                     config.num_heads, bool(config.causal))
     return runtime.forward(module, x, valid_token_mask, config=config, **options)

@@ -107,16 +107,26 @@ def test_the_one_line_drop_in_compiles_with_fullgraph():
 
 
 @pytest.mark.slow
-def test_export_runs_in_process_and_names_its_limit():
+def test_export_holds_the_op_and_the_parameters():
     reference, model = models()
     x, _ = make_inputs(CONFIG, 7)
     with torch.no_grad():
         exported = torch.export.export(model, (x,))
         assert any("ttj.forward" in op for op in _graph_ops(exported.graph_module))
         close(exported.module()(x), reference(x))
+        # the program reads the parameters it was given: new weights, new output
+        state = {k: v + 0.01 for k, v in exported.state_dict.items()}
+        reference.load_state_dict(state)
+        moved = exported.module()
+        moved.load_state_dict(state)
+        close(moved(x), reference(x))
+
+
+def test_the_op_refuses_parameters_of_another_layout():
     from bridge import ops
-    with pytest.raises(RuntimeError, match="not alive in this process"):
-        ops.forward_op(x, None, -1)   # a handle no live module has: what a program loaded elsewhere sees
+    x, _ = make_inputs(CONFIG, 7)
+    with pytest.raises(ValueError, match="harness's order"):
+        ops.forward_op(x, None, [torch.ones(CONFIG.d_model)] * 5, CONFIG.num_heads, True)
 
 
 def test_eager_call_skips_the_operator(monkeypatch):

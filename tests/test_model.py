@@ -146,7 +146,6 @@ def test_deterministic_and_no_recompilation():
     assert warm >= 1   # the counter itself works: the first masked call compiled
 
 
-@pytest.mark.slow
 def test_forward_plans_each_input_signature_once(monkeypatch):
     """forward keeps its plan and executable per input signature (model._forward_call): a repeated call
     does not plan again, and anything plan_for reads (shape, dtype, mask kind, options) gets its own
@@ -240,8 +239,7 @@ def test_config_errors():
         T.Config.from_object(object())
 
 
-@pytest.mark.parametrize("attention", [pytest.param("pallas", marks=[pytest.mark.interpret, pytest.mark.slow]),
-                                       "cudnn"])
+@pytest.mark.parametrize("attention", [pytest.param("pallas", marks=pytest.mark.interpret), "cudnn"])
 def test_attention_implementations_through_the_model(attention, harness_rule):
     """The model with each GPU attention implementation forced. On the CPU, Pallas runs interpreted;
     cuDNN cannot run there, so only its refusal of a key mask is checked (it runs on the H200 in ttj-bench)."""

@@ -51,7 +51,6 @@ def test_chunked_reference_matches_reference(seq_len, query_chunk, key_chunk, ca
             assert not np.any(got[0])
 
 
-@pytest.mark.slow
 def test_chunked_reference_never_builds_seq_by_seq_scores():
     """Compiled at S=8192 (nothing runs): XLA's temporary buffers stay a small fraction of one
     sequence's [H, S, S] fp32 scores (1 GiB here), where the plain reference needs several of them."""
@@ -103,7 +102,6 @@ def _run(tmp_path, *extra):
     return rc, json.loads((tmp_path / "t.json").read_text())
 
 
-@pytest.mark.slow
 def test_scale_end_to_end(tmp_path, capsys):
     rc, document = _run(tmp_path, "--peer")
     assert rc == 0
