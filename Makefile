@@ -1,12 +1,13 @@
 # Two commands a newcomer needs, each creating its own environment on first use:
 #   make bench   the main job (`ttj-bench`: the small CPU suite here, --suite official on a GPU)
 #   make test    the whole test suite (CPU; GPU-only paths are run on the H200 by bench scripts)
+#   make test-fast  the quick tier (-m 'not slow'); make lint  ruff
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 BENCH_ARGS ?=
 
-.PHONY: test test-fast bench env clean
+.PHONY: test test-fast lint bench env clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +20,9 @@ env: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
 
 test-fast: $(VENV)/.installed
 	$(PY) -m pytest -q -m "not slow"

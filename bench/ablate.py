@@ -39,12 +39,12 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import ttj_jax as T  # noqa: E402
-from ttj_jax.model import kernel_weights, plan_for  # noqa: E402
 from bench.baseline import BaselineTransformer, TransformerConfig, check_close, make_inputs  # noqa: E402
 from bench.cli import HARNESS_SEEDS  # noqa: E402
 from bench.cuda_trace import kernel_table, profile_cuda  # noqa: E402
 from bench.jax_timing import stream_ms_per_call  # noqa: E402
 from bench.report import describe_error, slug  # noqa: E402
+from ttj_jax.model import kernel_weights, plan_for  # noqa: E402
 
 DEFAULT_VARIANTS = "mixed_fp16/layers,mixed_fp16_qkv16/layers"
 

@@ -38,8 +38,12 @@ import numpy as np  # noqa: E402
 from bench.gpu_power import PowerSampler, sampling  # noqa: E402
 from bench.jax_timing import stream_ms_per_call  # noqa: E402
 from bench.report import describe_error, slug, write_json  # noqa: E402
-from ttj_jax.kernels import BlockSizes, flash_attention, flash_attention_fused_qkv  # noqa: E402
-from ttj_jax.kernels import flash_attention_reference  # noqa: E402
+from ttj_jax.kernels import (  # noqa: E402
+    BlockSizes,
+    flash_attention,
+    flash_attention_fused_qkv,
+    flash_attention_reference,  # noqa: E402
+)
 from ttj_jax.kernels.flash_attention import resolve_block_sizes, use_mosaic_kernel  # noqa: E402
 from ttj_jax.kernels.flash_attention_mgpu import LOWERING_SEMANTICS as MGPU_LOWERINGS  # noqa: E402
 from ttj_jax.kernels.flash_attention_mgpu import default_lowering_semantics, flash_attention_mgpu  # noqa: E402

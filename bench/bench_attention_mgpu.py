@@ -11,7 +11,8 @@ the block-size variants (each checked, then timed at the main case), the other t
    head_dim 32, 64, 128, 256, causal and not, S in {1, 113, 128, 1000} (whole outputs), and, at
    head_dim 64, S = 100000 (rows at the start, middle and end, against all the keys they may see).
    Pass rule: the harness's, |out - ref| <= max(0.002, 0.02 |ref|) elementwise, finite
-   (ttj_jax.numerics.harness_check); the worst err/tol is recorded. Also: one bf16 case, one case run twice (the outputs must be bit-identical), each variant at S=1000.
+   (ttj_jax.numerics.harness_check); the worst err/tol is recorded. Also: one bf16 case, one case run
+   twice (the outputs must be bit-identical), each variant at S=1000.
 2. Timing, fp16 causal, TFLOP/s = 2 B H S^2 hd / time (the causal half of 4 B H S^2 hd): our Mosaic
    kernel (its default and block-size variants at the main case), cuDNN
    (`jax.nn.dot_product_attention(implementation="cudnn")`), our generic Pallas kernel, and jax's
@@ -52,8 +53,9 @@ import numpy as np  # noqa: E402
 from bench.jax_timing import stream_ms_per_call  # noqa: E402
 from bench.report import describe_error, slug  # noqa: E402
 from ttj_jax.kernels import flash_attention, flash_attention_reference  # noqa: E402
-from ttj_jax.numerics import HARNESS_ATOL, HARNESS_RTOL, harness_check  # noqa: E402
 from ttj_jax.kernels import flash_attention_mgpu_config as mgpu_config  # noqa: E402
+from ttj_jax.numerics import HARNESS_ATOL, HARNESS_RTOL, harness_check  # noqa: E402
+
 # The module, not the function of the same name that ttj_jax.kernels exports.
 mgpu = importlib.import_module("ttj_jax.kernels.flash_attention_mgpu")
 
@@ -400,7 +402,7 @@ def _medians_over_rounds(run: Run, key: str) -> None:
                             tflops_median=median, tflops_rounds=values))
         text = _kwargs_text({k: (Blocks(**v) if k == "block_sizes" else v) for k, v in json.loads(variant).items()})
         log(f"  B={b} H={h} S={s} hd={hd} {contender:12s} {text:34s} {median:7.1f} TFLOP/s  "
-            f"rounds {['%.1f' % x for x in values]}")
+            f"rounds {[f'{x:.1f}' for x in values]}")
 
 
 def hd32_study(run: Run) -> None:

@@ -101,6 +101,7 @@ def _xla_fn(config: T.Config, x):
 def _harness_check(out, ref) -> dict:
     """Failing elements and the worst |err|/tolerance under the harness rule (bench.baseline.check_close)."""
     import torch
+
     from bench.baseline import check_close
     failed, worst = check_close(torch.from_numpy(np.asarray(out, np.float32)),
                                 torch.from_numpy(np.asarray(ref, np.float32)))

@@ -28,10 +28,10 @@ import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
+import jax  # noqa: E402
 import torch  # noqa: E402
 
 import bridge  # noqa: E402  (sets up jax's allocator before jax touches the GPU)
-import jax  # noqa: E402
 import ttj_jax as T  # noqa: E402
 from bench.baseline import TransformerConfig, check_close, harness_models, make_inputs  # noqa: E402
 from bench.gpu_power import PowerSampler, sampling  # noqa: E402
@@ -162,7 +162,7 @@ def run_shape(shape: T.Shape, args, device: torch.device, progress: Progress,
     baseline, ours = harness_models(harness_config, bridge.TTJTransformer, device=device)
     result = {"config": vars(config), "regime": shape.regime}
 
-    contenders = {"baseline": lambda x, m: baseline(x, m), "ttj_bridge": lambda x, m: ours(x, m)}
+    contenders = {"baseline": baseline, "ttj_bridge": ours}
     if args.peer:
         from bench.torch_peer import build_peer
         progress.step(f"shape {shape.id}: building the torch peer")
@@ -246,7 +246,7 @@ def run_shape(shape: T.Shape, args, device: torch.device, progress: Progress,
     base_ms = result["baseline_ms"]
     result["speedup"] = {name: base_ms / result[f"{name}_ms"]
                          for name in ("peer", "ttj_bridge", "ttj_jax") if f"{name}_ms" in result}
-    del baseline, ours, contenders, timed
+    del contenders, timed
     return result
 
 

@@ -47,9 +47,10 @@ def main(argv=None) -> int:
     parser.add_argument("--shape", default="6")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args(argv)
-    import torch
-    import bridge
     import jax
+    import torch
+
+    import bridge
     import ttj_jax as T
     from bench.baseline import TransformerConfig, check_close, harness_models, make_inputs
     if len(jax.devices()) < 2:

@@ -74,6 +74,7 @@ def harness_stats(out, ref) -> dict:
 
 def _setup(sid: str):
     import jax
+
     import ttj_jax as T
     from ttj_jax.kernels import fused_stack_mgpu as fsm
     config = T.OFFICIAL[sid].config
@@ -88,6 +89,7 @@ def _setup(sid: str):
 def _probe_child(shape_ids) -> None:
     """Runs each shape's kernel once; prints 'START sid', then 'DONE sid seconds' or 'ERROR sid msg'."""
     import jax
+
     from ttj_jax.kernels import fused_stack_mgpu as fsm
     for sid in shape_ids:
         print(f"START {sid}", flush=True)
@@ -167,6 +169,7 @@ def _time_jax(fn, args) -> dict:
 def run_shape(sid: str, probe_status: dict, deadline: float) -> dict:
     import jax
     import numpy as np
+
     import ttj_jax as T
     from ttj_jax.kernels import fused_stack_mgpu as fsm
     from ttj_jax.kernels.fused_stack import fused_stack_forward, stack_weights
@@ -266,6 +269,7 @@ def main(argv=None) -> int:
                     "shapes": {}}
     try:
         import jax
+
         import ttj_jax as T
         from ttj_jax.kernels import fused_stack_mgpu as fsm
         result["jax_version"] = jax.__version__

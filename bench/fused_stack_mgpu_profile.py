@@ -84,6 +84,7 @@ def summarize_trace(trace: dict, warpgroups_per_block: int = len(ROLES)) -> dict
 
 def profile_shape(sid: str, trace_dir: pathlib.Path) -> dict:
     import jax
+
     import ttj_jax as T
     from bench.jax_timing import stream_ms_per_call
     from ttj_jax.kernels import fused_stack_mgpu as fsm

@@ -53,10 +53,10 @@ import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
+import jax  # noqa: E402
 import torch  # noqa: E402
 
 import bridge  # noqa: E402
-import jax  # noqa: E402
 import ttj_jax as T  # noqa: E402
 from bench.baseline import TransformerConfig, harness_models, make_inputs  # noqa: E402
 from bench.cli import _time_jax_loop, _ttj_jax_contender  # noqa: E402

@@ -33,15 +33,17 @@ import traceback
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
+import jax  # noqa: E402
 import torch  # noqa: E402
 
 import bridge  # noqa: E402
-import jax  # noqa: E402
 import ttj_jax as T  # noqa: E402
 from bench.baseline import TransformerConfig, check_close, harness_models, make_inputs  # noqa: E402
-from bench.timing import host_us  # noqa: E402
 from bench.cli import HARNESS_SEEDS, TIMING_SEED_OFFSET  # noqa: E402
-from bench.timing import time_contenders  # noqa: E402
+from bench.timing import (
+    host_us,  # noqa: E402
+    time_contenders,  # noqa: E402
+)
 from bridge import runtime  # noqa: E402
 
 DEFAULT_SHAPES = "2,1,3,4,5,9,10,12,6"

@@ -46,6 +46,7 @@ def main(argv=None) -> int:
 
     import jax
     import jax.numpy as jnp
+
     import ttj_jax as T
     from bench.jax_timing import synced_calls_ms
     from bench.report import write_json

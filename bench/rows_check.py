@@ -20,10 +20,10 @@ import sys
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
+import jax  # noqa: E402
 import torch  # noqa: E402
 
 import bridge  # noqa: E402
-import jax  # noqa: E402
 import ttj_jax as T  # noqa: E402
 from bench.baseline import check_close, harness_models, make_inputs  # noqa: E402
 from bench.jax_timing import stream_ms_per_call  # noqa: E402

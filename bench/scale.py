@@ -25,10 +25,10 @@ import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
+import jax  # noqa: E402
 import torch  # noqa: E402
 
 import bridge  # noqa: E402  (sets up jax's allocator before jax touches the GPU)
-import jax  # noqa: E402
 import ttj_jax as T  # noqa: E402
 from bench.baseline import TransformerConfig, check_close, harness_models, make_inputs  # noqa: E402
 from bench.gpu_power import PowerSampler, sampling  # noqa: E402
@@ -109,7 +109,8 @@ class Progress:
 
     def __init__(self):
         try:
-            from rich.progress import Progress as RichProgress, TimeElapsedColumn
+            from rich.progress import Progress as RichProgress
+            from rich.progress import TimeElapsedColumn
             self._rich = RichProgress(*RichProgress.get_default_columns(), TimeElapsedColumn())
             self._rich.start()
         except ImportError:

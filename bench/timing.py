@@ -11,7 +11,8 @@ from __future__ import annotations
 import random
 import statistics
 import time
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -51,7 +52,7 @@ def _round_cpu(fn: Callable[[], Any], calls: int) -> list[float]:
 
 
 def time_contenders(contenders: dict[str, Callable[[], Any]], *, warmup: int = 20, rounds: int = 3,
-                    calls: int = 100, device, progress: Optional[ProgressCallback] = None,
+                    calls: int = 100, device, progress: ProgressCallback | None = None,
                     keep_samples: bool = False) -> dict[str, dict]:
     """Times zero-argument callables (closures over one fixed input) the way the harness does.
 

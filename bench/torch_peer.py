@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import sys
 import weakref
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -53,7 +53,7 @@ def _warn(message: str) -> None:
     print(f"WARNING: torch peer: {message}", file=sys.stderr, flush=True)
 
 
-def classify_mask(mask: Optional[torch.Tensor], causal: bool) -> str:
+def classify_mask(mask: torch.Tensor | None, causal: bool) -> str:
     """Which of MASK_NONE / MASK_ROWS / MASK_KEYS a mask needs (reads its values: a host sync on CUDA)."""
     if mask is None or bool(mask.all()):
         return MASK_NONE
@@ -124,7 +124,7 @@ class PeerModel(nn.Module):
             return torch.mm(a16, weight.t(), out_dtype=torch.float32) + bias
         return torch.addmm(bias, a16.float(), weight.t())
 
-    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor], mask_kind: str) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None, mask_kind: str) -> torch.Tensor:
         B, S, d = x.shape
         H = self.num_heads
         head_dim = d // H
@@ -177,14 +177,14 @@ def _native_fp16_gemm_works(device: torch.device) -> bool:
         return False
 
 
-def _unchanged_since(source: Optional[tuple], tensor: torch.Tensor) -> bool:
+def _unchanged_since(source: tuple | None, tensor: torch.Tensor) -> bool:
     """Whether `tensor` is the very tensor recorded in `source` = (weakref, _version), unmodified since.
     Every in-place write through torch bumps `_version`; inference tensors keep none, so never match."""
     return (source is not None and not tensor.is_inference() and source[0]() is tensor
             and source[1] == tensor._version)
 
 
-def _record(tensor: torch.Tensor) -> Optional[tuple]:
+def _record(tensor: torch.Tensor) -> tuple | None:
     return None if tensor.is_inference() else (weakref.ref(tensor), tensor._version)
 
 
@@ -204,8 +204,8 @@ class _CudaGraphRunner:
         self.static_mask = static_mask
         self.static_out = static_out
         self.clone_output = clone_output
-        self._x_source: Optional[tuple] = None
-        self._mask_source: Optional[tuple] = None
+        self._x_source: tuple | None = None
+        self._mask_source: tuple | None = None
 
     def __call__(self, x, mask):
         if not _unchanged_since(self._x_source, x):
@@ -270,10 +270,10 @@ class TorchPeer:
             # dynamic=False: one specialised graph per shape, never a slower shape-generic one.
             self._forward = torch.compile(model, dynamic=False)
         self._runners: dict[tuple, Callable] = {}
-        self._mask_kind_source: Optional[tuple] = None   # the last mask classified, see _record
+        self._mask_kind_source: tuple | None = None   # the last mask classified, see _record
         self._mask_kind_cached = MASK_NONE
 
-    def __call__(self, x: torch.Tensor, valid_token_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, valid_token_mask: torch.Tensor | None = None) -> torch.Tensor:
         if torch.is_inference_mode_enabled():
             return self._call(x, valid_token_mask)
         # Static CUDA-graph buffers are inference tensors; keep every call in inference mode.
@@ -344,8 +344,8 @@ class TorchPeer:
         return _CudaGraphRunner(graph, static_x, static_mask, static_out, clone_output=self.clone_output)
 
 
-def build_peer(baseline: nn.Module, config, *, device, compile: Optional[bool] = None,
-               cuda_graph: Optional[bool] = None, clone_output: bool = False) -> TorchPeer:
+def build_peer(baseline: nn.Module, config, *, device, compile: bool | None = None,
+               cuda_graph: bool | None = None, clone_output: bool = False) -> TorchPeer:
     """The torch peer built from a BaselineTransformer-structured module's parameters.
 
     compile and cuda_graph default to on for a CUDA device and off elsewhere. A CUDA graph is used only

@@ -22,27 +22,27 @@ import contextlib
 import ctypes
 import dataclasses
 import weakref
+from collections.abc import Callable
 from itertools import chain
 from operator import attrgetter, is_
-from typing import Any, Callable
+from typing import Any
 
+import jax
 import numpy as np
 import torch
 
-import jax
+from bridge import mosaic_launch, settings
+from ttj_jax import stacks
 from ttj_jax.compat import dlpack_exporter, dlpack_importer, jax_compute_stream
 from ttj_jax.config import Config
 from ttj_jax.masks import MaskKind, classify_mask
-from ttj_jax import stacks
 from ttj_jax.model import executable, model_key, plan_for, validate_inputs
 from ttj_jax.numerics import get_policy
 from ttj_jax.params import expected_shapes, params_from_state_dict, prepare_weights
 from ttj_jax.planner import Plan
 
-from bridge import mosaic_launch, settings
-
-_STATES: "weakref.WeakKeyDictionary[torch.nn.Module, _ModuleState]" = weakref.WeakKeyDictionary()
-_TRANSFERS: dict[tuple[str, int | None], "_Transfer"] = {}
+_STATES: weakref.WeakKeyDictionary[torch.nn.Module, _ModuleState] = weakref.WeakKeyDictionary()
+_TRANSFERS: dict[tuple[str, int | None], _Transfer] = {}
 _PREPARE = {}   # policy name -> jitted prepare_weights
 _version_of = attrgetter("_version")
 _data_ptr_of = torch.Tensor.data_ptr
@@ -365,6 +365,7 @@ class _ModuleState:
                 value = self.prepared[(name, 1)] = build()
             if data_parallel > 1:
                 from jax.sharding import NamedSharding, PartitionSpec
+
                 from ttj_jax.parallel import batch_mesh
                 mesh = batch_mesh(data_parallel, jax.default_backend())
                 value = self.prepared[(name, data_parallel)] = jax.device_put(
@@ -682,6 +683,7 @@ def _run_split(call: _Call, weights, x: torch.Tensor, mask: torch.Tensor | None,
     through jax (never a direct launch on the caller's stream) after the split's chunks on x's GPU, and
     its output is copied last, so that no copy of another GPU's output waits for it."""
     from jax.sharding import NamedSharding, PartitionSpec
+
     from ttj_jax.parallel import BATCH_AXIS, batch_mesh, default_split_chunks, split_chunk_rows
     n = call.plan.data_parallel
     home_rows = 0 if home_part is None else home_part[0]
@@ -836,7 +838,8 @@ def stream_forward(module: torch.nn.Module, x: torch.Tensor, valid_token_mask: t
     batch streams through the weights' device in chunks, copies overlapped with compute
     (ttj_jax.streaming). Returns a new CPU tensor of x's dtype. progress: True prints per-chunk progress
     to stderr; a callable(done, total) receives it; False is silent."""
-    from ttj_jax.planner import plan as make_plan, InputFacts, device_facts
+    from ttj_jax.planner import InputFacts, device_facts
+    from ttj_jax.planner import plan as make_plan
     from ttj_jax.streaming import stream_forward as stream
 
     state = _state(module, config)

@@ -8,11 +8,11 @@ import sys
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 
-import jax.numpy as jnp
 import ttj_jax as T
 from bench.baseline import BaselineTransformer, TransformerConfig, check_close
 

@@ -6,9 +6,9 @@ import pathlib
 import jax
 import pytest
 import torch
+from conftest import RecordingPower
 
 from bench import cli
-from conftest import RecordingPower
 
 
 def test_ttj_bench_small_shape(tmp_path, capsys):
@@ -247,6 +247,7 @@ def test_kernel_table():
 
 def test_host_overhead_script_on_the_cpu(tmp_path, capsys):
     import json
+
     from bench import host_overhead
     host_overhead.main(["--device", "cpu", "--shapes", "2", "--calls", "3", "--tag", "t", "--out", str(tmp_path),
                         "--graph"])

@@ -7,11 +7,11 @@ import copy
 import numpy as np
 import pytest
 import torch
+from conftest import make_mask, random_input, torch_reference
 
 import bridge
 import ttj_jax as T
 from bench.baseline import BaselineTransformer, TransformerConfig, copy_model_weights, make_inputs
-from conftest import make_mask, random_input, torch_reference
 
 CONFIG = TransformerConfig(batch_size=2, seq_len=17, d_model=64, num_heads=4, ffn_dim=96, num_layers=2,
                            causal=True)
@@ -367,6 +367,7 @@ def test_driver_ordering_records_on_torchs_stream_then_waits_on_jaxs(monkeypatch
     when the driver refuses either, or when another device is current (handle 0, torch's default
     stream, would then name that device's stream); None when the driver is missing."""
     import ctypes
+
     from bridge import runtime
 
     calls = []

@@ -17,13 +17,12 @@ rows of v, so max|v| bounds the output and its error), in units of the dot opera
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-import jax
-import jax.numpy as jnp
 
 from ttj_jax.kernels import BlockSizes, flash_attention, flash_attention_fused_qkv, flash_attention_reference
 from ttj_jax.kernels.flash_attention import default_block_sizes, padded_head_dim, resolve_block_sizes

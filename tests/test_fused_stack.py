@@ -24,15 +24,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import to_torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ttj_jax as T
 from bench.baseline import check_close
-from conftest import to_torch
+from ttj_jax.kernels.fused_stack import (
+    FusedWeights,
+    StackBlocks,
+    fused_stack_forward,
+    fused_stack_reference,
+    stack_weights,
+    supports,
+)
 from ttj_jax.kernels.pallas_common import erf, gelu
-from ttj_jax.kernels.fused_stack import (FusedWeights, StackBlocks, fused_stack_forward,
-                                         fused_stack_reference, stack_weights, supports)
 
 REFERENCE_ATOL_PER_LAYER = 3e-4   # measured worst: 1.4e-4 per layer (S32-hd8-H16, one layer)
 MIXED_ERROR_FACTOR = 1.5

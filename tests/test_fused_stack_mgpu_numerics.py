@@ -14,9 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import baseline_and_params, random_input
 
 import ttj_jax as T
-from conftest import baseline_and_params, random_input
 from ttj_jax.kernels import fused_stack_mgpu as fsm
 from ttj_jax.kernels import fused_stack_mgpu_kernel as fsm_kernel
 from ttj_jax.kernels import fused_stack_mgpu_reference as fsm_reference
@@ -236,6 +236,7 @@ def test_packed_heads_kernel_in_gpu_interpret_mode(case):
     selected per sub-head) in GPU interpret mode, in each key layout: the same output as `emulate` (as
     test_kernel_in_gpu_interpret_mode) and the harness rule against the fp32 reference; no races."""
     import json
+
     from conftest import last_json_line, run_on_host_devices
     done = run_on_host_devices(["-c", HOST_DEVICES_INTERPRET_SCRIPT, json.dumps(PACKED_INTERPRET_CASES[case])], 4,
                                timeout=600)
@@ -265,6 +266,7 @@ def test_kernel_on_host_devices_in_gpu_interpret_mode(case):
     """The default 4-head and d_model-32 kernel bodies in GPU interpret mode: `emulate`'s output, the harness rule against
     the fp32 reference, no races (as test_packed_heads_kernel_in_gpu_interpret_mode)."""
     import json
+
     from conftest import last_json_line, run_on_host_devices
     done = run_on_host_devices(["-c", HOST_DEVICES_INTERPRET_SCRIPT, json.dumps(HOST_DEVICES_INTERPRET_CASES[case])],
                                4, timeout=600)

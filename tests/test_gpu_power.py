@@ -6,11 +6,11 @@ import sys
 import time
 
 import pytest
+from conftest import RecordingPower
 
 import bench.bench_attention as ba
 from bench import gpu_power
 from bench.gpu_power import PowerSampler, parse_sample, sampling
-from conftest import RecordingPower
 
 # what `nvidia-smi --query-gpu=clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active
 # --format=csv,noheader,nounits -lms 50` prints on the H200 under the power cap, and when idle

@@ -102,7 +102,7 @@ def test_no_import_circles():
 
 def test_no_private_names_across_files():
     offenders = []
-    for name, path in MODULES.items():
+    for path in MODULES.values():
         for module, names, line in _imports(path):
             if _internal_target(module, []) or module.split(".")[0] in PACKAGES:
                 offenders += [f"{path.relative_to(ROOT)}:{line} {module}.{n}" for n in names

@@ -13,11 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from conftest import MASK_KINDS, baseline_and_params, make_mask, random_input, to_jax, to_torch, torch_reference
 
 import ttj_jax as T
 from ttj_jax.compat import count_compilations
-from conftest import (MASK_KINDS, baseline_and_params, make_mask, random_input, to_jax, to_torch,
-                      torch_reference)
 
 FP32_ATOL = 2e-5
 
@@ -151,6 +150,7 @@ def test_forward_plans_each_input_signature_once(monkeypatch):
     does not plan again, and anything plan_for reads (shape, dtype, mask kind, options) gets its own
     plan, never a stale one. Inside a caller's jit (traced x) it plans every time and still works."""
     import jax
+
     from ttj_jax import model
     config = CONFIGS["hd16-S7"]
     _, params = baseline_and_params(config)

@@ -12,22 +12,18 @@ its reason.
 
 from __future__ import annotations
 
-import importlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from conftest import baseline_and_params, random_input
 
 import ttj_jax as T
-from conftest import baseline_and_params, random_input
 from bridge.mosaic_launch import MosaicLauncher
 from ttj_jax.compat import mosaic_gpu_module
 from ttj_jax.kernels import fused_stack_mgpu as fsm
 from ttj_jax.masks import MaskKind
-
-fsm = importlib.import_module("ttj_jax.kernels.fused_stack_mgpu")
 
 HOPPER = T.DeviceFacts(platform="gpu", device_kind="NVIDIA H200", memory_bytes=100 * 2**30,
                        compute_capability="9.0")
@@ -143,6 +139,7 @@ print(json.dumps({"shape_ok": y.shape == x.shape, "failed": int((~(np.abs(y - re
 @pytest.mark.parametrize("d_model, num_heads", [(128, 2), (32, 4)])   # (32, 4): shape 7's widths, padded heads
 def test_model_forward_with_the_mosaic_stack_meets_the_harness_rule(d_model, num_heads):
     import json
+
     from conftest import last_json_line, run_on_host_devices
     result = last_json_line(run_on_host_devices(["-c", MODEL_FORWARD_SCRIPT, json.dumps([d_model, num_heads])], 4,
                                                 timeout=600))

@@ -6,9 +6,9 @@ import re
 import textwrap
 
 import pytest
+from conftest import last_json_line, run_on_host_devices
 
 import ttj_jax as T
-from conftest import last_json_line, run_on_host_devices
 from ttj_jax.masks import MaskKind
 
 SCRIPT = textwrap.dedent("""

@@ -60,6 +60,7 @@ def test_host_arrays_go_to_the_default_device(monkeypatch):
     import jax
     import numpy as np
     import torch
+
     from ttj_jax.params import to_jax_array
     moved = []
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")

@@ -109,8 +109,9 @@ def test_invalid_plans_are_refused():
 
 
 def test_device_facts_read_the_compute_capability():
-    from ttj_jax.planner import device_facts
     import jax
+
+    from ttj_jax.planner import device_facts
     facts_cpu = device_facts(jax.devices("cpu")[0])
     assert facts_cpu.platform == "cpu" and not facts_cpu.is_hopper
     assert T.DeviceFacts(platform="gpu", compute_capability="9.0").is_hopper

@@ -4,11 +4,12 @@ reference everywhere (exact policy within fp32 noise, mixed policy under the har
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
+from conftest import baseline_and_params, to_jax, to_torch, torch_reference
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import ttj_jax as T
 from bench.baseline import check_close
-from conftest import baseline_and_params, to_jax, to_torch, torch_reference
 
 
 @st.composite

@@ -7,8 +7,8 @@ import textwrap
 
 import numpy as np
 import pytest
-
 from conftest import last_json_line, run_on_host_devices
+
 from ttj_jax.ring_attention import zigzag_order
 
 SCRIPT = textwrap.dedent("""
@@ -73,8 +73,10 @@ SCRIPT = textwrap.dedent("""
     out["hlo"] = {name: hlo.count(name) for name in ("collective_permute", "all_gather", "all_to_all")}
     for name, call in (("odd_length", lambda: sequence_parallel_forward(params, jnp.zeros((2, 46, 32)), config=config, devices=4)),
                        ("bad_devices", lambda: sequence_parallel_forward(params, jnp.zeros((2, 48, 32)), config=config, devices=0)),
-                       ("bad_attention", lambda: sequence_parallel_forward(params, jnp.zeros((2, 48, 32)), config=config, devices=2, attention="cudnn")),
-                       ("bad_mask", lambda: sequence_parallel_forward(params, jnp.zeros((2, 48, 32)), jnp.ones((2, 47), bool), config=config, devices=2))):
+                       ("bad_attention", lambda: sequence_parallel_forward(params, jnp.zeros((2, 48, 32)), config=config,
+                                                                           devices=2, attention="cudnn")),
+                       ("bad_mask", lambda: sequence_parallel_forward(params, jnp.zeros((2, 48, 32)), jnp.ones((2, 47), bool),
+                                                                      config=config, devices=2))):
         try:
             call()
             out[name] = None

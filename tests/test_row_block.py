@@ -11,12 +11,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import to_torch
 
 import ttj_jax as T
+from ttj_jax.kernels.row_block import RowsWeights, rows_forward, rows_weights, stacked_weights, supports
 from ttj_jax.masks import MaskKind
 from ttj_jax.planner import CPU
-from conftest import to_torch
-from ttj_jax.kernels.row_block import RowsWeights, rows_forward, rows_weights, stacked_weights, supports
 
 CASES = {   # (B, S, d, H, ffn, L, causal, mask kind)
     "causal-no-mask": (2, 32, 64, 4, 128, 2, True, None),

@@ -15,12 +15,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from conftest import RecordingPower, baseline_and_params, make_mask, random_input, to_jax
 
 import bridge
 import ttj_jax as T
 from bench import scale
 from bench.baseline import TransformerConfig, copy_model_weights
-from conftest import RecordingPower, baseline_and_params, make_mask, random_input, to_jax
 from ttj_jax.chunked_reference import _chunked_forward, chunked_reference_forward
 
 FP32_ATOL = 2e-5

@@ -1,10 +1,10 @@
 """Streaming from host memory: same result as the in-memory forward, for any chunk size (a padded tail
 included), one compiled program for all chunks, progress reported per chunk."""
 
+import jax
 import numpy as np
 import pytest
 
-import jax
 import ttj_jax as T
 from ttj_jax.compat import count_compilations
 from ttj_jax.streaming import stream_forward
@@ -55,6 +55,7 @@ def test_bad_chunk_and_policy_are_refused():
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_bridge_stream_forward(dtype, capsys):
     import torch
+
     import bridge
     from bench.baseline import TransformerConfig, check_close
     config = TransformerConfig(5, 9, 32, 2, 48, 2, True)

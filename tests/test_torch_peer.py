@@ -14,8 +14,16 @@ import torch
 
 from bench.baseline import BaselineTransformer, TransformerConfig, check_close, make_inputs
 from bench.timing import interleaved_host_overhead_us, time_contenders
-from bench.torch_peer import (MASK_KEYS, MASK_NONE, MASK_ROWS, _raised_recompile_limit, _record,
-                              _unchanged_since, build_peer, classify_mask)
+from bench.torch_peer import (
+    MASK_KEYS,
+    MASK_NONE,
+    MASK_ROWS,
+    _raised_recompile_limit,
+    _record,
+    _unchanged_since,
+    build_peer,
+    classify_mask,
+)
 
 CAUSAL = TransformerConfig(batch_size=2, seq_len=33, d_model=64, num_heads=4, ffn_dim=96, num_layers=2)
 HEAD_DIM_8 = TransformerConfig(batch_size=2, seq_len=40, d_model=32, num_heads=4, ffn_dim=32, num_layers=3)

@@ -4,8 +4,14 @@ from ttj_jax.config import Config
 from ttj_jax.masks import MaskKind, classify_mask
 from ttj_jax.model import executable, forward, model_key, validate_inputs
 from ttj_jax.numerics import EXACT_FP32, MIXED_FP16, NumericsPolicy, get_policy
-from ttj_jax.params import (PreparedWeights, expected_shapes, init_params, params_from_state_dict,
-                            params_to_state_dict, prepare_weights)
+from ttj_jax.params import (
+                            PreparedWeights,
+                            expected_shapes,
+                            init_params,
+                            params_from_state_dict,
+                            params_to_state_dict,
+                            prepare_weights,
+)
 from ttj_jax.planner import DeviceFacts, InputFacts, Plan, device_facts, plan
 from ttj_jax.reference import reference_forward as reference
 from ttj_jax.ring_attention import sequence_parallel_forward

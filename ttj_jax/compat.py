@@ -10,16 +10,17 @@ falls back to the public API.
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
 
 try:   # private, checked at import; the public fallback below keeps behaviour if it moves
+    from jax._src import xla_bridge as _xla_bridge
     from jax._src.dlpack import _DL_DEVICE_TO_PLATFORM
     from jax._src.lib import _jax as _native
     from jax._src.lib import jaxlib_extension_version as _EXTENSION_VERSION
-    from jax._src import xla_bridge as _xla_bridge
 except ImportError:   # pragma: no cover - depends on the installed jax
     _native = None
 
@@ -122,7 +123,7 @@ class count_compilations:
         return self
 
     def __exit__(self, *exc):
-        from jax._src import monitoring   # the public module has no unregister in every version
+        from jax._src import monitoring  # the public module has no unregister in every version
         monitoring.unregister_event_duration_listener(self._listener)
         return False
 

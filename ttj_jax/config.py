@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 FIELDS = ("batch_size", "seq_len", "d_model", "num_heads", "ffn_dim", "num_layers", "causal")
 
@@ -35,7 +36,7 @@ class Config:
         return self.d_model // self.num_heads
 
     @classmethod
-    def from_object(cls, obj: Any) -> "Config":
+    def from_object(cls, obj: Any) -> Config:
         """Builds a Config from a Config, a mapping, or any object with the seven attributes
         (such as the harness's own frozen `TransformerConfig`)."""
         if isinstance(obj, cls):
@@ -47,5 +48,5 @@ class Config:
                              f"a config needs {list(FIELDS)}")
         return cls(**{k: get(k, None) for k in FIELDS})
 
-    def with_input(self, batch_size: int, seq_len: int) -> "Config":
+    def with_input(self, batch_size: int, seq_len: int) -> Config:
         return dataclasses.replace(self, batch_size=batch_size, seq_len=seq_len)

@@ -44,8 +44,9 @@ def cached_mask_kind(mask) -> MaskKind:
     if cached is not None and cached[0]() is mask:
         return cached[1]
     kind = classify_mask(mask)
+    key = id(mask)
     try:
-        _MASK_KINDS[id(mask)] = (weakref.ref(mask, lambda _, key=id(mask): _MASK_KINDS.pop(key, None)), kind)
+        _MASK_KINDS[key] = (weakref.ref(mask, lambda _, key=key: _MASK_KINDS.pop(key, None)), kind)
     except TypeError:   # not weak-referenceable: classify every call
         pass
     return kind

@@ -8,7 +8,7 @@ uses to run the same layers on a slice of each sequence.
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -45,7 +45,7 @@ def pallas_attention(qkv, key_valid, *, causal, policy, implementation="auto"):
     """Our flash kernel, reading q, k and v straight from the fused layout. Its dots take fp16 operands
     with fp32 accumulation whatever the policy (the kernel's documented choice), so the exact_fp32
     policy never plans it. On the CPU (forced, for tests) it runs interpreted."""
-    from ttj_jax.kernels import flash_attention_fused_qkv   # deferred: Pallas import cost only when used
+    from ttj_jax.kernels import flash_attention_fused_qkv  # deferred: Pallas import cost only when used
     interpret = jax.default_backend() == "cpu"
     return flash_attention_fused_qkv(qkv.astype(policy.gemm_dtype), causal=causal, key_mask=key_valid,
                                      interpret=interpret, implementation=implementation).astype(jnp.float32)

@@ -14,14 +14,15 @@ from ttj_jax.config import Config
 from ttj_jax.inputs import cached_mask_kind, validate_inputs
 from ttj_jax.masks import MaskKind
 from ttj_jax.params import PreparedWeights
-from ttj_jax.planner import InputFacts, Plan, device_facts, plan as make_plan
+from ttj_jax.planner import InputFacts, Plan, device_facts
+from ttj_jax.planner import plan as make_plan
 from ttj_jax.ring_attention import sequence_parallel_forward
 from ttj_jax.stacks import kernel_weights
 
 __all__ = ["executable", "forward", "kernel_weights", "model_key", "plan_for", "validate_inputs"]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def executable(plan: Plan, config: Config, prepared: bool = True, compiler_options: tuple = ()):
     """The jitted forward for one plan and model: f(weights, x, mask_or_None) -> y. Pass
     `model_key(config)` so that one executable serves every input shape of a model. The program is

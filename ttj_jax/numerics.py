@@ -54,7 +54,7 @@ class NumericsPolicy:
         if self.gelu not in ("erf", "tanh"):
             raise ValueError(f"NumericsPolicy.gelu={self.gelu!r} must be 'erf' or 'tanh'")
 
-    def shares_weights_with(self, other: "NumericsPolicy") -> bool:
+    def shares_weights_with(self, other: NumericsPolicy) -> bool:
         """Whether weights prepared for this policy serve `other` too: params.prepare_weights depends
         only on the GEMM dtype (projection_dtype changes the program, not the weights)."""
         return self.gemm_dtype == other.gemm_dtype
@@ -114,7 +114,7 @@ POLICIES: dict[str, NumericsPolicy] = {p.name: p for p in (MIXED_FP16, EXACT_FP3
                                                            MIXED_FP16_GEMM16, MIXED_FP16_GEMM16_TANH)}
 
 
-def get_policy(policy: "str | NumericsPolicy") -> NumericsPolicy:
+def get_policy(policy: str | NumericsPolicy) -> NumericsPolicy:
     if isinstance(policy, NumericsPolicy):
         return policy
     try:

@@ -13,7 +13,8 @@ import functools
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from ttj_jax.compat import shard_map
 
@@ -24,7 +25,7 @@ def batch_mesh(device_count: int, platform: str) -> Mesh:
     return device_mesh(device_count, platform, BATCH_AXIS)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def device_mesh(device_count: int, platform: str, axis_name: str) -> Mesh:
     """A 1-D mesh over the first `device_count` devices of `platform` (the batch split's, or the ring's)."""
     devices = jax.devices(platform)

@@ -59,7 +59,7 @@ def hopper_over_cudnn_min_seq_len(head_dim: int) -> int | None:
     """From which S the planner takes our Hopper kernel over cuDNN at this head_dim (None: never)."""
     if head_dim not in HOPPER_OVER_CUDNN:
         return None
-    from ttj_jax.kernels.flash_attention_mgpu import dispatch_min_seq_len   # deferred: Pallas import cost
+    from ttj_jax.kernels.flash_attention_mgpu import dispatch_min_seq_len  # deferred: Pallas import cost
     return max(CUDNN_MIN_SEQ_LEN, dispatch_min_seq_len(head_dim, fused=True))
 
 
@@ -314,7 +314,7 @@ def plan(config: Config, inputs: InputFacts, device: DeviceFacts = CPU, *,
 def _rows_stack_fits(config: Config, inputs: InputFacts) -> bool:
     """Whether the "rows" stack's kernels take this model (row_block.supports) and these rows (whole
     tiles of ROWS_BLOCK)."""
-    from ttj_jax.kernels import row_block   # limits of the kernels (pure)
+    from ttj_jax.kernels import row_block  # limits of the kernels (pure)
     return row_block.supports(config) and (inputs.batch_size * inputs.seq_len) % ROWS_BLOCK == 0
 
 
@@ -325,7 +325,7 @@ def _stack(config: Config, inputs: InputFacts, device: DeviceFacts, policy: str,
     is measured faster than the XLA program (FUSED_STACK_MAX_ROWS, FUSED_STACK_MAX_HEADS); beyond its
     sequence length, the "rows" stack (ROWS_STACK_MAX_SEQ_LEN); the layer-by-layer XLA program otherwise.
     The last two kernels take any mask (they mask keys and zero rows)."""
-    from ttj_jax.kernels import fused_stack, fused_stack_mgpu   # limits of the kernels (pure)
+    from ttj_jax.kernels import fused_stack, fused_stack_mgpu  # limits of the kernels (pure)
     if not (device.is_gpu and policy == "mixed_fp16" and not batch_chunk):
         return "layers", ""
     rows = inputs.batch_size * inputs.seq_len

@@ -238,7 +238,7 @@ def sequence_parallel_forward(weights, x: jax.Array, mask: jax.Array | None = No
                      jax.default_backend(), attention)(weights, x, mask)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compiled(config: Config, devices: int, policy_name: str, query_chunk: int, key_chunk: int,
               has_mask: bool, platform: str, attention: str = "xla"):
     mesh = device_mesh(devices, platform, SEQ_AXIS)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import weakref
-from typing import Any, Callable
+from collections.abc import Callable
 
 import jax
 
@@ -21,7 +21,8 @@ from ttj_jax.config import Config
 from ttj_jax.layers import key_mask_for, run_layers
 from ttj_jax.numerics import get_policy
 from ttj_jax.params import PreparedWeights, prepare_weights
-from ttj_jax.planner import ROWS_BLOCK, STACKS as PLANNED_STACKS, Plan
+from ttj_jax.planner import ROWS_BLOCK, Plan
+from ttj_jax.planner import STACKS as PLANNED_STACKS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +92,7 @@ def _fused_weights(prepared, config: Config):
 
 
 def _mgpu_weights(prepared, config: Config):
-    from ttj_jax.kernels.fused_stack_mgpu import stack_weights_mgpu   # jitted inside
+    from ttj_jax.kernels.fused_stack_mgpu import stack_weights_mgpu  # jitted inside
     return stack_weights_mgpu(prepared, config.num_heads)
 
 
@@ -118,7 +119,7 @@ def get(name: str) -> Stack:
         raise ValueError(f"no stack {name!r}; the stacks are {sorted(STACKS)}") from None
 
 
-_KERNEL_WEIGHTS: "weakref.WeakKeyDictionary[PreparedWeights, dict]" = weakref.WeakKeyDictionary()
+_KERNEL_WEIGHTS: weakref.WeakKeyDictionary[PreparedWeights, dict] = weakref.WeakKeyDictionary()
 
 
 def kernel_weights(prepared: PreparedWeights, config: Config, stack: str):

@@ -8,7 +8,7 @@ device at once. Every chunk has the same shape (the last is zero-padded), so one
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import numpy as np

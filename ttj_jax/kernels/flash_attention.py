@@ -36,8 +36,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from ttj_jax.kernels.attention_common import attention_reference, check_causal_and_scale, check_qkv_layout
-from ttj_jax.kernels.flash_attention_mgpu import (SUPPORTED_HEAD_DIMS as MOSAIC_HEAD_DIMS, dispatch_min_seq_len,
-                                                  flash_attention_mgpu, flash_attention_mgpu_fused_qkv)
+from ttj_jax.kernels.flash_attention_mgpu import SUPPORTED_HEAD_DIMS as MOSAIC_HEAD_DIMS
+from ttj_jax.kernels.flash_attention_mgpu import (
+    dispatch_min_seq_len,
+    flash_attention_mgpu,
+    flash_attention_mgpu_fused_qkv,
+)
 
 __all__ = ["BlockSizes", "attention_reference", "check_causal_and_scale", "check_qkv_layout", "flash_attention",
            "flash_attention_fused_qkv", "use_mosaic_kernel"]
@@ -258,7 +262,7 @@ def _check_statics(causal, sm_scale, block_sizes):
 IMPLEMENTATIONS = ("auto", "generic", "mosaic")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def on_hopper() -> bool:
     """Whether jax's default backend is a CUDA GPU of compute capability 9.x (read once per process)."""
     if jax.default_backend() != "gpu":

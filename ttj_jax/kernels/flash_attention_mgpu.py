@@ -24,13 +24,25 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from ttj_jax.kernels.attention_common import attention_reference, check_causal_and_scale, check_qkv_layout
-from ttj_jax.kernels.flash_attention_mgpu_config import (LOWERING_SEMANTICS, ROWS_PER_CONSUMER, SUPPORTED_HEAD_DIMS,
-                                                         MgpuBlockSizes, default_block_sizes,
-                                                         default_lowering_semantics, launch_block_sizes,
-                                                         swizzle_bytes)
+from ttj_jax.kernels.flash_attention_mgpu_config import (
+    LOWERING_SEMANTICS,
+    ROWS_PER_CONSUMER,
+    SUPPORTED_HEAD_DIMS,
+    MgpuBlockSizes,
+    default_block_sizes,
+    default_lowering_semantics,
+    launch_block_sizes,
+    swizzle_bytes,
+)
 from ttj_jax.kernels.flash_attention_mgpu_interpret import interpret_params, interpret_smem
-from ttj_jax.kernels.flash_attention_mgpu_kernel import (CLUSTER_AXIS, HEAD_AXIS, Q_TILE_AXIS, SEQUENCE_AXIS,
-                                                         attention_kernel, interpret_kernel)
+from ttj_jax.kernels.flash_attention_mgpu_kernel import (
+    CLUSTER_AXIS,
+    HEAD_AXIS,
+    Q_TILE_AXIS,
+    SEQUENCE_AXIS,
+    attention_kernel,
+    interpret_kernel,
+)
 from ttj_jax.kernels.mosaic_primitives import plgpu_module
 
 __all__ = ["FUSED_MIN_SEQ_LEN", "LOWERING_SEMANTICS", "MIN_SEQ_LEN", "SUPPORTED_HEAD_DIMS", "UNFUSED_MIN_SEQ_LEN",

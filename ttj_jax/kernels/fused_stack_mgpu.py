@@ -54,7 +54,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -62,10 +63,43 @@ import numpy as np
 
 from ttj_jax.kernels.fused_stack_mgpu_kernel import kernel_function
 from ttj_jax.kernels.fused_stack_mgpu_layout import (
-    B1, B2, BK, BOUT, BQ, BV, CHUNKS_PER_LAYER, D_MODEL, LN1_B, LN1_W, LN2_B, LN2_W, MIN_BLOCK, NUM_CONSUMERS,
-    NUM_SLOTS, NUM_VECS, PACKED_BLOCK, PACKED_NUM_HEADS, SMEM_BUDGET_BYTES, SPLIT_MAX_TILES, SUPPORTED_D_MODELS,
-    SUPPORTED_NUM_HEADS, SUPPORTED_SEQ_LENS, TILE_ROWS, WG_ROWS, MgpuStackWeights, blocks, default_fast_erf,
-    key_blocks, model_error, smem_bytes, stack_weights_mgpu, supports, tile_count, weight_shapes, widths)
+    B1,
+    B2,
+    BK,
+    BOUT,
+    BQ,
+    BV,
+    CHUNKS_PER_LAYER,
+    D_MODEL,
+    LN1_B,
+    LN1_W,
+    LN2_B,
+    LN2_W,
+    MIN_BLOCK,
+    NUM_CONSUMERS,
+    NUM_SLOTS,
+    NUM_VECS,
+    PACKED_BLOCK,
+    PACKED_NUM_HEADS,
+    SMEM_BUDGET_BYTES,
+    SPLIT_MAX_TILES,
+    SUPPORTED_D_MODELS,
+    SUPPORTED_NUM_HEADS,
+    SUPPORTED_SEQ_LENS,
+    TILE_ROWS,
+    WG_ROWS,
+    MgpuStackWeights,
+    blocks,
+    default_fast_erf,
+    key_blocks,
+    model_error,
+    smem_bytes,
+    stack_weights_mgpu,
+    supports,
+    tile_count,
+    weight_shapes,
+    widths,
+)
 from ttj_jax.kernels.fused_stack_mgpu_reference import emulate
 from ttj_jax.kernels.pallas_common import GEMM_DTYPE
 

@@ -20,9 +20,33 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from ttj_jax.kernels.fused_stack_mgpu_layout import (
-    B1, B2, BK, BOUT, BQ, BV, CHUNKS_PER_LAYER, D_MODEL, LN1_B, LN1_W, LN2_B, LN2_W, NUM_CONSUMERS,
-    NUM_SLOTS, NUM_VECS, SMEM_BUDGET_BYTES, SUPPORTED_SEQ_LENS, TILE_ROWS, WG_ROWS, blocks, default_fast_erf,
-    key_blocks, model_error, smem_bytes, tile_count, widths)
+    B1,
+    B2,
+    BK,
+    BOUT,
+    BQ,
+    BV,
+    CHUNKS_PER_LAYER,
+    D_MODEL,
+    LN1_B,
+    LN1_W,
+    LN2_B,
+    LN2_W,
+    NUM_CONSUMERS,
+    NUM_SLOTS,
+    NUM_VECS,
+    SMEM_BUDGET_BYTES,
+    SUPPORTED_SEQ_LENS,
+    TILE_ROWS,
+    WG_ROWS,
+    blocks,
+    default_fast_erf,
+    key_blocks,
+    model_error,
+    smem_bytes,
+    tile_count,
+    widths,
+)
 from ttj_jax.kernels.pallas_common import GEMM_DTYPE, erf
 from ttj_jax.numerics import LAYER_NORM_EPS
 
@@ -486,7 +510,7 @@ class _Consumer:
 
 # --- The build ----------------------------------------------------------------------------------------
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _staging_shapes(d_model: int, width: int, keys: int = TILE_ROWS) -> list[tuple[str, tuple[int, int]]]:
     """The wgmma operand buffers GPU interpret mode stages through shared memory (per warpgroup), as
     (role, shape): A ("a") as h or h2 (64 x d), q, ctx or hidden (64 x width), P (64 x keys); B^T ("bt")

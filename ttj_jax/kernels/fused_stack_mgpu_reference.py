@@ -7,8 +7,22 @@ import numpy as np
 
 from ttj_jax.kernels.fused_stack_mgpu_kernel import AS_COEFFICIENTS, AS_P, LOG2_E, LOG2_E_ERF
 from ttj_jax.kernels.fused_stack_mgpu_layout import (
-    B1, B2, BK, BOUT, BQ, BV, LN1_B, LN1_W, LN2_B, LN2_W, NUM_CONSUMERS, TILE_ROWS, WG_ROWS, MgpuStackWeights,
-    default_fast_erf)
+    B1,
+    B2,
+    BK,
+    BOUT,
+    BQ,
+    BV,
+    LN1_B,
+    LN1_W,
+    LN2_B,
+    LN2_W,
+    NUM_CONSUMERS,
+    TILE_ROWS,
+    WG_ROWS,
+    MgpuStackWeights,
+    default_fast_erf,
+)
 from ttj_jax.kernels.pallas_common import ERF_CLAMP, ERF_DENOMINATOR, ERF_NUMERATOR
 from ttj_jax.numerics import LAYER_NORM_EPS
 

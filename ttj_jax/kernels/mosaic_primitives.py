@@ -63,6 +63,7 @@ def mosaic_cluster_arrive_from_warp(barrier_ref) -> None:
     if _CLUSTER_ARRIVE_FROM_WARP is None:
         try:
             import dataclasses  # noqa: PLC0415
+
             from jax._src import core as jax_core  # noqa: PLC0415
             from jax._src.pallas.mosaic_gpu import core as gpu_core  # noqa: PLC0415
             from jax._src.pallas.mosaic_gpu import lowering as mgpu_lowering  # noqa: PLC0415

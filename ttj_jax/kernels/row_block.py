@@ -196,8 +196,9 @@ def rows_forward(weights: RowsWeights | PreparedWeights, x: jax.Array, row_valid
     weights: RowsWeights of the mixed_fp16 policy (`rows_weights`: heads padded, so no copies around
     attention; `stacked_weights`: as they are, and the flash kernel pads heads narrower than 16 itself),
     or PreparedWeights, stacked here as they are (copies inside the call: build RowsWeights once instead).
-    x: [B, S, d] (any float dtype; computed with an fp32 residual, returned in x's dtype). row_valid: None or bool [B, S]: invalid rows are zeroed as
-    docs/spec.md says. key_valid: None or bool [B, S]: keys attention may see (see model.key_mask_for).
+    x: [B, S, d] (any float dtype; computed with an fp32 residual, returned in x's dtype). row_valid: None or
+    bool [B, S]: invalid rows are zeroed as docs/spec.md says. key_valid: None or bool [B, S]: keys attention
+    may see (see layers.key_mask_for).
     B * S must be a multiple of block_rows (the caller pads; the planner only plans shapes that are).
     """
     from ttj_jax.kernels.flash_attention import flash_attention, padded_head_dim
