@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch.nn as nn
 
 from bridge.ops import forward as _forward
+from bridge.ops import register
 from ttj_jax.config import Config
 
 
@@ -39,6 +40,11 @@ class TTJTransformer(nn.Module):
         self.config = Config.from_object(config)
         self.layers = nn.ModuleList(_Layer(self.config) for _ in range(self.config.num_layers))
         self.final_norm = nn.LayerNorm(self.config.d_model)
+        self.ttj_handle = register(self)   # names this module inside compiled graphs (bridge/ops.py)
+
+    def __setstate__(self, state):   # copy.deepcopy and unpickling: a copy gets a handle of its own
+        super().__setstate__(state)
+        self.ttj_handle = register(self)
 
     def forward(self, x, valid_token_mask=None):
-        return _forward(self, x, valid_token_mask, config=self.config)
+        return _forward(self, x, valid_token_mask)

@@ -2,10 +2,14 @@
 op (`torch.ops.ttj.forward`) with a fake implementation instead of tracing into jax.
 
 Eager calls skip the operator (its dispatch costs host time) and run bridge/runtime.py directly. Under
-`torch.compile` the graph holds the op with x, the mask and the module's parameters (in the harness's
-order) as inputs, and the two config values the parameters' shapes do not carry (heads, causal). The op
-runs the same runtime on those parameters, so edits between calls are seen, and an exported program
-carries everything it needs.
+`torch.compile` the graph holds the op with x and the mask, and names the module one of two ways:
+- a `TTJTransformer` by its handle, an int fixed at construction (and renewed on copy or unpickling):
+  the op runs the runtime on the module itself, as an eager call does. Each tensor input of a compiled
+  graph costs host time per call (~50 us for a model's 66 parameters), so this path passes none.
+- any other module with the harness's layout (the one-line drop-in), and every module under
+  `torch.export`, by its parameters in the harness's order, plus the two config values their shapes do
+  not carry (heads, causal): an exported program then carries everything it needs.
+Either way the parameters are read at call time, so edits between calls are seen.
 
 - CUDA graphs: the op is tagged `cudagraph_unsafe` where torch has that tag, so inductor keeps it out
   of captured graphs; a capture that still reaches it raises (jax's launches cannot be captured by
@@ -15,6 +19,8 @@ carries everything it needs.
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from collections import OrderedDict
 from operator import is_
 
@@ -71,19 +77,39 @@ def _holder(params: list[torch.Tensor], num_heads: int, causal: bool, x: torch.T
     return holder
 
 
+_REGISTERED: dict[int, weakref.ref] = {}
+_NEXT_HANDLE = itertools.count(1)
+
+
+def register(module: torch.nn.Module) -> int:
+    """A new handle naming `module` for the operator (held weakly)."""
+    handle = next(_NEXT_HANDLE)
+    _REGISTERED[handle] = weakref.ref(module, lambda _, h=handle: _REGISTERED.pop(h, None))
+    return handle
+
+
 _TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
 
 
 @torch.library.custom_op("ttj::forward", mutates_args=(), tags=_TAGS)
-def forward_op(x: torch.Tensor, valid_token_mask: torch.Tensor | None, params: list[torch.Tensor],
+def forward_op(x: torch.Tensor, valid_token_mask: torch.Tensor | None, handle: int, params: list[torch.Tensor],
                num_heads: int, causal: bool) -> torch.Tensor:
+    if handle:
+        module = _REGISTERED[handle]() if handle in _REGISTERED else None
+        if module is None:
+            raise RuntimeError(f"torch.ops.ttj.forward: no live module has handle {handle} (a graph traced in "
+                               "another process?); compile or export again here")
+        return runtime.forward(module, x, valid_token_mask)
     holder = _holder(params, num_heads, causal, x)
     return runtime.forward(holder, x, valid_token_mask, config=holder.config)
 
 
 @forward_op.register_fake
-def _forward_fake(x, valid_token_mask, params, num_heads, causal):
+def _forward_fake(x, valid_token_mask, handle, params, num_heads, causal):
     return torch.empty_like(x)
+
+
+_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
 
 
 def ordered_parameters(module: torch.nn.Module, num_layers: int) -> list[torch.Tensor]:
@@ -107,7 +133,10 @@ def forward(module: torch.nn.Module, x: torch.Tensor, valid_token_mask: torch.Te
     if torch.compiler.is_compiling():
         if any(value not in (None, 0) for value in options.values()):
             raise ValueError(f"options {sorted(options)} are not supported under torch.compile; call eagerly")
+        handle = getattr(module, "ttj_handle", 0)
+        if handle and config is None and not _exporting():
+            return torch.ops.ttj.forward(x, valid_token_mask, handle, [], 0, False)
         config = module.config if config is None else config
-        return torch.ops.ttj.forward(x, valid_token_mask, ordered_parameters(module, config.num_layers),
+        return torch.ops.ttj.forward(x, valid_token_mask, 0, ordered_parameters(module, config.num_layers),
                                      config.num_heads, bool(config.causal))
     return runtime.forward(module, x, valid_token_mask, config=config, **options)

@@ -73,6 +73,8 @@ def test_compiled_model_matches_and_holds_one_opaque_op(backend):
     ops = _graph_ops(graphs[0])
     assert sum("ttj.forward" in op for op in ops) == 1, ops
     assert any("linear" in op for op in ops), ops   # the torch code around it is in the same graph
+    [node] = [n for n in graphs[0].graph.nodes if "ttj.forward" in str(n.target)]
+    assert node.args[2] == model.stack.ttj_handle and list(node.args[3]) == []   # named by handle: no 66 inputs
 
 
 @pytest.mark.slow
@@ -112,7 +114,8 @@ def test_export_holds_the_op_and_the_parameters():
     x, _ = make_inputs(CONFIG, 7)
     with torch.no_grad():
         exported = torch.export.export(model, (x,))
-        assert any("ttj.forward" in op for op in _graph_ops(exported.graph_module))
+        [node] = [n for n in exported.graph_module.graph.nodes if "ttj.forward" in str(n.target)]
+        assert node.args[2] == 0 and len(node.args[3]) == 16 * CONFIG.num_layers + 2
         close(exported.module()(x), reference(x))
         # the program reads the parameters it was given: new weights, new output
         state = {k: v + 0.01 for k, v in exported.state_dict.items()}
@@ -122,11 +125,34 @@ def test_export_holds_the_op_and_the_parameters():
         close(moved(x), reference(x))
 
 
+@pytest.mark.slow
+def test_a_copied_module_runs_its_own_weights_when_compiled():
+    """Compiled graphs name a TTJTransformer by its handle: a deep copy must get its own."""
+    import copy
+    reference, model = models()
+    twin = copy.deepcopy(model)
+    assert twin.stack.ttj_handle != model.stack.ttj_handle
+    with torch.no_grad():
+        twin.stack.final_norm.bias.add_(1.0)
+        x, _ = make_inputs(CONFIG, 11)
+        torch._dynamo.reset()
+        out = torch.compile(twin, backend="aot_eager", fullgraph=True)(x)
+        reference.stack.final_norm.bias.add_(1.0)
+        close(out, reference(x))
+
+
+def test_a_dead_handle_is_a_clear_error():
+    from bridge import ops
+    x, _ = make_inputs(CONFIG, 7)
+    with pytest.raises(RuntimeError, match="no live module has handle"):
+        ops.forward_op(x, None, 10**9, [], 0, False)
+
+
 def test_the_op_refuses_parameters_of_another_layout():
     from bridge import ops
     x, _ = make_inputs(CONFIG, 7)
     with pytest.raises(ValueError, match="harness's order"):
-        ops.forward_op(x, None, [torch.ones(CONFIG.d_model)] * 5, CONFIG.num_heads, True)
+        ops.forward_op(x, None, 0, [torch.ones(CONFIG.d_model)] * 5, CONFIG.num_heads, True)
 
 
 def test_eager_call_skips_the_operator(monkeypatch):
