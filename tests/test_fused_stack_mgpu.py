@@ -336,6 +336,8 @@ def test_kernel_inside_a_batch_split_is_the_single_device_kernel():
 PINNED_STACK_HASHES = {
     "0.10.2": {"4,128,1": "9fb2df4e488f21a4", "1,64,2": "1e1b6ec6f62098b2", "2,32,8": "58c3c3af40cc5c79",
                "4,128,130": "9b0a44d73522e18d", "16,128,1": "4d64fbeafce38b11", "d32:4,128,1": "fc25d8317875427d"},
+    "0.11.2": {"4,128,1": "7f0c2c24c22c4677", "1,64,2": "2b0d8e38601131a6", "2,32,8": "19c1e540ad3202dc",
+               "4,128,130": "b1cff31653cb673f", "16,128,1": "4ccb08f9a9b6b6fb", "d32:4,128,1": "30df7d12f07e3b18"},
 }
 
 PIN_SCRIPT = r"""
