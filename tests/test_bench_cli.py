@@ -102,7 +102,7 @@ def test_report_renders_a_saved_run(tmp_path, capsys):
     assert (tmp_path / "run.png").stat().st_size > 1000
 
 
-COMMITTED_OFFICIAL_RUN = "bench/results/official-2026-12-02-nvidia-h200.json"
+COMMITTED_OFFICIAL_RUN = "bench/results/official-2026-12-03-nvidia-h200.json"
 REPOSITORY = pathlib.Path(__file__).resolve().parent.parent
 
 
