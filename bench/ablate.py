@@ -1,7 +1,7 @@
 """Variants of the JAX program against each other, per shape: numerics policy, stack, attention.
 
     PYTHONPATH=. python3 bench/ablate.py [--shapes 8,11] [--variants mixed_fp16/layers,mixed_fp16/rows]
-                                         [--seeds 5] [--out bench/results]
+                                         [--seeds 5] [--out DIR]
 
 A variant is `policy[/stack[/attention]][@option=value+option=value]` (a missing or "-" part is the
 planner's choice), e.g. `mixed_fp16_qkv16/layers` (the q/k/v projection written in fp16),
@@ -43,6 +43,7 @@ from bench.baseline import BaselineTransformer, TransformerConfig, check_close, 
 from bench.cli import HARNESS_SEEDS  # noqa: E402
 from bench.cuda_trace import kernel_table, profile_cuda  # noqa: E402
 from bench.jax_timing import stream_ms_per_call  # noqa: E402
+from bench.paths import default_out_dir  # noqa: E402
 from bench.report import describe_error, slug  # noqa: E402
 from ttj_jax.model import kernel_weights, plan_for  # noqa: E402
 
@@ -135,7 +136,7 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--kernels", action="store_true", help="CUDA: GPU time per kernel name (torch.profiler)")
     p.add_argument("--hlo", action="store_true", help="write each program's optimized HLO to <tag>-hlo.txt")
-    p.add_argument("--out", default="bench/results")
+    p.add_argument("--out", default=default_out_dir())
     p.add_argument("--variant-sep", default=",",
                    help="what separates the variants (another character when an XLA option's value holds "
                         "commas, e.g. xla_gpu_enable_command_buffer=FUSION,CUBLAS)")

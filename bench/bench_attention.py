@@ -37,6 +37,7 @@ import numpy as np  # noqa: E402
 
 from bench.gpu_power import PowerSampler, sampling  # noqa: E402
 from bench.jax_timing import stream_ms_per_call  # noqa: E402
+from bench.paths import default_out_dir  # noqa: E402
 from bench.report import describe_error, slug, write_json  # noqa: E402
 from ttj_jax.kernels import (  # noqa: E402
     BlockSizes,
@@ -384,7 +385,7 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("--quick", action="store_true", help="skip S=100000 and time fewer block-size variants")
     parser.add_argument("--check", action="store_true", help="correctness checks only, no timing")
-    parser.add_argument("--out", default=str(_REPO_ROOT / "bench" / "results"), help="folder for the JSON")
+    parser.add_argument("--out", default=default_out_dir(), help="folder for the JSON")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny cases in interpret mode: tests this script on a CPU, numbers mean nothing")
     args = parser.parse_args(argv)

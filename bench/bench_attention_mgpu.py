@@ -51,6 +51,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench.jax_timing import stream_ms_per_call  # noqa: E402
+from bench.paths import default_out_dir  # noqa: E402
 from bench.report import describe_error, slug  # noqa: E402
 from ttj_jax.kernels import flash_attention, flash_attention_reference  # noqa: E402
 from ttj_jax.kernels import flash_attention_mgpu_config as mgpu_config  # noqa: E402
@@ -511,7 +512,7 @@ def gpu_check_and_time(out_dir: str | None = None, *, quick: bool = False, check
         return 2
     gpu_name = getattr(device, "device_kind", device.platform)
     date = datetime.date.today().isoformat()
-    out = pathlib.Path(out_dir or _REPO_ROOT / "bench" / "results")
+    out = pathlib.Path(out_dir or default_out_dir())
     out.mkdir(parents=True, exist_ok=True)
     suffix = f"-{study}" if study else "-check" if check_only else "-quick" if quick else ""
     import jaxlib  # noqa: PLC0415
@@ -563,7 +564,7 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer correctness lengths")
     parser.add_argument("--check", action="store_true", help="correctness only, no timing")
-    parser.add_argument("--out", default=None, help="folder for the JSON (default bench/results)")
+    parser.add_argument("--out", default=None, help="folder for the JSON (default: results/ at the repository root)")
     parser.add_argument("--budget-s", type=float, default=420.0, help="start no optional step after this")
     parser.add_argument("--step-timeout-s", type=float, default=90.0, help="watchdog limit per step")
     studies = parser.add_mutually_exclusive_group()

@@ -47,6 +47,7 @@ import numpy as np  # noqa: E402
 
 import ttj_jax as T  # noqa: E402
 from bench.jax_timing import stream_ms_per_call  # noqa: E402
+from bench.paths import default_out_dir  # noqa: E402
 from bench.report import describe_error, slug  # noqa: E402
 from ttj_jax.kernels.fused_stack import fused_stack_forward, stack_weights, supports  # noqa: E402
 
@@ -301,7 +302,7 @@ def main(argv=None) -> int:
     parser.add_argument("--ptxas", action="store_true",
                         help="also compile each tiling with the triton package and record registers/spills/smem "
                              "(on a CPU: only that, no runs)")
-    parser.add_argument("--out", default=str(_REPO_ROOT / "bench" / "results"), help="folder for the JSON")
+    parser.add_argument("--out", default=default_out_dir(), help="folder for the JSON")
     parser.add_argument("--smoke", action="store_true",
                         help="small shapes in interpret mode: tests this script on a CPU, numbers mean nothing")
     args = parser.parse_args(argv)

@@ -20,7 +20,6 @@ import argparse
 import datetime
 import json
 import os
-import pathlib
 import platform
 import statistics
 import sys
@@ -35,18 +34,13 @@ import bridge  # noqa: E402  (sets up jax's allocator before jax touches the GPU
 import ttj_jax as T  # noqa: E402
 from bench.baseline import TransformerConfig, check_close, harness_models, make_inputs  # noqa: E402
 from bench.gpu_power import PowerSampler, sampling  # noqa: E402
+from bench.paths import default_out_dir
 from bench.report import by_shape_id, geomean, markdown_table, slug  # noqa: E402
 from bench.timing import interleaved_host_overhead_us, time_contenders  # noqa: E402
 from bridge import settings  # noqa: E402
 
 HARNESS_SEEDS = tuple(range(1234, 1239))
 TIMING_SEED_OFFSET = 100000
-
-
-def default_out_dir() -> str:
-    """results/ at the repository root (git-ignored), or under the working directory for an installed copy."""
-    root = pathlib.Path(__file__).resolve().parent.parent
-    return str(root / "results") if (root / "pyproject.toml").is_file() else "results"
 
 
 def parse_args(argv=None):

@@ -1,6 +1,6 @@
 """Whether the bridge works whatever CUDA device is current (two GPUs needed).
 
-    PYTHONPATH=. python3 bench/device_switch_check.py [--shape 6] [--out bench/results]
+    PYTHONPATH=. python3 bench/device_switch_check.py [--shape 6] [--out DIR]
 
 On two H200s a split call left cuda:1 current, and the next one-device call of shape 6, a Mosaic kernel
 launched directly, then ran nowhere: the harness's events timed 0.05 ms and its output was whatever the
@@ -28,6 +28,8 @@ _REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 if str(_REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(_REPO_ROOT))
 
+from bench.paths import default_out_dir  # noqa: E402
+
 
 def event_ms(fn, torch, calls: int = 5) -> float:
     stream = torch.cuda.current_stream(torch.device("cuda", 0))
@@ -45,7 +47,7 @@ def event_ms(fn, torch, calls: int = 5) -> float:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", default="6")
-    parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--out", default=default_out_dir())
     args = parser.parse_args(argv)
     import jax
     import torch

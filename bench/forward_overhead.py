@@ -27,6 +27,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import ttj_jax as T  # noqa: E402
+from bench.paths import default_out_dir  # noqa: E402
 from bench.report import slug, write_json  # noqa: E402
 from ttj_jax import model  # noqa: E402
 from ttj_jax.model import executable, kernel_weights, model_key, plan_for  # noqa: E402
@@ -67,7 +68,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default=None, help="official shape ids (GPU) or CPU_SMALL ids")
     p.add_argument("--calls", type=int, default=2000)
-    p.add_argument("--out", default="bench/results")
+    p.add_argument("--out", default=default_out_dir())
     p.add_argument("--tag", default="")
     args = p.parse_args(argv)
     on_gpu = jax.default_backend() == "gpu"

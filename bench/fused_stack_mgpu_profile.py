@@ -1,7 +1,7 @@
 """Where the Mosaic GPU stack kernel's time goes, phase by phase, on the GPU (issue 4: the ~88 us latency
 of one 128-row tile that sets shapes 1-6, 9, 10 and 12).
 
-    PYTHONPATH=. python3 bench/fused_stack_mgpu_profile.py [--shapes 2,1,9,12] [--out bench/results]
+    PYTHONPATH=. python3 bench/fused_stack_mgpu_profile.py [--shapes 2,1,9,12] [--out DIR]
 
 Per official shape: the kernel built with Mosaic GPU's profiler (`fused_stack_mgpu.kernel_function(...,
 profile_dir=...)`: every layer phase a named region per warpgroup, timestamps from the SM's global
@@ -33,6 +33,8 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 _REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 if str(_REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(_REPO_ROOT))
+
+from bench.paths import default_out_dir  # noqa: E402
 
 ROLES = ("consumer0", "consumer1", "producer")   # warpgroups of one CUDA block, in thread order
 
@@ -129,7 +131,7 @@ def print_summary(sid: str, summary: dict) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default="2,1,9,12", help="official shape ids the kernel supports")
-    parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--out", default=default_out_dir())
     args = parser.parse_args(argv)
     import jax
     device = jax.devices()[0]

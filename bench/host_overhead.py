@@ -32,7 +32,7 @@ per call. `gpu_ms` is the CUDA-event median of back-to-back bridge calls, as the
 (`events_ms["bridge"]`), and `host_over_gpu` the ratio of the two; a host-bound call reads about 1 or more
 (its events then span the host's issue time too). Both are None on the CPU.
 
-    python -m bench.host_overhead [--shapes 11,13,8,5,2 | all] [--calls 150] [--tag T] [--out bench/results] [--graph]
+    python -m bench.host_overhead [--shapes 11,13,8,5,2 | all] [--calls 150] [--tag T] [--out DIR] [--graph]
 
 --shapes takes official shape ids, comma-separated, or "all" (the harness's shapes, 1-13).
 --graph (docs/decisions.md, "Bridge and host cost") adds `dispatch_graph`: the bridge's program for
@@ -60,6 +60,7 @@ import bridge  # noqa: E402
 import ttj_jax as T  # noqa: E402
 from bench.baseline import TransformerConfig, harness_models, make_inputs  # noqa: E402
 from bench.cli import _time_jax_loop, _ttj_jax_contender  # noqa: E402
+from bench.paths import default_out_dir  # noqa: E402
 from bench.report import slug, write_json  # noqa: E402
 from bench.timing import interleaved_host_overhead_us, time_contenders  # noqa: E402
 from bridge import runtime, settings  # noqa: E402
@@ -235,7 +236,7 @@ def main(argv=None):
                    help='official shape ids, comma-separated, or "all" (shapes 1-13)')
     p.add_argument("--calls", type=int, default=150, help="samples per variant (default 150)")
     p.add_argument("--tag", default="")
-    p.add_argument("--out", default="bench/results")
+    p.add_argument("--out", default=default_out_dir())
     p.add_argument("--device", default="cuda", help="cuda (the measurement) or cpu (a smoke test of the script)")
     p.add_argument("--graph", action="store_true",
                    help="also the program as one CUDA graph (dispatch_graph; on the CPU XLA ignores the options)")

@@ -3,7 +3,7 @@ fp32 scores (every row, or the last 8192 of S=100000: the rows that see the most
 against the call without return_lse (bit for bit). On sm_90 these cases run the Hopper kernel (ring_attention merges its
 visits with that log-sum-exp).
 
-    PYTHONPATH=. python3 bench/lse_check.py [--out bench/results]
+    PYTHONPATH=. python3 bench/lse_check.py [--out DIR]
 
 Writes <out>/lse-check-<date>-<gpu>.json; exit 1 if a check fails.
 """
@@ -22,6 +22,7 @@ if str(_REPO_ROOT) not in sys.path:
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from bench.paths import default_out_dir  # noqa: E402
 from bench.report import slug, write_json  # noqa: E402
 from ttj_jax.kernels import flash_attention  # noqa: E402
 from ttj_jax.kernels.flash_attention import use_mosaic_kernel  # noqa: E402
@@ -36,7 +37,7 @@ TOLERANCE = 1e-3
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default=str(_REPO_ROOT / "bench" / "results"))
+    parser.add_argument("--out", default=default_out_dir())
     args = parser.parse_args(argv)
     checks = []
     for seq_len, head_dim, causal in CASES:

@@ -3,7 +3,7 @@ against the one-device forward, from JAX, and the planner's own choice (the ring
 several GPUs) beside them.
 
     PYTHONPATH=. python3 bench/ring_check.py [--config B,S,d,H,ffn,L] [--devices N] [--query-chunk 1024]
-        [--key-chunk 1024] [--calls 3] [--out bench/results] [--tag NAME]
+        [--key-chunk 1024] [--calls 3] [--out DIR] [--tag NAME]
 
 The one-device call is `ttj_jax.forward` with the planner's plan on device 0; the ring splits each sequence
 over N devices (all visible by default). Both run on the same input (seeded normal, all-True mask) with
@@ -30,6 +30,8 @@ _REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 if str(_REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(_REPO_ROOT))
 
+from bench.paths import default_out_dir  # noqa: E402
+
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -40,7 +42,7 @@ def main(argv=None) -> int:
     parser.add_argument("--calls", type=int, default=3)
     parser.add_argument("--attention", default="xla,pallas",
                         help="the ring's per-visit attention, comma separated: xla, pallas (our flash kernel)")
-    parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--out", default=default_out_dir())
     parser.add_argument("--tag", default=None)
     args = parser.parse_args(argv)
 

@@ -1,6 +1,6 @@
 """The "rows" stack (ttj_jax/kernels/row_block.py) against the XLA program and the fused stack, on the GPU.
 
-    python -m bench.rows_check [--shapes 13,1,5,6] [--seeds 3] [--out bench/results]
+    python -m bench.rows_check [--shapes 13,1,5,6] [--seeds 3] [--out DIR]
 
 Per official shape (those the rows stack runs): the harness's baseline and our module; accuracy of each
 stack through the bridge against the baseline (TF32, as the harness runs it) on `--seeds` harness inputs,
@@ -27,6 +27,7 @@ import bridge  # noqa: E402
 import ttj_jax as T  # noqa: E402
 from bench.baseline import check_close, harness_models, make_inputs  # noqa: E402
 from bench.jax_timing import stream_ms_per_call  # noqa: E402
+from bench.paths import default_out_dir  # noqa: E402
 from bench.report import describe_error, run_shapes, slug  # noqa: E402
 from bench.timing import time_contenders  # noqa: E402
 from bridge import runtime  # noqa: E402
@@ -86,7 +87,7 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--seeds", type=int, default=3)
-    p.add_argument("--out", default="bench/results")
+    p.add_argument("--out", default=default_out_dir())
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench.rows_check needs a CUDA GPU", file=sys.stderr)

@@ -32,6 +32,7 @@ import bridge  # noqa: E402  (sets up jax's allocator before jax touches the GPU
 import ttj_jax as T  # noqa: E402
 from bench.baseline import TransformerConfig, check_close, harness_models, make_inputs  # noqa: E402
 from bench.gpu_power import PowerSampler, sampling  # noqa: E402
+from bench.paths import default_out_dir  # noqa: E402
 from bench.report import slug  # noqa: E402
 from ttj_jax.chunked_reference import chunked_reference_forward  # noqa: E402
 from ttj_jax.params import to_jax_array  # noqa: E402
@@ -79,7 +80,7 @@ def parse_args(argv=None):
                         "with XLA_PYTHON_CLIENT_MEM_FRACTION capping jax below the input's size")
     p.add_argument("--stream-chunk", type=int, default=None,
                    help="sequences per streamed chunk (default: the planner's, from device memory)")
-    p.add_argument("--out", default="bench/results", help="folder for the JSON")
+    p.add_argument("--out", default=default_out_dir(), help="folder for the JSON")
     p.add_argument("--tag", default=None, help="file name stem (default: scale-<date>-<gpu>)")
     args = p.parse_args(argv)
     if args.timing_calls < 1 or args.prefix_k < 1 or args.full_ref < 0 or args.ref_chunk < 1:

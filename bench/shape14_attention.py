@@ -19,12 +19,13 @@ import jax.numpy as jnp  # noqa: E402
 
 import ttj_jax as T  # noqa: E402
 from bench.jax_timing import synced_calls_ms  # noqa: E402
+from bench.paths import default_out_dir  # noqa: E402
 from bench.report import slug, write_json  # noqa: E402
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="bench/results")
+    p.add_argument("--out", default=default_out_dir())
     p.add_argument("--calls", type=int, default=3)
     args = p.parse_args(argv)
     config = T.OFFICIAL["14"].config
