@@ -169,6 +169,7 @@ def test_profile_trace_summary():
         summarize_trace({"traceEvents": events[:-1]})
 
 
+@pytest.mark.slow
 def test_ablate_variants_end_to_end(tmp_path):
     """bench/ablate.py: variant parsing (XLA options too), a refused variant recorded (the run goes on),
     real ones checked against the baseline and timed on a CPU twin, one compiled with an XLA option whose

@@ -58,6 +58,7 @@ def _check(q, k, v, *, causal, block_sizes=None, **masks):
     return out32
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("seq_len", [1, 7, 33, 127])
 @pytest.mark.interpret
@@ -65,6 +66,7 @@ def test_odd_sequence_lengths(seq_len, causal):
     _check(*_inputs(seq_len, seq_len, 32), causal=causal)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("head_dim", [8, 16, 32, 64, 128, 256, 48])  # 8 and 48 take the head_dim padding
 @pytest.mark.interpret

@@ -70,6 +70,7 @@ def _f32(a):
     return np.asarray(a.astype(jnp.float32))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_matches_reference_forward_and_exact(case, harness_rule):
     S, d, H, ffn, L, causal, B, block_sequences, dtype = CASES[case]
@@ -95,6 +96,7 @@ def test_matches_reference_forward_and_exact(case, harness_rule):
     assert kernel_error <= MIXED_ERROR_FACTOR * mixed_error + 1e-5, (kernel_error, mixed_error)
 
 
+@pytest.mark.slow
 @settings(max_examples=4, deadline=None, derandomize=True)
 @given(seq_len=st.integers(1, 70), width=st.sampled_from([(16, 1), (32, 2), (48, 3), (64, 8), (40, 5)]),
        ffn=st.integers(8, 100), layers=st.integers(1, 2), causal=st.booleans(), batch=st.integers(1, 3),
@@ -120,6 +122,7 @@ def test_erf_and_gelu_match_jax():
                                rtol=0, atol=5e-6)
 
 
+@pytest.mark.slow
 def test_block_sequences_only_repack_the_batch():
     # Sequences never see each other: one per program or two packed per program give the same output,
     # up to the summation order of the taller dots.
@@ -299,6 +302,7 @@ def _mask(kind, B, S, seed):
     return jnp.asarray(mask)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(MASKED_CASES))
 def test_masked_calls_match_reference_and_forward(case, harness_rule):
     S, d, H, ffn, L, causal, B, block_sequences, kind = MASKED_CASES[case]
@@ -351,6 +355,7 @@ def test_masked_kernel_lowers_through_triton_for_cuda(S, d, block_sequences):
         assert set(re.findall(r"stablehlo\.(\w+)", text)) <= {"custom_call", "reshape", "return"}
 
 
+@pytest.mark.slow
 def test_unrolled_loops_compute_the_same():
     # unroll=True (a tiling for the GPU to time) writes the head and MLP loops as straight-line code:
     # the same operations in the same order, so the same numbers; it still lowers to one kernel.

@@ -63,6 +63,7 @@ def test_lowers_to_one_mosaic_gpu_kernel(num_heads, seq_len):
     assert "stablehlo.pad" not in text and "stablehlo.slice" not in text   # 64 sequences: no copies
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("seq_len", [32, 128])
 def test_lowers_at_small_batches(batch, seq_len):
@@ -72,6 +73,7 @@ def test_lowers_at_small_batches(batch, seq_len):
     assert ("stablehlo.pad" in text) == (seq_len == 32)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_heads", [1, 2, 4])
 def test_lowers_at_d_model_32(num_heads):
     # shape 7's width: at 4 heads the head_dim 8 is zero-padded to MIN_BLOCK (16)
@@ -317,6 +319,7 @@ print(json.dumps({"same": plain == inside}))
 """
 
 
+@pytest.mark.slow
 def test_kernel_inside_a_batch_split_is_the_single_device_kernel():
     # The flash_attention_mgpu lesson: grid axis names share a namespace with mesh axes (parallel.py's
     # is "batch"); inside a batch split the lowered kernel must be the single-device one.

@@ -56,6 +56,7 @@ EMULATION_CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fast_erf", [False, True])
 @pytest.mark.parametrize("case", sorted(EMULATION_CASES))
 def test_emulation_meets_the_harness_rule(case, fast_erf):

@@ -136,6 +136,7 @@ print(json.dumps({"shape_ok": y.shape == x.shape, "failed": int((~(np.abs(y - re
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("d_model, num_heads", [(128, 2), (32, 4)])   # (32, 4): shape 7's widths, padded heads
 def test_model_forward_with_the_mosaic_stack_meets_the_harness_rule(d_model, num_heads):
     import json
@@ -149,6 +150,7 @@ def test_model_forward_with_the_mosaic_stack_meets_the_harness_rule(d_model, num
 
 # --- the module the launch compiles ------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_module_is_what_jax_as_torch_kernel_would_compile():
     torch_mod = pytest.importorskip("jax._src.pallas.mosaic_gpu.torch")
     from jax._src.lib.mlir import passmanager
@@ -167,6 +169,7 @@ def test_module_is_what_jax_as_torch_kernel_would_compile():
     assert other != asm   # a different kernel is a different module
 
 
+@pytest.mark.slow
 def test_module_refuses_more_than_the_kernel():
     function = fsm.kernel_function(1, 128, 4, 2, True)
     structs = _structs(1, 128, 4, 2)
@@ -232,6 +235,7 @@ class _LaunchThroughJax:
         return torch.from_numpy(np.array(y)) + self.offset
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("offset", [0.0, 0.01])
 def test_bridge_launches_the_kernel_itself_only_after_it_agreed_with_jax(monkeypatch, offset):
     import bridge
@@ -259,6 +263,7 @@ def test_bridge_launches_the_kernel_itself_only_after_it_agreed_with_jax(monkeyp
         assert launch.launches == 3 and torch.equal(again, y)
 
 
+@pytest.mark.slow
 def test_bridge_builds_one_launch_per_input_signature_and_follows_weight_changes(monkeypatch):
     import bridge
     from bridge import mosaic_launch, runtime

@@ -55,6 +55,7 @@ def test_rows_stack_matches_the_xla_program(case, harness_rule):
     assert np.abs(y - exact).max() <= 1.5 * np.abs(xla - exact).max() + 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mask_kind", [None, "general"])
 def test_padded_heads_give_the_unpadded_result(mask_kind, harness_rule):
     """head_dim 8: rows_weights pads each head to the flash kernel's width 16 (q/k/v columns, out-projection
@@ -87,6 +88,7 @@ def test_padded_heads_give_the_unpadded_result(mask_kind, harness_rule):
         rows_forward(padded, x, num_heads=4, causal=True, interpret=True)
 
 
+@pytest.mark.slow
 def test_stacked_weights_are_fourteen_arrays_and_give_the_per_layer_result():
     """RowsWeights holds each per-layer weight stacked over the layers: the program takes 14 arrays at
     any depth (jax's dispatch costs ~1 us of host time per argument), and each kernel reads its layer's

@@ -33,6 +33,7 @@ CHUNKINGS = [(1, 4, 4), (7, 4, 3), (61, 16, 25)] + [
     pytest.param(*chunking, marks=pytest.mark.slow) for chunking in ((7, 7, 7), (40, 10, 20), (40, 8, 16), (61, 25, 9))]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
 @pytest.mark.parametrize("seq_len,query_chunk,key_chunk", CHUNKINGS)
 def test_chunked_reference_matches_reference(seq_len, query_chunk, key_chunk, causal):
