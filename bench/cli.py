@@ -123,7 +123,7 @@ class Progress:
             self._rich.stop()
 
 
-def _ttj_jax_contender(module, config: T.Config, x: torch.Tensor):
+def ttj_jax_contender(module, config: T.Config, x: torch.Tensor):
     """ttj-jax as a JAX user calls it: prepared weights and a jax input, no torch in the loop."""
     params = T.params_from_state_dict({k: v.detach().clone() for k, v in module.state_dict().items()}, config)
     jx = jax.dlpack.from_dlpack(x.detach().clone())
@@ -135,7 +135,7 @@ def _ttj_jax_contender(module, config: T.Config, x: torch.Tensor):
     return (lambda: run(prepared, jx, None)), plan
 
 
-def _time_jax_loop(fn, *, warmup: int, rounds: int, calls: int) -> dict:
+def time_jax_loop(fn, *, warmup: int, rounds: int, calls: int) -> dict:
     for _ in range(warmup):
         fn()
     jax.block_until_ready(fn())
@@ -213,12 +213,12 @@ def run_shape(shape: T.Shape, args, device: torch.device, progress: Progress,
         result["gpu_state"] = power.window(started, time.perf_counter()) if power is not None else None
 
     progress.step(f"shape {shape.id}: ttj-jax from JAX")
-    jax_fn, jax_plan = _ttj_jax_contender(ours, config, x)
+    jax_fn, jax_plan = ttj_jax_contender(ours, config, x)
     out = torch.from_dlpack(jax.block_until_ready(jax_fn()))
     with torch.inference_mode():
         failed, worst = check_close(out, baseline(x, mask))
     result["ttj_jax_accuracy"] = {"failed_elements": failed, "worst_err_over_tol": worst}
-    result["ttj_jax_timing"] = _time_jax_loop(jax_fn, warmup=args.warmup, rounds=args.rounds, calls=calls)
+    result["ttj_jax_timing"] = time_jax_loop(jax_fn, warmup=args.warmup, rounds=args.rounds, calls=calls)
     # Host time of one call issued on an idle GPU, every contender sampled in turn (measured apart, minutes
     # apart, the host's pace drifts by more than the differences). The host-cost target compares the
     # bridge's with its GPU time per call (docs/decisions.md); where the torch peer replays a CUDA graph

@@ -3,7 +3,7 @@ executable it ends in (`ttj_jax.executable(plan, ...)(weights, x, None)`), per s
 plan cache emptied before every call ("forward_replanning": validation, planning and the executable lookup
 paid on every call, i.e. what the cache saves).
 
-forward keeps the plan and executable per input signature (model._forward_call), so a repeated call
+forward keeps the plan and executable per input signature (model.clear_forward_cache empties it), so a repeated call
 should cost little more than the executable's own dispatch. Samples of the three are interleaved
 (forward, executable, forward_replanning, forward, ...), no sync inside a call, medians in microseconds.
 On a GPU the queue is drained every 50 calls so that it never fills (a full queue would make the host wait
@@ -41,7 +41,7 @@ def measure(shape: T.Shape, calls: int) -> dict:
     run = executable(plan, model_key(config), True)
     weights = kernel_weights(prepared, model_key(config), plan.stack)
     def forward_replanning():   # forward with its per-signature cache emptied: planned on every call
-        model._FORWARD_CALLS.clear()
+        model.clear_forward_cache()
         return T.forward(prepared, x, config=config)
 
     contenders = {"forward": lambda: T.forward(prepared, x, config=config),

@@ -59,7 +59,7 @@ import torch  # noqa: E402
 import bridge  # noqa: E402
 import ttj_jax as T  # noqa: E402
 from bench.baseline import TransformerConfig, harness_models, make_inputs  # noqa: E402
-from bench.cli import _time_jax_loop, _ttj_jax_contender  # noqa: E402
+from bench.cli import time_jax_loop, ttj_jax_contender  # noqa: E402
 from bench.paths import default_out_dir  # noqa: E402
 from bench.report import slug, write_json  # noqa: E402
 from bench.timing import interleaved_host_overhead_us, time_contenders  # noqa: E402
@@ -139,7 +139,7 @@ def warm_bridge(sid: str, device: torch.device):
     with torch.inference_mode():
         ours(x, mask)
         _sync(device)
-    state = runtime._STATES[ours]
+    state = runtime.module_state(ours)
     return config, ours, x, mask, state, next(iter(state.calls.values()))
 
 
@@ -152,7 +152,7 @@ def profile_shape(sid: str, calls: int, device: torch.device, graph: bool = Fals
         jx = transfer.to_jax(x)
         kept = call.run(weights, jx, None)
         jax.block_until_ready(kept)
-        jax_fn, jax_plan = _ttj_jax_contender(ours, config, x)
+        jax_fn, jax_plan = ttj_jax_contender(ours, config, x)
         jax.block_until_ready(jax_fn())
 
         def imported():
@@ -215,9 +215,9 @@ def profile_shape(sid: str, calls: int, device: torch.device, graph: bool = Fals
             timed = time_contenders({"bridge": lambda: ours(x, mask), "bridge_reimport": reimport},
                                     warmup=20, rounds=3, calls=100, device=device)
             events = {name: t["median_ms"] for name, t in timed.items()}
-            events["jax_loop"] = _time_jax_loop(jax_fn, warmup=20, rounds=3, calls=100)["median_ms"]
+            events["jax_loop"] = time_jax_loop(jax_fn, warmup=20, rounds=3, calls=100)["median_ms"]
             if graph_run is not None:
-                events["jax_loop_graph"] = _time_jax_loop(lambda: graph_run(weights, jx, None), warmup=20,
+                events["jax_loop_graph"] = time_jax_loop(lambda: graph_run(weights, jx, None), warmup=20,
                                                           rounds=3, calls=100)["median_ms"]
         ordering = ordering_check(ours, x, mask, 10, device)
     gpu_ms = events.get("bridge")   # back-to-back calls under the harness's events; None on the CPU
@@ -254,7 +254,7 @@ def main(argv=None):
         print(f"shape {sid} ...", flush=True)
         result["shapes"][sid] = profile_shape(sid, args.calls, device, graph=args.graph)
         # whether this shape's bridge calls kept x's import (bridge/runtime.py, _Transfer.to_jax_kept)
-        result["shapes"][sid]["compute_stream_ordered"] = runtime._transfer(device).compute_stream is not None
+        result["shapes"][sid]["compute_stream_ordered"] = runtime.transfer_for(device).compute_stream is not None
     path = str(write_json(result, args.out, f"host-overhead-{result['date']}-{slug(result['gpu'])}"
                                             f"{'-' + args.tag if args.tag else ''}"))
     names = [n for n in CUMULATIVE] + ["alone_weights_check", "alone_front", "alone_import", "alone_export_kept"]

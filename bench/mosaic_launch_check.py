@@ -64,7 +64,7 @@ def check_shape(sid: str, device: torch.device, stack: str | None = None, agains
         y = ours(x, mask)
         torch.cuda.synchronize()
         record["first_call_s"] = time.perf_counter() - t0
-        [call] = [c for k, c in runtime._STATES[module].calls.items() if k[-1] == stack and k[-2] is None]
+        [call] = [c for k, c in runtime.module_state(module).calls.items() if k[-1] == stack and k[-2] is None]
         record["plan"] = call.plan.explain()
         record["stack"] = call.plan.stack
         record["launched_by_bridge"] = call.direct is not None

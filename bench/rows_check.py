@@ -66,7 +66,7 @@ def run_shape(sid: str, seeds: int) -> dict:
         timed = time_contenders({s: (lambda s=s: runtime.forward(ours, x, mask, stack=s)) for s in ok},
                                 warmup=20, rounds=3, calls=100, device="cuda")
         record["bridge_ms"] = {s: round(v["median_ms"], 4) for s, v in timed.items()}
-        record["plans"] = {s: runtime._STATES[ours].calls[next(k for k in runtime._STATES[ours].calls
+        record["plans"] = {s: runtime.module_state(ours).calls[next(k for k in runtime.module_state(ours).calls
                                                               if k[-1] == s)].plan.name for s in ok}
 
     params = T.params_from_state_dict({k: v.detach().clone() for k, v in ours.state_dict().items()}, config)

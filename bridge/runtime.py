@@ -503,6 +503,17 @@ def _state(module: torch.nn.Module, config) -> _ModuleState:
     return state
 
 
+def module_state(module: torch.nn.Module) -> _ModuleState:
+    """What the bridge keeps for `module` (its weights' caches and its calls by input signature), for
+    diagnostic tools; KeyError before the module's first call."""
+    return _STATES[module]
+
+
+def transfer_for(device: torch.device) -> _Transfer:
+    """The torch <-> jax transfer of one device (made on first use), for diagnostic tools."""
+    return _transfer(device)
+
+
 def _config_of(module: torch.nn.Module):
     config = getattr(module, "config", None)
     if config is None:

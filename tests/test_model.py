@@ -159,7 +159,7 @@ def test_forward_plans_each_input_signature_once(monkeypatch):
     calls = []
     real = model.plan_for
     monkeypatch.setattr(model, "plan_for", lambda *a, **k: calls.append(k) or real(*a, **k))
-    model._FORWARD_CALLS.clear()
+    model.clear_forward_cache()
     first = np.asarray(T.forward(prepared, x, config=config))
     assert len(calls) == 1
     np.testing.assert_array_equal(np.asarray(T.forward(prepared, x, config=config)), first)

@@ -19,7 +19,8 @@ from ttj_jax.planner import plan as make_plan
 from ttj_jax.ring_attention import sequence_parallel_forward
 from ttj_jax.stacks import kernel_weights
 
-__all__ = ["executable", "forward", "kernel_weights", "model_key", "plan_for", "validate_inputs"]
+__all__ = ["clear_forward_cache", "executable", "forward", "forward_cache_plans", "kernel_weights", "model_key", "plan_for",
+           "validate_inputs"]
 
 
 @functools.cache
@@ -102,6 +103,16 @@ def forward(params: Any, x, valid_token_mask=None, *, config, mask_kind: MaskKin
 # and the options; the device facts read there do not change while the process runs. A traced x
 # (forward inside a caller's jit) is planned every time (cheap next to tracing).
 _FORWARD_CALLS: dict[tuple, tuple] = {}
+
+
+def clear_forward_cache() -> None:
+    """Forgets every input signature's plan and executable (they are found or built again on the next call)."""
+    _FORWARD_CALLS.clear()
+
+
+def forward_cache_plans() -> list[Plan]:
+    """The plans `forward` keeps, one per input signature seen."""
+    return [found[0] for found in _FORWARD_CALLS.values()]
 
 
 def _forward_call(config: Config, x, kind: MaskKind, prepared: bool, overrides: tuple):
