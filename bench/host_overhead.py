@@ -25,7 +25,7 @@ busy). Then the harness's CUDA event timing of the bridge (one input, and two in
 loop, and an ordering check of the import: x rewritten in place on torch's stream behind a long matmul,
 the bridge called at once, its output compared with a call on a fresh copy (the same program: equal to
 the bit). (The event test is short; the harness loop of `ttj-bench` is the one that caught an import
-cache losing the order, see bridge/runtime.py's _Transfer.)
+cache losing the order, see bridge/transfer.py's Transfer.)
 
 The target: per shape, the bridge's host time per call (`bridge` above, drained) below 60% of its GPU time
 per call. `gpu_ms` is the CUDA-event median of back-to-back bridge calls, as the harness times them
@@ -64,6 +64,7 @@ from bench.paths import default_out_dir  # noqa: E402
 from bench.report import slug, write_json  # noqa: E402
 from bench.timing import interleaved_host_overhead_us, time_contenders  # noqa: E402
 from bridge import runtime, settings  # noqa: E402
+from bridge.transfer import transfer_for  # noqa: E402
 from ttj_jax.model import validate_inputs  # noqa: E402
 from ttj_jax.shapes import HARNESS_IDS  # noqa: E402
 
@@ -253,8 +254,8 @@ def main(argv=None):
     for sid in args.shapes:
         print(f"shape {sid} ...", flush=True)
         result["shapes"][sid] = profile_shape(sid, args.calls, device, graph=args.graph)
-        # whether this shape's bridge calls kept x's import (bridge/runtime.py, _Transfer.to_jax_kept)
-        result["shapes"][sid]["compute_stream_ordered"] = runtime.transfer_for(device).compute_stream is not None
+        # whether this shape's bridge calls kept x's import (bridge/transfer.py, Transfer.to_jax_kept)
+        result["shapes"][sid]["compute_stream_ordered"] = transfer_for(device).compute_stream is not None
     path = str(write_json(result, args.out, f"host-overhead-{result['date']}-{slug(result['gpu'])}"
                                             f"{'-' + args.tag if args.tag else ''}"))
     names = [n for n in CUMULATIVE] + ["alone_weights_check", "alone_front", "alone_import", "alone_export_kept"]

@@ -8,10 +8,10 @@ Per module, built once and reused (held in a WeakKeyDictionary, so nothing is ad
 - per input signature (shape, dtype, device, mask kind): the plan and its compiled executable.
 - the kind of the last mask seen, keyed by the tensor object and its version counter.
 Per call, the work is: a few attribute checks, a key comparison, one DLPack import of x (the native
-path, compat.DlpackImporter; on CUDA kept from the last call for the same x, _Transfer.to_jax_kept,
+path, compat.DlpackImporter; on CUDA kept from the last call for the same x, Transfer.to_jax_kept,
 unless TTJ_BRIDGE_KEEP_X_IMPORT=0),
 the async jax dispatch, and one DLPack export. No host sync: torch's
-pending writes to x are ordered before jax reads it by one cached CUDA event (_Transfer), and torch's
+pending writes to x are ordered before jax reads it by one cached CUDA event (Transfer), and torch's
 stream waits on jax's result through the DLPack protocol on export; later torch writes to x are
 therefore ordered after jax's reads too.
 """
@@ -19,7 +19,6 @@ therefore ordered after jax's reads too.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
 import weakref
 from collections.abc import Callable
@@ -31,9 +30,9 @@ import jax
 import numpy as np
 import torch
 
-from bridge import mosaic_launch, settings
+from bridge import mosaic_launch
+from bridge.transfer import Transfer, current_cuda_device, transfer_for
 from ttj_jax import stacks
-from ttj_jax.compat import dlpack_exporter, dlpack_importer, jax_compute_stream
 from ttj_jax.config import Config
 from ttj_jax.masks import MaskKind, classify_mask
 from ttj_jax.model import executable, model_key, plan_for, validate_inputs
@@ -42,7 +41,6 @@ from ttj_jax.params import expected_shapes, params_from_state_dict, prepare_weig
 from ttj_jax.planner import Plan
 
 _STATES: weakref.WeakKeyDictionary[torch.nn.Module, _ModuleState] = weakref.WeakKeyDictionary()
-_TRANSFERS: dict[tuple[str, int | None], _Transfer] = {}
 _PREPARE = {}   # policy name -> jitted prepare_weights
 _version_of = attrgetter("_version")
 _data_ptr_of = torch.Tensor.data_ptr
@@ -67,191 +65,8 @@ torch.nn.modules.module.register_module_module_registration_hook(_count_registra
 _overwrites_on_conversion = torch.__future__.get_overwrite_module_params_on_conversion
 
 
-# The current CUDA device's index: torch's C getter (what torch.cuda.current_device wraps), a fraction of a us.
-_current_cuda_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
 # Whether torch's current CUDA stream is capturing a graph: the C getter torch.cuda wraps.
 _capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", torch.cuda.is_current_stream_capturing)
-
-
-class _Transfer:
-    """Moves tensors between torch and jax on one device, zero-copy, ordered on the GPU.
-
-    CUDA, torch -> jax: one cached event is recorded on torch's current stream, and jax's stream for
-    external ready events and jax's compute stream (where XLA runs the programs; its handle from
-    `compat.jax_compute_stream`) wait on it. Then the tensors cross as plain capsules: the DLPack stream
-    protocol's ordering done once per call with cached objects instead of per tensor.
-    CUDA, jax -> torch: jax makes torch's current stream wait for the result (DLPack protocol).
-    Elsewhere (the CPU) both directions use the plain protocol.
-
-    The compute-stream wait orders every program queued after it behind torch's pending writes,
-    whichever arrays it reads. That is what makes a kept import of x safe: `to_jax_kept` returns the
-    same jax array while x is the same tensor with the same memory and layout (its contents may change:
-    those writes are what the wait orders). Without that wait a kept import lets jax's program run
-    ahead of torch's writes, so `to_jax_kept` is called only when `order_before_jax()` returned True;
-    without the handle (another jax, the CPU) every call imports afresh.
-
-    The event goes through the CUDA driver (raw handles, ~13 us of host time against ~25 for torch's
-    Event and ExternalStream wrappers); torch's wrappers are the fallback. docs/decisions.md has the
-    measurements.
-    """
-
-    def __init__(self, device: torch.device):
-        probe = torch.empty(1, device=device)
-        self.importer = dlpack_importer(*probe.__dlpack_device__())
-        self.device = device
-        self.on_cuda = device.type == "cuda" and self.importer.fast and self.importer.stream is not None
-        self.export_capsule = dlpack_exporter()
-        # torch's side of the export: the capsule converter and the current stream's raw handle without
-        # the public wrappers' argument handling (a few us per call on the H200 host); public fallbacks.
-        self.capsule_to_tensor = getattr(torch._C, "_from_dlpack", torch.utils.dlpack.from_dlpack)
-        self.driver_order = None
-        self.order_compute = None   # the compute stream's wait alone (order_programs)
-        self.compute_stream = None
-        self.kept = _KeptImport()
-        if self.on_cuda:
-            self.jax_stream = torch.cuda.ExternalStream(self.importer.stream, device=device)
-            self.event = torch.cuda.Event()
-            self.current_raw_stream = mosaic_launch.current_stream_getter(device)
-            if settings.keep_x_import():
-                with torch.cuda.device(device):   # the probe's compile and run leave torch's device as it was
-                    self.compute_stream = jax_compute_stream(self.importer.device)
-            streams = (self.importer.stream,) + ((self.compute_stream,) if self.compute_stream else ())
-            self.driver_order = _driver_ordering(device, self.current_raw_stream, streams)
-            if self.compute_stream:
-                self.order_compute = _driver_ordering(device, self.current_raw_stream, (self.compute_stream,))
-
-    def order_before_jax(self) -> bool:
-        """Makes jax's stream for external ready events, and jax's compute stream where its handle is
-        known, wait for everything torch's current stream has queued so far. Returns True when the
-        compute stream waited (a kept import, `to_jax_kept`, is then ordered too)."""
-        if self.on_cuda:
-            if self.driver_order is not None and self.driver_order():
-                return self.compute_stream is not None
-            self.event.record(torch.cuda.current_stream(self.device))
-            self.jax_stream.wait_event(self.event)
-        return False
-
-    def order_programs(self) -> bool:
-        """order_before_jax() for a call whose jax work on the imports is programs on this device and
-        nothing else (forward's single-device path): where the compute stream's handle is known, only
-        that stream waits (one driver call fewer: every program runs on it, so the ready-events stream's
-        wait orders nothing more for them; a fresh import's definition event, recorded there, is then
-        met at once). Anything else that reads the imports (a copy to another device, a host transfer)
-        runs on other streams: order those with order_before_jax()."""
-        if self.order_compute is not None and self.order_compute():
-            return True
-        return self.order_before_jax()
-
-    def to_jax(self, tensor: torch.Tensor):
-        """Call order_before_jax() first (once for all tensors of one call)."""
-        if self.on_cuda:
-            return self.importer.from_capsule(torch.utils.dlpack.to_dlpack(tensor))
-        return self.importer(tensor)
-
-    def to_jax_kept(self, tensor: torch.Tensor):
-        """to_jax, kept from the last call for the same tensor, memory and layout. Only after
-        order_before_jax() returned True in this call (see the class docstring)."""
-        return self.kept.get(tensor, self.to_jax)
-
-    def to_torch(self, array) -> torch.Tensor:
-        if not self.on_cuda:
-            return torch.from_dlpack(array)
-        stream = self.current_raw_stream() or 1   # DLPack: 1 = the legacy default stream
-        try:
-            return self.capsule_to_tensor(self.export_capsule(array, stream))
-        except (TypeError, ValueError, RuntimeError, AttributeError):
-            # this jax's native export wants something else: use the array's own protocol from now on
-            self.export_capsule = lambda a, s: a.__dlpack__(stream=s)
-            return torch.utils.dlpack.from_dlpack(self.export_capsule(array, stream))
-
-
-class _KeptImport:
-    """The last tensor imported and its jax array: `get(tensor, load)` returns the kept array while
-    `tensor` is the same object with the same data pointer, shape, strides and dtype (an in-place
-    `set_`, `resize_` or `.data =` changes one of those), else `load(tensor)`, which it keeps instead.
-    Holding the array holds the tensor (the DLPack import references it): one input per device stays
-    alive until another takes its place."""
-
-    __slots__ = ("tensor", "key", "array")
-
-    def __init__(self):
-        self.tensor = self.key = self.array = None
-
-    def get(self, tensor: torch.Tensor, load: Callable[[torch.Tensor], Any]):
-        key = (tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype)
-        if tensor is self.tensor and key == self.key:
-            return self.array
-        self.tensor = self.key = self.array = None   # nothing half-kept if load raises
-        array = load(tensor)
-        self.tensor, self.key, self.array = tensor, key, array
-        return array
-
-
-_LIBCUDA = []
-
-
-def _libcuda():
-    """The CUDA driver library, loaded once (raises OSError where there is none)."""
-    if not _LIBCUDA:
-        _LIBCUDA.append(ctypes.CDLL("libcuda.so.1"))
-    return _LIBCUDA[0]
-
-
-def _driver_ordering(device: torch.device, torch_raw_stream: Callable[[], int], jax_streams: tuple[int, ...]):
-    """order() -> bool: one cuEventRecord of a cached event on torch's current stream and one
-    cuStreamWaitEvent of each of jax's streams on it, through the CUDA driver (see _Transfer); False when
-    the driver refused (e.g. a thread with no CUDA context current), and the caller then orders through
-    torch. None where libcuda or the event cannot be had."""
-    try:
-        driver = _libcuda()
-        create, record, wait = driver.cuEventCreate, driver.cuEventRecord, driver.cuStreamWaitEvent
-        create.argtypes = [ctypes.c_void_p, ctypes.c_uint]
-        record.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-        wait.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
-        event = ctypes.c_void_p()
-        with torch.cuda.device(device):
-            torch.cuda.current_stream(device)   # torch's context for the device current on this thread
-            if create(ctypes.byref(event), 0x2):   # CU_EVENT_DISABLE_TIMING
-                return None
-    except (OSError, AttributeError, RuntimeError):   # no libcuda, an old driver, torch without CUDA
-        return None
-
-    index = device.index
-
-    def order() -> bool:
-        # torch's default stream is handle 0, which the driver resolves in the current context: only
-        # when the device's own is current (else torch's wrappers, which switch devices, do it)
-        if _current_cuda_device() != index:
-            return False
-        if record(event, torch_raw_stream()):
-            return False
-        return not any(wait(stream, event, 0) for stream in jax_streams)
-    order.event = event   # kept alive with the closure (never destroyed: one per device)
-    return order
-
-
-def _start_jax_keeping_torch_device() -> None:
-    """Starts jax's backends with torch's current CUDA device restored afterwards. Starting, jax makes
-    each of its GPUs current in turn; with two GPUs visible that left torch's current device at cuda:1
-    (seen on the two-H200 machine), so a later `torch.empty(..., device="cuda")` landed on the wrong GPU."""
-    if not torch.cuda.is_available():
-        jax.devices()
-        return
-    current = torch.cuda.current_device()
-    try:
-        jax.devices()
-    finally:
-        torch.cuda.set_device(current)
-
-
-def _transfer(device: torch.device) -> _Transfer:
-    key = (device.type, device.index)
-    transfer = _TRANSFERS.get(key)
-    if transfer is None:
-        if not _TRANSFERS:
-            _start_jax_keeping_torch_device()
-        transfer = _TRANSFERS[key] = _Transfer(device)
-    return transfer
 
 
 def _torch_dtype_name(dtype: torch.dtype) -> str:
@@ -262,7 +77,7 @@ def _torch_dtype_name(dtype: torch.dtype) -> str:
 class _Call:
     plan: Plan
     run: Callable
-    transfer: _Transfer
+    transfer: Transfer
     passes_mask: bool
     upcast_to: torch.dtype | None   # float64 inputs compute in float32 and are cast back
     # The plan's whole-stack kernel launched on torch tensors, no JAX dispatch: direct(x, mask, weights)
@@ -381,7 +196,7 @@ class _ModuleState:
         tensors = self.prepared.get(f"{stack}-torch")
         if tensors is None:
             arrays = stacks.get(stack).weight_arrays(self.kernel_jax_weights(stack))
-            transfer = _transfer(self.params[0].device)
+            transfer = transfer_for(self.params[0].device)
             tensors = [transfer.to_torch(a).clone() for a in arrays]
             self.prepared[f"{stack}-torch"] = tensors
         return tensors
@@ -392,7 +207,7 @@ class _ModuleState:
             if p.device != device:
                 raise ValueError(f"parameter {name} is on {p.device} but {self.names[0]} is on {device}")
         if not self.views:
-            transfer = _transfer(device)
+            transfer = transfer_for(device)
             transfer.order_before_jax()
             for name, p in zip(self.names, self.params):
                 t = p.detach()
@@ -434,7 +249,7 @@ class _ModuleState:
                    stack: str | None = None) -> _Call:
         if x.device != self.params[0].device:
             raise ValueError(f"x is on {x.device} but the module's weights are on {self.params[0].device}")
-        transfer = _transfer(x.device)
+        transfer = transfer_for(x.device)
         upcast = x.dtype if x.dtype == torch.float64 else None
         jax_device = transfer.importer.device
         shape_probe = jax.ShapeDtypeStruct(tuple(x.shape), "float32" if upcast else _torch_dtype_name(x.dtype))
@@ -509,11 +324,6 @@ def module_state(module: torch.nn.Module) -> _ModuleState:
     return _STATES[module]
 
 
-def transfer_for(device: torch.device) -> _Transfer:
-    """The torch <-> jax transfer of one device (made on first use), for diagnostic tools."""
-    return _transfer(device)
-
-
 def _config_of(module: torch.nn.Module):
     config = getattr(module, "config", None)
     if config is None:
@@ -584,7 +394,7 @@ def forward(module: torch.nn.Module, x: torch.Tensor, valid_token_mask: torch.Te
         x = x if x.is_contiguous() else x.contiguous()
         if call.passes_mask and not mask.is_contiguous():
             mask = mask.contiguous()
-        if call.direct_device is not None and _current_cuda_device() != call.direct_device:
+        if call.direct_device is not None and current_cuda_device() != call.direct_device:
             # The kernel module lives in x's GPU's context: launched with another GPU current (a jax
             # call on several GPUs can leave one so) it ran nowhere, silently (seen on two H200s:
             # 0.05 ms "calls" of shape 6 after a split call). Rare: the check is one C call.
@@ -622,11 +432,11 @@ def _current_device_kept(device: torch.device):
     if device.type != "cuda":
         yield
         return
-    entry = _current_cuda_device()
+    entry = current_cuda_device()
     try:
         yield
     finally:
-        if _current_cuda_device() != entry:
+        if current_cuda_device() != entry:
             torch.cuda.set_device(entry)
 
 
@@ -685,7 +495,7 @@ def _run_split(call: _Call, weights, x: torch.Tensor, mask: torch.Tensor | None,
     chunks > 1 the copies in both directions overlap the other chunks' compute. The caller's stream
     waits for every copy into the output. At the end each GPU's stream for jax's external ready events
     waits for the copies out of jax's output buffers; that this also orders jax's reuse of those buffers
-    is an assumption, not verified (see _Transfer: those events order later imports, and nothing shows
+    is an assumption, not verified (see Transfer: those events order later imports, and nothing shows
     that jax's allocator consults that stream). On the CPU (tests, several host devices) jax places the
     slices.
 
@@ -722,7 +532,7 @@ def _run_split(call: _Call, weights, x: torch.Tensor, mask: torch.Tensor | None,
                                                            [p[i] for p in parts]) for i, t in enumerate(tensors)]
         return call.run(weights, arrays[0], arrays[1] if mask is not None else None)
 
-    def run_home_part(transfer: _Transfer):   # the home rows on x's device, through jax
+    def run_home_part(transfer: Transfer):   # the home rows on x's device, through jax
         _, home_call, home_weights = home_part
         local = [transfer.to_jax(t[split_rows:]) for t in tensors]
         return home_call.run(home_weights, local[0], local[1] if mask is not None else None)
@@ -740,7 +550,7 @@ def _run_split(call: _Call, weights, x: torch.Tensor, mask: torch.Tensor | None,
         return out
 
     home = x.device
-    home_transfer = _transfer(home)
+    home_transfer = transfer_for(home)
     home_transfer.order_before_jax()   # jax on x's GPU reads x's slices in place: after x's producers
     targets = [torch.device("cuda", d.local_hardware_id) for d in devices]
     others = [target for target in targets if target != home]
@@ -765,7 +575,7 @@ def _run_split(call: _Call, weights, x: torch.Tensor, mask: torch.Tensor | None,
     for c in range(chunks):
         parts = []
         for k, target in enumerate(targets):
-            transfer = _transfer(target)
+            transfer = transfer_for(target)
             if ready[c][k] is not None:
                 transfer.jax_stream.wait_event(ready[c][k])
             parts.append([transfer.to_jax(p) for p in moved[c][k]])
@@ -777,7 +587,7 @@ def _run_split(call: _Call, weights, x: torch.Tensor, mask: torch.Tensor | None,
                 k = devices.index(shard.device)
                 # x's GPU: on the caller's stream, after jax's chunk (DLPack protocol); another GPU: on its
                 # side stream, and torch makes the caller's stream wait for the copy
-                transfer = home_transfer if targets[k] == home else _transfer(targets[k])
+                transfer = home_transfer if targets[k] == home else transfer_for(targets[k])
                 out[rows(c, k)].copy_(transfer.to_torch(shard.data), non_blocking=True)
     if home_y is not None:   # last on the caller's stream: the copies above do not wait for it
         out[split_rows:].copy_(home_transfer.to_torch(home_y), non_blocking=True)
@@ -787,7 +597,7 @@ def _run_split(call: _Call, weights, x: torch.Tensor, mask: torch.Tensor | None,
     for target in others:
         done = torch.cuda.Event()
         done.record(_side_stream(target))
-        _transfer(target).jax_stream.wait_event(done)
+        transfer_for(target).jax_stream.wait_event(done)
     # The moved slices (allocated on the side streams) are freed only now: every later use of those
     # streams' memory is queued after the copies above, which wait for the programs that read them.
     del moved, results, home_y
@@ -862,7 +672,7 @@ def stream_forward(module: torch.nn.Module, x: torch.Tensor, valid_token_mask: t
         raise ValueError("valid_token_mask must be a CPU torch.Tensor like x, or None")
     validate_inputs(x.shape, _torch_dtype_name(x.dtype), None if mask is None else mask.shape,
                     None if mask is None else _torch_dtype_name(mask.dtype), state.config)
-    jax_device = _transfer(state.params[0].device).importer.device or jax.devices()[0]
+    jax_device = transfer_for(state.params[0].device).importer.device or jax.devices()[0]
     x_np = _host_numpy(x)
     mask_np = None if mask is None else mask.numpy()
     facts = InputFacts(x.shape[0], x.shape[1], x_np.dtype.name,

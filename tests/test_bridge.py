@@ -12,6 +12,7 @@ from conftest import make_mask, random_input, torch_reference
 import bridge
 import ttj_jax as T
 from bench.baseline import BaselineTransformer, TransformerConfig, copy_model_weights, make_inputs
+from bridge import transfer as bt
 
 CONFIG = TransformerConfig(batch_size=2, seq_len=17, d_model=64, num_heads=4, ffn_dim=96, num_layers=2,
                            causal=True)
@@ -360,7 +361,7 @@ def test_data_attribute_reassignment_is_noticed():
 
 
 def test_driver_ordering_records_on_torchs_stream_then_waits_on_jaxs(monkeypatch):
-    """The CUDA ordering of runtime._driver_ordering, with a fake driver (no GPU in CI; the GPU check is
+    """The CUDA ordering of bridge.transfer._driver_ordering, with a fake driver (no GPU in CI; the GPU check is
     bench.host_overhead's ordering check):
     one event made once, then per call cuEventRecord on torch's current raw stream and cuStreamWaitEvent
     of jax's stream on that event, in that order; False (so the caller falls back to torch's wrappers)
@@ -368,7 +369,6 @@ def test_driver_ordering_records_on_torchs_stream_then_waits_on_jaxs(monkeypatch
     stream, would then name that device's stream); None when the driver is missing."""
     import ctypes
 
-    from bridge import runtime
 
     calls = []
 
@@ -389,19 +389,19 @@ def test_driver_ordering_records_on_torchs_stream_then_waits_on_jaxs(monkeypatch
             self.cuStreamWaitEvent = FakeFunction("cuStreamWaitEvent")
 
     fake = FakeDriver()
-    monkeypatch.setattr(runtime, "_libcuda", lambda: fake)
+    monkeypatch.setattr(bt, "_libcuda", lambda: fake)
     monkeypatch.setattr(torch.cuda, "device", lambda d: __import__("contextlib").nullcontext())
     monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: None)
     current = [3]
-    monkeypatch.setattr(runtime, "_current_cuda_device", lambda: current[0])
-    order = runtime._driver_ordering(torch.device("cuda", 3), lambda: 0x5A, (0x7B,))
+    monkeypatch.setattr(bt, "current_cuda_device", lambda: current[0])
+    order = bt._driver_ordering(torch.device("cuda", 3), lambda: 0x5A, (0x7B,))
     assert order is not None and [c[0] for c in calls] == ["cuEventCreate"]
     calls.clear()
     assert order() is True
     assert calls == [("cuEventRecord", 0xE1, 0x5A), ("cuStreamWaitEvent", 0x7B, 0xE1, 0)]
     calls.clear()
     # jax's compute stream waits on the same event too (one record, one wait per stream)
-    both = runtime._driver_ordering(torch.device("cuda", 3), lambda: 0x5A, (0x7B, 0x7C))
+    both = bt._driver_ordering(torch.device("cuda", 3), lambda: 0x5A, (0x7B, 0x7C))
     calls.clear()
     assert both() is True
     assert calls == [("cuEventRecord", 0xE1, 0x5A), ("cuStreamWaitEvent", 0x7B, 0xE1, 0),
@@ -412,16 +412,15 @@ def test_driver_ordering_records_on_torchs_stream_then_waits_on_jaxs(monkeypatch
     current[0] = 3
     fake.cuStreamWaitEvent.result = 1                # the driver refuses the wait
     assert order() is False
-    monkeypatch.setattr(runtime, "_libcuda", lambda: (_ for _ in ()).throw(OSError("no libcuda")))
-    assert runtime._driver_ordering(torch.device("cuda", 3), lambda: 0, (0x7B,)) is None
+    monkeypatch.setattr(bt, "_libcuda", lambda: (_ for _ in ()).throw(OSError("no libcuda")))
+    assert bt._driver_ordering(torch.device("cuda", 3), lambda: 0, (0x7B,)) is None
 
 
 def test_kept_import_is_reused_only_for_the_same_tensor_memory_and_layout():
-    """_Transfer.to_jax_kept's cache: the same tensor object with the same data pointer,
+    """Transfer.to_jax_kept's cache: the same tensor object with the same data pointer,
     shape, strides and dtype gets the kept array (its contents may change: the compute-stream wait
     orders those writes); anything else is imported anew and kept instead."""
-    from bridge import runtime
-    kept = runtime._KeptImport()
+    kept = bt.KeptImport()
     loads = []
 
     def load(t):
@@ -452,10 +451,9 @@ def test_no_kept_import_without_a_compute_stream_handle():
     the bridge's transfer never reports one (every call imports x afresh)."""
     import jax
 
-    from bridge import runtime
     from ttj_jax.compat import jax_compute_stream
     assert jax_compute_stream(jax.devices("cpu")[0]) is None
-    transfer = runtime._transfer(torch.device("cpu"))
+    transfer = bt.transfer_for(torch.device("cpu"))
     assert transfer.compute_stream is None and transfer.order_before_jax() is False
 
 
@@ -472,8 +470,7 @@ def test_keep_x_import_is_on_unless_turned_off(monkeypatch):
 def test_order_programs_waits_on_the_compute_stream_alone_else_falls_back(monkeypatch):
     """order_programs (forward's single-device path): the compute stream's wait alone when its handle
     is known and the driver took it; else order_before_jax's full ordering (and its answer)."""
-    from bridge import runtime
-    transfer = runtime._transfer(torch.device("cpu"))
+    transfer = bt.transfer_for(torch.device("cpu"))
     full = []
     monkeypatch.setattr(transfer, "order_before_jax", lambda: full.append(1) or False)
     monkeypatch.setattr(transfer, "order_compute", lambda: True)
@@ -488,7 +485,6 @@ def test_forward_keeps_x_import_only_when_the_compute_stream_waited(monkeypatch,
     """forward's use of the kept import: when order_programs() says jax's compute stream
     waited (faked here: the CPU has no such stream), x is imported once and reused while it is the same
     tensor; another tensor is imported anew; when it says no, every call imports afresh."""
-    from bridge import runtime
     base, ours = pair()
     x = random_input(T.Config.from_object(CONFIG), 21)
     ours(x)
@@ -496,7 +492,7 @@ def test_forward_keeps_x_import_only_when_the_compute_stream_waited(monkeypatch,
     imports = []
     real_to_jax = transfer.to_jax
     monkeypatch.setattr(transfer, "to_jax", lambda t: imports.append(t) or real_to_jax(t))
-    monkeypatch.setattr(transfer, "kept", runtime._KeptImport())
+    monkeypatch.setattr(transfer, "kept", bt.KeptImport())
     monkeypatch.setattr(transfer, "order_programs", lambda: True)
     first, second = ours(x), ours(x)
     assert len(imports) == 1 and torch.equal(first, second)

@@ -190,7 +190,7 @@ def jax_compute_stream(device) -> int | None:
     `jax.experimental.buffer_callback` hands it to a callback (`ctx.stream`): probed twice, returned only
     when both runs saw the same nonzero handle. None where this jax has no buffer_callback, on a device
     without a GPU context (the CPU), or on any failure. One small compile per call of this function.
-    The bridge waits on this stream for torch's pending writes (bridge/runtime.py, _Transfer), which
+    The bridge waits on this stream for torch's pending writes (bridge/transfer.py, Transfer), which
     orders every later program on it, not only those reading a fresh import."""
     try:
         from jax.experimental.buffer_callback import buffer_callback  # noqa: PLC0415
