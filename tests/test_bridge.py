@@ -503,3 +503,17 @@ def test_forward_keeps_x_import_only_when_the_compute_stream_waited(monkeypatch,
     monkeypatch.setattr(transfer, "order_programs", lambda: False)
     ours(x), ours(x)
     assert len(imports) == 4
+
+
+def test_refresh_after_a_mask_written_behind_torchs_back(harness_rule):
+    """The documented remedy for the known limit (README): a mask written through `.data` keeps its version,
+    so the cached kind would be stale; after refresh() the call is right again."""
+    base, ours = pair()
+    x, mask = make_inputs(CONFIG, 3)   # the all-True mask: planned mask-free
+    with torch.inference_mode(False):
+        ours(x, mask)
+        version = mask._version
+        mask.data[:, 10:] = False      # invisible to torch's version counter
+        assert mask._version == version
+        bridge.refresh(ours)
+        harness_rule(ours(x, mask), base(x, mask), "after refresh")
