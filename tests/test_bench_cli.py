@@ -294,3 +294,21 @@ def test_run_shape_records_the_host_time_of_the_peer_beside_the_bridge_and_jax()
     for key in ("bridge_host_us", "jax_host_us", "peer_host_us"):
         assert result[key] > 0
     assert result["peer_ms"] > 0
+
+
+@pytest.mark.slow
+def test_accuracy_sweep_records_every_case_and_flags_failures(tmp_path):
+    """bench/accuracy.py on a CPU twin: one record per case with the harness rule's and the fp64
+    reference's verdicts; exit status 1 when a case fails (input scale 0.1 does today, for fp16 GEMMs)."""
+    from bench import accuracy
+    status = accuracy.main(["--shapes", "cpu-2", "--scales", "0.1,1", "--paddings", "0", "--causal", "yes",
+                            "--dtypes", "float32", "--seeds", "1", "--out", str(tmp_path)])
+    (path,) = tmp_path.glob("accuracy-*.json")
+    cases = json.loads(path.read_text())["cases"]
+    assert [c["input_scale"] for c in cases] == [0.1, 1.0]
+    for case in cases:
+        assert {"shape", "input_scale", "padding", "causal", "dtype", "allow_tf32", "seeds", "failed_elements",
+                "worst_err_over_tol", "jax", "fp64", "plan"} <= set(case)
+        assert case["fp64"]["baseline"]["failed_elements"] == 0   # the fp32 baseline is near exact on the CPU
+    assert cases[1]["failed_elements"] == 0 and cases[1]["worst_err_over_tol"] < 1
+    assert status == (1 if any(c["failed_elements"] or c["jax"]["failed_elements"] for c in cases) else 0)
