@@ -95,7 +95,7 @@ def run_shape(sid: str, variants: list[str], seeds: int, device: str, kernels: b
             # the variant's compiled program alone (what the bridge calls): timed below, not forward()'s
             # planning and checks, whose host time would hide the GPU time of the small shapes
             chosen = plan_for(config, timing_x, T.MaskKind.NONE, **kwargs)
-            program = T.executable(chosen, T.model_key(config), True, options)
+            program = T.executable(chosen, T.model_key(config), options)
             program_weights = kernel_weights(prepared, T.model_key(config), chosen.stack)
             if options:   # forward() takes no XLA options: the program compiled with them
                 step = lambda w, a: program(program_weights, a, None)   # noqa: E731

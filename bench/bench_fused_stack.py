@@ -92,7 +92,7 @@ def _xla_fn(config: T.Config, x):
     `ttj_jax.forward` runs for this input without a mask (planning done once, here)."""
     from ttj_jax.model import plan_for
     plan = plan_for(config, x, T.MaskKind.NONE, stack="layers")
-    executable = T.executable(plan, T.model_key(config), True)
+    executable = T.executable(plan, T.model_key(config))
     return (lambda weights, x: executable(weights, x, None)), plan.explain()
 
 

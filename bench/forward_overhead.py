@@ -38,7 +38,7 @@ def measure(shape: T.Shape, calls: int) -> dict:
     prepared = jax.block_until_ready(T.prepare_weights(T.init_params(jax.random.key(0), config), T.MIXED_FP16))
     x = jax.random.normal(jax.random.key(1), (config.batch_size, config.seq_len, config.d_model), jnp.float32)
     plan = plan_for(config, x, T.MaskKind.NONE)
-    run = executable(plan, model_key(config), True)
+    run = executable(plan, model_key(config))
     weights = kernel_weights(prepared, model_key(config), plan.stack)
     def forward_replanning():   # forward with its per-signature cache emptied: planned on every call
         model.clear_forward_cache()

@@ -194,7 +194,7 @@ def profile_shape(sid: str, calls: int, device: torch.device, graph: bool = Fals
                 variants.pop(name)
         graph_run = None
         if graph and call.direct is None:
-            graph_run = T.model.executable(call.plan, state.model_key, True, GRAPH_OPTIONS)
+            graph_run = T.model.executable(call.plan, state.model_key, GRAPH_OPTIONS)
             graph_out = jax.block_until_ready(graph_run(weights, jx, None))   # compiled before the samples
             # the same program under other launch options: its output must be the same
             graph_diff = float(jax.numpy.abs(graph_out - kept).max())

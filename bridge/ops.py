@@ -52,7 +52,7 @@ def _config_from(params: list[torch.Tensor], num_heads: int, causal: bool, x: to
         raise ValueError("torch.ops.ttj.forward takes a model's parameters in the harness's order (16 per layer "
                          f"and the final norm's 2); got {len(params)}")
     d_model = params[0].shape[0]                              # layers.0.norm1.weight: (d,)
-    ffn_dim = params[12].shape[0] if len(params) > 12 else d_model   # layers.0.ffn_in.weight: (ffn, d)
+    ffn_dim = params[12].shape[0]                             # layers.0.ffn_in.weight: (ffn, d)
     num_layers = (len(params) - 2) // 16
     return Config(batch_size=int(x.shape[0]), seq_len=int(x.shape[1]), d_model=int(d_model),
                   num_heads=num_heads, ffn_dim=int(ffn_dim), num_layers=num_layers, causal=causal)
@@ -61,14 +61,11 @@ def _config_from(params: list[torch.Tensor], num_heads: int, causal: bool, x: to
 def _holder(params: list[torch.Tensor], num_heads: int, causal: bool, x: torch.Tensor) -> _ParameterHolder:
     key = (tuple(p.data_ptr() for p in params), num_heads, causal)
     holder = _HOLDERS.get(key)
-    if holder is not None and len(holder.params) == len(params) and all(map(is_, holder.params, params)):
+    if holder is not None and all(map(is_, holder.params, params)):   # same pointers: same count
         _HOLDERS.move_to_end(key)
         return holder
-    config = _config_from(params, num_heads, causal, x)
+    config = _config_from(params, num_heads, causal, x)   # checks the count: 16 per layer, 2 for the final norm
     names = list(expected_shapes(config))
-    if len(names) != len(params):
-        raise ValueError(f"torch.ops.ttj.forward takes the {len(names)} parameters of a {config.num_layers}-layer "
-                         f"model in the harness's order; got {len(params)}")
     if holder is not None:
         runtime.refresh(holder)   # new tensor objects on the same storage: rebuild the views
     holder = _HOLDERS[key] = _ParameterHolder(names, params, config)
@@ -95,7 +92,8 @@ _TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") 
 def forward_op(x: torch.Tensor, valid_token_mask: torch.Tensor | None, handle: int, params: list[torch.Tensor],
                num_heads: int, causal: bool) -> torch.Tensor:
     if handle:
-        module = _REGISTERED[handle]() if handle in _REGISTERED else None
+        ref = _REGISTERED.get(handle)
+        module = ref() if ref is not None else None
         if module is None:
             raise RuntimeError(f"torch.ops.ttj.forward: no live module has handle {handle} (a graph traced in "
                                "another process?); compile or export again here")

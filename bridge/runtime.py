@@ -256,7 +256,7 @@ class _ModuleState:
         plan = plan_for(self.config, shape_probe, kind, device=jax_device or jax.devices(
             "cpu" if x.device.type == "cpu" else None)[0], caller="torch", data_parallel=data_parallel,
             stack=stack)
-        call = _Call(plan=plan, run=executable(plan, self.model_key, True), transfer=transfer,
+        call = _Call(plan=plan, run=executable(plan, self.model_key), transfer=transfer,
                      passes_mask=plan.mask_mode != "none", upcast_to=upcast)
         bridge_launch = stacks.get(plan.stack).bridge_launch
         if bridge_launch is not None and plan.data_parallel > 1:
@@ -613,7 +613,7 @@ def explain(module: torch.nn.Module, x: torch.Tensor, valid_token_mask=None, *, 
     if call is None:
         call = state.calls[key] = state.build_call(x, kind)
     text = call.plan.explain()
-    if call.plan.stack in ("fused", "fused_mgpu"):
+    if stacks.get(call.plan.stack).bridge_launch is not None:
         text += ("; launched directly on torch's current stream (no JAX dispatch)" if call.direct is not None
                  else f"; run through jax: {call.direct_note}")
     return text

@@ -172,7 +172,7 @@ def test_forward_plans_each_input_signature_once(monkeypatch):
     T.forward(prepared, x, config=config, stack="layers", attention="xla")
     assert len(calls) == 5
     # the cached entry is the plan a fresh planning gives
-    key_plan = next(v[0] for k, v in model._FORWARD_CALLS.items() if k[1] == x.shape and k[6] == (
+    key_plan = next(v[0] for k, v in model._FORWARD_CALLS.items() if k[1] == x.shape and k[5] == (
         ("policy", None), ("attention", None), ("data_parallel", None), ("stack", None),
         ("sequence_parallel", None)) and k[4] == T.MaskKind.NONE and k[2] == x.dtype)
     assert key_plan == real(config, x, T.MaskKind.NONE)

@@ -114,7 +114,10 @@ def layer_stack(weights: PreparedWeights, x, mask, *, config: Config, plan: Plan
     return y.astype(x.dtype)
 
 
-def run_layers(weights: PreparedWeights, x, mask, *, config: Config, plan: Plan):
+def run_layers(weights, x, mask, *, config: Config, plan: Plan):
+    """The layer stack for a plan; weights: PreparedWeights, or raw params (prepared inside the call)."""
+    if not isinstance(weights, PreparedWeights):
+        weights = prepare_weights(weights, get_policy(plan.policy))
     if not get_policy(weights.policy_name).shares_weights_with(get_policy(plan.policy)):
         raise ValueError(f"weights were prepared for policy {weights.policy_name!r}, "
                          f"the plan needs {plan.policy!r}")
@@ -131,7 +134,3 @@ def run_layers(weights: PreparedWeights, x, mask, *, config: Config, plan: Plan)
         masks = mask.reshape(n, plan.batch_chunk, S)
         ys = jax.lax.map(lambda a: layer_stack(weights, a[0], a[1], config=config, plan=plan), (xs, masks))
     return ys.reshape(B, S, d)
-
-
-def run_raw_layers(params, x, mask, *, config: Config, plan: Plan):
-    return run_layers(prepare_weights(params, get_policy(plan.policy)), x, mask, config=config, plan=plan)

@@ -24,14 +24,13 @@ __all__ = ["clear_forward_cache", "executable", "forward", "forward_cache_plans"
 
 
 @functools.cache
-def executable(plan: Plan, config: Config, prepared: bool = True, compiler_options: tuple = ()):
+def executable(plan: Plan, config: Config, compiler_options: tuple = ()):
     """The jitted forward for one plan and model: f(weights, x, mask_or_None) -> y. Pass
     `model_key(config)` so that one executable serves every input shape of a model. The program is
     compiled with the plan's XLA options (`plan.xla_options`) and `compiler_options` on top:
     ((name, value), ...), bench/ablate.py's experiments."""
     if plan.sequence_parallel > 1:   # each sequence over several devices: the ring (ring_attention.py)
         return functools.partial(_run_ring, config=config, plan=plan)
-    del prepared   # every stack takes raw params too (prepared inside the jitted call)
     body = functools.partial(stacks.get(plan.stack).run, config=config, plan=plan)
     if plan.data_parallel > 1:
         from ttj_jax.parallel import batch_mesh, data_parallel
@@ -88,7 +87,7 @@ def forward(params: Any, x, valid_token_mask=None, *, config, mask_kind: MaskKin
     mask = mask if mask is None or isinstance(mask, jax.Array) else jnp.asarray(mask)
     kind = MaskKind(mask_kind) if mask_kind is not None else cached_mask_kind(mask)
     prepared = isinstance(params, PreparedWeights)
-    chosen, run, key_config = _forward_call(config, x, kind, prepared, (
+    chosen, run, key_config = _forward_call(config, x, kind, (
         ("policy", policy), ("attention", attention), ("data_parallel", data_parallel), ("stack", stack),
         ("sequence_parallel", sequence_parallel)))
     mask = mask if chosen.mask_mode != "none" else None
@@ -115,16 +114,16 @@ def forward_cache_plans() -> list[Plan]:
     return [found[0] for found in _FORWARD_CALLS.values()]
 
 
-def _forward_call(config: Config, x, kind: MaskKind, prepared: bool, overrides: tuple):
+def _forward_call(config: Config, x, kind: MaskKind, overrides: tuple):
     key = None
     if not isinstance(x, jax.core.Tracer):
-        key = (config, x.shape, x.dtype, x.sharding, kind, prepared, overrides)
+        key = (config, x.shape, x.dtype, x.sharding, kind, overrides)
         found = _FORWARD_CALLS.get(key)
         if found is not None:
             return found
     chosen = plan_for(config, x, kind, **dict(overrides))
     key_config = model_key(config)
-    found = (chosen, executable(chosen, key_config, prepared), key_config)
+    found = (chosen, executable(chosen, key_config), key_config)
     if key is not None:
         _FORWARD_CALLS[key] = found
     return found

@@ -96,14 +96,8 @@ def _mgpu_weights(prepared, config: Config):
     return stack_weights_mgpu(prepared, config.num_heads)
 
 
-def _run_layers(weights, x, mask, *, config: Config, plan: Plan):
-    if not isinstance(weights, PreparedWeights):
-        weights = prepare_weights(weights, get_policy(plan.policy))
-    return run_layers(weights, x, mask, config=config, plan=plan)
-
-
 STACKS: dict[str, Stack] = {stack.name: stack for stack in (
-    Stack("layers", _run_layers),
+    Stack("layers", run_layers),
     Stack("fused", _run_fused, build_weights=_fused_weights),
     Stack("rows", _run_rows, build_weights=_rows_weights),
     Stack("fused_mgpu", _run_fused_mgpu, build_weights=_mgpu_weights,

@@ -50,7 +50,7 @@ def stream_forward(weights: PreparedWeights, x_host, valid_token_mask=None, *, c
     plan = plan_for(config, probe, kind, device=device, policy=policy)
     if not get_policy(weights.policy_name).shares_weights_with(get_policy(plan.policy)):
         raise ValueError(f"weights were prepared for policy {weights.policy_name!r}, the plan needs {plan.policy!r}")
-    run = executable(plan, model_key(config), True)
+    run = executable(plan, model_key(config))
     weights = jax.device_put(weights, device)
     needs_mask = plan.mask_mode != "none"
 
