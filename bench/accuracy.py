@@ -22,6 +22,7 @@ import datetime
 import itertools
 import json
 import os
+import sys
 import time
 
 import bridge  # noqa: I001 - first: it sets jax's allocator default before jax starts
@@ -125,7 +126,7 @@ def main(argv=None) -> int:
                                   _flags(args.causal), args.dtypes.split(","), tf32s))
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     out = {"date": datetime.date.today().isoformat(), "device": device_name, "jax": jax.__version__,
-           "torch": torch.__version__, "command": "python -m bench.accuracy " + " ".join(argv or []),
+           "torch": torch.__version__, "command": "python -m bench.accuracy " + " ".join(sys.argv[1:] if argv is None else argv),
            "rule": "harness: both finite and |err| <= 0.002 or <= 2% of |ref|", "cases": []}
     models: dict = {}
     started = time.perf_counter()

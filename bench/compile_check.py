@@ -13,6 +13,7 @@ import argparse
 import datetime
 import json
 import os
+import sys
 import time
 
 import torch
@@ -115,7 +116,7 @@ def main(argv=None) -> int:
     modes = args.modes.split(",")
     out = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(device),
            "torch": torch.__version__, "jax": __import__("jax").__version__,
-           "command": "python -m bench.compile_check " + " ".join(argv if argv is not None else []),
+           "command": "python -m bench.compile_check " + " ".join(sys.argv[1:] if argv is None else argv),
            "shapes": {}}
     for sid in args.shapes.split(","):
         print(f"shape {sid} ...", flush=True)
