@@ -117,7 +117,7 @@ def main(argv=None) -> int:
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           "cpu" if args.device == "auto" else args.device)
     suite = T.SUITES[args.suite or ("official" if device.type == "cuda" else "small")]
-    ids = args.shapes.split(",") if args.shapes else [i for i in suite if i in T.HARNESS_IDS or i.startswith("cpu")]
+    ids = args.shapes.split(",") if args.shapes else [i for i in suite if suite is not T.OFFICIAL or i in T.shapes.HARNESS_IDS]
     unknown = [i for i in ids if i not in suite]
     if unknown:
         raise SystemExit(f"unknown shape id(s) {unknown}; this suite has {sorted(suite)}")

@@ -5,6 +5,11 @@
   ttj_bridge   ttj-jax through the PyTorch bridge: what a harness user gets
   ttj_jax      ttj-jax called from JAX directly: prepared weights, jax arrays in and out
 
+Suites (ttj_jax/shapes.py): 'small' (CPU-sized), 'official' (the harness's shapes 1-13) and 'general'
+(real-model-shaped configs: encoders and decoders, padded masks, float16). A shape's padding and dtype are
+the harness's --padding-ratio and --dtype: every contender gets that input, checked against the baseline
+in that dtype.
+
 Accuracy: the harness's seeds (1234..1238) plus --extra-seeds more, every element checked with the
 harness rule against the baseline. Timing: the harness protocol (bench/timing.py) for the torch-facing
 contenders; ttj_jax, whose work runs on JAX's own stream that torch's events cannot see, is timed as
@@ -12,6 +17,8 @@ JAX users see it in a loop: back-to-back calls, one block_until_ready per round,
 Results: a table, JSON and (with matplotlib) a PNG of the speedups under --out (default: the git-ignored
 results/ at the repository root; `--out bench/results` for a run meant to be committed).
 `ttj-bench --report FILE.json [--markdown]` prints a saved run's table (as GitHub markdown: the README's).
+`--force-device sm_80` plans as that GPU would (TTJ_FORCE_DEVICE) and files the results under the default
+file's "forced_device" section, keeping the rest of the file.
 """
 
 from __future__ import annotations
@@ -28,27 +35,33 @@ import time
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import bridge  # noqa: E402  (sets up jax's allocator before jax touches the GPU)
 import ttj_jax as T  # noqa: E402
 from bench.baseline import TransformerConfig, check_close, harness_models, make_inputs  # noqa: E402
 from bench.gpu_power import PowerSampler, sampling  # noqa: E402
-from bench.paths import default_out_dir
-from bench.report import by_shape_id, geomean, markdown_table, slug  # noqa: E402
+from bench.paths import default_out_dir  # noqa: E402
+from bench.report import by_shape_id, geomean, markdown_table, peer_over_bridge, slug  # noqa: E402
 from bench.timing import interleaved_host_overhead_us, time_contenders  # noqa: E402
 from bridge import settings  # noqa: E402
 
 HARNESS_SEEDS = tuple(range(1234, 1239))
 TIMING_SEED_OFFSET = 100000
+# Read by ttj_jax/device.py: the GPU generation the planner plans for.
+FORCE_DEVICE_ENV = "TTJ_FORCE_DEVICE"
+FORCE_DEVICE_CHOICES = ("sm_80", "sm_89")
+# What a forced-device run keeps per shape, under document["forced_device"][<sm>][<shape id>].
+FORCED_FIELDS = ("ttj_bridge_ms", "peer_ms", "failed_elements", "worst_err_over_tol", "plan")
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="ttj-bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--suite", choices=sorted(T.SUITES), default=None,
-                   help="shape table: 'small' (CPU-sized, the default without a GPU) or 'official' "
-                        "(the fourteen harness shapes, the default with one)")
+                   help="shape table: 'small' (CPU-sized, the default without a GPU), 'official' "
+                        "(the fourteen harness shapes, the default with one) or 'general' (real-model-shaped configs)")
     p.add_argument("--shapes", default=None,
                    help="comma-separated shape ids from the suite (default: all the harness can run)")
     p.add_argument("--device", default="auto", help="'auto', 'cpu' or 'cuda'")
@@ -65,6 +78,12 @@ def parse_args(argv=None):
     p.add_argument("--tag", default=None, help="file name stem (default: <suite>-<date>-<device>)")
     p.add_argument("--merge", action="store_true",
                    help="keep the other shapes already in the output file (runs split over several calls)")
+    p.add_argument("--force-device", choices=FORCE_DEVICE_CHOICES, default=None,
+                   help=f"plan as that GPU generation would ({FORCE_DEVICE_ENV}); results go to the default file's "
+                        "'forced_device' section, the rest of the file kept")
+    p.add_argument("--warm", action="store_true",
+                   help="run nothing else: let the measured planner decide each shape's plan ahead of time (for the "
+                        "bridge, x in the shape's dtype and mask) and keep the decisions in the plan cache")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--report", default=None, metavar="JSON",
                    help="run nothing: print the table of a saved result file and write its PNG beside it")
@@ -81,21 +100,31 @@ def report(json_path: str, *, write_plot: bool = True, markdown: bool = False) -
     with markdown=True only the markdown table, printed as the README holds it."""
     with open(json_path) as f:
         document = json.load(f)
+    suite_name = document.get("suite")
+    order = list(T.SUITES.get(suite_name, ()))
     if markdown:
-        print(markdown_table(document), end="")
+        print(markdown_table(document, order), end="")
         return 0
-    ordered = by_shape_id(document["shapes"])
+    ordered = by_shape_id(document["shapes"], order)
     device_name = document.get("device") or document.get("gpu") or "unknown device"
     print_table(ordered, device_name)
+    for sm, forced in document.get("forced_device", {}).items():
+        print_table(by_shape_id(forced, order), f"{device_name} planned as {sm}")
     if write_plot:
-        _plot_beside(ordered, json_path, device_name)
+        _plot_beside(ordered, json_path, device_name, suite_name)
     return 0
 
 
-def _plot_beside(ordered: dict, json_path: str, device_name: str) -> None:
-    """The speedup chart as a PNG next to the run's JSON (nothing without matplotlib)."""
+def _plot_beside(ordered: dict, json_path: str, device_name: str, suite_name: str | None = None) -> None:
+    """The chart as a PNG next to the run's JSON (nothing without matplotlib): speedups over the baseline per
+    shape; for the general suite, peer/ttj bridge per config."""
     png = json_path.removesuffix(".json") + ".png"
-    if plot(ordered, png, f"ttj-bench: {device_name}"):
+    title = f"ttj-bench: {device_name}"
+    if suite_name == "general" and any(peer_over_bridge(r) for r in ordered.values()):
+        wrote = plot_peer_ratio(ordered, png, f"ttj-bench --suite general: {device_name}")
+    else:
+        wrote = plot(ordered, png, title)
+    if wrote:
         print(f"wrote {png}")
 
 
@@ -123,16 +152,22 @@ class Progress:
             self._rich.stop()
 
 
-def ttj_jax_contender(module, config: T.Config, x: torch.Tensor):
-    """ttj-jax as a JAX user calls it: prepared weights and a jax input, no torch in the loop."""
+def ttj_jax_contender(module, config: T.Config, x: torch.Tensor, mask: torch.Tensor | None = None):
+    """ttj-jax as a JAX user calls it: prepared weights and jax inputs, no torch in the loop. Planned as
+    T.forward plans: for the mask's kind (classified once, on the host), the mask passed where the plan
+    masks."""
     params = T.params_from_state_dict({k: v.detach().clone() for k, v in module.state_dict().items()}, config)
     jx = jax.dlpack.from_dlpack(x.detach().clone())
-    plan = T.model.plan_for(config, jx, T.MaskKind.ALL_TRUE)
+    host_mask = None if mask is None else np.asarray(mask.detach().cpu())
+    plan = T.model.plan_for(config, jx, T.classify_mask(host_mask))
+    jmask = None
+    if host_mask is not None and plan.mask_mode != "none":
+        jmask = jax.device_put(host_mask, next(iter(jx.devices())))
     prepared = jax.block_until_ready(T.prepare_weights(params, T.get_policy(plan.policy)))
     # a whole-stack kernel's own weight layout, built once (as T.forward does)
     prepared = jax.block_until_ready(T.model.kernel_weights(prepared, T.model_key(config), plan.stack))
     run = T.executable(plan, T.model_key(config))
-    return (lambda: run(prepared, jx, None)), plan
+    return (lambda: run(prepared, jx, jmask)), plan
 
 
 def time_jax_loop(fn, *, warmup: int, rounds: int, calls: int) -> dict:
@@ -153,8 +188,11 @@ def run_shape(shape: T.Shape, args, device: torch.device, progress: Progress,
               power: PowerSampler | None = None) -> dict:
     config = shape.config
     harness_config = TransformerConfig(**vars(config))
-    baseline, ours = harness_models(harness_config, bridge.TTJTransformer, device=device)
-    result = {"config": vars(config), "regime": shape.regime}
+    dtype = getattr(torch, shape.dtype)
+    baseline, ours = harness_models(harness_config, bridge.TTJTransformer, device=device, dtype=dtype)
+    # the harness's input for this shape: its padding ratio and dtype, for every contender
+    inputs = lambda seed: make_inputs(harness_config, seed, padding_ratio=shape.padding, device=device, dtype=dtype)
+    result = {"config": vars(config), "regime": shape.regime, "padding": shape.padding, "dtype": shape.dtype}
 
     contenders = {"baseline": baseline, "ttj_bridge": ours}
     if args.peer:
@@ -175,7 +213,7 @@ def run_shape(shape: T.Shape, args, device: torch.device, progress: Progress,
         for i, seed in enumerate(seeds):
             progress.step(f"shape {shape.id}: accuracy seed {i + 1}/{len(seeds)}")
             with torch.inference_mode(i % 2 == 1):
-                x, mask = make_inputs(harness_config, seed, device=device)
+                x, mask = inputs(seed)
             ref = baseline(x, mask)
             for name, fn in contenders.items():
                 if name == "baseline":
@@ -191,8 +229,9 @@ def run_shape(shape: T.Shape, args, device: torch.device, progress: Progress,
                 del out
             del ref
 
-    result["first_call_s"] = first_call_s
-    result["plan"] = bridge.explain(ours, *make_inputs(harness_config, HARNESS_SEEDS[0], device=device))
+    result["first_call_s"] = first_call_s["ttj_bridge"]
+    result["first_call_s_by_contender"] = first_call_s
+    result["plan"] = bridge.explain(ours, *inputs(HARNESS_SEEDS[0]))
     result["failed_elements"] = accuracy["ttj_bridge"][0]
     result["worst_err_over_tol"] = accuracy["ttj_bridge"][1]
     result["accuracy"] = {name: {"failed_elements": f, "worst_err_over_tol": w}
@@ -200,7 +239,7 @@ def run_shape(shape: T.Shape, args, device: torch.device, progress: Progress,
     result["seeds"] = len(seeds)
 
     # Timing: one fixed input, the harness protocol.
-    x, mask = make_inputs(harness_config, HARNESS_SEEDS[0] + TIMING_SEED_OFFSET, device=device)
+    x, mask = inputs(HARNESS_SEEDS[0] + TIMING_SEED_OFFSET)
     calls = args.calls or (100 if device.type == "cuda" else 10)
     with torch.inference_mode():
         timed = {name: (lambda fn=fn: fn(x, mask)) for name, fn in contenders.items()}
@@ -213,7 +252,7 @@ def run_shape(shape: T.Shape, args, device: torch.device, progress: Progress,
         result["gpu_state"] = power.window(started, time.perf_counter()) if power is not None else None
 
     progress.step(f"shape {shape.id}: ttj-jax from JAX")
-    jax_fn, jax_plan = ttj_jax_contender(ours, config, x)
+    jax_fn, jax_plan = ttj_jax_contender(ours, config, x, mask)
     out = torch.from_dlpack(jax.block_until_ready(jax_fn()))
     with torch.inference_mode():
         failed, worst = check_close(out, baseline(x, mask))
@@ -245,30 +284,35 @@ def run_shape(shape: T.Shape, args, device: torch.device, progress: Progress,
 
 
 def print_table(results: dict, device_name: str):
+    """The results table; rows may lack the baseline (forced-device records): shown as '-'.
+    peer/ttj: peer_ms / ttj_bridge_ms (above 1: the bridge is faster). Returns the geomean speedups."""
     try:
         from rich.console import Console
         from rich.table import Table
     except ImportError:
         Console = None
     headers = ["shape", "baseline ms", "peer ms", "ttj bridge ms", "ttj jax ms", "bridge x", "jax x",
-               "failed", "worst err/tol"]
+               "peer/ttj", "failed", "worst err/tol"]
     rows = []
+    fmt = lambda v: "-" if v is None else f"{v:.4g}"
     for sid, r in results.items():
-        fmt = lambda v: "-" if v is None else f"{v:.4g}"
+        speedup = r.get("speedup", {})
         rows.append([sid, fmt(r.get("baseline_ms")), fmt(r.get("peer_ms")), fmt(r.get("ttj_bridge_ms")),
-                     fmt(r.get("ttj_jax_ms")), fmt(r["speedup"].get("ttj_bridge")),
-                     fmt(r["speedup"].get("ttj_jax")), str(r["failed_elements"]),
-                     f"{r['worst_err_over_tol']:.3f}"])
-    geo = {k: geomean([r["speedup"].get(k) for r in results.values()]) for k in ("peer", "ttj_bridge", "ttj_jax")}
+                     fmt(r.get("ttj_jax_ms")), fmt(speedup.get("ttj_bridge")), fmt(speedup.get("ttj_jax")),
+                     fmt(peer_over_bridge(r)), str(r["failed_elements"]), f"{r['worst_err_over_tol']:.3f}"])
+    geo = {k: geomean([r.get("speedup", {}).get(k) for r in results.values()]) for k in ("peer", "ttj_bridge", "ttj_jax")}
     footer = "geomean speedup over baseline: " + ", ".join(
         f"{k} {v:.2f}x" for k, v in geo.items() if v is not None)
+    ratio = geomean([peer_over_bridge(r) for r in results.values()])
+    if ratio is not None:
+        footer += f"; geomean peer/ttj bridge: {ratio:.2f}"
     if Console is not None:
         table = Table(title=f"ttj-bench on {device_name}")
         for h in headers:
             table.add_column(h, justify="right")
         for row in rows:
             table.add_row(*row)
-        Console(width=140).print(table)
+        Console(width=160).print(table)
     else:
         print(" | ".join(headers))
         for row in rows:
@@ -305,10 +349,79 @@ def plot(results: dict, path: str, title: str) -> bool:
     return True
 
 
+def plot_peer_ratio(results: dict, path: str, title: str) -> bool:
+    """peer_ms / ttj_bridge_ms per config, one bar each, a line at 1.0 (above it the bridge is faster)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    ids = [sid for sid in results if peer_over_bridge(results[sid])]
+    values = [peer_over_bridge(results[sid]) for sid in ids]
+    fig, ax = plt.subplots(figsize=(max(6, len(ids) * 0.55), 4.5))
+    ax.bar(range(len(ids)), values, 0.7, color=["tab:green" if v >= 1 else "tab:red" for v in values])
+    ax.set_xticks(range(len(ids)), ids, rotation=60, ha="right", fontsize=8)
+    ax.axhline(1.0, color="gray", linewidth=0.8)
+    ax.set_ylabel("torch peer ms / ttj bridge ms")
+    ax.set_title(title + (f" (geomean {geomean(values):.2f})" if values else ""))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def warm(args) -> int:
+    """--warm: the measured planner's decisions for the chosen shapes, made now and kept in the plan cache
+    (ttj_jax/plan_cache.py), so that the first real call of each neither measures nor, with jax's
+    compilation cache beside it, compiles."""
+    from ttj_jax import autotune
+    if args.force_device:
+        os.environ[FORCE_DEVICE_ENV] = args.force_device
+    suite_name = args.suite or ("official" if jax.default_backend() == "gpu" else "small")
+    suite = T.SUITES[suite_name]
+    ids = args.shapes.split(",") if args.shapes else [
+        s for s in suite if suite_name != "official" or s in T.shapes.HARNESS_IDS]
+    unknown = [s for s in ids if s not in suite]
+    if unknown:
+        print(f"unknown shape id(s) {unknown} for suite {suite_name}; known: {list(suite)}", file=sys.stderr)
+        return 2
+    for sid in ids:
+        shape = suite[sid]
+        kind = T.MaskKind.PREFIX if shape.padding else T.MaskKind.ALL_TRUE
+        c = shape.config
+        [chosen] = autotune.warm([(c, c.batch_size, c.seq_len, shape.dtype, kind)])
+        print(f"{sid}: {chosen.explain()}", flush=True)
+    return 0
+
+
+def _load(json_path: str) -> dict | None:
+    if not os.path.exists(json_path):
+        return None
+    with open(json_path) as f:
+        return json.load(f)
+
+
+def _commands(previous: dict | None, command: str) -> list[str]:
+    """Every command that wrote into one file, oldest first (a file filled by --merge or --force-device runs)."""
+    if previous is None:
+        return [command]
+    before = previous.get("commands") or ([previous["command"]] if previous.get("command") else [])
+    return [*before, command]
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.report:
         return report(args.report, write_plot=not args.no_plot, markdown=args.markdown)
+    if args.warm:
+        return warm(args)
+    forced = args.force_device
+    if forced:   # before any planning: ttj_jax reads it when it plans
+        os.environ[FORCE_DEVICE_ENV] = forced
+    elif os.environ.get(FORCE_DEVICE_ENV):
+        print(f"{FORCE_DEVICE_ENV}={os.environ[FORCE_DEVICE_ENV]} is set: plans are not this GPU's own; "
+              "use --force-device to file the results as such", file=sys.stderr)
     if args.device == "auto":
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     else:
@@ -318,6 +431,7 @@ def main(argv=None) -> int:
     suite = T.SUITES[suite_name]
     ids = args.shapes.split(",") if args.shapes else [
         s for s in suite if suite_name != "official" or s in T.shapes.HARNESS_IDS]
+    order = list(suite)
     unknown = [s for s in ids if s not in suite]
     if unknown:
         print(f"unknown shape id(s) {unknown} for suite {suite_name}; known: {list(suite)}", file=sys.stderr)
@@ -339,23 +453,36 @@ def main(argv=None) -> int:
     out_dir = args.out or default_out_dir()
     os.makedirs(out_dir, exist_ok=True)
     json_path = os.path.join(out_dir, f"{tag}.json")
+    command = "ttj-bench " + " ".join(sys.argv[1:] if argv is None else argv)
     document = {"gpu": device_name if on_cuda else None, "device": device_name, "jax": jax.__version__,
-                "torch": torch.__version__, "date": date, "suite": suite_name,
-                "command": "ttj-bench " + " ".join(sys.argv[1:] if argv is None else argv),
+                "torch": torch.__version__, "date": date, "suite": suite_name, "command": command,
                 "bridge_keep_x_import": settings.keep_x_import(), "shapes": {}}
-    if args.merge and os.path.exists(json_path):   # runs split over several calls fill one file
-        with open(json_path) as f:
-            previous = json.load(f)
+    previous = _load(json_path) if (args.merge or forced) else None
+    if forced:
+        # a forced-device run adds its records to the file's "forced_device" section; the rest is kept
+        if previous is not None:
+            document = {**previous, "command": command}
+        document["commands"] = _commands(previous, command)
+        section = document.setdefault("forced_device", {}).setdefault(forced, {})
+    elif previous is not None:   # --merge: runs split over several calls fill one file
         if previous.get("device") == device_name:
             document["shapes"] = previous.get("shapes", {})
+            if "forced_device" in previous:
+                document["forced_device"] = previous["forced_device"]
+        document["commands"] = _commands(previous, command)
 
     progress = Progress(len(ids))
+    results = {}
     try:
         with sampling(on_cuda) as power:
             for sid in ids:
                 shape = suite[sid]
                 progress.step(f"shape {sid}: {shape.describe()}")
-                document["shapes"][sid] = run_shape(shape, args, device, progress, power)
+                results[sid] = run_shape(shape, args, device, progress, power)
+                if forced:
+                    section[sid] = {key: results[sid].get(key) for key in FORCED_FIELDS}
+                else:
+                    document["shapes"][sid] = results[sid]
                 progress.step(f"shape {sid}: done", advance=1)
                 with open(json_path, "w") as f:
                     json.dump(document, f, indent=1)
@@ -363,15 +490,21 @@ def main(argv=None) -> int:
                     torch.cuda.empty_cache()
     finally:
         progress.close()
-    ordered = by_shape_id(document["shapes"])
-    geo = print_table(ordered, device_name)
-    document["geomean_speedup"] = geo
-    with open(json_path, "w") as f:
-        json.dump(document, f, indent=1)
-    print(f"wrote {json_path}")
-    if not args.no_plot:
-        _plot_beside(ordered, json_path, device_name)
-    failed = sum(r["failed_elements"] + r["ttj_jax_accuracy"]["failed_elements"] for r in ordered.values())
+    if forced:   # the rows of this run, planned as the forced GPU; the file's main table is left as it was
+        print_table(by_shape_id(results, order), f"{device_name} planned as {forced}")
+        with open(json_path, "w") as f:
+            json.dump(document, f, indent=1)
+        print(f"wrote {json_path} (forced_device/{forced})")
+    else:
+        ordered = by_shape_id(document["shapes"], order)
+        document["geomean_speedup"] = print_table(ordered, device_name)
+        with open(json_path, "w") as f:
+            json.dump(document, f, indent=1)
+        print(f"wrote {json_path}")
+        if not args.no_plot:
+            _plot_beside(ordered, json_path, device_name, suite_name)
+    checked = results if forced else document["shapes"]
+    failed = sum(r["failed_elements"] + r["ttj_jax_accuracy"]["failed_elements"] for r in checked.values())
     return 1 if failed else 0
 
 

@@ -55,9 +55,22 @@ def run_shapes(result: dict, path: str, shape_ids, run_one, summary) -> bool:
     return bad
 
 
-def by_shape_id(shapes: dict) -> dict:
-    """Results in shape order (1, 2, ..., 10, not 1, 10, 2)."""
-    return dict(sorted(shapes.items(), key=lambda kv: (len(kv[0]), kv[0])))
+def _natural_key(sid: str) -> tuple:
+    """'cpu-2' before 'cpu-11', '2' before '10'; names compare as text between their numbers."""
+    return tuple((0, int(part), "") if part.isdigit() else (1, 0, part) for part in re.split(r"(\d+)", sid) if part)
+
+
+def by_shape_id(shapes: dict, order=None) -> dict:
+    """Results in shape order (1, 2, ..., 10, not 1, 10, 2). With `order` (a suite's ids, as its table lists
+    them), those ids come first in that order, any others after them in natural order."""
+    rank = {sid: i for i, sid in enumerate(order or ())}
+    return dict(sorted(shapes.items(), key=lambda kv: (rank.get(kv[0], len(rank)), _natural_key(kv[0]))))
+
+
+def peer_over_bridge(result: dict) -> float | None:
+    """peer_ms / ttj_bridge_ms of one shape's result (above 1: the bridge is faster), None without both."""
+    peer_ms, bridge_ms = result.get("peer_ms"), result.get("ttj_bridge_ms")
+    return peer_ms / bridge_ms if peer_ms and bridge_ms else None
 
 
 def geomean(values) -> float | None:
@@ -77,13 +90,14 @@ def _ms(value) -> str:
     return "-" if value is None else f"{value:.4g}"
 
 
-def markdown_table(document: dict) -> str:
-    """A saved `ttj-bench` run as GitHub markdown: one line naming the machine, the table, the geometric means.
+def markdown_table(document: dict, order=None) -> str:
+    """A saved `ttj-bench` run as GitHub markdown: one line naming the machine, the table, the geometric means
+    (for the general suite also of peer/bridge). `order`: the suite's ids, as by_shape_id takes them.
 
     failed: elements outside the harness rule, through the bridge and from JAX together; worst err/tol: the
     larger of the two. host us: the bridge's host time per call issued on an idle GPU; host/GPU: that over
     the bridge's median time per call."""
-    shapes = by_shape_id(document["shapes"])
+    shapes = by_shape_id(document["shapes"], order)
     seeds = sorted({r.get("seeds") for r in shapes.values()} - {None})
     machine = document.get("device") or document.get("gpu") or "unknown device"
     about = [machine, f"jax {document.get('jax', '?')}", f"torch {document.get('torch', '?')}",
@@ -113,4 +127,7 @@ def markdown_table(document: dict) -> str:
                                 ("ttj_jax", "ttj from JAX"))}
     lines += ["", f"Geometric mean speedup over the baseline, shapes {_id_list(list(shapes))}: " + ", ".join(
         f"{label} {value:.2f}x" for label, value in means.items() if value is not None) + "."]
+    ratio = geomean([peer_over_bridge(r) for r in shapes.values()])
+    if document.get("suite") == "general" and ratio is not None:
+        lines.append(f"Geometric mean of peer/bridge: {ratio:.2f}.")
     return "\n".join(lines) + "\n"

@@ -28,12 +28,16 @@ import torch
 
 from bridge import settings
 from ttj_jax.config import Config
+from ttj_jax.device import FORCE_DEVICE_ENV, forced_compute_capability
 
 
 def unavailable_reason(device: torch.device) -> str | None:
     """Why the bridge cannot launch Mosaic GPU kernels itself on `device`, or None."""
     if not settings.mosaic_launch():
         return f"{settings.MOSAIC_LAUNCH_ENV}=0"
+    forced = forced_compute_capability()
+    if forced is not None and not forced.startswith("9"):
+        return f"{FORCE_DEVICE_ENV} plans as compute capability {forced}, not sm_90 (Hopper)"
     if device.type != "cuda":
         return f"x is on {device}, not a CUDA device"
     major, _ = torch.cuda.get_device_capability(device)

@@ -34,11 +34,13 @@ from bridge import mosaic_launch
 from bridge.transfer import Transfer, current_cuda_device, transfer_for
 from ttj_jax import stacks
 from ttj_jax.config import Config
+from ttj_jax.device import device_facts
 from ttj_jax.masks import MaskKind, classify_mask
 from ttj_jax.model import executable, model_key, plan_for, validate_inputs
 from ttj_jax.numerics import get_policy
 from ttj_jax.params import expected_shapes, params_from_state_dict, prepare_weights
-from ttj_jax.planner import Plan
+from ttj_jax.planner import InputFacts, Plan
+from ttj_jax.planner import plan as make_plan
 
 _STATES: weakref.WeakKeyDictionary[torch.nn.Module, _ModuleState] = weakref.WeakKeyDictionary()
 _PREPARE = {}   # policy name -> jitted prepare_weights
@@ -79,7 +81,8 @@ class _Call:
     run: Callable
     transfer: Transfer
     passes_mask: bool
-    upcast_to: torch.dtype | None   # float64 inputs compute in float32 and are cast back
+    upcast_to: torch.dtype | None   # float64 (and, for the bridge's own launches, fp16/bf16) x computes in
+    #                                 float32 and the output is cast back
     # The plan's whole-stack kernel launched on torch tensors, no JAX dispatch: direct(x, mask, weights)
     # -> y, weights the kernel's layout as torch tensors (_ModuleState.kernel_tensors), through
     # bridge/mosaic_launch.py.
@@ -250,8 +253,8 @@ class _ModuleState:
         if x.device != self.params[0].device:
             raise ValueError(f"x is on {x.device} but the module's weights are on {self.params[0].device}")
         transfer = transfer_for(x.device)
-        upcast = x.dtype if x.dtype == torch.float64 else None
         jax_device = transfer.importer.device
+        upcast = x.dtype if x.dtype == torch.float64 or self._half_runs_as_float32(x, kind, jax_device) else None
         shape_probe = jax.ShapeDtypeStruct(tuple(x.shape), "float32" if upcast else _torch_dtype_name(x.dtype))
         plan = plan_for(self.config, shape_probe, kind, device=jax_device or jax.devices(
             "cpu" if x.device.type == "cpu" else None)[0], caller="torch", data_parallel=data_parallel,
@@ -266,6 +269,19 @@ class _ModuleState:
         if call.direct is not None and x.device.type == "cuda":
             call.direct_device = x.device.index   # a CUDA tensor's device always carries its index
         return call
+
+    def _half_runs_as_float32(self, x: torch.Tensor, kind: MaskKind, jax_device) -> bool:
+        """Whether an fp16/bf16 x is computed as float32 (cast in, output cast back): where the rules give
+        float32 x a stack the bridge launches itself (the Mosaic GPU kernel takes float32 x only), the
+        two casts cost a few microseconds and the jax call they replace costs ~0.2 ms of host time."""
+        if x.dtype not in (torch.float16, torch.bfloat16) or x.device.type != "cuda" or jax_device is None:
+            return False
+        facts = InputFacts(batch_size=x.shape[0], seq_len=x.shape[1], dtype="float32", mask_kind=kind,
+                           caller="torch")
+        rules = make_plan(self.config, facts, device_facts(jax_device))
+        launch = stacks.get(rules.stack).bridge_launch
+        return (launch is not None and rules.data_parallel == 1 and launch(self.config, x.shape[0], x.shape[1]) is None
+                and mosaic_launch.unavailable_reason(x.device) is None)
 
     def _mosaic_kernel(self, call: _Call, shape, device: torch.device):
         """(launch, "") for the Mosaic GPU stack on this input (bridge/mosaic_launch.py), or (None, why it
@@ -659,8 +675,6 @@ def stream_forward(module: torch.nn.Module, x: torch.Tensor, valid_token_mask: t
     batch streams through the weights' device in chunks, copies overlapped with compute
     (ttj_jax.streaming). Returns a new CPU tensor of x's dtype. progress: True prints per-chunk progress
     to stderr; a callable(done, total) receives it; False is silent."""
-    from ttj_jax.planner import InputFacts, device_facts
-    from ttj_jax.planner import plan as make_plan
     from ttj_jax.streaming import stream_forward as stream
 
     state = _state(module, config)

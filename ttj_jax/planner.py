@@ -1,7 +1,7 @@
 """The planner: a pure function from (config, input facts, device facts) to a named plan.
 
-Nothing here touches a device or an array; `device_facts()` (the one impure helper) reads the facts the
-planner is then handed. Each rule names the measurement or constraint behind it in the plan's `reason`,
+Nothing here touches a device or an array; `device.device_facts()` reads the facts the planner is then
+handed. Each rule names the measurement or constraint behind it in the plan's `reason`,
 so `Plan.explain()` says in one line what will run and why.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from ttj_jax.config import Config
+from ttj_jax.device import CPU, DeviceFacts, device_facts  # noqa: F401  (re-exported: the planner's inputs)
 from ttj_jax.masks import MaskKind
 from ttj_jax.numerics import POLICIES
 
@@ -107,24 +108,6 @@ class InputFacts:
             raise ValueError(f"InputFacts.caller={self.caller!r} is not one of {CALLERS}")
 
 
-@dataclasses.dataclass(frozen=True)
-class DeviceFacts:
-    platform: str                  # "cpu" or "gpu"
-    device_kind: str = ""          # e.g. "NVIDIA H200"
-    memory_bytes: int | None = None
-    device_count: int = 1
-    compute_capability: str = ""   # e.g. "9.0" (CUDA GPUs)
-
-    @property
-    def is_gpu(self) -> bool:
-        return self.platform == "gpu"
-
-    @property
-    def is_hopper(self) -> bool:
-        return self.is_gpu and self.compute_capability.startswith("9")
-
-
-CPU = DeviceFacts(platform="cpu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,7 +119,7 @@ class Plan:
     batch_chunk: int | None = None  # run the stack over batch chunks of this size (lax.map), or all at once
     data_parallel: int = 1         # devices the batch is split over (parallel.py); chunks are per device
     sequence_parallel: int = 1     # devices each sequence is split over (ring_attention.py)
-    reason: str = ""
+    reason: str = dataclasses.field(default="", compare=False)   # not part of the plan's identity
     stack: str = "layers"          # one of STACKS
     xla_options: tuple = ()        # ((name, value), ...): XLA compile options for this plan's program
 
@@ -311,6 +294,63 @@ def plan(config: Config, inputs: InputFacts, device: DeviceFacts = CPU, *,
                 data_parallel=data_parallel, reason="; ".join(reasons), stack=stack, xla_options=xla_options)
 
 
+# The measured planner (autotune.py) times at most this many candidates per input signature, the
+# rules' plan first: each costs one compilation (~1-3 s on the H200) and a few milliseconds of runs.
+MAX_CANDIDATES = 6
+# XLA's explicit-softmax attention is a candidate only while its [B, H, S, S] fp32 scores stay this small.
+XLA_ATTENTION_MAX_SCORE_BYTES = 256 * 2**20
+
+
+def candidates(config: Config, inputs: InputFacts, device: DeviceFacts = CPU) -> list[Plan]:
+    """The plans the measured planner may time for this call, the rules' plan (`plan`) first, then the
+    alternatives in the order the rules prefer them: the other stacks that take the call, then the
+    layer-by-layer XLA program with each attention implementation that takes it, in the default numerics
+    and in the GEMM-bound variant (fp16 q/k/v and MLP pre-activation, tanh GELU in cuBLAS's epilogue).
+    Only one-device, unchunked calls on a GPU have alternatives; elsewhere the rules' plan is the only one.
+    At most MAX_CANDIDATES."""
+    prior = plan(config, inputs, device)
+    if not device.is_gpu or prior.data_parallel > 1 or prior.sequence_parallel > 1 or prior.batch_chunk:
+        return [prior]
+    found = [prior]
+
+    def add(candidate: Plan | None) -> None:
+        if candidate is not None and candidate not in found and len(found) < MAX_CANDIDATES:
+            found.append(candidate)
+
+    def forced(**choice) -> Plan | None:
+        try:
+            chosen = plan(config, inputs, device, data_parallel=1, **choice)
+        except ValueError:   # the choice does not take this call
+            return None
+        return chosen if not chosen.batch_chunk else None
+
+    stacks = [s for s in ("fused_mgpu", "fused", "rows") if s != prior.stack]
+    if not device.is_hopper or inputs.dtype != "float32":
+        stacks.remove("fused_mgpu")
+    from ttj_jax.kernels import fused_stack
+    if not fused_stack.supports(config, inputs.seq_len) and "fused" in stacks:
+        stacks.remove("fused")
+    for stack in stacks:
+        add(forced(stack=stack))
+    attentions = ["pallas"]
+    if prior.mask_mode in ("none", "rows") and config.head_dim in CUDNN_HEAD_DIMS:
+        attentions.append("cudnn")
+    if 4 * inputs.batch_size * config.num_heads * inputs.seq_len ** 2 <= XLA_ATTENTION_MAX_SCORE_BYTES:
+        attentions.append("xla")
+    for attention in attentions:
+        base = forced(attention=attention)
+        if base is None:
+            continue
+        default = dataclasses.replace(base, policy="mixed_fp16", xla_options=(),
+                                      reason=f"{base.reason}; numerics mixed_fp16")
+        gemm_bound = dataclasses.replace(base, policy=GEMM_BOUND_POLICY, xla_options=GEMM_BOUND_XLA_OPTIONS,
+                                         reason=f"{base.reason}; numerics {GEMM_BOUND_POLICY} with cuBLAS GEMMs")
+        for candidate in ((gemm_bound, default) if base.policy == GEMM_BOUND_POLICY else (default, gemm_bound)):
+            if not any(candidate.name == other.name and candidate.xla_options == other.xla_options for other in found):
+                add(candidate)
+    return found
+
+
 def _rows_stack_fits(config: Config, inputs: InputFacts) -> bool:
     """Whether the "rows" stack's kernels take this model (row_block.supports) and these rows (whole
     tiles of ROWS_BLOCK)."""
@@ -421,22 +461,6 @@ def _batch_chunk(config: Config, inputs: InputFacts, device: DeviceFacts, attent
     fitting = [c for c in range(1, inputs.batch_size + 1)
                if inputs.batch_size % c == 0 and c * per_sequence <= budget]
     return max(fitting) if fitting else 1
-
-
-def device_facts(device) -> DeviceFacts:
-    """Reads the facts of one jax device and how many of its kind are visible (the only impure
-    function in this module)."""
-    import jax
-    platform = "gpu" if device.platform in ("gpu", "cuda", "rocm") else device.platform
-    memory = None
-    try:
-        stats = device.memory_stats() or {}
-        memory = stats.get("bytes_limit")
-    except Exception:   # memory_stats is unimplemented on some backends (the CPU among them)
-        memory = None
-    return DeviceFacts(platform=platform, device_kind=getattr(device, "device_kind", ""),
-                       memory_bytes=memory, device_count=len(jax.devices(device.platform)),
-                       compute_capability=str(getattr(device, "compute_capability", "") or ""))
 
 
 def streaming_chunk(config: Config, inputs: InputFacts, device: DeviceFacts) -> int:

@@ -3,6 +3,9 @@
 `OFFICIAL` holds the fourteen official harness shapes (docs/spec.md, all causal).
 `CPU_SMALL` holds CPU-sized versions of them: the same head_dim, d_model/ffn ratio and regime, with
 batch and sequence cut down so the whole suite runs in seconds without a GPU.
+`GENERAL` holds configurations shaped like real encoders and decoders (`ttj-bench --suite general`):
+B 1-64, S 32-8192, d_model 128-2048, head_dim 32-128, ffn 1-4x d_model, 1-8 layers, causal or not,
+all-True or padded masks, float32 or float16 inputs.
 """
 
 from __future__ import annotations
@@ -17,16 +20,25 @@ class Shape:
     id: str
     config: Config
     regime: str
+    # the harness's --padding-ratio: prefix masks with lengths in [round(S*(1-p)), S] (0: all-True)
+    padding: float = 0.0
+    # the harness's --dtype: model and input in this dtype, checked against the baseline in it
+    dtype: str = "float32"
 
     def describe(self) -> str:
         c = self.config
-        return (f"B={c.batch_size} S={c.seq_len} d={c.d_model} H={c.num_heads} "
+        text = (f"B={c.batch_size} S={c.seq_len} d={c.d_model} H={c.num_heads} "
                 f"ffn={c.ffn_dim} L={c.num_layers} causal={c.causal}")
+        if self.padding:
+            text += f" padding={self.padding}"
+        if self.dtype != "float32":
+            text += f" dtype={self.dtype}"
+        return text
 
 
-def _shape(id, B, S, d, H, ffn, L, regime, causal=True) -> Shape:
+def _shape(id, B, S, d, H, ffn, L, regime, causal=True, padding=0.0, dtype="float32") -> Shape:
     return Shape(id, Config(batch_size=B, seq_len=S, d_model=d, num_heads=H, ffn_dim=ffn,
-                            num_layers=L, causal=causal), regime)
+                            num_layers=L, causal=causal), regime, padding=padding, dtype=dtype)
 
 
 OFFICIAL: dict[str, Shape] = {s.id: s for s in [
@@ -61,4 +73,33 @@ CPU_SMALL: dict[str, Shape] = {s.id: s for s in [
     _shape("cpu-13", 2, 256, 128, 4, 128, 2, "official 13 (attention-bound), cut"),
 ]}
 
-SUITES: dict[str, dict[str, Shape]] = {"small": CPU_SMALL, "official": OFFICIAL}
+# Real-model-shaped configs. Each baseline's [B, H, S, S] fp32 scores stay at or under ~2.1 GB (8192^2 x 8
+# heads) and its call at a few ms on an H200.
+GENERAL: dict[str, Shape] = {s.id: s for s in [
+    # encoders (non-causal)
+    _shape("bert-base", 32, 512, 768, 12, 3072, 2, "BERT-base-like encoder", causal=False),
+    _shape("enc-tiny-s32", 64, 32, 128, 4, 512, 4, "tiny encoder, head_dim 32", causal=False),
+    _shape("enc-mini-s64", 64, 64, 256, 4, 1024, 4, "mini encoder", causal=False),
+    _shape("enc-small-s128", 64, 128, 256, 8, 512, 4, "small encoder, head_dim 32, ffn 2x", causal=False),
+    _shape("vit-s197", 64, 197, 384, 6, 1536, 2, "ViT-S/16-like, odd S", causal=False),
+    # decoders (causal)
+    _shape("gpt2-s4096", 1, 4096, 768, 12, 3072, 2, "GPT-2-like, long context"),
+    _shape("dec-hd128-s8192", 1, 8192, 1024, 8, 4096, 2, "decoder, head_dim 128, S=8192"),
+    _shape("dec-d2048", 2, 2048, 2048, 16, 8192, 1, "wide decoder, d=2048, one layer"),
+    _shape("clip-text-s77", 64, 77, 512, 8, 2048, 2, "CLIP-text-like, odd S"),
+    _shape("dec-hd32-s1024", 8, 1024, 512, 16, 2048, 4, "decoder, head_dim 32"),
+    _shape("dec-l8-d128", 16, 256, 128, 4, 128, 8, "8 layers, d=128, ffn 1x"),
+    _shape("dec-l8-d256-hd128", 8, 512, 256, 2, 768, 8, "8 layers, head_dim 128, ffn 3x"),
+    # padded masks
+    _shape("bert-base-pad30", 32, 512, 768, 12, 3072, 2, "BERT-base-like, padding 0.3", causal=False, padding=0.3),
+    _shape("enc-s128-pad70", 64, 128, 256, 4, 1024, 2, "small encoder, padding 0.7", causal=False, padding=0.7),
+    _shape("gpt2-s1024-pad30", 8, 1024, 768, 12, 3072, 2, "GPT-2-like batch, padding 0.3", padding=0.3),
+    _shape("dec-s2048-pad70", 4, 2048, 1024, 16, 4096, 2, "decoder, padding 0.7", padding=0.7),
+    # float16 model and input
+    _shape("bert-base-fp16", 32, 512, 768, 12, 3072, 2, "BERT-base-like, float16", causal=False, dtype="float16"),
+    _shape("gpt2-s1024-fp16", 8, 1024, 768, 12, 3072, 4, "GPT-2-like, float16", dtype="float16"),
+    _shape("dec-hd128-fp16-pad30", 4, 2048, 1024, 8, 4096, 2, "decoder, head_dim 128, float16, padding 0.3",
+           padding=0.3, dtype="float16"),
+]}
+
+SUITES: dict[str, dict[str, Shape]] = {"small": CPU_SMALL, "official": OFFICIAL, "general": GENERAL}

@@ -35,6 +35,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from ttj_jax.device import default_device_is_hopper
 from ttj_jax.kernels.attention_common import attention_reference, check_causal_and_scale, check_qkv_layout
 from ttj_jax.kernels.flash_attention_mgpu import SUPPORTED_HEAD_DIMS as MOSAIC_HEAD_DIMS
 from ttj_jax.kernels.flash_attention_mgpu import (
@@ -264,10 +265,9 @@ IMPLEMENTATIONS = ("auto", "generic", "mosaic")
 
 @functools.cache
 def on_hopper() -> bool:
-    """Whether jax's default backend is a CUDA GPU of compute capability 9.x (read once per process)."""
-    if jax.default_backend() != "gpu":
-        return False
-    return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9")
+    """Whether jax's default backend is a CUDA GPU of compute capability 9.x, as planning sees it
+    (TTJ_FORCE_DEVICE included; read once per process)."""
+    return default_device_is_hopper()
 
 
 def use_mosaic_kernel(dtype, seq_len: int, head_dim: int, *, masked: bool, block_sizes, interpret: bool,

@@ -1,0 +1,317 @@
+"""The measured planner (autotune.py), its on-disk plan cache (plan_cache.py) and forced device facts
+(device.py), on the CPU: the timing machinery runs on two cheap XLA plans, the GPU's candidates are
+checked as a pure function, and the cache under every failure it must survive."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import multiprocessing
+import os
+import stat
+import types
+import warnings
+
+import jax
+import pytest
+
+import ttj_jax as T
+from ttj_jax import autotune, planner
+from ttj_jax.device import FORCE_DEVICE_ENV, DeviceFacts, device_facts, forced_compute_capability
+from ttj_jax.plan_cache import PlanCache, PlanCacheWarning
+
+H200 = DeviceFacts(platform="gpu", device_kind="NVIDIA H200", memory_bytes=140 * 2**30, compute_capability="9.0")
+A100 = DeviceFacts(platform="gpu", device_kind="NVIDIA A100", memory_bytes=40 * 2**30, compute_capability="8.0")
+L4 = DeviceFacts(platform="gpu", device_kind="NVIDIA L4", memory_bytes=24 * 2**30, compute_capability="8.9")
+SMALL = T.Config(batch_size=2, seq_len=16, d_model=32, num_heads=2, ffn_dim=64, num_layers=2, causal=True)
+
+
+def _facts(config, dtype="float32", kind=T.MaskKind.ALL_TRUE, caller="jax"):
+    return T.InputFacts(batch_size=config.batch_size, seq_len=config.seq_len, dtype=dtype, mask_kind=kind,
+                        caller=caller)
+
+
+# ---- the plan cache ----
+
+KEY = {"device_kind": "NVIDIA H200", "config": {"d_model": 128}, "inputs": {"batch_size": 64}}
+
+
+def test_cache_round_trip_and_keys(tmp_path):
+    cache = PlanCache(tmp_path)
+    assert cache.get(KEY) is None
+    assert cache.put(KEY, {"plan": {"stack": "rows"}, "times_ms": {"a": 1.0}})
+    assert PlanCache(tmp_path).get(KEY) == {"plan": {"stack": "rows"}, "times_ms": {"a": 1.0}}
+    other = {**KEY, "inputs": {"batch_size": 32}}
+    assert PlanCache(tmp_path).get(other) is None   # every key field counts
+    assert len(list((tmp_path / "plans").glob("*.json"))) == 1
+
+
+def test_cache_directory_from_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("TTJ_CACHE_DIR", str(tmp_path / "from-env"))
+    assert PlanCache().directory == tmp_path / "from-env"
+    monkeypatch.delenv("TTJ_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert PlanCache().directory == tmp_path / "xdg" / "ttj-jax"
+    assert PlanCache(tmp_path / "arg").directory == tmp_path / "arg"   # the argument wins
+
+
+@pytest.mark.parametrize("content", ["{not json", json.dumps([1, 2]), json.dumps({"format": 999, "record": {}})])
+def test_a_corrupt_cache_file_warns_once_and_reads_as_a_miss(tmp_path, content):
+    cache = PlanCache(tmp_path)
+    cache.put(KEY, {"plan": {}})
+    cache.path_for(KEY).write_text(content)
+    with pytest.warns(PlanCacheWarning, match="going on without it"):
+        assert cache.get(KEY) is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # once per cache: the second read is silent
+        assert cache.get(KEY) is None
+    assert cache.put(KEY, {"plan": {"stack": "fused"}}) and cache.get(KEY) == {"plan": {"stack": "fused"}}
+
+
+def test_a_stale_file_under_the_same_name_is_a_miss(tmp_path):
+    cache = PlanCache(tmp_path)
+    cache.put(KEY, {"plan": {}})
+    stored = json.loads(cache.path_for(KEY).read_text())
+    stored["key"]["device_kind"] = "another GPU"
+    cache.path_for(KEY).write_text(json.dumps(stored))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert cache.get(KEY) is None
+
+
+def test_an_unwritable_cache_directory_warns_and_never_raises(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")   # a directory under a regular file cannot be made, whoever asks (root too)
+    cache = PlanCache(blocker / "cache")
+    with pytest.warns(PlanCacheWarning, match="cannot write"):
+        assert cache.put(KEY, {"plan": {}}) is False
+    assert cache.get(KEY) is None
+
+
+@pytest.mark.skipif(os.name != "posix", reason="POSIX permissions")
+def test_a_read_only_cache_directory_leaves_no_temporary_file(tmp_path):
+    root = tmp_path / "ro"
+    (root / "plans").mkdir(parents=True)
+    (root / "plans").chmod(stat.S_IRUSR | stat.S_IXUSR)
+    try:
+        if os.access(root / "plans", os.W_OK):   # root ignores the mode: make the rename fail instead
+            PlanCache(root).path_for(KEY).mkdir()
+        with pytest.warns(PlanCacheWarning, match="cannot write"):
+            assert PlanCache(root).put(KEY, {"plan": {}}) is False
+        assert not list((root / "plans").glob(".*.tmp"))
+    finally:
+        (root / "plans").chmod(stat.S_IRWXU)
+
+
+def _writer(args):
+    directory, worker = args
+    cache = PlanCache(directory)
+    for i in range(40):
+        assert cache.put({"shared": True}, {"worker": worker, "i": i, "pad": "x" * 2000})
+        assert cache.put({"worker": worker, "i": i}, {"worker": worker, "i": i})
+        got = cache.get({"shared": True})
+        assert got is not None and set(got) == {"worker", "i", "pad"}   # never a torn read
+    return worker
+
+
+def test_concurrent_writers_lose_nothing(tmp_path):
+    with multiprocessing.get_context("spawn").Pool(4) as pool:
+        assert sorted(pool.map(_writer, [(str(tmp_path), w) for w in range(4)])) == [0, 1, 2, 3]
+    cache = PlanCache(tmp_path)
+    for worker in range(4):
+        for i in range(40):
+            assert cache.get({"worker": worker, "i": i}) == {"worker": worker, "i": i}
+    assert cache.get({"shared": True})["worker"] in range(4)
+    assert not list((tmp_path / "plans").glob(".*.tmp"))
+
+
+# ---- forced device facts ----
+
+def _fake_gpu(capability="9.0"):
+    return types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H200", compute_capability=capability,
+                                 memory_stats=lambda: {"bytes_limit": 140 * 2**30})
+
+
+def test_forced_device_facts(monkeypatch):
+    monkeypatch.delenv(FORCE_DEVICE_ENV, raising=False)
+    monkeypatch.setattr(jax, "devices", lambda *a: [_fake_gpu()])
+    assert forced_compute_capability() is None and device_facts(_fake_gpu()).is_hopper
+    monkeypatch.setenv(FORCE_DEVICE_ENV, "sm_80")
+    facts = device_facts(_fake_gpu())
+    assert facts.compute_capability == "8.0" and not facts.is_hopper and "planned as sm_80" in facts.device_kind
+    monkeypatch.setenv(FORCE_DEVICE_ENV, "sm_89")
+    assert device_facts(_fake_gpu()).compute_capability == "8.9"
+    monkeypatch.setenv(FORCE_DEVICE_ENV, "sm_75x")
+    with pytest.raises(ValueError, match="TTJ_FORCE_DEVICE"):
+        device_facts(_fake_gpu())
+    monkeypatch.setenv(FORCE_DEVICE_ENV, "sm_80")
+    cpu = types.SimpleNamespace(platform="cpu", device_kind="cpu", memory_stats=lambda: None)
+    assert device_facts(cpu).compute_capability == ""   # a CPU is not forced
+
+
+@pytest.mark.parametrize("facts", [A100, L4], ids=["sm_80", "sm_89"])
+def test_without_hopper_no_plan_or_candidate_dispatches_a_hopper_only_kernel(facts):
+    suites = {**T.OFFICIAL, **getattr(T.shapes, "GENERAL", {})}
+    for sid, shape in suites.items():
+        config = shape.config
+        for kind in (T.MaskKind.ALL_TRUE, T.MaskKind.PREFIX):
+            for caller in ("jax", "torch"):
+                inputs = _facts(config, kind=kind, caller=caller)
+                for candidate in planner.candidates(config, inputs, facts):
+                    assert candidate.stack != "fused_mgpu", (sid, candidate.name)
+                    assert "Hopper" not in candidate.reason and "sm_90" not in candidate.reason, (sid, candidate.reason)
+
+
+def test_the_bridge_does_not_launch_mosaic_kernels_under_forced_facts(monkeypatch):
+    import torch
+
+    from bridge import mosaic_launch
+    monkeypatch.setenv(FORCE_DEVICE_ENV, "sm_80")
+    assert "sm_90" in mosaic_launch.unavailable_reason(torch.device("cuda", 0))
+
+
+def test_the_kernels_hopper_dispatch_follows_forced_facts(monkeypatch):
+    from ttj_jax import device
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(jax, "devices", lambda *a: [_fake_gpu()])
+    assert device.default_device_is_hopper()
+    monkeypatch.setenv(FORCE_DEVICE_ENV, "sm_80")
+    assert not device.default_device_is_hopper()
+
+
+# ---- candidates (pure) ----
+
+def test_candidates_start_with_the_rules_plan_and_are_bounded():
+    for shape in T.OFFICIAL.values():
+        config = shape.config
+        for facts in (H200, A100):
+            for kind in (T.MaskKind.ALL_TRUE, T.MaskKind.PREFIX, T.MaskKind.GENERAL):
+                inputs = _facts(config, kind=kind)
+                found = planner.candidates(config, inputs, facts)
+                assert found[0] == T.plan(config, inputs, facts)
+                assert 1 <= len(found) <= planner.MAX_CANDIDATES
+                assert len({(p.name, p.xla_options) for p in found}) == len(found)
+                for p in found:
+                    if kind == T.MaskKind.GENERAL:   # cuDNN's plan takes no key mask
+                        assert p.attention != "cudnn"
+                    if p.attention == "xla":
+                        assert 4 * config.batch_size * config.num_heads * config.seq_len ** 2 \
+                            <= planner.XLA_ATTENTION_MAX_SCORE_BYTES
+    assert planner.candidates(SMALL, _facts(SMALL), planner.CPU) == [T.plan(SMALL, _facts(SMALL))]
+
+
+def test_candidates_include_the_gemm_bound_numerics_and_cudnn_for_a_bert_like_model():
+    bert = T.Config(batch_size=32, seq_len=512, d_model=768, num_heads=12, ffn_dim=3072, num_layers=2, causal=False)
+    names = {(p.attention, p.policy) for p in planner.candidates(bert, _facts(bert), H200)}
+    assert {("pallas", "mixed_fp16"), ("pallas", planner.GEMM_BOUND_POLICY), ("cudnn", "mixed_fp16")} <= names
+
+
+# ---- measuring (CPU: two XLA plans stand in for a GPU's candidates) ----
+
+def _cpu_candidates(config, inputs, device):
+    rules = T.plan(config, inputs, planner.CPU)
+    return [rules, dataclasses.replace(rules, policy="exact_fp32", reason="exact")]
+
+
+@pytest.fixture
+def measuring_on_cpu(monkeypatch, tmp_path):
+    """autotune.choose on the CPU as on a GPU: measuring enabled, CPU stand-ins for the candidates."""
+    monkeypatch.setattr(autotune, "enabled", lambda device, autotune=None: autotune is not False)
+    monkeypatch.setattr(planner, "candidates", _cpu_candidates)
+    monkeypatch.setenv("TTJ_AUTOTUNE_QUIET", "1")
+    monkeypatch.setattr(autotune, "enable_compilation_cache", lambda directory: None)
+    return PlanCache(tmp_path)
+
+
+def test_choose_measures_once_then_reads_the_cache(measuring_on_cpu, monkeypatch):
+    cache = measuring_on_cpu
+    inputs = _facts(SMALL)
+    chosen = autotune.choose(SMALL, inputs, cache=cache)
+    assert chosen in _cpu_candidates(SMALL, inputs, None)
+    assert "measured" in chosen.explain() and " ms" in chosen.explain()
+    [stored] = [json.loads(p.read_text()) for p in (cache.directory / "plans").glob("*.json")]
+    assert set(stored["record"]["times_ms"]) == {autotune._label(p) for p in _cpu_candidates(SMALL, inputs, None)}
+    assert all(isinstance(v, float) and v > 0 for v in stored["record"]["times_ms"].values())
+
+    def no_measuring(*a, **k):
+        raise AssertionError("measured again despite the cache")
+    monkeypatch.setattr(autotune, "measure", no_measuring)
+    again = autotune.choose(SMALL, inputs, cache=PlanCache(cache.directory))   # a second process's view
+    assert dataclasses.replace(again, reason="") == dataclasses.replace(chosen, reason="")
+    assert "plan cache" in again.explain()
+    # another input signature is measured anew
+    with pytest.raises(AssertionError, match="measured again"):
+        autotune.choose(SMALL, _facts(SMALL, kind=T.MaskKind.PREFIX), cache=cache)
+
+
+def test_choose_recovers_from_a_corrupt_cache(measuring_on_cpu):
+    cache = measuring_on_cpu
+    inputs = _facts(SMALL)
+    autotune.choose(SMALL, inputs, cache=cache)
+    for path in (cache.directory / "plans").glob("*.json"):
+        path.write_text("garbage")
+    with pytest.warns(PlanCacheWarning):
+        chosen = autotune.choose(SMALL, inputs, cache=PlanCache(cache.directory))
+    assert "measured" in chosen.explain() and "plan cache" not in chosen.explain()
+
+
+def test_autotune_false_and_the_environment_keep_the_rules(measuring_on_cpu, monkeypatch):
+    inputs = _facts(SMALL)
+    assert autotune.choose(SMALL, inputs, cache=measuring_on_cpu, autotune=False) == T.plan(SMALL, inputs)
+    monkeypatch.undo()
+    monkeypatch.setenv("TTJ_AUTOTUNE", "0")
+    assert not autotune.enabled(H200)
+    monkeypatch.setenv("TTJ_AUTOTUNE", "1")
+    assert autotune.enabled(H200) and not autotune.enabled(planner.CPU)
+
+
+def test_an_inaccurate_candidate_is_never_chosen(measuring_on_cpu, monkeypatch):
+    real_runner = autotune._runner
+
+    def runner(candidate, config, params, prepared):
+        run, weights = real_runner(candidate, config, params, prepared)
+        if candidate.policy == "exact_fp32":   # the faster-looking candidate returns garbage
+            return (lambda w, x, m: run(w, x, m) + 1.0), weights
+        return run, weights
+    monkeypatch.setattr(autotune, "_runner", runner)
+    found = _cpu_candidates(SMALL, _facts(SMALL), None)
+    chosen, why, times = autotune.measure(SMALL, _facts(SMALL), found, jax.devices()[0])
+    assert chosen == found[0]
+    assert times[autotune._label(found[1])].startswith("rejected")
+
+
+def test_the_budget_bounds_the_measuring(measuring_on_cpu):
+    found = _cpu_candidates(SMALL, _facts(SMALL), None)
+    chosen, why, times = autotune.measure(SMALL, _facts(SMALL), found, jax.devices()[0], budget_s=0.0)
+    assert chosen == found[0] and times[autotune._label(found[1])] == "not measured: time budget spent"
+
+
+def test_warm_decides_ahead_of_time(measuring_on_cpu):
+    plans = autotune.warm([(SMALL, 2, 16, "float32", "all_true"), (SMALL, 4, 8, "float32", "prefix")],
+                          cache=measuring_on_cpu)
+    assert len(plans) == 2 and all("measured" in p.explain() for p in plans)
+    assert len(list((measuring_on_cpu.directory / "plans").glob("*.json"))) == 2
+
+
+def test_the_cache_key_names_device_software_model_and_inputs():
+    key = autotune.cache_key(SMALL, _facts(SMALL), H200, jax.devices()[0])
+    assert {"device_kind", "compute_capability", "driver", "jax", "jaxlib", "ttj_jax", "config", "inputs",
+            "candidates"} <= set(key)
+    none = autotune.cache_key(SMALL, _facts(SMALL, kind=T.MaskKind.NONE), H200, jax.devices()[0])
+    assert none == key   # no mask and an all-True mask plan the same
+    assert autotune.cache_key(SMALL, _facts(SMALL, dtype="float16"), H200, jax.devices()[0]) != key
+    assert autotune.cache_key(SMALL, _facts(SMALL), A100, jax.devices()[0]) != key
+    assert autotune.cache_key(SMALL, _facts(SMALL, caller="torch"), H200, jax.devices()[0]) == key
+    found = planner.candidates(SMALL, _facts(SMALL), H200)
+    assert autotune.cache_key(SMALL, _facts(SMALL), H200, jax.devices()[0], found) != key   # the candidates count
+
+
+def test_ttj_bench_warm_decides_the_suites_plans_into_the_cache(measuring_on_cpu, monkeypatch, capsys):
+    from bench import cli
+    monkeypatch.setenv("TTJ_CACHE_DIR", str(measuring_on_cpu.directory))
+    assert cli.main(["--warm", "--suite", "small", "--shapes", "cpu-2,cpu-12"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.count("measured") == 2 and "cpu-12:" in printed
+    assert len(list((measuring_on_cpu.directory / "plans").glob("*.json"))) == 2
+    assert cli.main(["--warm", "--suite", "small", "--shapes", "cpu-2"]) == 0
+    assert "plan cache" in capsys.readouterr().out   # the second time, read back

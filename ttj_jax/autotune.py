@@ -1,0 +1,273 @@
+"""The measured planner: for an input signature not seen on this device, time the candidate plans
+(`planner.candidates`, the rules' plan first) on the device and run the fastest.
+
+- What is timed: each candidate's compiled program on synthetic weights and input of the call's shape,
+  dtype and mask kind (timing does not depend on values), back-to-back calls and one wait per round, the
+  median of the rounds: what a caller who issues calls back to back sees, host dispatch included.
+- Correctness first: every candidate's output on that input is checked against an exact fp32 program
+  (or, where its explicit scores would not fit, the rules' plan) with the harness rule at half its
+  tolerance; a candidate that misses is not chosen, whatever its time.
+- Bounded: at most `budget_s` (15 s by default) per signature, compilation included; candidates not
+  reached are left unmeasured and said so.
+- Persistent: the decision goes to the plan cache (plan_cache.py) under a key of the GPU, driver, jax,
+  jaxlib and ttj-jax versions, the model and the input facts; jax's persistent compilation cache is
+  turned on beside it, so a second process neither measures nor compiles again.
+- Off (the rules alone) on the CPU, with `TTJ_AUTOTUNE=0`, or where the rules' plan has no alternative.
+  One line on stderr says what is being measured (`TTJ_AUTOTUNE_QUIET=1` silences it).
+- Not for the bridge's own launches: where the rules give a torch caller a stack the bridge launches
+  without jax dispatch, jax-side timing would charge it jax's host cost, so the rules' plan stands.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ttj_jax import planner, stacks
+from ttj_jax.config import Config
+from ttj_jax.device import DeviceFacts, device_facts
+from ttj_jax.masks import MaskKind
+from ttj_jax.numerics import EXACT_FP32, HARNESS_ATOL, HARNESS_RTOL, get_policy
+from ttj_jax.params import init_params, prepare_weights
+from ttj_jax.plan_cache import PlanCache, enable_compilation_cache
+from ttj_jax.planner import InputFacts, Plan
+from ttj_jax.programs import executable, model_key
+
+AUTOTUNE_ENV = "TTJ_AUTOTUNE"
+QUIET_ENV = "TTJ_AUTOTUNE_QUIET"
+BUDGET_S = 15.0
+# Per candidate: warm-up calls, then rounds of back-to-back calls lasting about ROUND_S each.
+WARMUP_CALLS = 3
+ROUNDS = 3
+ROUND_S = 0.02
+MAX_CALLS_PER_ROUND = 200
+# A candidate is chosen only with every element within this share of the harness tolerance of the
+# reference on the synthetic input.
+ACCURACY_MARGIN = 0.5
+# Exact fp32 reference while its explicit [B, H, S, S] scores take at most this much memory.
+EXACT_REFERENCE_MAX_SCORE_BYTES = 1 << 30
+# Bumped when the candidates or the timing change: older decisions then read as misses.
+VERSION = 1
+
+
+def enabled(device: DeviceFacts, autotune: bool | None = None) -> bool:
+    """Whether to measure: `autotune` when given, else on for GPUs unless TTJ_AUTOTUNE=0."""
+    if autotune is not None:
+        return bool(autotune) and device.is_gpu
+    return device.is_gpu and os.environ.get(AUTOTUNE_ENV, "1").strip() not in ("0", "false", "off", "no")
+
+
+def cache_key(config: Config, inputs: InputFacts, device: DeviceFacts, jax_device,
+              found: list[Plan] | None = None) -> dict:
+    """What a decision depends on: the device and its software, the model, the input facts (a mask's kind
+    only as far as it changes the masking work) and the candidates. The caller (jax or torch) counts only
+    through the candidates: where both get the same ones, one measurement serves both."""
+    import jaxlib
+    try:
+        from importlib.metadata import version
+        ours = version("ttj-jax")
+    except Exception:   # run from a source tree without installing
+        ours = "source"
+    driver = getattr(getattr(jax_device, "client", None), "platform_version", "")
+    mask = inputs.mask_kind.value if inputs.mask_kind not in (MaskKind.NONE, MaskKind.ALL_TRUE) else "none"
+    return {
+        "device_kind": device.device_kind, "compute_capability": device.compute_capability,
+        "memory_bytes": device.memory_bytes, "device_count": device.device_count, "driver": str(driver),
+        "jax": jax.__version__, "jaxlib": jaxlib.__version__, "ttj_jax": ours, "autotune": VERSION,
+        "config": dataclasses.asdict(config),
+        "inputs": {"batch_size": inputs.batch_size, "seq_len": inputs.seq_len, "dtype": inputs.dtype,
+                   "mask": mask, "input_devices": inputs.input_devices},
+        "candidates": [_label(p) for p in found] if found is not None else [],
+    }
+
+
+def _plan_record(chosen: Plan) -> dict:
+    record = dataclasses.asdict(chosen)
+    record["xla_options"] = [list(o) for o in chosen.xla_options]
+    return record
+
+
+def _plan_from_record(record: dict) -> Plan:
+    fields = dict(record)
+    fields["xla_options"] = tuple(tuple(o) for o in fields.get("xla_options", ()))
+    return Plan(**fields)
+
+
+def _say(message: str) -> None:
+    if os.environ.get(QUIET_ENV, "").strip() not in ("1", "true", "yes"):
+        print(f"ttj-jax: {message}", file=sys.stderr, flush=True)
+
+
+def choose(config: Config, inputs: InputFacts, jax_device=None, *, cache: PlanCache | None = None,
+           budget_s: float = BUDGET_S, autotune: bool | None = None) -> Plan:
+    """The plan for this call: the fastest measured candidate (from the plan cache when decided before),
+    or the rules' plan where measuring is off or there is nothing to choose between."""
+    jax_device = jax_device if jax_device is not None else jax.devices()[0]
+    device = device_facts(jax_device)
+    rules = planner.plan(config, inputs, device)
+    if not enabled(device, autotune):
+        return rules
+    launch = stacks.get(rules.stack).bridge_launch
+    if inputs.caller == "torch" and launch is not None and launch(config, inputs.batch_size, inputs.seq_len) is None:
+        return rules
+    found = planner.candidates(config, inputs, device)
+    if len(found) < 2:
+        return rules
+    cache = cache if cache is not None else PlanCache()
+    enable_compilation_cache(cache.directory)
+    key = cache_key(config, inputs, device, jax_device, found)
+    record = cache.get(key)
+    if record is not None:
+        try:
+            chosen = _plan_from_record(record["plan"])
+        except (KeyError, TypeError, ValueError):
+            chosen = None
+        if chosen is not None and chosen in found:
+            return dataclasses.replace(chosen, reason=f"{chosen.reason}; {record.get('why', '')} (plan cache, "
+                                                      f"measured {record.get('date', '?')})")
+    chosen, why, times = measure(config, inputs, found, jax_device, budget_s=budget_s)
+    cache.put(key, {"plan": _plan_record(chosen), "why": why, "times_ms": times,
+                    "date": datetime.date.today().isoformat()})
+    return dataclasses.replace(chosen, reason=f"{chosen.reason}; {why}")
+
+
+def synthetic_call(config: Config, inputs: InputFacts, jax_device, seed: int = 0):
+    """(params, x, mask) of the call's shape, dtype and mask kind on `jax_device`: PyTorch's default
+    init, x ~ N(0, 1), a prefix or general mask with about a third of the keys invalid."""
+    key = jax.random.PRNGKey(seed)
+    with jax.default_device(jax_device):
+        params = init_params(key, config)
+        x = jax.random.normal(jax.random.fold_in(key, 1), (inputs.batch_size, inputs.seq_len, config.d_model),
+                              jnp.float32).astype(inputs.dtype)
+    mask = None
+    if inputs.mask_kind in (MaskKind.PREFIX, MaskKind.GENERAL, MaskKind.UNKNOWN):
+        rng = np.random.default_rng(seed)
+        if inputs.mask_kind == MaskKind.PREFIX:
+            lengths = rng.integers(max(1, (2 * inputs.seq_len) // 3), inputs.seq_len + 1, inputs.batch_size)
+            host = np.arange(inputs.seq_len)[None, :] < lengths[:, None]
+        else:
+            host = rng.random((inputs.batch_size, inputs.seq_len)) < 0.7
+        mask = jax.device_put(host, jax_device)
+    elif inputs.mask_kind == MaskKind.ALL_TRUE:
+        mask = jax.device_put(np.ones((inputs.batch_size, inputs.seq_len), bool), jax_device)
+    return params, x, mask
+
+
+def _runner(candidate: Plan, config: Config, params, prepared_by_dtype: dict):
+    policy = get_policy(candidate.policy)
+    dtype = np.dtype(policy.gemm_dtype).name
+    if dtype not in prepared_by_dtype:
+        prepared_by_dtype[dtype] = prepare_weights(params, policy)
+    key_config = model_key(config)
+    weights = stacks.kernel_weights(prepared_by_dtype[dtype], key_config, candidate.stack)
+    return executable(candidate, key_config), weights
+
+
+def _time(fn) -> float:
+    """Median ms per call over ROUNDS rounds of back-to-back calls (after warm-up)."""
+    for _ in range(WARMUP_CALLS):
+        fn()
+    start = time.perf_counter()
+    jax.block_until_ready(fn())
+    once = max(time.perf_counter() - start, 1e-6)
+    calls = int(min(MAX_CALLS_PER_ROUND, max(1, ROUND_S / once)))
+    rounds = []
+    for _ in range(ROUNDS):
+        start = time.perf_counter()
+        for _ in range(calls - 1):
+            fn()
+        jax.block_until_ready(fn())
+        rounds.append((time.perf_counter() - start) * 1e3 / calls)
+    return statistics.median(rounds)
+
+
+def _worst_over_tolerance(out, ref) -> float:
+    out, ref = jnp.asarray(out, jnp.float32), jnp.asarray(ref, jnp.float32)
+    tolerance = jnp.maximum(HARNESS_ATOL, HARNESS_RTOL * jnp.abs(ref))
+    ratio = jnp.where(jnp.isfinite(out) & jnp.isfinite(ref), jnp.abs(out - ref) / tolerance, jnp.inf)
+    return float(jnp.max(ratio))
+
+
+def measure(config: Config, inputs: InputFacts, found: list[Plan], jax_device, *,
+            budget_s: float = BUDGET_S) -> tuple[Plan, str, dict]:
+    """(the fastest accurate candidate, why in one sentence, {plan name: ms or a reason it has none})."""
+    started = time.perf_counter()
+    _say(f"measuring {len(found)} plans for B={inputs.batch_size} S={inputs.seq_len} d={config.d_model} "
+         f"H={config.num_heads} ffn={config.ffn_dim} L={config.num_layers} {inputs.dtype} on "
+         f"{getattr(jax_device, 'device_kind', jax_device)} (at most {budget_s:.0f} s, once per signature)")
+    params, x, mask = synthetic_call(config, inputs, jax_device)
+    prepared_by_dtype: dict = {}
+    reference, exact = _reference(config, inputs, found[0], params, x, mask, prepared_by_dtype)
+    times: dict[str, float | str] = {}
+    best: tuple[float, Plan] | None = None
+    for i, candidate in enumerate(found):
+        label = _label(candidate)
+        if i > 0 and time.perf_counter() - started > budget_s:
+            times[label] = "not measured: time budget spent"
+            continue
+        try:
+            run, weights = _runner(candidate, config, params, prepared_by_dtype)
+            passed = mask if candidate.mask_mode != "none" else None
+            out = jax.block_until_ready(run(weights, x, passed))
+        except Exception as e:   # a candidate that does not build here is not chosen
+            times[label] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+            continue
+        worst = _worst_over_tolerance(out, reference)
+        if worst > ACCURACY_MARGIN and i > 0:
+            times[label] = f"rejected: worst error {worst:.2f} of the tolerance"
+            continue
+        ms = _time(lambda: run(weights, x, passed))
+        times[label] = round(ms, 4)
+        if best is None or ms < best[0]:
+            best = (ms, candidate)
+    if best is None:   # not even the rules' plan ran: let the call raise its own error
+        return found[0], "measuring failed; the rules' plan", times
+    ms, chosen = best
+    others = "; ".join(f"{name} {value if isinstance(value, str) else f'{value:.3f} ms'}"
+                       for name, value in times.items() if name != _label(chosen))
+    checked = "exact fp32" if exact else "the rules' plan"
+    if chosen is found[0]:
+        why = f"measured: the rules' plan is the fastest, {ms:.3f} ms (checked against {checked}; {others})"
+    else:
+        why = (f"measured fastest of {len(found)} candidates on this device, {ms:.3f} ms (checked against "
+               f"{checked}; {others})")
+    _say(f"chose {_label(chosen)} ({ms:.3f} ms) in {time.perf_counter() - started:.1f} s")
+    return chosen, why, times
+
+
+def _label(candidate: Plan) -> str:
+    return candidate.name + ("+cublas" if candidate.xla_options else "")
+
+
+def _reference(config, inputs, rules: Plan, params, x, mask, prepared_by_dtype):
+    """(reference output, whether it is exact fp32): the exact program where its scores fit, else the
+    rules' plan."""
+    scores = 4 * inputs.batch_size * config.num_heads * inputs.seq_len ** 2
+    if scores <= EXACT_REFERENCE_MAX_SCORE_BYTES:
+        exact = dataclasses.replace(rules, policy=EXACT_FP32.name, attention="xla", stack="layers",
+                                    xla_options=(), mask_mode="keys" if mask is not None else "none",
+                                    reason="reference")
+        out = executable(exact, model_key(config))(params, x.astype(jnp.float32), mask)
+        return jax.block_until_ready(out), True
+    run, weights = _runner(rules, config, params, prepared_by_dtype)
+    return jax.block_until_ready(run(weights, x, mask if rules.mask_mode != "none" else None)), False
+
+
+def warm(calls, *, caller: str = "torch", cache: PlanCache | None = None, jax_device=None) -> list[Plan]:
+    """Decides ahead of time: `calls` is an iterable of (config, batch_size, seq_len, dtype, mask_kind)
+    (config a Config or anything Config.from_object takes); returns the plans chosen, one per call."""
+    chosen = []
+    for config, batch, seq_len, dtype, kind in calls:
+        config = Config.from_object(config)
+        facts = InputFacts(batch_size=batch, seq_len=seq_len, dtype=str(np.dtype(dtype)), mask_kind=MaskKind(kind),
+                           caller=caller)
+        chosen.append(choose(config, facts, jax_device, cache=cache))
+    return chosen
