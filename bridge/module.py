@@ -32,7 +32,7 @@ class _Layer(nn.Module):
 
 class TTJTransformer(nn.Module):
     """Parameters named exactly as the harness's (`layers.{i}.attention.q_proj.weight`, ...; docs/spec.md),
-    PyTorch's default init; `forward(x, valid_token_mask=None)` runs ttj-jax (inference only: no autograd).
+    PyTorch's default init; `forward(x, valid_token_mask=None)` runs ttj-jax; in grad mode it records for autograd (bridge/autograd.py).
     Works under torch.compile and torch.export (bridge/ops.py)."""
 
     def __init__(self, config):

@@ -14,7 +14,9 @@ Either way the parameters are read at call time, so edits between calls are seen
 - CUDA graphs: the op is tagged `cudagraph_unsafe` where torch has that tag, so inductor keeps it out
   of captured graphs; a capture that still reaches it raises (jax's launches cannot be captured by
   torch, and a replay would return stale output).
-- Inference only: the op has no autograd formula; torch raises if a compiled graph needs one.
+- Autograd: where grad mode is on and x or a parameter requires grad, eager calls and compiled graphs
+  take the parameters path (so the parameters are the op's inputs) and the op's registered backward
+  (bridge/autograd.py) returns gradients for x and every parameter. Otherwise no autograd work at all.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from operator import is_
 
 import torch
 
-from bridge import runtime
+from bridge import autograd, runtime
 from ttj_jax.config import Config
 from ttj_jax.params import expected_shapes
 
@@ -107,6 +109,38 @@ def _forward_fake(x, valid_token_mask, handle, params, num_heads, causal):
     return torch.empty_like(x)
 
 
+def _setup_context(ctx, inputs, output):
+    x, valid_token_mask, handle, params, num_heads, causal = inputs
+    ctx.handle, ctx.num_heads, ctx.causal, ctx.masked = handle, num_heads, causal, valid_token_mask is not None
+    ctx.save_for_backward(x, valid_token_mask, *params)
+
+
+@torch.library.custom_op("ttj::backward", mutates_args=(), tags=_TAGS)
+def backward_op(x: torch.Tensor, valid_token_mask: torch.Tensor | None, params: list[torch.Tensor], num_heads: int,
+                causal: bool, grad_out: torch.Tensor) -> list[torch.Tensor]:
+    """[dL/dx, dL/dp for p in params] (opaque to compiled graphs, as the forward is)."""
+    config = _config_from(params, num_heads, causal, x)
+    grad_x, grads = autograd.gradients(x, valid_token_mask, params, config, grad_out)
+    return [grad_x, *grads]
+
+
+@backward_op.register_fake
+def _backward_fake(x, valid_token_mask, params, num_heads, causal, grad_out):
+    return [torch.empty_like(x), *(torch.empty_like(p) for p in params)]
+
+
+def _backward(ctx, grad_out):
+    x, valid_token_mask, *params = ctx.saved_tensors
+    if ctx.handle:   # forward() sends every call that needs gradients down the parameters path
+        raise RuntimeError("torch.ops.ttj.forward was called by module handle, which carries no parameters to "
+                           "differentiate; call it with the parameters (bridge.ops.forward does when grad is needed)")
+    grad_x, *grads = torch.ops.ttj.backward(x, valid_token_mask, params, ctx.num_heads, ctx.causal, grad_out)
+    return grad_x, None, None, grads, None, None
+
+
+forward_op.register_autograd(_backward, setup_context=_setup_context)
+
+
 _exporting = getattr(torch.compiler, "is_exporting", lambda: False)
 
 
@@ -132,9 +166,16 @@ def forward(module: torch.nn.Module, x: torch.Tensor, valid_token_mask: torch.Te
         if any(value not in (None, 0) for value in options.values()):
             raise ValueError(f"options {sorted(options)} are not supported under torch.compile; call eagerly")
         handle = getattr(module, "ttj_handle", 0)
-        if handle and config is None and not _exporting():
+        if handle and config is None and not _exporting() and not autograd.needs_grad(x, module.parameters()):
             return torch.ops.ttj.forward(x, valid_token_mask, handle, [], 0, False)
         config = module.config if config is None else config
+        return torch.ops.ttj.forward(x, valid_token_mask, 0, ordered_parameters(module, config.num_layers),
+                                     config.num_heads, bool(config.causal))
+    if torch.is_grad_enabled() and autograd.needs_grad(x, module.parameters()):
+        if any(value not in (None, 0) for value in options.values()):
+            raise ValueError(f"options {sorted(options)} are inference-only; call under torch.no_grad() or "
+                             "torch.inference_mode(), or without them to get gradients")
+        config = Config.from_object(config if config is not None else module.config)
         return torch.ops.ttj.forward(x, valid_token_mask, 0, ordered_parameters(module, config.num_layers),
                                      config.num_heads, bool(config.causal))
     return runtime.forward(module, x, valid_token_mask, config=config, **options)

@@ -352,7 +352,8 @@ def forward(module: torch.nn.Module, x: torch.Tensor, valid_token_mask: torch.Te
             config=None, data_parallel: int | None = None, stack: str | None = None,
             split_chunks: int | tuple[int, ...] | None = None, split_home_rows: int = 0) -> torch.Tensor:
     """Runs ttj-jax on `module`'s own parameters (any module with the harness's parameter names).
-    Returns a new tensor with x's shape, dtype and device; never modifies its inputs. Inference only.
+    Returns a new tensor with x's shape, dtype and device; never modifies its inputs. Records nothing for
+    autograd: bridge.ops.forward sends calls that need gradients through the custom op instead.
     stack: force "layers" (the XLA program), "fused" (the whole-stack kernel), "fused_mgpu" (the same as
     one Mosaic GPU kernel, Hopper) or "rows" (row-tile kernels around attention) instead of the planner's
     choice (ablations, benchmarks).

@@ -1,0 +1,77 @@
+"""Gradients through the bridge: the backward of `torch.ops.ttj.forward` (registered in ops.py).
+
+The forward runs whatever plan the planner chose (whole-stack kernels included, which have no backward of
+their own) and keeps only references to its inputs, as autograd would anyway. The backward recomputes the
+layer stack as the layer-by-layer XLA program and takes `jax.vjp` of it:
+- the same numerics as the forward's default policy (fp16 GEMM operands, fp32 accumulation, fp32
+  residual, LayerNorm and softmax), so the gradients are those of the function the forward computes to
+  within its rounding;
+- attention through cuDNN's fused kernel on a GPU where it takes the call (no key mask, head_dim a
+  multiple of 8 up to 128), else XLA's explicit softmax;
+- any mask as key masking plus zeroed rows, read from the mask tensor itself at backward time: padded keys
+  and zeroed rows get exactly zero gradient, and no classification of the mask is cached.
+Gradients come back for x and every parameter, in their own dtypes and on their devices. The key
+projection's bias gets exact zeros: adding a vector to every key shifts each query's scores by one
+constant, which the softmax removes, so that gradient is zero in exact arithmetic under any mask (the
+recomputation would return its fp16 rounding noise instead).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import torch
+
+from bridge.transfer import transfer_for
+from ttj_jax.config import Config
+from ttj_jax.layers import run_layers
+from ttj_jax.params import expected_shapes, params_from_state_dict, params_to_state_dict
+from ttj_jax.planner import CUDNN_HEAD_DIMS, Plan
+from ttj_jax.programs import model_key
+
+BACKWARD_POLICY = "mixed_fp16"
+# The parameter whose gradient is zero in exact arithmetic (module docstring).
+ZERO_GRADIENT_SUFFIX = "attention.k_proj.bias"
+
+
+def backward_plan(config: Config, masked: bool, on_gpu: bool) -> Plan:
+    """The differentiable program the backward recomputes (see the module docstring)."""
+    cudnn = on_gpu and not masked and config.head_dim in CUDNN_HEAD_DIMS
+    return Plan(policy=BACKWARD_POLICY, attention="cudnn" if cudnn else "xla",
+                mask_mode="keys" if masked else "none", stack="layers",
+                reason="backward: jax.vjp of the layer-by-layer XLA program")
+
+
+@functools.cache
+def _vjp_program(plan: Plan, config: Config):
+    run = functools.partial(run_layers, config=config, plan=plan)
+
+    def pullback(params, x, mask, grad_out):
+        _, pull = jax.vjp(lambda p, h: run(p, h, mask), params, x)
+        return pull(grad_out)
+    return jax.jit(pullback)
+
+
+def gradients(x: torch.Tensor, mask: torch.Tensor | None, params: list[torch.Tensor], config: Config,
+              grad_out: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """(dL/dx, [dL/dp for p in params]) for y = forward(x, mask) and dL/dy = grad_out. `params` are in the
+    harness's order (ops.ordered_parameters)."""
+    transfer = transfer_for(x.device)
+    names = list(expected_shapes(config))
+    to_jax = lambda t: transfer.to_jax(t.detach().float().contiguous())   # noqa: E731
+    jparams = params_from_state_dict({name: to_jax(p) for name, p in zip(names, params)}, config)
+    jmask = transfer.to_jax(mask.contiguous()) if mask is not None else None
+    plan = backward_plan(config, mask is not None, x.device.type == "cuda")
+    gparams, gx = _vjp_program(plan, model_key(config))(jparams, to_jax(x), jmask, to_jax(grad_out))
+    flat = params_to_state_dict(gparams)
+    grad_x = transfer.to_torch(gx.astype(jnp.float32)).to(x.dtype)
+    grads = [torch.zeros_like(p) if name.endswith(ZERO_GRADIENT_SUFFIX)
+             else transfer.to_torch(flat[name]).to(device=p.device, dtype=p.dtype) for name, p in zip(names, params)]
+    return grad_x, grads
+
+
+def needs_grad(x: torch.Tensor, params) -> bool:
+    """Whether a call must record for autograd: grad mode on, and x or a parameter requiring grad."""
+    return torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params))

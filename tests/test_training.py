@@ -1,0 +1,165 @@
+"""Gradients through the bridge (bridge/autograd.py), on the CPU: x and every parameter against the
+harness baseline's own autograd, masks included; no silent detach in any grad-mode call; inference calls
+untouched."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import bridge
+from bench.baseline import BaselineTransformer, TransformerConfig, copy_model_weights, make_inputs
+from tests.conftest import make_mask
+
+# relative L2 error per tensor that the gradients must meet (fp16 GEMM operands in the recomputation)
+MAX_REL_L2 = 1e-2
+
+CONFIGS = {
+    "causal": TransformerConfig(batch_size=2, seq_len=16, d_model=32, num_heads=2, ffn_dim=64, num_layers=2, causal=True),
+    "encoder-hd32": TransformerConfig(batch_size=3, seq_len=24, d_model=64, num_heads=2, ffn_dim=128, num_layers=2,
+                                      causal=False),
+    "official-4-cut": TransformerConfig(batch_size=2, seq_len=128, d_model=128, num_heads=4, ffn_dim=128, num_layers=4,
+                                        causal=True),
+}
+
+
+class DropIn(BaselineTransformer):
+    """The harness's one-line plug-in: `bridge.forward(self, ...)` inside a module of its own class."""
+
+    def forward(self, x, valid_token_mask=None):
+        return bridge.forward(self, x, valid_token_mask)
+
+
+def _models(config, seed, cls=bridge.TTJTransformer):
+    torch.manual_seed(seed)
+    base = BaselineTransformer(config)
+    ours = cls(config)
+    copy_model_weights(base, ours, strict=True)
+    return base, ours
+
+
+def _rel(ours, ref) -> float:
+    return float((ours - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def _check_gradients(base, ours, x, mask, seed):
+    x_ref = x.clone().requires_grad_(True)
+    x_ours = x.clone().requires_grad_(True)
+    ref, out = base(x_ref, mask), ours(x_ours, mask)
+    assert out.grad_fn is not None
+    weights = torch.randn(ref.shape, generator=torch.Generator().manual_seed(seed))
+    (ref * weights).sum().backward()
+    (out * weights).sum().backward()
+    assert _rel(x_ours.grad, x_ref.grad) <= MAX_REL_L2
+    assert torch.equal(x_ours.grad[x_ref.grad == 0], torch.zeros_like(x_ours.grad[x_ref.grad == 0]))
+    for (name, p_ref), (same, p_ours) in zip(base.named_parameters(), ours.named_parameters()):
+        assert name == same.removeprefix("_orig_mod.") and p_ours.grad is not None, name
+        assert p_ours.grad.dtype == p_ours.dtype and p_ours.grad.device == p_ours.device
+        if name.endswith("attention.k_proj.bias"):   # zero in exact arithmetic: the reference holds its noise
+            assert torch.count_nonzero(p_ours.grad) == 0
+            assert float(p_ref.grad.norm()) < 1e-4 * float(base.get_parameter(
+                name.replace("bias", "weight")).grad.norm())
+            continue
+        assert _rel(p_ours.grad, p_ref.grad) <= MAX_REL_L2, (name, _rel(p_ours.grad, p_ref.grad))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("padding", [0.0, 0.5])
+def test_gradients_match_the_baselines_autograd(name, seed, padding):
+    config = CONFIGS[name]
+    base, ours = _models(config, seed)
+    x, mask = make_inputs(config, 1234 + seed, padding_ratio=padding)
+    _check_gradients(base, ours, x, mask, seed)
+
+
+@pytest.mark.parametrize("kind", ["none", "random"])
+def test_gradients_with_any_mask(kind):
+    config = CONFIGS["encoder-hd32"]
+    base, ours = _models(config, 5)
+    x, _ = make_inputs(config, 5)
+    _check_gradients(base, ours, x, make_mask(kind, config.batch_size, config.seq_len, 5), 5)
+
+
+def test_a_sequence_without_valid_tokens_gets_zero_gradient_not_nan():
+    """The baseline's own backward is NaN there (a softmax over no key); the spec's output is zeros, whose
+    gradient is zero. The other sequences' gradients match the baseline's on them alone."""
+    config = CONFIGS["encoder-hd32"]
+    base, ours = _models(config, 5)
+    x, _ = make_inputs(config, 5)
+    mask = make_mask("all_invalid", config.batch_size, config.seq_len, 5)   # sequence 0 all invalid
+    x_ours = x.clone().requires_grad_(True)
+    out = ours(x_ours, mask)
+    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(5))
+    (out * weights).sum().backward()
+    assert torch.count_nonzero(x_ours.grad[0]) == 0 and torch.isfinite(x_ours.grad).all()
+    x_ref = x[1:].clone().requires_grad_(True)
+    (base(x_ref, mask[1:]) * weights[1:]).sum().backward()
+    assert _rel(x_ours.grad[1:], x_ref.grad) <= MAX_REL_L2
+    for (name, p_ref), (_, p_ours) in zip(base.named_parameters(), ours.named_parameters()):
+        assert torch.isfinite(p_ours.grad).all(), name
+        if not name.endswith("attention.k_proj.bias"):
+            assert _rel(p_ours.grad, p_ref.grad) <= MAX_REL_L2, name
+
+
+def test_the_drop_in_gets_gradients_too():
+    config = CONFIGS["causal"]
+    base, ours = _models(config, 3, cls=DropIn)
+    x, mask = make_inputs(config, 7, padding_ratio=0.3)
+    _check_gradients(base, ours, x, mask, 3)
+
+
+def test_no_silent_detach_parameters_only_and_in_eval_mode():
+    """A trainable head on top, x without grad, the module in eval mode: the stack's parameters still get
+    their gradients (before, they silently got none)."""
+    config = CONFIGS["causal"]
+    base, ours = _models(config, 4)
+    base.eval(), ours.eval()
+    head_ref = torch.nn.Linear(config.d_model, 3)
+    head = torch.nn.Linear(config.d_model, 3)
+    head.load_state_dict(head_ref.state_dict())
+    x, mask = make_inputs(config, 4)
+    head_ref(base(x, mask)).mean().backward()
+    head(ours(x, mask)).mean().backward()
+    for (name, p_ref), (_, p_ours) in zip(base.named_parameters(), ours.named_parameters()):
+        assert p_ours.grad is not None, name
+        if not name.endswith("attention.k_proj.bias"):
+            assert _rel(p_ours.grad, p_ref.grad) <= MAX_REL_L2, name
+
+
+def test_inference_calls_record_nothing():
+    config = CONFIGS["causal"]
+    _, ours = _models(config, 0)
+    x, mask = make_inputs(config, 0)
+    with torch.no_grad():
+        assert ours(x, mask).grad_fn is None
+    with torch.inference_mode():
+        assert ours(x, mask).grad_fn is None
+    for p in ours.parameters():
+        p.requires_grad_(False)
+    assert ours(x, mask).grad_fn is None   # nothing requires grad: the plain inference path
+
+
+def test_a_training_step_changes_the_weights_and_the_next_call_sees_them():
+    config = CONFIGS["causal"]
+    base, ours = _models(config, 6)
+    x, mask = make_inputs(config, 6)
+    optimizer = torch.optim.SGD(ours.parameters(), lr=0.1)
+    ref_optimizer = torch.optim.SGD(base.parameters(), lr=0.1)
+    for _ in range(2):
+        for model, opt in ((base, ref_optimizer), (ours, optimizer)):
+            opt.zero_grad()
+            model(x, mask).square().mean().backward()
+            opt.step()
+    with torch.no_grad():
+        ref, out = base(x, mask), ours(x, mask)
+    assert torch.allclose(out, ref, atol=2e-3, rtol=2e-2)
+
+
+@pytest.mark.slow
+def test_gradients_under_torch_compile():
+    config = CONFIGS["causal"]
+    base, ours = _models(config, 8)
+    x, mask = make_inputs(config, 8, padding_ratio=0.3)
+    compiled = torch.compile(ours, backend="aot_eager", fullgraph=True)
+    _check_gradients(base, compiled, x, mask, 8)
