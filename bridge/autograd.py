@@ -75,3 +75,24 @@ def gradients(x: torch.Tensor, mask: torch.Tensor | None, params: list[torch.Ten
 def needs_grad(x: torch.Tensor, params) -> bool:
     """Whether a call must record for autograd: grad mode on, and x or a parameter requiring grad."""
     return torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params))
+
+
+class Recorded(torch.autograd.Function):
+    """An eager call recorded for autograd: the forward is `run()` (the planned fast path, whatever its
+    kernels), the backward `torch.ops.ttj.backward`. Cheaper per call than the custom op's own autograd
+    wrapper, which walks its 66-tensor parameter list through pytrees."""
+
+    @staticmethod
+    def forward(ctx, run, config: Config, x, mask, *params):
+        # The parameters are leaves held by the module anyway: kept on ctx, which skips save_for_backward's
+        # per-tensor bookkeeping (~0.5 us each, 66 for an official shape's model).
+        ctx.config, ctx.params = config, params
+        ctx.save_for_backward(x, mask)
+        return run()
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, mask = ctx.saved_tensors
+        config, params = ctx.config, list(ctx.params)
+        grad_x, *grads = torch.ops.ttj.backward(x, mask, params, config.num_heads, bool(config.causal), grad_out)
+        return None, None, grad_x, None, *grads

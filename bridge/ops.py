@@ -171,11 +171,12 @@ def forward(module: torch.nn.Module, x: torch.Tensor, valid_token_mask: torch.Te
         config = module.config if config is None else config
         return torch.ops.ttj.forward(x, valid_token_mask, 0, ordered_parameters(module, config.num_layers),
                                      config.num_heads, bool(config.causal))
-    if torch.is_grad_enabled() and autograd.needs_grad(x, module.parameters()):
-        if any(value not in (None, 0) for value in options.values()):
-            raise ValueError(f"options {sorted(options)} are inference-only; call under torch.no_grad() or "
-                             "torch.inference_mode(), or without them to get gradients")
-        config = Config.from_object(config if config is not None else module.config)
-        return torch.ops.ttj.forward(x, valid_token_mask, 0, ordered_parameters(module, config.num_layers),
-                                     config.num_heads, bool(config.causal))
+    if torch.is_grad_enabled():
+        model_config, params = runtime.harness_parameters(module, config)
+        if autograd.needs_grad(x, params):
+            if any(value not in (None, 0) for value in options.values()):
+                raise ValueError(f"options {sorted(options)} are inference-only; call under torch.no_grad() or "
+                                 "torch.inference_mode(), or without them to get gradients")
+            run = lambda: runtime.forward(module, x.detach(), valid_token_mask, config=config)   # noqa: E731
+            return autograd.Recorded.apply(run, model_config, x, valid_token_mask, *params)
     return runtime.forward(module, x, valid_token_mask, config=config, **options)

@@ -334,6 +334,13 @@ def _state(module: torch.nn.Module, config) -> _ModuleState:
     return state
 
 
+def harness_parameters(module: torch.nn.Module, config=None) -> tuple[Config, list[torch.Tensor]]:
+    """(the module's config, its parameters in the harness's order), as the bridge keeps them (collected
+    once, collected again when a parameter or submodule is replaced)."""
+    state = _state(module, config)
+    return state.config, state.params
+
+
 def module_state(module: torch.nn.Module) -> _ModuleState:
     """What the bridge keeps for `module` (its weights' caches and its calls by input signature), for
     diagnostic tools; KeyError before the module's first call."""
