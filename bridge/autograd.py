@@ -74,7 +74,8 @@ def gradients(x: torch.Tensor, mask: torch.Tensor | None, params: list[torch.Ten
 
 def needs_grad(x: torch.Tensor, params) -> bool:
     """Whether a call must record for autograd: grad mode on, and x or a parameter requiring grad."""
-    return torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params))
+    return (torch.is_grad_enabled() and isinstance(x, torch.Tensor)
+            and (x.requires_grad or any(p.requires_grad for p in params)))
 
 
 class Recorded(torch.autograd.Function):

@@ -177,6 +177,7 @@ def forward(module: torch.nn.Module, x: torch.Tensor, valid_token_mask: torch.Te
             if any(value not in (None, 0) for value in options.values()):
                 raise ValueError(f"options {sorted(options)} are inference-only; call under torch.no_grad() or "
                                  "torch.inference_mode(), or without them to get gradients")
-            run = lambda: runtime.forward(module, x.detach(), valid_token_mask, config=config)   # noqa: E731
+            # x as given (the runtime detaches where it must): its kept import is found again next call
+            run = lambda: runtime.forward(module, x, valid_token_mask, config=config)   # noqa: E731
             return autograd.Recorded.apply(run, model_config, x, valid_token_mask, *params)
     return runtime.forward(module, x, valid_token_mask, config=config, **options)
