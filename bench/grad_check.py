@@ -1,0 +1,85 @@
+"""Gradients through the bridge against the harness baseline's own autograd, on the device: relative L2
+error of dL/dx and of every parameter's gradient, for a few configs, masks included.
+
+    PYTHONPATH=. python3 -m bench.grad_check [--configs 1,13,bert-base] [--padding 0.3] [--out DIR]
+
+Configs are ids of the official or general suite. Writes grad-check-<date>-<gpu>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import torch  # noqa: E402
+
+import bridge  # noqa: E402
+import ttj_jax as T  # noqa: E402
+from bench.baseline import TransformerConfig, harness_models, make_inputs  # noqa: E402
+from bench.paths import default_out_dir  # noqa: E402
+from bench.report import slug  # noqa: E402
+
+# The key projection's bias has a zero gradient in exact arithmetic (bridge/autograd.py): compared by norm.
+ZERO_GRADIENT_SUFFIX = "attention.k_proj.bias"
+
+
+def check(shape: T.Shape, padding: float, device: torch.device) -> dict:
+    harness_config = TransformerConfig(**vars(shape.config))
+    base, ours = harness_models(harness_config, bridge.TTJTransformer, device=device)
+    x, mask = make_inputs(harness_config, 1234, padding_ratio=padding, device=device)
+    weights = torch.randn(x.shape, generator=torch.Generator(device=device).manual_seed(0), device=device)
+    x_ref, x_ours = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    (base(x_ref, mask) * weights).sum().backward()
+    start = time.perf_counter()
+    (ours(x_ours, mask) * weights).sum().backward()
+    torch.cuda.synchronize(device) if device.type == "cuda" else None
+    seconds = time.perf_counter() - start
+    rel = lambda a, b: float((a - b).norm() / b.norm().clamp_min(1e-30))   # noqa: E731
+    errors = {"x": rel(x_ours.grad, x_ref.grad)}
+    zero_bias = {}
+    for (name, p_ref), (_, p_ours) in zip(base.named_parameters(), ours.named_parameters()):
+        if name.endswith(ZERO_GRADIENT_SUFFIX):
+            zero_bias[name] = {"ours_norm": float(p_ours.grad.norm()), "baseline_norm": float(p_ref.grad.norm())}
+        else:
+            errors[name] = rel(p_ours.grad, p_ref.grad)
+    return {"config": vars(shape.config), "padding": padding, "max_rel_grad_err": max(errors.values()),
+            "worst": max(errors, key=errors.get), "rel_l2": errors, "zero_gradient_bias": zero_bias,
+            "first_forward_backward_s": seconds}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--configs", default="1,13,bert-base")
+    p.add_argument("--padding", type=float, default=0.3)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("highest")   # the reference gradients in full fp32
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    date = datetime.date.today().isoformat()
+    out_dir = args.out or default_out_dir()
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"grad-check-{date}-{slug(name.removeprefix('NVIDIA '))}.json")
+    document = {"device": name, "date": date, "command": "python -m bench.grad_check " + " ".join(
+        sys.argv[1:] if argv is None else argv), "configs": {}}
+    suites = {**T.SUITES["small"], **T.SUITES["official"], **T.SUITES["general"]}
+    for config_id in args.configs.split(","):
+        record = check(suites[config_id], args.padding, device)
+        document["configs"][config_id] = record
+        print(f"{config_id}: max relative L2 error {record['max_rel_grad_err']:.2e} ({record['worst']}), "
+              f"forward+backward {record['first_forward_backward_s']:.1f} s", flush=True)
+        with open(path, "w") as f:
+            json.dump(document, f, indent=1)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
