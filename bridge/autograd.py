@@ -2,14 +2,10 @@
 
 The forward runs whatever plan the planner chose (whole-stack kernels included, which have no backward of
 their own) and keeps only references to its inputs, as autograd would anyway. The backward recomputes the
-layer stack as the layer-by-layer XLA program and takes `jax.vjp` of it:
-- the same numerics as the forward's default policy (fp16 GEMM operands, fp32 accumulation, fp32
-  residual, LayerNorm and softmax), so the gradients are those of the function the forward computes to
-  within its rounding;
-- attention through cuDNN's fused kernel on a GPU where it takes the call (no key mask, head_dim a
-  multiple of 8 up to 128), else XLA's explicit softmax;
-- any mask as key masking plus zeroed rows, read from the mask tensor itself at backward time: padded keys
-  and zeroed rows get exactly zero gradient, and no classification of the mask is cached.
+layer stack as the layer-by-layer XLA program and takes `jax.vjp` of it (ttj_jax/training.py, which JAX
+callers' `jax.grad` of `forward` uses too). Any mask acts as key masking plus zeroed rows, read from the
+mask tensor itself at backward time: padded keys and zeroed rows get exactly zero gradient, and no
+classification of the mask is cached.
 Gradients come back for x and every parameter, in their own dtypes and on their devices. The key
 projection's bias gets exact zeros: adding a vector to every key shifts each query's scores by one
 constant, which the softmax removes, so that gradient is zero in exact arithmetic under any mask (the
@@ -26,32 +22,17 @@ import torch
 
 from bridge.transfer import transfer_for
 from ttj_jax.config import Config
-from ttj_jax.layers import run_layers
 from ttj_jax.params import expected_shapes, params_from_state_dict, params_to_state_dict
-from ttj_jax.planner import CUDNN_HEAD_DIMS, Plan
 from ttj_jax.programs import model_key
+from ttj_jax.training import pullback
 
-BACKWARD_POLICY = "mixed_fp16"
 # The parameter whose gradient is zero in exact arithmetic (module docstring).
 ZERO_GRADIENT_SUFFIX = "attention.k_proj.bias"
 
 
-def backward_plan(config: Config, masked: bool, on_gpu: bool) -> Plan:
-    """The differentiable program the backward recomputes (see the module docstring)."""
-    cudnn = on_gpu and not masked and config.head_dim in CUDNN_HEAD_DIMS
-    return Plan(policy=BACKWARD_POLICY, attention="cudnn" if cudnn else "xla",
-                mask_mode="keys" if masked else "none", stack="layers",
-                reason="backward: jax.vjp of the layer-by-layer XLA program")
-
-
 @functools.cache
-def _vjp_program(plan: Plan, config: Config):
-    run = functools.partial(run_layers, config=config, plan=plan)
-
-    def pullback(params, x, mask, grad_out):
-        _, pull = jax.vjp(lambda p, h: run(p, h, mask), params, x)
-        return pull(grad_out)
-    return jax.jit(pullback)
+def _vjp_program(config: Config, on_gpu: bool):
+    return jax.jit(functools.partial(pullback, config=config, on_gpu=on_gpu))
 
 
 def gradients(x: torch.Tensor, mask: torch.Tensor | None, params: list[torch.Tensor], config: Config,
@@ -63,8 +44,8 @@ def gradients(x: torch.Tensor, mask: torch.Tensor | None, params: list[torch.Ten
     to_jax = lambda t: transfer.to_jax(t.detach().float().contiguous())   # noqa: E731
     jparams = params_from_state_dict({name: to_jax(p) for name, p in zip(names, params)}, config)
     jmask = transfer.to_jax(mask.contiguous()) if mask is not None else None
-    plan = backward_plan(config, mask is not None, x.device.type == "cuda")
-    gparams, gx = _vjp_program(plan, model_key(config))(jparams, to_jax(x), jmask, to_jax(grad_out))
+    gparams, gx = _vjp_program(model_key(config), x.device.type == "cuda")(jparams, to_jax(x), jmask,
+                                                                         to_jax(grad_out))
     flat = params_to_state_dict(gparams)
     grad_x = transfer.to_torch(gx.astype(jnp.float32)).to(x.dtype)
     grads = [torch.zeros_like(p) if name.endswith(ZERO_GRADIENT_SUFFIX)

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from ttj_jax import autotune as _autotune
+from ttj_jax import stacks, training
 from ttj_jax.config import Config
 from ttj_jax.device import device_facts
 from ttj_jax.inputs import cached_mask_kind, validate_inputs
@@ -71,6 +72,12 @@ def forward(params: Any, x, valid_token_mask=None, *, config, mask_kind: MaskKin
         ("policy", policy), ("attention", attention), ("data_parallel", data_parallel), ("stack", stack),
         ("sequence_parallel", sequence_parallel)), autotune)
     mask = mask if chosen.mask_mode != "none" else None
+    if training.is_differentiated(params, x):   # jax.grad and friends: the backward recomputes (training.py)
+        def primal(p, h, m):
+            build = stacks.get(chosen.stack).build_weights
+            return run(build(p, key_config) if prepared and build is not None else p, h, m)
+        on_gpu = jax.default_backend() == "gpu"
+        return training.differentiable(primal, key_config, on_gpu)(params, x, mask)
     if prepared:
         params = kernel_weights(params, key_config, chosen.stack)
     return run(params, x, mask)

@@ -1,0 +1,65 @@
+"""Gradients of `forward` for JAX callers (`jax.grad`, `jax.vjp`, ...).
+
+Under a differentiation transform `forward` runs its planned program (our Pallas kernels and whole-stack
+kernels included, which have no derivative rules of their own) inside a `jax.custom_vjp` whose backward
+takes `jax.vjp` of the layer-by-layer XLA program (layers.py):
+- in the forward's default numerics (fp16 GEMM operands, fp32 accumulation, residual, LayerNorm and
+  softmax), so the gradients are those of the function the forward computes, to within its rounding;
+- with cuDNN's fused attention (which has its backward) on a GPU where it takes the call, else XLA's;
+- any mask as key masking plus zeroed rows: padded keys and zeroed rows get exactly zero gradient.
+The torch bridge's backward (bridge/autograd.py) is the same program.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from ttj_jax.config import Config
+from ttj_jax.layers import run_layers
+from ttj_jax.planner import CUDNN_HEAD_DIMS, Plan
+
+BACKWARD_POLICY = "mixed_fp16"
+
+
+def backward_plan(config: Config, masked: bool, on_gpu: bool) -> Plan:
+    """The differentiable program a backward recomputes."""
+    cudnn = on_gpu and not masked and config.head_dim in CUDNN_HEAD_DIMS
+    return Plan(policy=BACKWARD_POLICY, attention="cudnn" if cudnn else "xla",
+                mask_mode="keys" if masked else "none", stack="layers",
+                reason="backward: jax.vjp of the layer-by-layer XLA program")
+
+
+def pullback(params, x, mask, grad_out, *, config: Config, on_gpu: bool):
+    """(d params, d x) for y = forward(params, x, mask) and dL/dy = grad_out; params raw or prepared."""
+    plan = backward_plan(config, mask is not None, on_gpu)
+    run = functools.partial(run_layers, config=config, plan=plan)
+    _, pull = jax.vjp(lambda p, h: run(p, h, mask), params, x)
+    return pull(grad_out.astype(x.dtype))
+
+
+def is_differentiated(params, x) -> bool:
+    """Whether x or a parameter is being traced by a transform (a differentiation among them)."""
+    if isinstance(x, jax.core.Tracer):
+        return True
+    return any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(params))
+
+
+def differentiable(primal, config: Config, on_gpu: bool):
+    """primal(params, x, mask) -> y, given a custom VJP (see the module docstring)."""
+
+    @jax.custom_vjp
+    def call(params, x, mask):
+        return primal(params, x, mask)
+
+    def call_fwd(params, x, mask):
+        return primal(params, x, mask), (params, x, mask)
+
+    def call_bwd(residuals, grad_out):
+        params, x, mask = residuals
+        d_params, d_x = pullback(params, x, mask, grad_out, config=config, on_gpu=on_gpu)
+        return d_params, d_x, None
+
+    call.defvjp(call_fwd, call_bwd)
+    return call
