@@ -49,6 +49,9 @@ WARMUP_CALLS = 3
 ROUNDS = 3
 ROUND_S = 0.02
 MAX_CALLS_PER_ROUND = 200
+# An alternative replaces the rules' plan only when at least this much faster (the rounds' medians of
+# back-to-back calls move by ~1-2% between runs on the H200).
+MIN_GAIN = 0.03
 # A candidate is chosen only with every element within this share of the harness tolerance of the
 # reference on the synthetic input.
 ACCURACY_MARGIN = 0.5
@@ -231,7 +234,8 @@ def measure(config: Config, inputs: InputFacts, found: list[Plan], jax_device, *
             continue
         ms = _time(lambda: run(weights, x, passed))
         times[label] = round(ms, 4)
-        if best is None or ms < best[0]:
+        # the rules' plan (measured first) is left only for a clear gain, not for timing noise
+        if best is None or ms < best[0] * (1 - MIN_GAIN if best[1] is found[0] else 1):
             best = (ms, candidate)
     if best is None:   # not even the rules' plan ran: let the call raise its own error
         return found[0], "measuring failed; the rules' plan", times
@@ -240,7 +244,8 @@ def measure(config: Config, inputs: InputFacts, found: list[Plan], jax_device, *
                        for name, value in times.items() if name != _label(chosen))
     checked = "exact fp32" if exact else "the rules' plan"
     if chosen is found[0]:
-        why = f"measured: the rules' plan is the fastest, {ms:.3f} ms (checked against {checked}; {others})"
+        why = (f"measured: the rules' plan kept, {ms:.3f} ms, no alternative {MIN_GAIN:.0%} faster (checked against "
+               f"{checked}; {others})")
     else:
         why = (f"measured fastest of {len(found)} candidates on this device, {ms:.3f} ms (checked against "
                f"{checked}; {others})")
