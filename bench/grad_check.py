@@ -22,8 +22,7 @@ import torch  # noqa: E402
 import bridge  # noqa: E402
 import ttj_jax as T  # noqa: E402
 from bench.baseline import TransformerConfig, harness_models, make_inputs  # noqa: E402
-from bench.paths import default_out_dir  # noqa: E402
-from bench.report import slug  # noqa: E402
+from bench.paths import result_file  # noqa: E402
 
 # The key projection's bias has a zero gradient in exact arithmetic (bridge/autograd.py): compared by norm.
 ZERO_GRADIENT_SUFFIX = "attention.k_proj.bias"
@@ -64,9 +63,7 @@ def main(argv=None) -> int:
         torch.set_float32_matmul_precision("highest")   # the reference gradients in full fp32
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     date = datetime.date.today().isoformat()
-    out_dir = args.out or default_out_dir()
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, f"grad-check-{date}-{slug(name.removeprefix('NVIDIA '))}.json")
+    path = result_file("grad-check", name, args.out)
     document = {"device": name, "date": date, "command": "python -m bench.grad_check " + " ".join(
         sys.argv[1:] if argv is None else argv), "configs": {}}
     suites = {**T.SUITES["small"], **T.SUITES["official"], **T.SUITES["general"]}

@@ -9,3 +9,15 @@ import pathlib
 def default_out_dir() -> str:
     root = pathlib.Path(__file__).resolve().parent.parent
     return str(root / "results") if (root / "pyproject.toml").is_file() else "results"
+
+
+def result_file(kind: str, device_name: str, out: str | None = None) -> str:
+    """`<out>/<kind>-<date>-<device slug>.json` (out: default_out_dir()), the folder made."""
+    import datetime
+    import os
+
+    from bench.report import slug
+    out_dir = out or default_out_dir()
+    os.makedirs(out_dir, exist_ok=True)
+    date = datetime.date.today().isoformat()
+    return os.path.join(out_dir, f"{kind}-{date}-{slug(device_name.removeprefix('NVIDIA '))}.json")

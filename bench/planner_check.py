@@ -27,8 +27,7 @@ import torch  # noqa: E402
 import bridge  # noqa: E402
 import ttj_jax as T  # noqa: E402
 from bench.baseline import TransformerConfig, check_close, harness_models, make_inputs  # noqa: E402
-from bench.paths import default_out_dir  # noqa: E402
-from bench.report import slug  # noqa: E402
+from bench.paths import result_file  # noqa: E402
 from bench.timing import time_contenders  # noqa: E402
 from bench.torch_peer import build_peer  # noqa: E402
 
@@ -82,9 +81,7 @@ def main(argv=None) -> int:
     torch.set_float32_matmul_precision("high")   # what the harness sets: TF32 baseline GEMMs
     gpu = torch.cuda.get_device_name()
     date = datetime.date.today().isoformat()
-    out_dir = args.out or default_out_dir()
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, f"planner-check-{date}-{slug(gpu.removeprefix('NVIDIA '))}.json")
+    path = result_file("planner-check", gpu, args.out)
     document = {"gpu": gpu, "date": date, "command": "python -m bench.planner_check " + " ".join(
         sys.argv[1:] if argv is None else argv), "configs": {}}
     for config_id in args.configs.split(","):
