@@ -315,3 +315,16 @@ def test_ttj_bench_warm_decides_the_suites_plans_into_the_cache(measuring_on_cpu
     assert len(list((measuring_on_cpu.directory / "plans").glob("*.json"))) == 2
     assert cli.main(["--warm", "--suite", "small", "--shapes", "cpu-2"]) == 0
     assert "plan cache" in capsys.readouterr().out   # the second time, read back
+
+
+def test_the_compilation_cache_is_left_to_a_user_who_set_one_or_opted_out(tmp_path, monkeypatch):
+    from ttj_jax import plan_cache
+    before = jax.config.jax_compilation_cache_dir
+    try:
+        jax.config.update("jax_compilation_cache_dir", str(tmp_path / "theirs"))
+        assert plan_cache.enable_compilation_cache(tmp_path) == str(tmp_path / "theirs")
+        jax.config.update("jax_compilation_cache_dir", None)
+        monkeypatch.setenv("TTJ_COMPILATION_CACHE", "0")
+        assert plan_cache.enable_compilation_cache(tmp_path) is None and not (tmp_path / "xla").exists()
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)

@@ -23,6 +23,8 @@ import warnings
 from pathlib import Path
 
 CACHE_DIR_ENV = "TTJ_CACHE_DIR"
+# "0": leave jax's persistent compilation cache off (it is process-wide: every program is cached once on).
+COMPILATION_CACHE_ENV = "TTJ_COMPILATION_CACHE"
 # Bumped when a record's meaning changes: older files then read as misses.
 FORMAT = 1
 
@@ -105,11 +107,14 @@ class PlanCache:
 def enable_compilation_cache(directory: str | os.PathLike) -> str | None:
     """Turns jax's persistent compilation cache on in `<directory>/xla`, for every program however quick
     to compile (the measured candidates compile in well under jax's 1 s default threshold). Leaves a
-    cache the user configured alone. Returns the cache directory in use, or None when none could be set."""
+    cache the user configured alone, and does nothing with TTJ_COMPILATION_CACHE=0. Returns the cache
+    directory in use, or None when none is set."""
     import jax
     current = jax.config.jax_compilation_cache_dir
     if current:
         return current
+    if os.environ.get(COMPILATION_CACHE_ENV, "1").strip() in ("0", "false", "off", "no"):
+        return None
     path = Path(directory).expanduser() / "xla"
     try:
         path.mkdir(parents=True, exist_ok=True)
