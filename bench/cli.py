@@ -61,7 +61,8 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--suite", choices=sorted(T.SUITES), default=None,
                    help="shape table: 'small' (CPU-sized, the default without a GPU), 'official' "
-                        "(the fourteen harness shapes, the default with one) or 'general' (real-model-shaped configs)")
+                        "(the fourteen harness shapes, the default with one) or 'general' (real-model-shaped configs); "
+                        "'--suite train' first on the line runs the training benchmark (bench/train.py)")
     p.add_argument("--shapes", default=None,
                    help="comma-separated shape ids from the suite (default: all the harness can run)")
     p.add_argument("--device", default="auto", help="'auto', 'cpu' or 'cuda'")
@@ -411,6 +412,10 @@ def _commands(previous: dict | None, command: str) -> list[str]:
 
 
 def main(argv=None) -> int:
+    given = list(sys.argv[1:] if argv is None else argv)
+    if given[:2] == ["--suite", "train"] or "--suite=train" in given:   # the training benchmark: bench/train.py
+        from bench import train
+        return train.main([a for a in given if a not in ("--suite=train",)][2 if given[:2] == ["--suite", "train"] else 0:])
     args = parse_args(argv)
     if args.report:
         return report(args.report, write_plot=not args.no_plot, markdown=args.markdown)

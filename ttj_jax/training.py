@@ -6,7 +6,8 @@ takes `jax.vjp` of the layer-by-layer XLA program (layers.py):
 - in the forward's default numerics (fp16 GEMM operands, fp32 accumulation, residual, LayerNorm and
   softmax), so the gradients are those of the function the forward computes, to within its rounding;
 - with cuDNN's fused attention (which has its backward) on a GPU where it takes the call, else XLA's;
-- any mask as key masking plus zeroed rows: padded keys and zeroed rows get exactly zero gradient.
+- any mask as key masking plus zeroed rows: padded keys and zeroed rows get exactly zero gradient;
+- the incoming cotangent scaled by a power of two into fp16's range (a loss scale chosen per call).
 The torch bridge's backward (bridge/autograd.py) is the same program.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 
 from ttj_jax.config import Config
 from ttj_jax.layers import run_layers
@@ -36,7 +38,14 @@ def pullback(params, x, mask, grad_out, *, config: Config, on_gpu: bool):
     plan = backward_plan(config, mask is not None, on_gpu)
     run = functools.partial(run_layers, config=config, plan=plan)
     _, pull = jax.vjp(lambda p, h: run(p, h, mask), params, x)
-    return pull(grad_out.astype(x.dtype))
+    # The GEMMs take fp16 operands, cotangents included: a loss averaged over many elements hands down
+    # cotangents far below fp16's normal range (6e-5), where they lose their precision. Scaled by a power
+    # of two to a largest magnitude in [1, 2) and scaled back after (exact, the pullback being linear).
+    g = grad_out.astype(jnp.float32)
+    largest = jnp.max(jnp.abs(g))
+    scale = jnp.where(jnp.isfinite(largest) & (largest > 0), jnp.exp2(-jnp.floor(jnp.log2(largest))), 1.0)
+    d_params, d_x = pull((g * scale).astype(x.dtype))
+    return jax.tree.map(lambda t: (t / scale).astype(t.dtype), (d_params, d_x))
 
 
 def is_differentiated(params, x) -> bool:

@@ -1,0 +1,181 @@
+"""The training benchmark (`ttj-bench --suite train`, or `python -m bench.train`): one optimizer step
+(forward, backward, SGD update) per call, timed the harness's way, for three contenders on the same
+weights and input:
+
+  eager  the harness baseline module trained in eager PyTorch (TF32 GEMMs on CUDA, as the harness sets)
+  peer   the torch peer's training step: the same module with its attention through
+         `scaled_dot_product_attention`, GEMMs under fp16 autocast, `torch.compile`d (CUDA only)
+  ttj    ttj-jax through the bridge (`bridge.TTJTransformer`): the planned forward, the backward by
+         recomputation (bridge/autograd.py)
+
+Gradients: one backward of each contender on a fixed input, every tensor (x and each parameter)
+against the fp32 baseline's autograd as relative L2 error; `max_rel_grad_err` is the worst tensor,
+leaving out the key projection's bias, whose gradient is zero in exact arithmetic (reported apart).
+
+    PYTHONPATH=. python3 -m bench.train [--configs 1,8,13,bert-base,gpt2-s4096] [--out DIR]
+
+Writes train-<date>-<gpu>.json: {"configs": {id: {eager_ms, peer_ms, ttj_ms, max_rel_grad_err, ...}}}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import bridge  # noqa: E402
+import ttj_jax as T  # noqa: E402
+from bench.baseline import Attention, TransformerConfig, harness_models, make_inputs  # noqa: E402
+from bench.paths import result_file  # noqa: E402
+from bench.timing import time_contenders  # noqa: E402
+
+DEFAULT_CONFIGS = "1,8,13,bert-base,gpt2-s4096"
+ZERO_GRADIENT_SUFFIX = "attention.k_proj.bias"
+LEARNING_RATE = 1e-4
+
+
+class SdpaAttention(Attention):
+    """The baseline's attention, same parameters, through scaled_dot_product_attention."""
+
+    def forward(self, x, valid_token_mask=None):
+        B, S, d = x.shape
+        split = lambda t: t.view(B, S, self.num_heads, self.head_dim).transpose(1, 2)   # noqa: E731
+        q, k, v = split(self.q_proj(x)), split(self.k_proj(x)), split(self.v_proj(x))
+        if valid_token_mask is None:
+            context = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+        else:
+            allowed = valid_token_mask[:, None, None, :]
+            if self.causal:
+                allowed = allowed & torch.ones(S, S, dtype=torch.bool, device=x.device).tril()
+            # a query with no allowed key would give NaN: let it see every key (its row is zeroed anyway)
+            allowed = allowed | ~allowed.any(-1, keepdim=True)
+            context = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+        out = self.out_proj(context.transpose(1, 2).reshape(B, S, d))
+        if valid_token_mask is not None:
+            out = out.masked_fill(~valid_token_mask[:, :, None], 0.0)
+        return out
+
+
+def peer_model(baseline: torch.nn.Module, device: torch.device):
+    """The peer's trainable module: a copy of the baseline with SDPA attention; on CUDA its forward runs
+    under fp16 autocast and torch.compile."""
+    model = copy.deepcopy(baseline)
+    for layer in model.layers:
+        layer.attention.__class__ = SdpaAttention
+    if device.type != "cuda":
+        return model, model
+    compiled = torch.compile(model)
+
+    def forward(x, mask):
+        with torch.autocast("cuda", dtype=torch.float16):
+            return compiled(x, mask).float()
+    return model, forward
+
+
+def step_fn(module, forward, x, mask, weights):
+    optimizer = torch.optim.SGD(module.parameters(), lr=LEARNING_RATE)
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        (forward(x, mask) * weights).mean().backward()
+        optimizer.step()
+    return step
+
+
+def gradient_errors(reference: torch.nn.Module, contender: torch.nn.Module, forward, x, mask, weights) -> dict:
+    """Relative L2 error of dL/dx and each parameter's gradient against the fp32 reference's autograd."""
+    grads = {}
+    for name, model, run in (("reference", reference, reference), ("contender", contender, forward)):
+        model.zero_grad(set_to_none=True)
+        x_in = x.clone().requires_grad_(True)
+        (run(x_in, mask) * weights).mean().backward()
+        grads[name] = {"x": x_in.grad, **{n: p.grad for n, p in model.named_parameters()}}
+    errors, zero_bias = {}, {}
+    for name, ref in grads["reference"].items():
+        ours = grads["contender"][name]
+        if name.endswith(ZERO_GRADIENT_SUFFIX):
+            zero_bias[name] = float(ours.norm())
+            continue
+        errors[name] = float((ours.float() - ref).norm() / ref.norm().clamp_min(1e-30))
+    worst = max(errors, key=errors.get)
+    return {"max_rel_grad_err": errors[worst], "worst_tensor": worst, "k_proj_bias_grad_norm": zero_bias}
+
+
+def run_config(shape: T.Shape, device: torch.device, *, warmup: int, rounds: int, calls: int) -> dict:
+    harness_config = TransformerConfig(**vars(shape.config))
+    baseline, ours = harness_models(harness_config, bridge.TTJTransformer, device=device)
+    baseline.train(), ours.train()
+    reference = copy.deepcopy(baseline)   # the fp32 autograd reference, never stepped
+    x, mask = make_inputs(harness_config, 1234, padding_ratio=shape.padding, device=device)
+    weights = torch.randn(x.shape, generator=torch.Generator(device=device).manual_seed(0), device=device)
+    peer_module, peer_forward = peer_model(baseline, device)
+    record = {"config": vars(shape.config), "padding": shape.padding}
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")   # the reference's gradients in full fp32
+    try:
+        record["ttj"] = gradient_errors(reference, ours, ours, x, mask, weights)
+        record["peer"] = gradient_errors(reference, peer_module, peer_forward, x, mask, weights)
+    finally:
+        torch.set_float32_matmul_precision(precision)
+    record["max_rel_grad_err"] = record["ttj"]["max_rel_grad_err"]
+    steps = {"eager": step_fn(baseline, baseline, x, mask, weights),
+             "peer": step_fn(peer_module, peer_forward, x, mask, weights),
+             "ttj": step_fn(ours, ours, x, mask, weights)}
+    start = time.perf_counter()
+    timed = time_contenders(steps, warmup=warmup, rounds=rounds, calls=calls, device=device)
+    record["timing_s"] = time.perf_counter() - start
+    for name, result in timed.items():
+        record[f"{name}_ms"] = result["median_ms"]
+    record["peer_over_ttj"] = record["peer_ms"] / record["ttj_ms"]
+    return record
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="ttj-bench --suite train", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--configs", default=None, help=f"ids of the official, general or small suite "
+                                                   f"(default on CUDA: {DEFAULT_CONFIGS}; on the CPU: cpu-2)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--calls", type=int, default=None, help="calls per round (default 20 on CUDA, 2 on the CPU)")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+    on_cuda = device.type == "cuda"
+    if on_cuda:   # the harness's settings for the eager contender
+        torch.set_float32_matmul_precision("high")
+    name = torch.cuda.get_device_name(device) if on_cuda else "cpu"
+    suites = {**T.SUITES["small"], **T.SUITES["official"], **T.SUITES["general"]}
+    ids = (args.configs or (DEFAULT_CONFIGS if on_cuda else "cpu-2")).split(",")
+    unknown = [i for i in ids if i not in suites]
+    if unknown:
+        print(f"unknown config id(s) {unknown}", file=sys.stderr)
+        return 2
+    path = result_file("train", name, args.out)
+    document = {"device": name, "torch": torch.__version__, "command": "ttj-bench --suite train " + " ".join(
+        sys.argv[1:] if argv is None else argv), "configs": {}}
+    for config_id in ids:
+        print(f"{config_id}: {suites[config_id].describe()}", flush=True)
+        record = run_config(suites[config_id], device, warmup=args.warmup, rounds=args.rounds,
+                            calls=args.calls or (20 if on_cuda else 2))
+        document["configs"][config_id] = record
+        print(f"  eager {record['eager_ms']:.3f} ms, peer {record['peer_ms']:.3f}, ttj {record['ttj_ms']:.3f} "
+              f"(peer/ttj {record['peer_over_ttj']:.2f}); worst gradient error {record['max_rel_grad_err']:.1e} "
+              f"({record['ttj']['worst_tensor']})", flush=True)
+        with open(path, "w") as f:
+            json.dump(document, f, indent=1)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
