@@ -225,8 +225,12 @@ class _ModuleState:
         return prepare(raw)
 
     def classify(self, mask: torch.Tensor) -> MaskKind:
-        """The mask's kind: cached per tensor object and version; an inference tensor has no version
-        counter, so its contents could change unseen: the device decides (MaskKind.UNKNOWN)."""
+        """The mask's kind. A mask in host memory is read on every call (no device to wait for), so no write
+        can make it stale: through `.data`, a numpy view or a DLPack consumer alike. A GPU mask's kind is
+        cached per tensor object and version (reading it costs a host sync); an inference tensor has no
+        version counter, so its contents could change unseen: the device decides (MaskKind.UNKNOWN)."""
+        if mask.device.type == "cpu":
+            return classify_mask(mask.detach().numpy())
         if mask.is_inference():
             return MaskKind.UNKNOWN
         version = mask._version

@@ -12,6 +12,7 @@ from conftest import make_mask, random_input, torch_reference
 import bridge
 import ttj_jax as T
 from bench.baseline import BaselineTransformer, TransformerConfig, copy_model_weights, make_inputs
+from bridge import runtime
 from bridge import transfer as bt
 
 CONFIG = TransformerConfig(batch_size=2, seq_len=17, d_model=64, num_heads=4, ffn_dim=96, num_layers=2,
@@ -134,16 +135,20 @@ def test_mask_edited_in_place_is_reclassified(harness_rule):
     harness_rule(ours(x, mask), torch_reference(base, x, mask))
 
 
-def test_inference_tensor_masks_are_decided_on_the_device(harness_rule):
+def test_inference_tensor_masks_are_read_every_call_on_the_host_and_decided_on_the_device_elsewhere(harness_rule):
     base, ours = pair()
     with torch.inference_mode():
         x = random_input(T.Config.from_object(CONFIG), 8)
         mask = make_mask("random", CONFIG.batch_size, CONFIG.seq_len, seed=8).clone()
         assert mask.is_inference()
-        assert "mask-device" in bridge.explain(ours, x, mask)
+        assert "mask-keys" in bridge.explain(ours, x, mask)   # a host mask: read, so classified exactly
         harness_rule(ours(x, mask), torch_reference(base, x, mask))
         mask[:] = True                                   # edited in place, no version counter to see it
         harness_rule(ours(x, mask), torch_reference(base, x, mask))
+        assert "mask-none" in bridge.explain(ours, x, mask)
+        # a device mask without a version counter is not read on the host (a sync): the device decides
+        on_device = torch.ones(2, 3, dtype=torch.bool, device="meta")
+        assert runtime.module_state(ours).classify(on_device) == T.MaskKind.UNKNOWN
 
 
 def test_harness_flow_assigning_our_class(harness_rule):
@@ -517,3 +522,23 @@ def test_refresh_after_a_mask_written_behind_torchs_back(harness_rule):
         assert mask._version == version
         bridge.refresh(ours)
         harness_rule(ours(x, mask), base(x, mask), "after refresh")
+
+
+@pytest.mark.parametrize("route", ["data", "numpy", "dlpack"])
+def test_a_host_mask_written_behind_torchs_back_is_never_stale(route, harness_rule):
+    """Writes that torch's version counter does not see (`.data`, a numpy view, a DLPack consumer) after a
+    first call: the next call sees the new mask without refresh() (a host mask is read every call)."""
+    import numpy as np
+    base, ours = pair()
+    x, mask = make_inputs(CONFIG, 4)   # the all-True mask: planned mask-free
+    with torch.inference_mode(False):
+        harness_rule(ours(x, mask), base(x, mask), "before the write")
+        version = mask._version
+        if route == "data":
+            mask.data[:, 10:] = False
+        elif route == "numpy":
+            mask.numpy()[1, 3:] = False
+        else:
+            np.from_dlpack(mask)[0, ::3] = False   # a general (non-prefix) mask now
+        assert mask._version == version and not bool(mask.all())
+        harness_rule(ours(x, mask), base(x, mask), f"after a write through {route}")
