@@ -24,15 +24,15 @@ from bridge.transfer import transfer_for
 from ttj_jax.config import Config
 from ttj_jax.params import expected_shapes, params_from_state_dict, params_to_state_dict
 from ttj_jax.programs import model_key
-from ttj_jax.training import pullback
+from ttj_jax.training import backward_attention, pullback
 
 # The parameter whose gradient is zero in exact arithmetic (module docstring).
 ZERO_GRADIENT_SUFFIX = "attention.k_proj.bias"
 
 
 @functools.cache
-def _vjp_program(config: Config, on_gpu: bool):
-    return jax.jit(functools.partial(pullback, config=config, on_gpu=on_gpu))
+def _vjp_program(config: Config, on_gpu: bool, attention: str):
+    return jax.jit(functools.partial(pullback, config=config, on_gpu=on_gpu, attention=attention))
 
 
 def gradients(x: torch.Tensor, mask: torch.Tensor | None, params: list[torch.Tensor], config: Config,
@@ -44,8 +44,8 @@ def gradients(x: torch.Tensor, mask: torch.Tensor | None, params: list[torch.Ten
     to_jax = lambda t: transfer.to_jax(t.detach().float().contiguous())   # noqa: E731
     jparams = params_from_state_dict({name: to_jax(p) for name, p in zip(names, params)}, config)
     jmask = transfer.to_jax(mask.contiguous()) if mask is not None else None
-    gparams, gx = _vjp_program(model_key(config), x.device.type == "cuda")(jparams, to_jax(x), jmask,
-                                                                         to_jax(grad_out))
+    program = _vjp_program(model_key(config), x.device.type == "cuda", backward_attention())
+    gparams, gx = program(jparams, to_jax(x), jmask, to_jax(grad_out))
     flat = params_to_state_dict(gparams)
     grad_x = transfer.to_torch(gx.astype(jnp.float32)).to(x.dtype)
     grads = [torch.zeros_like(p) if name.endswith(ZERO_GRADIENT_SUFFIX)

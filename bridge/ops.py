@@ -22,6 +22,7 @@ Either way the parameters are read at call time, so edits between calls are seen
 from __future__ import annotations
 
 import itertools
+import warnings
 import weakref
 from collections import OrderedDict
 from operator import is_
@@ -174,9 +175,10 @@ def forward(module: torch.nn.Module, x: torch.Tensor, valid_token_mask: torch.Te
     if torch.is_grad_enabled():
         model_config, params = runtime.harness_parameters(module, config)
         if autograd.needs_grad(x, params):
-            if any(value not in (None, 0) for value in options.values()):
-                raise ValueError(f"options {sorted(options)} are inference-only; call under torch.no_grad() or "
-                                 "torch.inference_mode(), or without them to get gradients")
+            if any(value not in (None, 0) for value in options.values()):   # expert knobs: inference only
+                warnings.warn(f"bridge.forward options {sorted(k for k, v in options.items() if v not in (None, 0))} "
+                              "run without autograd: this call's output records no gradient", stacklevel=2)
+                return runtime.forward(module, x, valid_token_mask, config=config, **options)
             # x as given (the runtime detaches where it must): its kept import is found again next call
             run = lambda: runtime.forward(module, x, valid_token_mask, config=config)   # noqa: E731
             return autograd.Recorded.apply(run, model_config, x, valid_token_mask, *params)

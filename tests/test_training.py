@@ -241,3 +241,31 @@ def test_the_training_benchmark_runs_and_records_its_fields(tmp_path):
     for key in ("eager_ms", "peer_ms", "ttj_ms", "max_rel_grad_err"):
         assert record[key] > 0, key
     assert record["max_rel_grad_err"] <= MAX_REL_L2 and record["peer"]["max_rel_grad_err"] <= MAX_REL_L2
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("padding", [0.0, 0.5])
+def test_gradients_with_our_flash_backward_kernels(monkeypatch, padding):
+    """TTJ_BACKWARD_ATTENTION=flash: the backward's attention through kernels/flash_attention_bwd.py
+    (interpreted here), through the bridge and jax.grad alike."""
+    monkeypatch.setenv("TTJ_BACKWARD_ATTENTION", "flash")
+    config = CONFIGS["encoder-hd32"] if padding else CONFIGS["causal"]
+    base, ours = _models(config, 11)
+    x, mask = make_inputs(config, 11, padding_ratio=padding)
+    _check_gradients(base, ours, x, mask, 11)
+
+
+def test_an_unknown_backward_attention_is_refused(monkeypatch):
+    from ttj_jax import training
+    monkeypatch.setenv("TTJ_BACKWARD_ATTENTION", "magic")
+    with pytest.raises(ValueError, match="TTJ_BACKWARD_ATTENTION"):
+        training.backward_attention()
+
+
+def test_expert_options_run_without_autograd_and_say_so():
+    config = CONFIGS["causal"]
+    _, ours = _models(config, 12)
+    x, mask = make_inputs(config, 12)
+    with pytest.warns(UserWarning, match="without autograd"):
+        out = bridge.forward(ours, x, mask, stack="layers")
+    assert out.grad_fn is None

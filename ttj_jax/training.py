@@ -14,15 +14,19 @@ The torch bridge's backward (bridge/autograd.py) is the same program.
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
 
 from ttj_jax.config import Config
-from ttj_jax.layers import run_layers
+from ttj_jax.layers import layer_stack, run_layers
+from ttj_jax.numerics import get_policy
+from ttj_jax.params import PreparedWeights, prepare_weights
 from ttj_jax.planner import CUDNN_HEAD_DIMS, Plan
 
 BACKWARD_POLICY = "mixed_fp16"
+BACKWARD_ATTENTION_ENV = "TTJ_BACKWARD_ATTENTION"
 
 
 def backward_plan(config: Config, masked: bool, on_gpu: bool) -> Plan:
@@ -33,10 +37,34 @@ def backward_plan(config: Config, masked: bool, on_gpu: bool) -> Plan:
                 reason="backward: jax.vjp of the layer-by-layer XLA program")
 
 
-def pullback(params, x, mask, grad_out, *, config: Config, on_gpu: bool):
-    """(d params, d x) for y = forward(params, x, mask) and dL/dy = grad_out; params raw or prepared."""
+def backward_attention() -> str:
+    """"auto" (cuDNN's or XLA's attention, above) or "flash" (our Pallas backward kernels,
+    kernels/flash_attention_bwd.py: no [S, S] scores, any mask; not yet measured on a GPU, so not the
+    default), from TTJ_BACKWARD_ATTENTION."""
+    choice = os.environ.get(BACKWARD_ATTENTION_ENV, "auto").strip() or "auto"
+    if choice not in ("auto", "flash"):
+        raise ValueError(f"{BACKWARD_ATTENTION_ENV}={choice!r} must be 'auto' or 'flash'")
+    return choice
+
+
+def _flash_attention(qkv, key_valid, *, causal: bool, policy):
+    """Layer attention (layers.ATTENTION's signature) through our differentiable flash kernel."""
+    from ttj_jax.kernels.flash_attention_bwd import flash_attention_vjp  # deferred: Pallas import cost
+    q, k, v = (qkv[:, :, i].astype(policy.gemm_dtype) for i in range(3))
+    interpret = jax.default_backend() == "cpu"
+    return flash_attention_vjp(q, k, v, causal, interpret, key_valid).astype(jnp.float32)
+
+
+def pullback(params, x, mask, grad_out, *, config: Config, on_gpu: bool, attention: str = "auto"):
+    """(d params, d x) for y = forward(params, x, mask) and dL/dy = grad_out; params raw or prepared.
+    attention: backward_attention()'s choice."""
     plan = backward_plan(config, mask is not None, on_gpu)
-    run = functools.partial(run_layers, config=config, plan=plan)
+    if attention == "flash":
+        def run(p, h, m):
+            weights = p if isinstance(p, PreparedWeights) else prepare_weights(p, get_policy(plan.policy))
+            return layer_stack(weights, h, m, config=config, plan=plan, attention=_flash_attention)
+    else:
+        run = functools.partial(run_layers, config=config, plan=plan)
     _, pull = jax.vjp(lambda p, h: run(p, h, mask), params, x)
     # The GEMMs take fp16 operands, cotangents included: a loss averaged over many elements hands down
     # cotangents far below fp16's normal range (6e-5), where they lose their precision. Scaled by a power
@@ -67,7 +95,8 @@ def differentiable(primal, config: Config, on_gpu: bool):
 
     def call_bwd(residuals, grad_out):
         params, x, mask = residuals
-        d_params, d_x = pullback(params, x, mask, grad_out, config=config, on_gpu=on_gpu)
+        d_params, d_x = pullback(params, x, mask, grad_out, config=config, on_gpu=on_gpu,
+                                 attention=backward_attention())
         return d_params, d_x, None
 
     call.defvjp(call_fwd, call_bwd)

@@ -1,0 +1,71 @@
+"""The flash attention backward kernels (kernels/flash_attention_bwd.py), interpreted on the CPU: dq, dk
+and dv against jax.vjp of the fp32 reference attention, causal or not, padded lengths and head_dims, key
+masks with a row that sees no key."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ttj_jax.kernels.attention_common import attention_reference
+from ttj_jax.kernels.flash_attention import flash_attention
+from ttj_jax.kernels.flash_attention_bwd import flash_attention_bwd, flash_attention_vjp
+
+pytestmark = pytest.mark.interpret
+
+# relative L2 per gradient (fp16 dot operands, fp32 accumulation)
+MAX_REL_L2 = 1e-2
+
+
+def _inputs(batch, seq_len, heads, head_dim, seed, dtype=jnp.float16):
+    keys = jax.random.split(jax.random.PRNGKey(seed), 4)
+    q, k, v, do = (jax.random.normal(key, (batch, seq_len, heads, head_dim), jnp.float32) for key in keys)
+    return q.astype(dtype), k.astype(dtype), v.astype(dtype), do
+
+
+def _rel(a, b) -> float:
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def _reference_grads(q, k, v, do, causal, key_mask):
+    f = lambda a, b, c: attention_reference(a, b, c, causal=causal, key_mask=key_mask)   # noqa: E731
+    _, pull = jax.vjp(f, *(x.astype(jnp.float32) for x in (q, k, v)))
+    return pull(do)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("shape", [(2, 64, 2, 32), (1, 40, 3, 24), (2, 130, 1, 64)],
+                         ids=["aligned", "padded-S-and-hd", "three-blocks"])
+@pytest.mark.parametrize("masked", [False, True])
+def test_gradients_match_the_reference(causal, shape, masked):
+    q, k, v, do = _inputs(*shape, seed=sum(shape))
+    key_mask = None
+    if masked:
+        rng = np.random.default_rng(0)
+        mask = rng.random(shape[:2]) > 0.3
+        mask[-1, 0] = False   # causal: query 0 of the last sequence sees no key
+        mask[0, :] = mask[0, :] if causal else False   # non-causal: a sequence with no valid key at all
+        key_mask = jnp.asarray(mask)
+    o, lse = flash_attention(q, k, v, causal=causal, key_mask=key_mask, interpret=True, implementation="generic",
+                             return_lse=True)
+    dq, dk, dv = flash_attention_bwd(q, k, v, o, lse, do.astype(q.dtype), causal=causal, key_mask=key_mask,
+                                     interpret=True)
+    rq, rk, rv = _reference_grads(q, k, v, do.astype(q.dtype).astype(jnp.float32), causal, key_mask)
+    for name, ours, ref in (("dq", dq, rq), ("dk", dk, rk), ("dv", dv, rv)):
+        assert np.isfinite(np.asarray(ours, np.float32)).all(), name
+        assert _rel(ours, ref) <= MAX_REL_L2, (name, _rel(ours, ref))
+    if key_mask is not None:   # masked keys: exactly zero dk and dv
+        excluded = ~np.asarray(key_mask)
+        assert not np.asarray(dk, np.float32)[excluded].any() and not np.asarray(dv, np.float32)[excluded].any()
+
+
+def test_the_differentiable_attention_under_jax_grad():
+    q, k, v, do = _inputs(2, 48, 2, 16, seed=3)
+    loss = lambda a, b, c: jnp.sum(flash_attention_vjp(a, b, c, True, True).astype(jnp.float32) * do)   # noqa: E731
+    ours = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    ref = _reference_grads(q, k, v, do, True, None)
+    for got, want in zip(ours, ref):
+        assert got.dtype == q.dtype and _rel(got, want) <= MAX_REL_L2

@@ -1,0 +1,205 @@
+"""Flash attention backward pass (FlashAttention-2) as two generic (Triton-style) Pallas kernels, and a
+differentiable attention (`flash_attention_vjp`) whose forward is our flash kernel and whose backward
+is this one.
+
+From the forward's output o and per-row log-sum-exp (`flash_attention(..., return_lse=True)`), with
+delta_i = sum_d o_id * do_id computed once outside the kernels:
+- the dk/dv kernel, one program per key block: for each query block that can see it, recompute
+  p = exp(sm_scale q k^T - lse), accumulate dv += p^T do and dk += sm_scale ds^T q with
+  ds = p * (do v^T - delta);
+- the dq kernel, one program per query block: the same p and ds over the visible key blocks,
+  dq += sm_scale ds k.
+Nothing of size [S, S] is stored. Causal attention visits only blocks on or under the diagonal; a key
+mask, and padding to a block multiple, exclude keys exactly (p = 0, so masked keys get zero dk and dv);
+a row with no allowed key (lse = -inf) contributes nothing.
+
+Numerics: the dots take fp16 operands (bf16 for bf16 inputs) with fp32 accumulation, like the forward;
+p, ds and the accumulators are fp32. On a CPU the kernels run with `interpret=True` (CI's check). Not yet
+measured on a GPU: the training path's default backward stays XLA's or cuDNN's until it is
+(ttj_jax/training.py).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from ttj_jax.kernels.flash_attention import flash_attention, padded_head_dim
+
+BLOCK_Q = 64
+BLOCK_K = 64
+NUM_WARPS = 4
+NUM_STAGES = 2
+
+
+def _allowed(q_start, k_start, block_q: int, block_k: int, *, causal: bool, key_limit: int | None, key_mask):
+    """(block_q, block_k) bool: which (query, key) pairs attend, or None when all do."""
+    allowed = None
+    key_pos = k_start + jnp.arange(block_k, dtype=jnp.int32)
+    if causal:
+        query_pos = q_start + jnp.arange(block_q, dtype=jnp.int32)
+        allowed = query_pos[:, None] >= key_pos[None, :]
+    if key_limit is not None:
+        inside = (key_pos < key_limit)[None, :]
+        allowed = inside if allowed is None else allowed & inside
+    if key_mask is not None:
+        keys = (key_mask != 0)[None, :]
+        allowed = keys if allowed is None else allowed & keys
+    return allowed
+
+
+def _probabilities(q, k, lse, allowed, sm_scale: float):
+    scores = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * sm_scale
+    p = jnp.exp(scores - lse[:, None])          # lse = +inf on rows with no allowed key: p = 0
+    return p if allowed is None else jnp.where(allowed, p, 0.0)
+
+
+def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, key_mask_ref, dk_ref, dv_ref, *,
+                 causal: bool, sm_scale: float, block_q: int, block_k: int, key_limit, dot_dtype):
+    # Refs: q, do (S_pad, hd), lse, delta (S_pad,) for this (batch, head); k, v (block_k, hd) this program's
+    # keys; key_mask (block_k,) int32 or None; dk, dv (block_k, hd).
+    k_start = pl.program_id(0) * block_k
+    k = k_ref[...].astype(dot_dtype)
+    v = v_ref[...].astype(dot_dtype)
+    key_mask = key_mask_ref[...] if key_mask_ref is not None else None
+    num_q_blocks = q_ref.shape[0] // block_q
+
+    def step(q_block, carry):
+        dk, dv = carry
+        q_start = pl.multiple_of(q_block * block_q, block_q)
+        q = q_ref[pl.ds(q_start, block_q), :].astype(dot_dtype)
+        do = do_ref[pl.ds(q_start, block_q), :].astype(dot_dtype)
+        allowed = _allowed(q_start, k_start, block_q, block_k, causal=causal, key_limit=key_limit,
+                           key_mask=key_mask)
+        p = _probabilities(q, k, lse_ref[pl.ds(q_start, block_q)], allowed, sm_scale)
+        dv = dv + lax.dot_general(p.astype(dot_dtype), do, (((0,), (0,)), ((), ())),
+                                  preferred_element_type=jnp.float32)
+        dp = lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        ds = p * (dp - delta_ref[pl.ds(q_start, block_q)][:, None])
+        dk = dk + lax.dot_general(ds.astype(dot_dtype), q, (((0,), (0,)), ((), ())),
+                                  preferred_element_type=jnp.float32)
+        return dk, dv
+
+    first = lax.div(k_start, jnp.int32(block_q)) if causal else 0   # earlier queries never see these keys
+    zeros = jnp.zeros(dk_ref.shape, jnp.float32)
+    dk, dv = lax.fori_loop(first, num_q_blocks, step, (zeros, zeros))
+    dk_ref[...] = (dk * sm_scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, key_mask_ref, dq_ref, *,
+               causal: bool, sm_scale: float, block_q: int, block_k: int, key_limit, dot_dtype):
+    # Refs: q, do (block_q, hd), lse, delta (block_q,) this program's queries; k, v (S_pad, hd);
+    # key_mask (S_pad,) int32 or None; dq (block_q, hd).
+    q_start = pl.program_id(0) * block_q
+    q = q_ref[...].astype(dot_dtype)
+    do = do_ref[...].astype(dot_dtype)
+    lse, delta = lse_ref[...], delta_ref[...]
+    num_k_blocks = k_ref.shape[0] // block_k
+
+    def step(k_block, dq):
+        k_start = pl.multiple_of(k_block * block_k, block_k)
+        k = k_ref[pl.ds(k_start, block_k), :].astype(dot_dtype)
+        v = v_ref[pl.ds(k_start, block_k), :].astype(dot_dtype)
+        key_mask = key_mask_ref[pl.ds(k_start, block_k)] if key_mask_ref is not None else None
+        allowed = _allowed(q_start, k_start, block_q, block_k, causal=causal, key_limit=key_limit,
+                           key_mask=key_mask)
+        p = _probabilities(q, k, lse, allowed, sm_scale)
+        dp = lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        ds = p * (dp - delta[:, None])
+        return dq + lax.dot_general(ds.astype(dot_dtype), k, (((1,), (0,)), ((), ())),
+                                    preferred_element_type=jnp.float32)
+
+    last = lax.div(q_start + block_q + block_k - 1, jnp.int32(block_k)) if causal else num_k_blocks
+    if causal:
+        last = jnp.minimum(last, num_k_blocks)
+    dq = lax.fori_loop(0, last, step, jnp.zeros(dq_ref.shape, jnp.float32))
+    dq_ref[...] = (dq * sm_scale).astype(dq_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "sm_scale", "interpret"))
+def flash_attention_bwd(q, k, v, o, lse, do, *, causal: bool, key_mask=None, sm_scale: float | None = None,
+                        interpret: bool = False):
+    """(dq, dk, dv) for o = softmax(sm_scale q k^T) v, [B, S, H, hd] each in q's dtype, given the forward's
+    o and lse ([B, H, S] fp32, natural log, -inf on rows with no allowed key) and do = dL/do."""
+    batch, seq_len, num_heads, head_dim = q.shape
+    sm_scale = head_dim ** -0.5 if sm_scale is None else float(sm_scale)
+    block = max(BLOCK_Q, BLOCK_K)
+    seq_pad = -seq_len % block
+    hd_pad = padded_head_dim(head_dim) - head_dim
+    padded_len, padded_hd = seq_len + seq_pad, head_dim + hd_pad
+
+    # delta_i = sum_d o_id do_id, per (batch, head, row), in fp32; rows with no allowed key get lse = +inf
+    # (p = 0 there), padded rows too.
+    delta = jnp.einsum("bshd,bshd->bhs", o.astype(jnp.float32), do.astype(jnp.float32))
+    lse = jnp.where(jnp.isfinite(lse), lse, jnp.inf)
+    pad_rows = lambda a, value: jnp.pad(a, ((0, 0), (0, 0), (0, seq_pad)), constant_values=value)  # noqa: E731
+    lse, delta = pad_rows(lse, jnp.inf), pad_rows(delta, 0.0)
+    pad = lambda a: jnp.pad(a, ((0, 0), (0, seq_pad), (0, 0), (0, hd_pad)))  # noqa: E731
+    q_p, k_p, v_p, do_p = pad(q), pad(k), pad(v), pad(do)
+    mask_p = None
+    if key_mask is not None:
+        mask_p = jnp.pad(key_mask.astype(jnp.int32), ((0, 0), (0, seq_pad)))
+    key_limit = seq_len if seq_pad else None
+    dtype = jnp.dtype(q.dtype)
+    dot_dtype = jnp.bfloat16 if dtype == jnp.bfloat16 else jnp.float16
+    statics = dict(causal=causal, sm_scale=sm_scale, block_q=BLOCK_Q, block_k=BLOCK_K, key_limit=key_limit,
+                   dot_dtype=dot_dtype)
+    params = pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+
+    whole = lambda length: pl.BlockSpec((None, length, None, padded_hd), lambda i, b, h: (b, 0, h, 0))  # noqa: E731
+    blocked = lambda length: pl.BlockSpec((None, length, None, padded_hd), lambda i, b, h: (b, i, h, 0))  # noqa: E731
+    rows_whole = pl.BlockSpec((None, None, padded_len), lambda i, b, h: (b, h, 0))
+    rows_blocked = pl.BlockSpec((None, None, BLOCK_Q), lambda i, b, h: (b, h, i))
+    mask_whole = pl.BlockSpec((None, padded_len), lambda i, b, h: (b, 0)) if mask_p is not None else None
+    mask_blocked = pl.BlockSpec((None, BLOCK_K), lambda i, b, h: (b, i)) if mask_p is not None else None
+
+    dk, dv = pl.pallas_call(
+        functools.partial(_dkdv_kernel, **statics),
+        grid=(padded_len // BLOCK_K, batch, num_heads),
+        in_specs=[whole(padded_len), blocked(BLOCK_K), blocked(BLOCK_K), whole(padded_len), rows_whole,
+                  rows_whole, mask_blocked],
+        out_specs=(blocked(BLOCK_K), blocked(BLOCK_K)),
+        out_shape=(jax.ShapeDtypeStruct(k_p.shape, dtype), jax.ShapeDtypeStruct(v_p.shape, dtype)),
+        compiler_params=params, interpret=interpret, name="ttj_flash_attention_dkdv",
+    )(q_p, k_p, v_p, do_p, lse, delta, mask_p)
+    dq = pl.pallas_call(
+        functools.partial(_dq_kernel, **statics),
+        grid=(padded_len // BLOCK_Q, batch, num_heads),
+        in_specs=[blocked(BLOCK_Q), whole(padded_len), whole(padded_len), blocked(BLOCK_Q), rows_blocked,
+                  rows_blocked, mask_whole],
+        out_specs=blocked(BLOCK_Q),
+        out_shape=jax.ShapeDtypeStruct(q_p.shape, dtype),
+        compiler_params=params, interpret=interpret, name="ttj_flash_attention_dq",
+    )(q_p, k_p, v_p, do_p, lse, delta, mask_p)
+    unpad = lambda a: a[:, :seq_len, :, :head_dim]  # noqa: E731
+    return unpad(dq), unpad(dk), unpad(dv)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def flash_attention_vjp(q, k, v, causal: bool, interpret: bool, key_mask=None):
+    """Our flash attention ([B, S, H, hd]; key_mask bool [B, S] or None), differentiable: its backward is
+    flash_attention_bwd. The key mask gets no gradient."""
+    return flash_attention(q, k, v, causal=causal, key_mask=key_mask, interpret=interpret,
+                           implementation="generic")
+
+
+def _vjp_fwd(q, k, v, causal, interpret, key_mask=None):
+    o, lse = flash_attention(q, k, v, causal=causal, key_mask=key_mask, interpret=interpret,
+                             implementation="generic", return_lse=True)
+    return o, (q, k, v, o, lse, key_mask)
+
+
+def _vjp_bwd(causal, interpret, residuals, do):
+    q, k, v, o, lse, key_mask = residuals
+    dq, dk, dv = flash_attention_bwd(q, k, v, o, lse, do.astype(q.dtype), causal=causal, key_mask=key_mask,
+                                     interpret=interpret)
+    return dq, dk, dv, None
+
+
+flash_attention_vjp.defvjp(_vjp_fwd, _vjp_bwd)
