@@ -35,7 +35,7 @@ from ttj_jax import planner, stacks
 from ttj_jax.config import Config
 from ttj_jax.device import DeviceFacts, device_facts
 from ttj_jax.masks import MaskKind
-from ttj_jax.numerics import EXACT_FP32, HARNESS_ATOL, HARNESS_RTOL, get_policy
+from ttj_jax.numerics import EXACT_FP32, get_policy, harness_check
 from ttj_jax.params import init_params, prepare_weights
 from ttj_jax.plan_cache import PlanCache, enable_compilation_cache
 from ttj_jax.planner import InputFacts, Plan
@@ -196,13 +196,6 @@ def _time(fn) -> float:
     return statistics.median(rounds)
 
 
-def _worst_over_tolerance(out, ref) -> float:
-    out, ref = jnp.asarray(out, jnp.float32), jnp.asarray(ref, jnp.float32)
-    tolerance = jnp.maximum(HARNESS_ATOL, HARNESS_RTOL * jnp.abs(ref))
-    ratio = jnp.where(jnp.isfinite(out) & jnp.isfinite(ref), jnp.abs(out - ref) / tolerance, jnp.inf)
-    return float(jnp.max(ratio))
-
-
 def measure(config: Config, inputs: InputFacts, found: list[Plan], jax_device, *,
             budget_s: float = BUDGET_S) -> tuple[Plan, str, dict]:
     """(the fastest accurate candidate, why in one sentence, {plan name: ms or a reason it has none})."""
@@ -228,7 +221,7 @@ def measure(config: Config, inputs: InputFacts, found: list[Plan], jax_device, *
         except Exception as e:   # a candidate that does not build here is not chosen
             times[label] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
             continue
-        worst = _worst_over_tolerance(out[:reference.shape[0]], reference)
+        worst = float(harness_check(out[:reference.shape[0]], reference)[1])
         if worst > ACCURACY_MARGIN and i > 0:
             times[label] = f"rejected: worst error {worst:.2f} of the tolerance"
             continue

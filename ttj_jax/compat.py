@@ -98,6 +98,16 @@ def dlpack_exporter() -> Callable[[jax.Array, int], Any]:
     return fast
 
 
+def tracing() -> bool:
+    """Whether a jax transform (jit, grad, vmap, ...) is tracing right now: one flag read (~0.2 us),
+    where walking an argument's leaves for tracers costs ~12-18 us per call."""
+    try:
+        from jax._src import core  # the public API has no equivalent
+        return not core.trace_state_clean()
+    except (ImportError, AttributeError):
+        return True   # unknown: callers then take their traced path, which is always correct
+
+
 def jax_version() -> str:
     return jax.__version__
 
