@@ -372,6 +372,20 @@ def plot_peer_ratio(results: dict, path: str, title: str) -> bool:
     return True
 
 
+def _chosen_shapes(args, *, on_gpu: bool):
+    """(suite name, suite, shape ids) that --suite and --shapes choose (default: the official shapes the
+    harness can run on a GPU, the small suite elsewhere); None, said on stderr, for an unknown id."""
+    suite_name = args.suite or ("official" if on_gpu else "small")
+    suite = T.SUITES[suite_name]
+    ids = args.shapes.split(",") if args.shapes else [
+        s for s in suite if suite_name != "official" or s in T.shapes.HARNESS_IDS]
+    unknown = [s for s in ids if s not in suite]
+    if unknown:
+        print(f"unknown shape id(s) {unknown} for suite {suite_name}; known: {list(suite)}", file=sys.stderr)
+        return None
+    return suite_name, suite, ids
+
+
 def warm(args) -> int:
     """--warm: the measured planner's decisions for the chosen shapes, made now and kept in the plan cache
     (ttj_jax/plan_cache.py), so that the first real call of each neither measures nor, with jax's
@@ -379,14 +393,10 @@ def warm(args) -> int:
     from ttj_jax import autotune
     if args.force_device:
         os.environ[FORCE_DEVICE_ENV] = args.force_device
-    suite_name = args.suite or ("official" if jax.default_backend() == "gpu" else "small")
-    suite = T.SUITES[suite_name]
-    ids = args.shapes.split(",") if args.shapes else [
-        s for s in suite if suite_name != "official" or s in T.shapes.HARNESS_IDS]
-    unknown = [s for s in ids if s not in suite]
-    if unknown:
-        print(f"unknown shape id(s) {unknown} for suite {suite_name}; known: {list(suite)}", file=sys.stderr)
+    chosen_shapes = _chosen_shapes(args, on_gpu=jax.default_backend() == "gpu")
+    if chosen_shapes is None:
         return 2
+    _, suite, ids = chosen_shapes
     for sid in ids:
         shape = suite[sid]
         kind = T.MaskKind.PREFIX if shape.padding else T.MaskKind.ALL_TRUE
@@ -432,15 +442,11 @@ def main(argv=None) -> int:
     else:
         device = torch.device(args.device)
     on_cuda = device.type == "cuda"
-    suite_name = args.suite or ("official" if on_cuda else "small")
-    suite = T.SUITES[suite_name]
-    ids = args.shapes.split(",") if args.shapes else [
-        s for s in suite if suite_name != "official" or s in T.shapes.HARNESS_IDS]
-    order = list(suite)
-    unknown = [s for s in ids if s not in suite]
-    if unknown:
-        print(f"unknown shape id(s) {unknown} for suite {suite_name}; known: {list(suite)}", file=sys.stderr)
+    chosen_shapes = _chosen_shapes(args, on_gpu=on_cuda)
+    if chosen_shapes is None:
         return 2
+    suite_name, suite, ids = chosen_shapes
+    order = list(suite)
     if "14" in ids:
         print("shape 14 cannot run through the harness protocol (its baseline cannot exist); "
               "see the scale tooling", file=sys.stderr)

@@ -29,7 +29,7 @@ def child(config_id: str) -> dict:
     import ttj_jax as T
     from bench.baseline import TransformerConfig, check_close, harness_models, make_inputs
     imported = time.perf_counter() - started
-    shape = {**T.SUITES["official"], **T.SUITES.get("general", {})}[config_id]
+    shape = T.shapes.find(config_id)
     dtype = getattr(torch, getattr(shape, "dtype", "float32"))
     harness_config = TransformerConfig(**vars(shape.config))
     baseline, ours = harness_models(harness_config, bridge.TTJTransformer, device="cuda", dtype=dtype)

@@ -23,9 +23,7 @@ import bridge  # noqa: E402
 import ttj_jax as T  # noqa: E402
 from bench.baseline import TransformerConfig, harness_models, make_inputs  # noqa: E402
 from bench.paths import result_file  # noqa: E402
-
-# The key projection's bias has a zero gradient in exact arithmetic (bridge/autograd.py): compared by norm.
-ZERO_GRADIENT_SUFFIX = "attention.k_proj.bias"
+from bench.train import compare_gradients, gradients  # noqa: E402
 
 
 def check(shape: T.Shape, padding: float, device: torch.device) -> dict:
@@ -33,22 +31,12 @@ def check(shape: T.Shape, padding: float, device: torch.device) -> dict:
     base, ours = harness_models(harness_config, bridge.TTJTransformer, device=device)
     x, mask = make_inputs(harness_config, 1234, padding_ratio=padding, device=device)
     weights = torch.randn(x.shape, generator=torch.Generator(device=device).manual_seed(0), device=device)
-    x_ref, x_ours = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
-    (base(x_ref, mask) * weights).sum().backward()
+    reference = gradients(base, base, x, mask, weights, reduce=torch.sum)
     start = time.perf_counter()
-    (ours(x_ours, mask) * weights).sum().backward()
+    mine = gradients(ours, ours, x, mask, weights, reduce=torch.sum)
     torch.cuda.synchronize(device) if device.type == "cuda" else None
     seconds = time.perf_counter() - start
-    rel = lambda a, b: float((a - b).norm() / b.norm().clamp_min(1e-30))   # noqa: E731
-    errors = {"x": rel(x_ours.grad, x_ref.grad)}
-    zero_bias = {}
-    for (name, p_ref), (_, p_ours) in zip(base.named_parameters(), ours.named_parameters()):
-        if name.endswith(ZERO_GRADIENT_SUFFIX):
-            zero_bias[name] = {"ours_norm": float(p_ours.grad.norm()), "baseline_norm": float(p_ref.grad.norm())}
-        else:
-            errors[name] = rel(p_ours.grad, p_ref.grad)
-    return {"config": vars(shape.config), "padding": padding, "max_rel_grad_err": max(errors.values()),
-            "worst": max(errors, key=errors.get), "rel_l2": errors, "zero_gradient_bias": zero_bias,
+    return {"config": vars(shape.config), "padding": padding, **compare_gradients(mine, reference),
             "first_forward_backward_s": seconds}
 
 
@@ -66,11 +54,10 @@ def main(argv=None) -> int:
     path = result_file("grad-check", name, args.out)
     document = {"device": name, "date": date, "command": "python -m bench.grad_check " + " ".join(
         sys.argv[1:] if argv is None else argv), "configs": {}}
-    suites = {**T.SUITES["small"], **T.SUITES["official"], **T.SUITES["general"]}
     for config_id in args.configs.split(","):
-        record = check(suites[config_id], args.padding, device)
+        record = check(T.shapes.find(config_id), args.padding, device)
         document["configs"][config_id] = record
-        print(f"{config_id}: max relative L2 error {record['max_rel_grad_err']:.2e} ({record['worst']}), "
+        print(f"{config_id}: max relative L2 error {record['max_rel_grad_err']:.2e} ({record['worst_tensor']}), "
               f"forward+backward {record['first_forward_backward_s']:.1f} s", flush=True)
         with open(path, "w") as f:
             json.dump(document, f, indent=1)

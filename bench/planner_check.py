@@ -5,7 +5,7 @@ for checking a planner change before a full run.
 
     PYTHONPATH=. python3 -m bench.planner_check --configs bert-base,gpt2-s4096,2,2@float16,13 [--out DIR]
 
-A config is an id of the general or official suite (general first), optionally `@float16` to run it with
+A config is an id of any suite (ttj_jax.shapes.find), optionally `@float16` to run it with
 the harness's --dtype float16. Writes planner-check-<date>-<gpu>.json (per config: times, peer/ttj,
 failing elements, the first call's seconds and the plan's explanation) after every config.
 """
@@ -13,7 +13,6 @@ failing elements, the first call's seconds and the plan's explanation) after eve
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import os
@@ -30,15 +29,6 @@ from bench.baseline import TransformerConfig, check_close, harness_models, make_
 from bench.paths import result_file  # noqa: E402
 from bench.timing import time_contenders  # noqa: E402
 from bench.torch_peer import build_peer  # noqa: E402
-
-
-def resolve(config_id: str) -> T.Shape:
-    name, _, dtype = config_id.partition("@")
-    for suite in ("general", "official"):
-        if name in T.SUITES[suite]:
-            shape = T.SUITES[suite][name]
-            return dataclasses.replace(shape, dtype=dtype) if dtype else shape
-    raise SystemExit(f"unknown config {name!r}: not in the general or official suite")
 
 
 def check(shape: T.Shape, *, rounds: int, calls: int) -> dict:
@@ -85,7 +75,7 @@ def main(argv=None) -> int:
     document = {"gpu": gpu, "date": date, "command": "python -m bench.planner_check " + " ".join(
         sys.argv[1:] if argv is None else argv), "configs": {}}
     for config_id in args.configs.split(","):
-        record = check(resolve(config_id), rounds=args.rounds, calls=args.calls)
+        record = check(T.shapes.find(config_id), rounds=args.rounds, calls=args.calls)
         document["configs"][config_id] = record
         print(f"{config_id:>18}: baseline {record['baseline_ms']:.4f} ms, peer {record['peer_ms']:.4f}, ttj "
               f"{record['ttj_bridge_ms']:.4f} (peer/ttj {record['peer_over_ttj']:.2f}), failing "

@@ -195,3 +195,12 @@ def test_general_shape_inputs_reach_the_harness_input():
     lengths = mask.sum(1)
     assert x.dtype == torch.float16 and int(lengths.min()) >= round(40 * 0.7)
     assert not np.asarray(x[~mask]).any()
+
+
+def test_find_looks_a_shape_up_in_every_suite():
+    assert T.shapes.find("bert-base") is T.shapes.GENERAL["bert-base"]
+    assert T.shapes.find("cpu-2") is T.CPU_SMALL["cpu-2"]
+    half = T.shapes.find("2@float16")
+    assert half.dtype == "float16" and half.config == T.OFFICIAL["2"].config
+    with pytest.raises(KeyError, match="nope"):
+        T.shapes.find("nope")

@@ -103,3 +103,13 @@ GENERAL: dict[str, Shape] = {s.id: s for s in [
 ]}
 
 SUITES: dict[str, dict[str, Shape]] = {"small": CPU_SMALL, "official": OFFICIAL, "general": GENERAL}
+
+
+def find(config_id: str) -> Shape:
+    """The shape with this id in any suite (ids do not repeat across them), optionally `@<dtype>` to run
+    it in that dtype (the harness's --dtype): "bert-base", "2@float16". KeyError for an unknown id."""
+    name, _, dtype = config_id.partition("@")
+    for suite in SUITES.values():
+        if name in suite:
+            return dataclasses.replace(suite[name], dtype=dtype) if dtype else suite[name]
+    raise KeyError(f"no shape {name!r} in the suites {sorted(SUITES)}")
