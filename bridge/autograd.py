@@ -66,15 +66,13 @@ class Recorded(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, run, config: Config, x, mask, *params):
-        # The parameters are leaves held by the module anyway: kept on ctx, which skips save_for_backward's
-        # per-tensor bookkeeping (~0.5 us each, 66 for an official shape's model).
-        ctx.config, ctx.params = config, params
-        ctx.save_for_backward(x, mask)
+        ctx.config = config
+        ctx.save_for_backward(x, mask, *params)   # torch then refuses a backward after in-place edits
         return run()
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, mask = ctx.saved_tensors
-        config, params = ctx.config, list(ctx.params)
+        x, mask, *params = ctx.saved_tensors
+        config = ctx.config
         grad_x, *grads = torch.ops.ttj.backward(x, mask, params, config.num_heads, bool(config.causal), grad_out)
         return None, None, grad_x, None, *grads

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import os
 import statistics
 import sys
@@ -37,7 +38,7 @@ from ttj_jax.device import DeviceFacts, device_facts
 from ttj_jax.masks import MaskKind
 from ttj_jax.numerics import EXACT_FP32, get_policy, harness_check
 from ttj_jax.params import init_params, prepare_weights
-from ttj_jax.plan_cache import PlanCache, enable_compilation_cache
+from ttj_jax.plan_cache import PlanCache, default_dir, enable_compilation_cache
 from ttj_jax.planner import InputFacts, Plan
 from ttj_jax.programs import executable, model_key
 
@@ -128,7 +129,7 @@ def choose(config: Config, inputs: InputFacts, jax_device=None, *, cache: PlanCa
     found = planner.candidates(config, inputs, device)
     if len(found) < 2:
         return rules
-    cache = cache if cache is not None else PlanCache()
+    cache = cache if cache is not None else _process_cache(default_dir())
     enable_compilation_cache(cache.directory)
     key = cache_key(config, inputs, device, jax_device, found)
     record = cache.get(key)
@@ -144,6 +145,12 @@ def choose(config: Config, inputs: InputFacts, jax_device=None, *, cache: PlanCa
     cache.put(key, {"plan": _plan_record(chosen), "why": why, "times_ms": times,
                     "date": datetime.date.today().isoformat()})
     return dataclasses.replace(chosen, reason=f"{chosen.reason}; {why}")
+
+
+@functools.cache
+def _process_cache(directory) -> PlanCache:
+    """One PlanCache per directory and process, so that a broken cache warns once, not per signature."""
+    return PlanCache(directory)
 
 
 def synthetic_call(config: Config, inputs: InputFacts, jax_device, seed: int = 0):
