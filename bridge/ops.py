@@ -159,12 +159,17 @@ def ordered_parameters(module: torch.nn.Module, num_layers: int) -> list[torch.T
     return params + [module.final_norm.weight, module.final_norm.bias]
 
 
+def _given(options: dict) -> list[str]:
+    """The options set to something other than their defaults (None or 0)."""
+    return sorted(name for name, value in options.items() if value not in (None, 0))
+
+
 def forward(module: torch.nn.Module, x: torch.Tensor, valid_token_mask: torch.Tensor | None = None, *,
             config=None, **options) -> torch.Tensor:
     """Runs ttj-jax on `module`'s own parameters (see bridge.runtime.forward for the options). Under
     torch.compile the call becomes one `torch.ops.ttj.forward` node; the options are eager-only there."""
     if torch.compiler.is_compiling():
-        if any(value not in (None, 0) for value in options.values()):
+        if _given(options):
             raise ValueError(f"options {sorted(options)} are not supported under torch.compile; call eagerly")
         handle = getattr(module, "ttj_handle", 0)
         if handle and config is None and not _exporting() and not autograd.needs_grad(x, module.parameters()):
@@ -175,9 +180,9 @@ def forward(module: torch.nn.Module, x: torch.Tensor, valid_token_mask: torch.Te
     if torch.is_grad_enabled():
         model_config, params = runtime.harness_parameters(module, config)
         if autograd.needs_grad(x, params):
-            if any(value not in (None, 0) for value in options.values()):   # expert knobs: inference only
-                warnings.warn(f"bridge.forward options {sorted(k for k, v in options.items() if v not in (None, 0))} "
-                              "run without autograd: this call's output records no gradient", stacklevel=2)
+            if _given(options):   # expert knobs: inference only
+                warnings.warn(f"bridge.forward options {_given(options)} run without autograd: this call's output records "
+                              "no gradient", stacklevel=2)
                 return runtime.forward(module, x, valid_token_mask, config=config, **options)
             # x as given (the runtime detaches where it must): its kept import is found again next call
             run = lambda: runtime.forward(module, x, valid_token_mask, config=config)   # noqa: E731
