@@ -4,7 +4,8 @@ weights and input:
 
   eager  the harness baseline module trained in eager PyTorch (TF32 GEMMs on CUDA, as the harness sets)
   peer   the torch peer's training step: the same module with its attention through
-         `scaled_dot_product_attention`, GEMMs under fp16 autocast, `torch.compile`d (CUDA only)
+         `scaled_dot_product_attention` (no mask tensor when every token is valid), GEMMs under fp16
+         autocast, `torch.compile`d (CUDA only)
   ttj    ttj-jax through the bridge (`bridge.TTJTransformer`): the planned forward, the backward by
          recomputation (bridge/autograd.py)
 
@@ -75,6 +76,8 @@ def peer_model(baseline: torch.nn.Module, device: torch.device):
     compiled = torch.compile(model)
 
     def forward(x, mask):
+        if mask is not None and bool(mask.all()):   # at its strongest: SDPA's flash path, no mask tensor
+            mask = None
         with torch.autocast("cuda", dtype=torch.float16):
             return compiled(x, mask).float()
     return model, forward

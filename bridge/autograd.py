@@ -1,11 +1,15 @@
-"""Gradients through the bridge: the backward of `torch.ops.ttj.forward` (registered in ops.py).
+"""Gradients through the bridge.
 
-The forward runs whatever plan the planner chose (whole-stack kernels included, which have no backward of
-their own) and keeps only references to its inputs, as autograd would anyway. The backward recomputes the
-layer stack as the layer-by-layer XLA program and takes `jax.vjp` of it (ttj_jax/training.py, which JAX
-callers' `jax.grad` of `forward` uses too). Any mask acts as key masking plus zeroed rows, read from the
-mask tensor itself at backward time: padded keys and zeroed rows get exactly zero gradient, and no
-classification of the mask is cached.
+- Eager calls in grad mode on a module in training mode (`Recorded`): the forward runs the
+  layer-by-layer XLA program under `jax.vjp` (ttj_jax/training.py) and keeps its residuals until the
+  backward applies them: one forward, no recomputation. On a module in eval mode the forward stays the
+  planned inference path and a backward recomputes, as below.
+- The custom operator `torch.ops.ttj.forward` (compiled graphs, ops.py): its forward runs whatever plan the
+  planner chose (whole-stack kernels included, which have no backward of their own) and keeps only
+  references to its inputs; its backward, `torch.ops.ttj.backward`, recomputes the same XLA program and
+  takes `jax.vjp` of it (as JAX callers' `jax.grad` of `forward` does).
+Any mask acts as key masking plus zeroed rows, read from the mask tensor on every call (nothing about its
+contents is cached): padded keys and zeroed rows get exactly zero gradient.
 Gradients come back for x and every parameter, in their own dtypes and on their devices. The key
 projection's bias gets exact zeros: adding a vector to every key shifts each query's scores by one
 constant, which the softmax removes, so that gradient is zero in exact arithmetic under any mask (the
@@ -24,7 +28,7 @@ from bridge.transfer import transfer_for
 from ttj_jax.config import Config
 from ttj_jax.params import expected_shapes, params_from_state_dict, params_to_state_dict
 from ttj_jax.programs import model_key
-from ttj_jax.training import backward_attention, pullback
+from ttj_jax.training import apply_pullback, backward_attention, forward_with_pullback, pullback
 
 # The parameter whose gradient is zero in exact arithmetic (module docstring).
 ZERO_GRADIENT_SUFFIX = "attention.k_proj.bias"
@@ -35,22 +39,62 @@ def _vjp_program(config: Config, on_gpu: bool, attention: str):
     return jax.jit(functools.partial(pullback, config=config, on_gpu=on_gpu, attention=attention))
 
 
-def gradients(x: torch.Tensor, mask: torch.Tensor | None, params: list[torch.Tensor], config: Config,
-              grad_out: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """(dL/dx, [dL/dp for p in params]) for y = forward(x, mask) and dL/dy = grad_out. `params` are in the
-    harness's order (ops.ordered_parameters)."""
+@functools.cache
+def _forward_program(config: Config, on_gpu: bool, attention: str):
+    return jax.jit(functools.partial(forward_with_pullback, config=config, on_gpu=on_gpu, attention=attention))
+
+
+@functools.cache
+def _apply_program():
+    return jax.jit(apply_pullback)
+
+
+def _to_jax(x: torch.Tensor, mask: torch.Tensor | None, params: list[torch.Tensor], config: Config):
     transfer = transfer_for(x.device)
-    names = list(expected_shapes(config))
     to_jax = lambda t: transfer.to_jax(t.detach().float().contiguous())   # noqa: E731
-    jparams = params_from_state_dict({name: to_jax(p) for name, p in zip(names, params)}, config)
+    jparams = params_from_state_dict({name: to_jax(p) for name, p in zip(expected_shapes(config), params)}, config)
     jmask = transfer.to_jax(mask.contiguous()) if mask is not None else None
-    program = _vjp_program(model_key(config), x.device.type == "cuda", backward_attention())
-    gparams, gx = program(jparams, to_jax(x), jmask, to_jax(grad_out))
+    return transfer, to_jax, jparams, jmask
+
+
+def _to_torch(transfer, gparams, gx, x: torch.Tensor, params: list[torch.Tensor], config: Config):
     flat = params_to_state_dict(gparams)
     grad_x = transfer.to_torch(gx.astype(jnp.float32)).to(x.dtype)
     grads = [torch.zeros_like(p) if name.endswith(ZERO_GRADIENT_SUFFIX)
-             else transfer.to_torch(flat[name]).to(device=p.device, dtype=p.dtype) for name, p in zip(names, params)]
+             else transfer.to_torch(flat[name]).to(device=p.device, dtype=p.dtype)
+             for name, p in zip(expected_shapes(config), params)]
     return grad_x, grads
+
+
+def gradients(x: torch.Tensor, mask: torch.Tensor | None, params: list[torch.Tensor], config: Config,
+              grad_out: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """(dL/dx, [dL/dp for p in params]) for y = forward(x, mask) and dL/dy = grad_out, by recomputation.
+    `params` are in the harness's order (ops.ordered_parameters)."""
+    transfer, to_jax, jparams, jmask = _to_jax(x, mask, params, config)
+    program = _vjp_program(model_key(config), x.device.type == "cuda", backward_attention())
+    gparams, gx = program(jparams, to_jax(x), jmask, to_jax(grad_out))
+    return _to_torch(transfer, gparams, gx, x, params, config)
+
+
+def forward_keeping_residuals(x: torch.Tensor, mask: torch.Tensor | None, params: list[torch.Tensor],
+                              config: Config):
+    """(y, pull) for an eager call in grad mode: the backward's program run forward once, its residuals
+    kept in `pull` (instead of the planned inference forward plus a recomputation at backward time). A mask
+    with every token valid is dropped here (one host read of mask.all(), a training step's cost), so the
+    mask-free program, with cuDNN's attention where it applies, runs."""
+    if mask is not None and bool(mask.all()):
+        mask = None
+    transfer, to_jax, jparams, jmask = _to_jax(x, mask, params, config)
+    program = _forward_program(model_key(config), x.device.type == "cuda", backward_attention())
+    y, pull = program(jparams, to_jax(x), jmask)
+    return transfer.to_torch(y.astype(jnp.float32)).to(x.dtype), pull
+
+
+def gradients_from(pull, x: torch.Tensor, params: list[torch.Tensor], config: Config, grad_out: torch.Tensor):
+    """(dL/dx, [dL/dp]) from forward_keeping_residuals's pull."""
+    transfer = transfer_for(x.device)
+    gparams, gx = _apply_program()(pull, transfer.to_jax(grad_out.detach().float().contiguous()))
+    return _to_torch(transfer, gparams, gx, x, params, config)
 
 
 def needs_grad(x: torch.Tensor, params) -> bool:
@@ -60,19 +104,31 @@ def needs_grad(x: torch.Tensor, params) -> bool:
 
 
 class Recorded(torch.autograd.Function):
-    """An eager call recorded for autograd: the forward is `run()` (the planned fast path, whatever its
-    kernels), the backward `torch.ops.ttj.backward`. Cheaper per call than the custom op's own autograd
-    wrapper, which walks its 66-tensor parameter list through pytrees."""
+    """An eager call recorded for autograd. `run` None (a module in training mode): the forward is
+    forward_keeping_residuals (the backward's program, its residuals kept on ctx until the backward has
+    used them) and the backward applies them. `run` given (grad mode on a module in eval mode, as a
+    harness that times without no_grad runs it): the forward is `run()`, the planned inference path at
+    its inference speed, and a backward, if one comes, recomputes (torch.ops.ttj.backward), as does a
+    second backward through the same graph (retain_graph=True). Cheaper per call than the custom op's
+    own autograd wrapper, which walks its 66-tensor parameter list through pytrees."""
 
     @staticmethod
     def forward(ctx, run, config: Config, x, mask, *params):
+        if run is None:
+            y, ctx.pull = forward_keeping_residuals(x, mask, list(params), config)
+        else:
+            y, ctx.pull = run(), None
         ctx.config = config
         ctx.save_for_backward(x, mask, *params)   # torch then refuses a backward after in-place edits
-        return run()
+        return y
 
     @staticmethod
     def backward(ctx, grad_out):
         x, mask, *params = ctx.saved_tensors
-        config = ctx.config
-        grad_x, *grads = torch.ops.ttj.backward(x, mask, params, config.num_heads, bool(config.causal), grad_out)
+        config, pull = ctx.config, ctx.pull
+        ctx.pull = None   # the residuals go with this backward, as autograd's saved tensors do
+        if pull is not None:
+            grad_x, grads = gradients_from(pull, x, params, config, grad_out)
+        else:
+            grad_x, *grads = torch.ops.ttj.backward(x, mask, params, config.num_heads, bool(config.causal), grad_out)
         return None, None, grad_x, None, *grads

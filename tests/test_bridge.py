@@ -48,7 +48,8 @@ def test_default_init_is_pytorchs():
 def test_weights_reach_jax_zero_copy():
     base, ours = pair()
     x, _ = make_inputs(CONFIG, 1)
-    ours(x)
+    with torch.no_grad():   # (in grad mode a module in training mode runs the training forward)
+        ours(x)
     views = bridge.weight_views(ours)
     assert len(views) == len(list(ours.parameters()))
     for name, p in ours.named_parameters():

@@ -269,3 +269,70 @@ def test_expert_options_run_without_autograd_and_say_so():
     with pytest.warns(UserWarning, match="without autograd"):
         out = bridge.forward(ours, x, mask, stack="layers")
     assert out.grad_fn is None
+
+
+def test_backward_attention_choice():
+    """cuDNN only where it takes the call (GPU, no mask, a head_dim it supports); our flash kernels for
+    masked calls on a GPU and when asked for; XLA's on the CPU."""
+    from ttj_jax import training
+    from ttj_jax.config import Config
+    config = Config(batch_size=1, seq_len=64, d_model=128, num_heads=2, ffn_dim=128, num_layers=1, causal=True)
+    kind = training.backward_attention_kind
+    assert kind(config, masked=False, on_gpu=True) == "cudnn"
+    assert kind(config, masked=True, on_gpu=True) == "flash"
+    assert kind(config, masked=False, on_gpu=False) == "xla"
+    assert kind(config, masked=True, on_gpu=False, choice="flash") == "flash"
+    odd = Config(batch_size=1, seq_len=64, d_model=120, num_heads=3, ffn_dim=128, num_layers=1, causal=True)   # head_dim 40
+    assert kind(odd, masked=False, on_gpu=True) == ("cudnn" if 40 in training.CUDNN_HEAD_DIMS else "flash")
+
+
+def test_an_all_valid_mask_takes_the_mask_free_backward_on_the_device():
+    """pullback decides per call, on the device, whether the mask holds a padded token: an all-True mask
+    gives the mask-free program's gradients, and a padded one the masked program's (zero gradient
+    on padded rows of x), from one compiled program."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from ttj_jax import training
+    T, base, x, mask, params = _jax_case(CONFIGS["causal"], 2, 0.5)
+    config = T.model_key(T.Config(**vars(CONFIGS["causal"])))
+    xj = jnp.asarray(x.numpy())
+    g = jnp.asarray(np.random.default_rng(0).standard_normal(x.shape), jnp.float32)
+    program = jax.jit(lambda p, h, m, c: training.pullback(p, h, m, c, config=config, on_gpu=False))
+    all_valid = jnp.ones(x.shape[:2], bool)
+    d_none = program(params, xj, None, g)
+    d_all = program(params, xj, all_valid, g)
+    for a, b in zip(jax.tree.leaves(d_none), jax.tree.leaves(d_all)):   # the same program, up to fusion
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        assert np.linalg.norm(a - b) <= 1e-4 * max(np.linalg.norm(b), 1e-30)
+    padded = jnp.asarray(mask.numpy())
+    assert not bool(padded.all())
+    _, d_x = program(params, xj, padded, g)
+    assert not np.asarray(d_x)[~np.asarray(padded)].any()
+    assert np.asarray(d_x)[np.asarray(padded)].any()
+
+
+def test_eager_residuals_are_released_by_the_backward_and_a_second_backward_recomputes():
+    """An eager call in grad mode on a module in training mode keeps the forward's residuals only until
+    its backward: afterwards the graph node holds none. retain_graph=True and a second backward give the
+    same gradients (recomputed). In eval mode nothing is kept and the backward recomputes, alike."""
+    config = CONFIGS["causal"]
+    base, ours = _models(config, 4)
+    x, mask = make_inputs(config, 1238, padding_ratio=0.5)
+    x = x.requires_grad_(True)
+    out = ours(x, mask)
+    assert out.grad_fn.pull is not None
+    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(4))
+    (out * weights).sum().backward(retain_graph=True)
+    assert out.grad_fn.pull is None
+    first = x.grad.clone()
+    x.grad = None
+    (out * weights).sum().backward()
+    assert _rel(x.grad, first) <= 1e-3
+    ours.eval()
+    x.grad = None
+    out = ours(x, mask)
+    assert out.grad_fn.pull is None
+    (out * weights).sum().backward()
+    assert _rel(x.grad, first) <= 1e-3

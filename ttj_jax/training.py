@@ -5,7 +5,9 @@ kernels included, which have no derivative rules of their own) inside a `jax.cus
 takes `jax.vjp` of the layer-by-layer XLA program (layers.py):
 - in the forward's default numerics (fp16 GEMM operands, fp32 accumulation, residual, LayerNorm and
   softmax), so the gradients are those of the function the forward computes, to within its rounding;
-- with cuDNN's fused attention (which has its backward) on a GPU where it takes the call, else XLA's;
+- with cuDNN's fused attention (which has its backward) on a GPU for a call whose mask is all valid
+  (decided on the device per call) at a head_dim cuDNN takes, else our flash backward kernels
+  (kernels/flash_attention_bwd.py); XLA's attention on the CPU;
 - any mask as key masking plus zeroed rows: padded keys and zeroed rows get exactly zero gradient;
 - the incoming cotangent scaled by a power of two into fp16's range (a loss scale chosen per call).
 The torch bridge's backward (bridge/autograd.py) is the same program.
@@ -30,18 +32,29 @@ BACKWARD_POLICY = "mixed_fp16"
 BACKWARD_ATTENTION_ENV = "TTJ_BACKWARD_ATTENTION"
 
 
-def backward_plan(config: Config, masked: bool, on_gpu: bool) -> Plan:
-    """The differentiable program a backward recomputes."""
-    cudnn = on_gpu and not masked and config.head_dim in CUDNN_HEAD_DIMS
-    return Plan(policy=BACKWARD_POLICY, attention="cudnn" if cudnn else "xla",
+def backward_attention_kind(config: Config, masked: bool, on_gpu: bool, choice: str = "auto") -> str:
+    """Which attention the backward recomputes and differentiates: "cudnn", "flash" or "xla".
+    auto: on a GPU, cuDNN's fused attention for a mask-free call at a head_dim it takes (the fastest
+    backward measured: bench/results/attention-bwd-*.json), else our flash kernels (any mask, no
+    [S, S] tensor); on the CPU XLA's attention (the Pallas kernels would run interpreted)."""
+    if choice == "flash":
+        return "flash"
+    if not on_gpu:
+        return "xla"
+    return "cudnn" if not masked and config.head_dim in CUDNN_HEAD_DIMS else "flash"
+
+
+def backward_plan(config: Config, masked: bool, on_gpu: bool, choice: str = "auto") -> Plan:
+    """The differentiable program a backward recomputes (its attention: backward_attention_kind)."""
+    kind = backward_attention_kind(config, masked, on_gpu, choice)
+    return Plan(policy=BACKWARD_POLICY, attention="xla" if kind == "flash" else kind,
                 mask_mode="keys" if masked else "none", stack="layers",
-                reason="backward: jax.vjp of the layer-by-layer XLA program")
+                reason=f"backward: jax.vjp of the layer-by-layer XLA program, {kind} attention")
 
 
 def backward_attention() -> str:
-    """"auto" (cuDNN's or XLA's attention, above) or "flash" (our Pallas backward kernels,
-    kernels/flash_attention_bwd.py: no [S, S] scores, any mask; not yet measured on a GPU, so not the
-    default), from TTJ_BACKWARD_ATTENTION."""
+    """"auto" (backward_attention_kind) or "flash" (our Pallas backward kernels everywhere,
+    kernels/flash_attention_bwd.py), from TTJ_BACKWARD_ATTENTION."""
     choice = os.environ.get(BACKWARD_ATTENTION_ENV, "auto").strip() or "auto"
     if choice not in ("auto", "flash"):
         raise ValueError(f"{BACKWARD_ATTENTION_ENV}={choice!r} must be 'auto' or 'flash'")
@@ -56,25 +69,48 @@ def _flash_attention(qkv, key_valid, *, causal: bool, policy):
     return flash_attention_vjp(q, k, v, causal, interpret, key_valid).astype(jnp.float32)
 
 
-def pullback(params, x, mask, grad_out, *, config: Config, on_gpu: bool, attention: str = "auto"):
-    """(d params, d x) for y = forward(params, x, mask) and dL/dy = grad_out; params raw or prepared.
-    attention: backward_attention()'s choice."""
-    plan = backward_plan(config, mask is not None, on_gpu)
-    if attention == "flash":
+def _program(config: Config, masked: bool, on_gpu: bool, attention: str):
+    """run(params, x, mask) -> y: the backward's differentiable program (backward_plan)."""
+    plan = backward_plan(config, masked, on_gpu, attention)
+    if backward_attention_kind(config, masked, on_gpu, attention) == "flash":
         def run(p, h, m):
             weights = p if isinstance(p, PreparedWeights) else prepare_weights(p, get_policy(plan.policy))
             return layer_stack(weights, h, m, config=config, plan=plan, attention=_flash_attention)
-    else:
-        run = functools.partial(run_layers, config=config, plan=plan)
-    _, pull = jax.vjp(lambda p, h: run(p, h, mask), params, x)
-    # The GEMMs take fp16 operands, cotangents included: a loss averaged over many elements hands down
-    # cotangents far below fp16's normal range (6e-5), where they lose their precision. Scaled by a power
-    # of two to a largest magnitude in [1, 2) and scaled back after (exact, the pullback being linear).
+        return run
+    return functools.partial(run_layers, config=config, plan=plan)
+
+
+def forward_with_pullback(params, x, mask, *, config: Config, on_gpu: bool, attention: str = "auto"):
+    """(y, pull): the backward program's output and its pullback (a pytree of residuals; apply it with
+    apply_pullback). For a caller that keeps the residuals instead of recomputing them: the bridge's eager
+    autograd. mask None means mask-free (the caller decides)."""
+    run = _program(config, mask is not None, on_gpu, attention)
+    return jax.vjp(lambda p, h: run(p, h, mask), params, x)
+
+
+def apply_pullback(pull, grad_out, dtype=jnp.float32):
+    """(d params, d x) from forward_with_pullback's pull and dL/dy. The GEMMs take fp16 operands,
+    cotangents included: a loss averaged over many elements hands down cotangents far below fp16's
+    normal range (6e-5), where they lose their precision. They are scaled by a power of two to a largest
+    magnitude in [1, 2) and scaled back after (exact, the pullback being linear)."""
     g = grad_out.astype(jnp.float32)
     largest = jnp.max(jnp.abs(g))
     scale = jnp.where(jnp.isfinite(largest) & (largest > 0), jnp.exp2(-jnp.floor(jnp.log2(largest))), 1.0)
-    d_params, d_x = pull((g * scale).astype(x.dtype))
+    d_params, d_x = pull((g * scale).astype(dtype))
     return jax.tree.map(lambda t: (t / scale).astype(t.dtype), (d_params, d_x))
+
+
+def pullback(params, x, mask, grad_out, *, config: Config, on_gpu: bool, attention: str = "auto"):
+    """(d params, d x) for y = forward(params, x, mask) and dL/dy = grad_out, by recomputation; params raw
+    or prepared. attention: backward_attention()'s choice. A mask with every token valid is decided on the
+    device, per call (lax.cond, no host sync, nothing cached): such a call takes the mask-free program,
+    whose attention may be cuDNN's; any other mask the masked one."""
+    def pull(p, h, m, c):
+        _, vjp = forward_with_pullback(p, h, m, config=config, on_gpu=on_gpu, attention=attention)
+        return apply_pullback(vjp, c, x.dtype)
+    if mask is None:
+        return pull(params, x, None, grad_out)
+    return jax.lax.cond(jnp.all(mask), lambda p, h, m, c: pull(p, h, None, c), pull, params, x, mask, grad_out)
 
 
 def is_differentiated(params, x) -> bool:

@@ -22,6 +22,8 @@ measured on a GPU: the training path's default backward stays XLA's or cuDNN's u
 from __future__ import annotations
 
 import functools
+import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -31,10 +33,19 @@ from jax.experimental.pallas import triton as pltriton
 
 from ttj_jax.kernels.flash_attention import flash_attention, padded_head_dim
 
-BLOCK_Q = 64
-BLOCK_K = 64
-NUM_WARPS = 4
-NUM_STAGES = 2
+
+class BwdBlocks(NamedTuple):
+    """Tile sizes and Triton launch options of the two backward kernels (static)."""
+    dkdv_q: int = 64       # query rows per inner step of the dk/dv kernel
+    dkdv_k: int = 64       # keys per dk/dv program
+    dq_q: int = 64         # queries per dq program
+    dq_k: int = 64         # keys per inner step of the dq kernel
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+DEFAULT_BLOCKS = BwdBlocks()
+_LOG2E = 1.4426950408889634
 
 
 def _allowed(q_start, k_start, block_q: int, block_k: int, *, causal: bool, key_limit: int | None, key_mask):
@@ -53,48 +64,59 @@ def _allowed(q_start, k_start, block_q: int, block_k: int, *, causal: bool, key_
     return allowed
 
 
-def _probabilities(q, k, lse, allowed, sm_scale: float):
-    scores = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * sm_scale
-    p = jnp.exp(scores - lse[:, None])          # lse = +inf on rows with no allowed key: p = 0
+def _probabilities(q, k, lse2, allowed, scale2: float):
+    # exp2 with log2(e) folded into the scale and the log-sum-exp (lse2 = lse * log2 e)
+    scores = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale2
+    p = jnp.exp2(scores - lse2[:, None])          # lse = +inf on rows with no allowed key: p = 0
     return p if allowed is None else jnp.where(allowed, p, 0.0)
 
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, key_mask_ref, dk_ref, dv_ref, *,
                  causal: bool, sm_scale: float, block_q: int, block_k: int, key_limit, dot_dtype):
-    # Refs: q, do (S_pad, hd), lse, delta (S_pad,) for this (batch, head); k, v (block_k, hd) this program's
-    # keys; key_mask (block_k,) int32 or None; dk, dv (block_k, hd).
+    # Refs: q, do (S_pad, hd), lse (log2 units), delta (S_pad,) for this (batch, head); k, v (block_k, hd)
+    # this program's keys; key_mask (block_k,) int32 or None; dk, dv (block_k, hd).
     k_start = pl.program_id(0) * block_k
     k = k_ref[...].astype(dot_dtype)
     v = v_ref[...].astype(dot_dtype)
     key_mask = key_mask_ref[...] if key_mask_ref is not None else None
     num_q_blocks = q_ref.shape[0] // block_q
 
-    def step(q_block, carry):
-        dk, dv = carry
-        q_start = pl.multiple_of(q_block * block_q, block_q)
-        q = q_ref[pl.ds(q_start, block_q), :].astype(dot_dtype)
-        do = do_ref[pl.ds(q_start, block_q), :].astype(dot_dtype)
-        allowed = _allowed(q_start, k_start, block_q, block_k, causal=causal, key_limit=key_limit,
-                           key_mask=key_mask)
-        p = _probabilities(q, k, lse_ref[pl.ds(q_start, block_q)], allowed, sm_scale)
-        dv = dv + lax.dot_general(p.astype(dot_dtype), do, (((0,), (0,)), ((), ())),
-                                  preferred_element_type=jnp.float32)
-        dp = lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        ds = p * (dp - delta_ref[pl.ds(q_start, block_q)][:, None])
-        dk = dk + lax.dot_general(ds.astype(dot_dtype), q, (((0,), (0,)), ((), ())),
-                                  preferred_element_type=jnp.float32)
-        return dk, dv
+    def step(diagonal: bool):
+        def body(q_block, carry):
+            dk, dv = carry
+            q_start = pl.multiple_of(q_block * block_q, block_q)
+            q = q_ref[pl.ds(q_start, block_q), :].astype(dot_dtype)
+            do = do_ref[pl.ds(q_start, block_q), :].astype(dot_dtype)
+            allowed = _allowed(q_start, k_start, block_q, block_k, causal=causal and diagonal,
+                               key_limit=key_limit, key_mask=key_mask)
+            p = _probabilities(q, k, lse_ref[pl.ds(q_start, block_q)], allowed, sm_scale * _LOG2E)
+            dv = dv + lax.dot_general(p.astype(dot_dtype), do, (((0,), (0,)), ((), ())),
+                                      preferred_element_type=jnp.float32)
+            dp = lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+            ds = p * (dp - delta_ref[pl.ds(q_start, block_q)][:, None])
+            dk = dk + lax.dot_general(ds.astype(dot_dtype), q, (((0,), (0,)), ((), ())),
+                                      preferred_element_type=jnp.float32)
+            return dk, dv
+        return body
 
-    first = lax.div(k_start, jnp.int32(block_q)) if causal else 0   # earlier queries never see these keys
     zeros = jnp.zeros(dk_ref.shape, jnp.float32)
-    dk, dv = lax.fori_loop(first, num_q_blocks, step, (zeros, zeros))
+    carry = (zeros, zeros)
+    if causal:
+        # query blocks before `first` never see these keys; from `full` on they see all of them
+        first = lax.div(k_start, jnp.int32(block_q))
+        full = jnp.minimum(lax.div(k_start + block_k - 1 + block_q - 1, jnp.int32(block_q)), num_q_blocks)
+        carry = lax.fori_loop(first, full, step(True), carry)
+        carry = lax.fori_loop(full, num_q_blocks, step(False), carry)
+    else:
+        carry = lax.fori_loop(0, num_q_blocks, step(False), carry)
+    dk, dv = carry
     dk_ref[...] = (dk * sm_scale).astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, key_mask_ref, dq_ref, *,
                causal: bool, sm_scale: float, block_q: int, block_k: int, key_limit, dot_dtype):
-    # Refs: q, do (block_q, hd), lse, delta (block_q,) this program's queries; k, v (S_pad, hd);
+    # Refs: q, do (block_q, hd), lse (log2 units), delta (block_q,) this program's queries; k, v (S_pad, hd);
     # key_mask (S_pad,) int32 or None; dq (block_q, hd).
     q_start = pl.program_id(0) * block_q
     q = q_ref[...].astype(dot_dtype)
@@ -102,42 +124,49 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, key_mask_ref, dq
     lse, delta = lse_ref[...], delta_ref[...]
     num_k_blocks = k_ref.shape[0] // block_k
 
-    def step(k_block, dq):
-        k_start = pl.multiple_of(k_block * block_k, block_k)
-        k = k_ref[pl.ds(k_start, block_k), :].astype(dot_dtype)
-        v = v_ref[pl.ds(k_start, block_k), :].astype(dot_dtype)
-        key_mask = key_mask_ref[pl.ds(k_start, block_k)] if key_mask_ref is not None else None
-        allowed = _allowed(q_start, k_start, block_q, block_k, causal=causal, key_limit=key_limit,
-                           key_mask=key_mask)
-        p = _probabilities(q, k, lse, allowed, sm_scale)
-        dp = lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        ds = p * (dp - delta[:, None])
-        return dq + lax.dot_general(ds.astype(dot_dtype), k, (((1,), (0,)), ((), ())),
-                                    preferred_element_type=jnp.float32)
+    def step(diagonal: bool):
+        def body(k_block, dq):
+            k_start = pl.multiple_of(k_block * block_k, block_k)
+            k = k_ref[pl.ds(k_start, block_k), :].astype(dot_dtype)
+            v = v_ref[pl.ds(k_start, block_k), :].astype(dot_dtype)
+            key_mask = key_mask_ref[pl.ds(k_start, block_k)] if key_mask_ref is not None else None
+            allowed = _allowed(q_start, k_start, block_q, block_k, causal=causal and diagonal,
+                               key_limit=key_limit, key_mask=key_mask)
+            p = _probabilities(q, k, lse, allowed, sm_scale * _LOG2E)
+            dp = lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+            ds = p * (dp - delta[:, None])
+            return dq + lax.dot_general(ds.astype(dot_dtype), k, (((1,), (0,)), ((), ())),
+                                        preferred_element_type=jnp.float32)
+        return body
 
-    last = lax.div(q_start + block_q + block_k - 1, jnp.int32(block_k)) if causal else num_k_blocks
+    dq = jnp.zeros(dq_ref.shape, jnp.float32)
     if causal:
-        last = jnp.minimum(last, num_k_blocks)
-    dq = lax.fori_loop(0, last, step, jnp.zeros(dq_ref.shape, jnp.float32))
+        # key blocks before `full` are seen by every query here; those up to `last` by some
+        full = jnp.minimum(lax.div(q_start + 1, jnp.int32(block_k)), num_k_blocks)
+        last = jnp.minimum(lax.div(q_start + block_q + block_k - 1, jnp.int32(block_k)), num_k_blocks)
+        dq = lax.fori_loop(0, full, step(False), dq)
+        dq = lax.fori_loop(full, last, step(True), dq)
+    else:
+        dq = lax.fori_loop(0, num_k_blocks, step(False), dq)
     dq_ref[...] = (dq * sm_scale).astype(dq_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "sm_scale", "interpret"))
+@functools.partial(jax.jit, static_argnames=("causal", "sm_scale", "interpret", "blocks"))
 def flash_attention_bwd(q, k, v, o, lse, do, *, causal: bool, key_mask=None, sm_scale: float | None = None,
-                        interpret: bool = False):
+                        interpret: bool = False, blocks: BwdBlocks = DEFAULT_BLOCKS):
     """(dq, dk, dv) for o = softmax(sm_scale q k^T) v, [B, S, H, hd] each in q's dtype, given the forward's
     o and lse ([B, H, S] fp32, natural log, -inf on rows with no allowed key) and do = dL/do."""
     batch, seq_len, num_heads, head_dim = q.shape
     sm_scale = head_dim ** -0.5 if sm_scale is None else float(sm_scale)
-    block = max(BLOCK_Q, BLOCK_K)
+    block = math.lcm(blocks.dkdv_q, blocks.dkdv_k, blocks.dq_q, blocks.dq_k)
     seq_pad = -seq_len % block
     hd_pad = padded_head_dim(head_dim) - head_dim
     padded_len, padded_hd = seq_len + seq_pad, head_dim + hd_pad
 
     # delta_i = sum_d o_id do_id, per (batch, head, row), in fp32; rows with no allowed key get lse = +inf
-    # (p = 0 there), padded rows too.
+    # (p = 0 there), padded rows too. The kernels take lse in log2 units (exp2).
     delta = jnp.einsum("bshd,bshd->bhs", o.astype(jnp.float32), do.astype(jnp.float32))
-    lse = jnp.where(jnp.isfinite(lse), lse, jnp.inf)
+    lse = jnp.where(jnp.isfinite(lse), lse * _LOG2E, jnp.inf)
     pad_rows = lambda a, value: jnp.pad(a, ((0, 0), (0, 0), (0, seq_pad)), constant_values=value)  # noqa: E731
     lse, delta = pad_rows(lse, jnp.inf), pad_rows(delta, 0.0)
     pad = lambda a: jnp.pad(a, ((0, 0), (0, seq_pad), (0, 0), (0, hd_pad)))  # noqa: E731
@@ -148,32 +177,31 @@ def flash_attention_bwd(q, k, v, o, lse, do, *, causal: bool, key_mask=None, sm_
     key_limit = seq_len if seq_pad else None
     dtype = jnp.dtype(q.dtype)
     dot_dtype = jnp.bfloat16 if dtype == jnp.bfloat16 else jnp.float16
-    statics = dict(causal=causal, sm_scale=sm_scale, block_q=BLOCK_Q, block_k=BLOCK_K, key_limit=key_limit,
-                   dot_dtype=dot_dtype)
-    params = pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    statics = dict(causal=causal, sm_scale=sm_scale, key_limit=key_limit, dot_dtype=dot_dtype)
+    params = pltriton.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages)
 
     whole = lambda length: pl.BlockSpec((None, length, None, padded_hd), lambda i, b, h: (b, 0, h, 0))  # noqa: E731
     blocked = lambda length: pl.BlockSpec((None, length, None, padded_hd), lambda i, b, h: (b, i, h, 0))  # noqa: E731
     rows_whole = pl.BlockSpec((None, None, padded_len), lambda i, b, h: (b, h, 0))
-    rows_blocked = pl.BlockSpec((None, None, BLOCK_Q), lambda i, b, h: (b, h, i))
+    rows_blocked = pl.BlockSpec((None, None, blocks.dq_q), lambda i, b, h: (b, h, i))
     mask_whole = pl.BlockSpec((None, padded_len), lambda i, b, h: (b, 0)) if mask_p is not None else None
-    mask_blocked = pl.BlockSpec((None, BLOCK_K), lambda i, b, h: (b, i)) if mask_p is not None else None
+    mask_blocked = pl.BlockSpec((None, blocks.dkdv_k), lambda i, b, h: (b, i)) if mask_p is not None else None
 
     dk, dv = pl.pallas_call(
-        functools.partial(_dkdv_kernel, **statics),
-        grid=(padded_len // BLOCK_K, batch, num_heads),
-        in_specs=[whole(padded_len), blocked(BLOCK_K), blocked(BLOCK_K), whole(padded_len), rows_whole,
-                  rows_whole, mask_blocked],
-        out_specs=(blocked(BLOCK_K), blocked(BLOCK_K)),
+        functools.partial(_dkdv_kernel, block_q=blocks.dkdv_q, block_k=blocks.dkdv_k, **statics),
+        grid=(padded_len // blocks.dkdv_k, batch, num_heads),
+        in_specs=[whole(padded_len), blocked(blocks.dkdv_k), blocked(blocks.dkdv_k), whole(padded_len),
+                  rows_whole, rows_whole, mask_blocked],
+        out_specs=(blocked(blocks.dkdv_k), blocked(blocks.dkdv_k)),
         out_shape=(jax.ShapeDtypeStruct(k_p.shape, dtype), jax.ShapeDtypeStruct(v_p.shape, dtype)),
         compiler_params=params, interpret=interpret, name="ttj_flash_attention_dkdv",
     )(q_p, k_p, v_p, do_p, lse, delta, mask_p)
     dq = pl.pallas_call(
-        functools.partial(_dq_kernel, **statics),
-        grid=(padded_len // BLOCK_Q, batch, num_heads),
-        in_specs=[blocked(BLOCK_Q), whole(padded_len), whole(padded_len), blocked(BLOCK_Q), rows_blocked,
+        functools.partial(_dq_kernel, block_q=blocks.dq_q, block_k=blocks.dq_k, **statics),
+        grid=(padded_len // blocks.dq_q, batch, num_heads),
+        in_specs=[blocked(blocks.dq_q), whole(padded_len), whole(padded_len), blocked(blocks.dq_q), rows_blocked,
                   rows_blocked, mask_whole],
-        out_specs=blocked(BLOCK_Q),
+        out_specs=blocked(blocks.dq_q),
         out_shape=jax.ShapeDtypeStruct(q_p.shape, dtype),
         compiler_params=params, interpret=interpret, name="ttj_flash_attention_dq",
     )(q_p, k_p, v_p, do_p, lse, delta, mask_p)
