@@ -72,7 +72,7 @@ def forward(params: Any, x, valid_token_mask=None, *, config, mask_kind: MaskKin
         ("policy", policy), ("attention", attention), ("data_parallel", data_parallel), ("stack", stack),
         ("sequence_parallel", sequence_parallel)), autotune)
     mask = mask if chosen.mask_mode != "none" else None
-    if training.is_differentiated(params, x):   # jax.grad and friends: the backward recomputes (training.py)
+    if training.is_differentiated(params, x):   # jax.grad and friends (training.py)
         def primal(p, h, m):
             build = stacks.get(chosen.stack).build_weights
             return run(build(p, key_config) if prepared and build is not None else p, h, m)

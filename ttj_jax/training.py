@@ -1,8 +1,9 @@
 """Gradients of `forward` for JAX callers (`jax.grad`, `jax.vjp`, ...).
 
-Under a differentiation transform `forward` runs its planned program (our Pallas kernels and whole-stack
-kernels included, which have no derivative rules of their own) inside a `jax.custom_vjp` whose backward
-takes `jax.vjp` of the layer-by-layer XLA program (layers.py):
+Under a differentiation transform `forward` runs inside a `jax.custom_vjp`: its planned program (our
+Pallas kernels and whole-stack kernels included, which have no derivative rules of their own) where
+nothing differentiates, and where something does, `jax.vjp` of the layer-by-layer XLA program
+(layers.py), once, its residuals kept for the backward:
 - in the forward's default numerics (fp16 GEMM operands, fp32 accumulation, residual, LayerNorm and
   softmax), so the gradients are those of the function the forward computes, to within its rounding;
 - with cuDNN's fused attention (which has its backward) on a GPU for a call whose mask is all valid
@@ -121,20 +122,23 @@ def is_differentiated(params, x) -> bool:
 
 
 def differentiable(primal, config: Config, on_gpu: bool):
-    """primal(params, x, mask) -> y, given a custom VJP (see the module docstring)."""
+    """primal(params, x, mask) -> y, given a custom VJP: outside differentiation `primal` (the planned
+    program) runs; under it the forward is the backward's program run once under jax.vjp, whose
+    residuals the backward applies (no recomputation)."""
 
     @jax.custom_vjp
     def call(params, x, mask):
         return primal(params, x, mask)
 
     def call_fwd(params, x, mask):
-        return primal(params, x, mask), (params, x, mask)
+        y, pull = forward_with_pullback(params, x, mask, config=config, on_gpu=on_gpu,
+                                        attention=backward_attention())
+        return y.astype(x.dtype), (pull, jnp.zeros((), x.dtype))
 
     def call_bwd(residuals, grad_out):
-        params, x, mask = residuals
-        d_params, d_x = pullback(params, x, mask, grad_out, config=config, on_gpu=on_gpu,
-                                 attention=backward_attention())
-        return d_params, d_x, None
+        pull, like_x = residuals
+        d_params, d_x = apply_pullback(pull, grad_out, like_x.dtype)
+        return d_params, d_x.astype(like_x.dtype), None
 
     call.defvjp(call_fwd, call_bwd)
     return call
