@@ -122,7 +122,8 @@ def gradient_errors(reference: torch.nn.Module, contender: torch.nn.Module, forw
                              gradients(reference, reference, x, mask, weights))
 
 
-def run_config(shape: T.Shape, device: torch.device, *, warmup: int, rounds: int, calls: int) -> dict:
+def run_config(shape: T.Shape, device: torch.device, *, warmup: int, rounds: int, calls: int,
+               breakdown: bool = False) -> dict:
     harness_config = TransformerConfig(**vars(shape.config))
     baseline, ours = harness_models(harness_config, bridge.TTJTransformer, device=device)
     baseline.train(), ours.train()
@@ -148,7 +149,41 @@ def run_config(shape: T.Shape, device: torch.device, *, warmup: int, rounds: int
     for name, result in timed.items():
         record[f"{name}_ms"] = result["median_ms"]
     record["peer_over_ttj"] = record["peer_ms"] / record["ttj_ms"]
+    if breakdown:
+        record["breakdown"] = step_breakdown(baseline, ours, peer_module, peer_forward, x, mask, weights, device,
+                                             warmup=warmup, rounds=rounds, calls=calls)
     return record
+
+
+def step_breakdown(baseline, ours, peer_module, peer_forward, x, mask, weights, device, *, warmup, rounds,
+                   calls) -> dict:
+    """Where a training step's time goes: each contender's forward alone in grad mode (the residuals it
+    keeps are freed with its output), the step's host time per call, and ttj's two jax programs alone
+    (the forward keeping residuals, and applying them) in a JAX loop, without the bridge."""
+    from bench.jax_timing import stream_ms_per_call
+    from bench.timing import interleaved_host_overhead_us
+    from bridge.autograd import _apply_program, _forward_program, _to_jax
+    from ttj_jax.programs import model_key
+    from ttj_jax.training import backward_attention
+    forwards = {"ttj_forward": lambda: ours(x, mask), "peer_forward": lambda: peer_forward(x, mask),
+                "eager_forward": lambda: baseline(x, mask)}
+    timed = time_contenders(forwards, warmup=warmup, rounds=rounds, calls=calls, device=device)
+    out = {f"{name}_ms": result["median_ms"] for name, result in timed.items()}
+    steps = {"ttj": step_fn(ours, ours, x, mask, weights), "peer": step_fn(peer_module, peer_forward, x, mask, weights)}
+    host = interleaved_host_overhead_us(steps, 20, device=device)
+    out.update({f"{name}_step_host_us": result["median_us"] for name, result in host.items()})
+    config, params = bridge.runtime.harness_parameters(ours, None)
+    mask_free = mask is None or bool(mask.all())
+    _, to_jax, jparams, jmask = _to_jax(x, None if mask_free else mask, list(params), config)
+    on_gpu = device.type == "cuda"
+    forward = _forward_program(model_key(config), on_gpu, backward_attention())
+    jx = to_jax(x)
+    y, pull = forward(jparams, jx, jmask)
+    apply = _apply_program()
+    g = to_jax(weights / weights.numel())
+    out["jax_forward_ms"], _ = stream_ms_per_call(forward, (jparams, jx, jmask), min_seconds=0.2, repeats=3)
+    out["jax_backward_ms"], _ = stream_ms_per_call(apply, (pull, g), min_seconds=0.2, repeats=3)
+    return out
 
 
 def main(argv=None) -> int:
@@ -161,6 +196,8 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--calls", type=int, default=None, help="calls per round (default 20 on CUDA, 2 on the CPU)")
     p.add_argument("--out", default=None)
+    p.add_argument("--breakdown", action="store_true",
+                   help="also time each forward alone, the steps' host time and ttj's jax programs alone")
     args = p.parse_args(argv)
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     on_cuda = device.type == "cuda"
@@ -179,7 +216,7 @@ def main(argv=None) -> int:
     for config_id in ids:
         print(f"{config_id}: {shapes[config_id].describe()}", flush=True)
         record = run_config(shapes[config_id], device, warmup=args.warmup, rounds=args.rounds,
-                            calls=args.calls or (20 if on_cuda else 2))
+                            calls=args.calls or (20 if on_cuda else 2), breakdown=args.breakdown)
         document["configs"][config_id] = record
         print(f"  eager {record['eager_ms']:.3f} ms, peer {record['peer_ms']:.3f}, ttj {record['ttj_ms']:.3f} "
               f"(peer/ttj {record['peer_over_ttj']:.2f}); worst gradient error {record['max_rel_grad_err']:.1e} "
