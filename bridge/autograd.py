@@ -41,7 +41,10 @@ def _vjp_program(config: Config, on_gpu: bool, attention: str):
 
 @functools.cache
 def _forward_program(config: Config, on_gpu: bool, attention: str):
-    return jax.jit(functools.partial(forward_with_pullback, config=config, on_gpu=on_gpu, attention=attention))
+    def program(params, x, mask):
+        y, pull = forward_with_pullback(params, x, mask, config=config, on_gpu=on_gpu, attention=attention)
+        return y.astype(jnp.float32), pull
+    return jax.jit(program)
 
 
 @functools.cache
@@ -49,10 +52,15 @@ def _apply_program():
     return jax.jit(apply_pullback)
 
 
-def _to_jax(x: torch.Tensor, mask: torch.Tensor | None, params: list[torch.Tensor], config: Config):
+def _to_jax(x: torch.Tensor, mask: torch.Tensor | None, params: list[torch.Tensor], config: Config, views=None):
+    """The call's inputs as jax arrays, ordered after torch's pending work on them (the optimizer's update
+    of the parameters, the layer that made x) without a host sync. `views`: the parameters' kept jax
+    views (runtime.training_views), else they are imported here."""
     transfer = transfer_for(x.device)
+    transfer.order_before_jax()
     to_jax = lambda t: transfer.to_jax(t.detach().float().contiguous())   # noqa: E731
-    jparams = params_from_state_dict({name: to_jax(p) for name, p in zip(expected_shapes(config), params)}, config)
+    arrays = views if views is not None else map(to_jax, params)
+    jparams = params_from_state_dict(dict(zip(expected_shapes(config), arrays)), config)
     jmask = transfer.to_jax(mask.contiguous()) if mask is not None else None
     return transfer, to_jax, jparams, jmask
 
@@ -72,27 +80,28 @@ def gradients(x: torch.Tensor, mask: torch.Tensor | None, params: list[torch.Ten
     `params` are in the harness's order (ops.ordered_parameters)."""
     transfer, to_jax, jparams, jmask = _to_jax(x, mask, params, config)
     program = _vjp_program(model_key(config), x.device.type == "cuda", backward_attention())
-    gparams, gx = program(jparams, to_jax(x), jmask, to_jax(grad_out))
+    gparams, gx = program(jparams, to_jax(x), jmask, to_jax(grad_out))   # ordered by _to_jax
     return _to_torch(transfer, gparams, gx, x, params, config)
 
 
 def forward_keeping_residuals(x: torch.Tensor, mask: torch.Tensor | None, params: list[torch.Tensor],
-                              config: Config):
+                              config: Config, views=None):
     """(y, pull) for an eager call in grad mode: the backward's program run forward once, its residuals
     kept in `pull` (instead of the planned inference forward plus a recomputation at backward time). A mask
     with every token valid is dropped here (one host read of mask.all(), a training step's cost), so the
     mask-free program, with cuDNN's attention where it applies, runs."""
     if mask is not None and bool(mask.all()):
         mask = None
-    transfer, to_jax, jparams, jmask = _to_jax(x, mask, params, config)
+    transfer, to_jax, jparams, jmask = _to_jax(x, mask, params, config, views)
     program = _forward_program(model_key(config), x.device.type == "cuda", backward_attention())
     y, pull = program(jparams, to_jax(x), jmask)
-    return transfer.to_torch(y.astype(jnp.float32)).to(x.dtype), pull
+    return transfer.to_torch(y).to(x.dtype), pull
 
 
 def gradients_from(pull, x: torch.Tensor, params: list[torch.Tensor], config: Config, grad_out: torch.Tensor):
     """(dL/dx, [dL/dp]) from forward_keeping_residuals's pull."""
     transfer = transfer_for(x.device)
+    transfer.order_before_jax()   # grad_out was made on torch's stream
     gparams, gx = _apply_program()(pull, transfer.to_jax(grad_out.detach().float().contiguous()))
     return _to_torch(transfer, gparams, gx, x, params, config)
 
@@ -104,18 +113,21 @@ def needs_grad(x: torch.Tensor, params) -> bool:
 
 
 class Recorded(torch.autograd.Function):
-    """An eager call recorded for autograd. `run` None (a module in training mode): the forward is
-    forward_keeping_residuals (the backward's program, its residuals kept on ctx until the backward has
-    used them) and the backward applies them. `run` given (grad mode on a module in eval mode, as a
-    harness that times without no_grad runs it): the forward is `run()`, the planned inference path at
-    its inference speed, and a backward, if one comes, recomputes (torch.ops.ttj.backward), as does a
-    second backward through the same graph (retain_graph=True). Cheaper per call than the custom op's
-    own autograd wrapper, which walks its 66-tensor parameter list through pytrees."""
+    """An eager call recorded for autograd.
+    - `run` None (a module in training mode): the forward is forward_keeping_residuals (the backward's
+      program; `views` the parameters' kept jax views or None), its residuals kept on ctx until the
+      backward has applied them.
+    - `run` given (grad mode on a module in eval mode, as a harness that times without no_grad runs
+      it): the forward is `run()`, the planned inference path at its inference speed, and a backward,
+      if one comes, recomputes (torch.ops.ttj.backward), as does a second backward through the same
+      graph (retain_graph=True).
+    Cheaper per call than the custom op's own autograd wrapper, which walks its 66-tensor parameter
+    list through pytrees."""
 
     @staticmethod
-    def forward(ctx, run, config: Config, x, mask, *params):
+    def forward(ctx, run, views, config: Config, x, mask, *params):
         if run is None:
-            y, ctx.pull = forward_keeping_residuals(x, mask, list(params), config)
+            y, ctx.pull = forward_keeping_residuals(x, mask, list(params), config, views)
         else:
             y, ctx.pull = run(), None
         ctx.config = config
@@ -131,4 +143,4 @@ class Recorded(torch.autograd.Function):
             grad_x, grads = gradients_from(pull, x, params, config, grad_out)
         else:
             grad_x, *grads = torch.ops.ttj.backward(x, mask, params, config.num_heads, bool(config.causal), grad_out)
-        return None, None, grad_x, None, *grads
+        return None, None, None, grad_x, None, *grads

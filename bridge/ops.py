@@ -185,9 +185,10 @@ def forward(module: torch.nn.Module, x: torch.Tensor, valid_token_mask: torch.Te
                               "no gradient", stacklevel=2)
                 return runtime.forward(module, x, valid_token_mask, config=config, **options)
             if module.training:   # a training step: one forward, its residuals kept for the backward
-                return autograd.Recorded.apply(None, model_config, x, valid_token_mask, *params)
+                _, _, views = runtime.training_parameters(module, config)
+                return autograd.Recorded.apply(None, views, model_config, x, valid_token_mask, *params)
             # eval mode (a harness timing without no_grad, a saliency map): the inference path's speed;
             # x as given (the runtime detaches where it must): its kept import is found again next call
             run = lambda: runtime.forward(module, x, valid_token_mask, config=config)   # noqa: E731
-            return autograd.Recorded.apply(run, model_config, x, valid_token_mask, *params)
+            return autograd.Recorded.apply(run, None, model_config, x, valid_token_mask, *params)
     return runtime.forward(module, x, valid_token_mask, config=config, **options)

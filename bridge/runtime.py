@@ -109,6 +109,8 @@ class _ModuleState:
         self.mask_ref = None
         self.mask_version = None
         self.mask_kind = None
+        self.training_key = None                 # training_views(): the parameters' memory it was built for
+        self.training_list = None
 
     def _collect(self, module: torch.nn.Module) -> None:
         """The module's parameters by the harness's names (checked), and what check_structure compares:
@@ -223,6 +225,23 @@ class _ModuleState:
             policy = get_policy(policy_name)
             prepare = _PREPARE[policy_name] = jax.jit(lambda params: prepare_weights(params, policy))
         return prepare(raw)
+
+    def training_views(self) -> list | None:
+        """Zero-copy jax views of the parameters (harness order) for the training path, kept while their
+        data pointers, shapes, strides and dtypes stay: an optimizer's in-place update changes the values,
+        which the views share, not the memory. None where a parameter is not contiguous float32 (a view
+        would then be a copy, stale after an update): the caller imports per call."""
+        key = [(p.data_ptr(), p.shape, p.stride(), p.dtype) for p in self.params]
+        if key != self.training_key:
+            self.training_key, self.training_list = None, None
+            if not all(p.dtype == torch.float32 and p.is_contiguous() for p in self.params):
+                return None
+            transfer = transfer_for(self.params[0].device)
+            views = [transfer.to_jax(p.detach()) for p in self.params]
+            if any(v.unsafe_buffer_pointer() != p.data_ptr() for v, p in zip(views, self.params)):
+                return None   # an import that copied (alignment) would go stale: import per call
+            self.training_list, self.training_key = views, key
+        return self.training_list
 
     def classify(self, mask: torch.Tensor) -> MaskKind:
         """The mask's kind. A mask in host memory is read on every call (no device to wait for), so no write
@@ -343,6 +362,12 @@ def harness_parameters(module: torch.nn.Module, config=None) -> tuple[Config, li
     once, collected again when a parameter or submodule is replaced)."""
     state = _state(module, config)
     return state.config, state.params
+
+
+def training_parameters(module: torch.nn.Module, config=None) -> tuple[Config, list[torch.Tensor], list | None]:
+    """harness_parameters plus _ModuleState.training_views (None where they cannot be kept)."""
+    state = _state(module, config)
+    return state.config, state.params, state.training_views()
 
 
 def module_state(module: torch.nn.Module) -> _ModuleState:

@@ -336,3 +336,26 @@ def test_eager_residuals_are_released_by_the_backward_and_a_second_backward_reco
     assert out.grad_fn.pull is None
     (out * weights).sum().backward()
     assert _rel(x.grad, first) <= 1e-3
+
+
+def test_training_forward_keeps_parameter_views_that_see_in_place_updates():
+    """A module in training mode reads its parameters through kept zero-copy views: the same arrays on
+    the next call, sharing the parameters' memory, so an optimizer's in-place update is seen; new memory
+    (load into a new tensor) gives new views."""
+    from bridge import runtime
+    config = CONFIGS["causal"]
+    base, ours = _models(config, 9)
+    x, mask = make_inputs(config, 9)
+    ours(x, mask)
+    _, params, views = runtime.training_parameters(ours)
+    assert views is not None and len(views) == len(params)
+    assert all(v.unsafe_buffer_pointer() == p.data_ptr() for v, p in zip(views, params))
+    with torch.no_grad():
+        for model in (base, ours):
+            model.layers[0].ffn_out.weight.mul_(-2.0)
+            model.final_norm.bias.add_(0.5)
+    out = ours(x, mask)
+    assert runtime.training_parameters(ours)[2] is views          # kept
+    assert torch.allclose(out.detach(), base(x, mask).detach(), atol=2e-3, rtol=2e-2)
+    ours.final_norm.bias.data = ours.final_norm.bias.detach().clone()   # new memory, same Parameter
+    assert runtime.training_parameters(ours)[2] is not views
