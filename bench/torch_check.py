@@ -18,13 +18,13 @@ Per shape (under torch.inference_mode, TF32 baseline GEMMs, as the harness runs)
     class_vs_dropin   max(class_ms, dropin_ms) / min(class_ms, dropin_ms)
     compiled_ms       Linear(d, d) -> our module -> Linear(d, d) (Wrapped below) under torch.compile
                       (default mode), and
-    compiled_peer_ms  the same wrapper around the torch peer (bench.torch_peer.build_peer, its own compile
-                      and CUDA graph off: the outer torch.compile compiles it), timed in one call
+    compiled_peer_ms  the same wrapper around the torch peer's model (bench.torch_peer.build_peer, its own
+                      compile and CUDA graph off, its Python front left out: PeerInner), timed in one call
     accuracy          per contender (class, dropin, compiled) the harness rule (bench.baseline.check_close)
                       against the baseline module (class, drop-in) or the same wrapper around it (compiled),
                       eager; failed_elements is their sum. The compiled peer's: compiled_peer_accuracy.
-    graph_breaks      per compiled wrapper, the graph breaks Dynamo took over its first two calls (the peer's
-                      Python around its PeerModel breaks; our module is one opaque op: 0 expected)
+    graph_breaks      per compiled wrapper, the graph breaks Dynamo took over its first two calls (0 expected:
+                      our module is one opaque op, PeerInner leaves the peer's Python front out)
 A contender that raises leaves its fields None and its error under "errors"; the other ones still run.
 
 Writes <out>/torch-<date>-<gpu>.json (bench.paths.result_file) after every shape, prints one line per shape
@@ -55,7 +55,7 @@ from bench.host_overhead import parse_shapes  # noqa: E402
 from bench.paths import result_file  # noqa: E402
 from bench.report import describe_error, run_shapes  # noqa: E402
 from bench.timing import interleaved_host_overhead_us, time_contenders  # noqa: E402
-from bench.torch_peer import build_peer  # noqa: E402
+from bench.torch_peer import MASK_NONE, build_peer, classify_mask  # noqa: E402
 from ttj_jax.shapes import HARNESS_IDS  # noqa: E402
 
 # the accuracy and timing input (planner_check's)
@@ -157,6 +157,19 @@ def _graph_breaks() -> int:
     return int(sum(counters["graph_break"].values()))
 
 
+class PeerInner(nn.Module):
+    """The torch peer's model without its Python front (argument checks, a per-mask cache, runners), which
+    breaks a surrounding torch.compile's graph ~10 times: the mask's kind is decided once, here, as the
+    peer itself does on its first call of a shape, and the model is called as the peer's runner calls it."""
+
+    def __init__(self, peer, mask, causal: bool):
+        super().__init__()
+        self.model, self.kind = peer.model, classify_mask(mask, causal)
+
+    def forward(self, x, mask=None):
+        return self.model(x, mask if self.kind != MASK_NONE else None, self.kind)
+
+
 def _compiled(record: dict, baseline, ours, config, x, mask, timing: dict) -> dict:
     """compiled_ms and compiled_peer_ms; each wrapper's first call checked against the eager wrapper around
     the baseline, and the graph breaks Dynamo took over its first two calls (tracing, and a recompile the
@@ -168,7 +181,8 @@ def _compiled(record: dict, baseline, ours, config, x, mask, timing: dict) -> di
     ref = Wrapped(baseline, before, after)(x, mask)
     # the peer's own torch.compile and CUDA graph off: the outer torch.compile is the one measured
     inners = {"compiled": lambda: ours,
-              "compiled_peer": lambda: build_peer(baseline, config, device=x.device, compile=False, cuda_graph=False)}
+              "compiled_peer": lambda: PeerInner(build_peer(baseline, config, device=x.device, compile=False,
+                                                            cuda_graph=False), mask, bool(config.causal))}
     contenders, graph_breaks = {}, {}
     for name, inner in inners.items():
         module = _attempt(record, name, lambda: torch.compile(Wrapped(inner(), before, after)))
