@@ -72,7 +72,9 @@ def main(argv=None) -> int:
     gpu = torch.cuda.get_device_name()
     date = datetime.date.today().isoformat()
     path = result_file("planner-check", gpu, args.out)
-    document = {"gpu": gpu, "date": date, "command": "python -m bench.planner_check " + " ".join(
+    import jax
+    document = {"gpu": gpu, "date": date, "torch": torch.__version__, "jax": jax.__version__,
+                "command": "python -m bench.planner_check " + " ".join(
         sys.argv[1:] if argv is None else argv), "configs": {}}
     for config_id in args.configs.split(","):
         record = check(T.shapes.find(config_id), rounds=args.rounds, calls=args.calls)
