@@ -162,7 +162,7 @@ def step_breakdown(baseline, ours, peer_module, peer_forward, x, mask, weights, 
     (the forward keeping residuals, and applying them) in a JAX loop, without the bridge."""
     from bench.jax_timing import stream_ms_per_call
     from bench.timing import interleaved_host_overhead_us
-    from bridge.autograd import _apply_program, _forward_program, _to_jax
+    from bridge.autograd import apply_program, forward_program, jax_inputs
     from ttj_jax.programs import model_key
     from ttj_jax.training import backward_attention
     forwards = {"ttj_forward": lambda: ours(x, mask), "peer_forward": lambda: peer_forward(x, mask),
@@ -174,12 +174,12 @@ def step_breakdown(baseline, ours, peer_module, peer_forward, x, mask, weights, 
     out.update({f"{name}_step_host_us": result["median_us"] for name, result in host.items()})
     config, params = bridge.runtime.harness_parameters(ours, None)
     mask_free = mask is None or bool(mask.all())
-    _, to_jax, jparams, jmask = _to_jax(x, None if mask_free else mask, list(params), config)
+    _, to_jax, jparams, jmask = jax_inputs(x, None if mask_free else mask, list(params), config)
     on_gpu = device.type == "cuda"
-    forward = _forward_program(model_key(config), on_gpu, backward_attention())
+    forward = forward_program(model_key(config), on_gpu, backward_attention())
     jx = to_jax(x)
     y, pull = forward(jparams, jx, jmask)
-    apply = _apply_program()
+    apply = apply_program()
     g = to_jax(weights / weights.numel())
     out["jax_forward_ms"], _ = stream_ms_per_call(forward, (jparams, jx, jmask), min_seconds=0.2, repeats=3)
     out["jax_backward_ms"], _ = stream_ms_per_call(apply, (pull, g), min_seconds=0.2, repeats=3)

@@ -40,7 +40,8 @@ def _vjp_program(config: Config, on_gpu: bool, attention: str):
 
 
 @functools.cache
-def _forward_program(config: Config, on_gpu: bool, attention: str):
+def forward_program(config: Config, on_gpu: bool, attention: str):
+    """The jitted training forward (y as float32, its pullback) of a model key (one per process)."""
     def program(params, x, mask):
         y, pull = forward_with_pullback(params, x, mask, config=config, on_gpu=on_gpu, attention=attention)
         return y.astype(jnp.float32), pull
@@ -48,11 +49,12 @@ def _forward_program(config: Config, on_gpu: bool, attention: str):
 
 
 @functools.cache
-def _apply_program():
+def apply_program():
+    """The jitted application of forward_program's pullback to dL/dy (training.apply_pullback)."""
     return jax.jit(apply_pullback)
 
 
-def _to_jax(x: torch.Tensor, mask: torch.Tensor | None, params: list[torch.Tensor], config: Config, views=None):
+def jax_inputs(x: torch.Tensor, mask: torch.Tensor | None, params: list[torch.Tensor], config: Config, views=None):
     """The call's inputs as jax arrays, ordered after torch's pending work on them (the optimizer's update
     of the parameters, the layer that made x) without a host sync. `views`: the parameters' kept jax
     views (runtime.training_views), else they are imported here."""
@@ -78,9 +80,9 @@ def gradients(x: torch.Tensor, mask: torch.Tensor | None, params: list[torch.Ten
               grad_out: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """(dL/dx, [dL/dp for p in params]) for y = forward(x, mask) and dL/dy = grad_out, by recomputation.
     `params` are in the harness's order (ops.ordered_parameters)."""
-    transfer, to_jax, jparams, jmask = _to_jax(x, mask, params, config)
+    transfer, to_jax, jparams, jmask = jax_inputs(x, mask, params, config)
     program = _vjp_program(model_key(config), x.device.type == "cuda", backward_attention())
-    gparams, gx = program(jparams, to_jax(x), jmask, to_jax(grad_out))   # ordered by _to_jax
+    gparams, gx = program(jparams, to_jax(x), jmask, to_jax(grad_out))   # ordered by jax_inputs
     return _to_torch(transfer, gparams, gx, x, params, config)
 
 
@@ -92,8 +94,8 @@ def forward_keeping_residuals(x: torch.Tensor, mask: torch.Tensor | None, params
     mask-free program, with cuDNN's attention where it applies, runs."""
     if mask is not None and bool(mask.all()):
         mask = None
-    transfer, to_jax, jparams, jmask = _to_jax(x, mask, params, config, views)
-    program = _forward_program(model_key(config), x.device.type == "cuda", backward_attention())
+    transfer, to_jax, jparams, jmask = jax_inputs(x, mask, params, config, views)
+    program = forward_program(model_key(config), x.device.type == "cuda", backward_attention())
     y, pull = program(jparams, to_jax(x), jmask)
     return transfer.to_torch(y).to(x.dtype), pull
 
@@ -102,7 +104,7 @@ def gradients_from(pull, x: torch.Tensor, params: list[torch.Tensor], config: Co
     """(dL/dx, [dL/dp]) from forward_keeping_residuals's pull."""
     transfer = transfer_for(x.device)
     transfer.order_before_jax()   # grad_out was made on torch's stream
-    gparams, gx = _apply_program()(pull, transfer.to_jax(grad_out.detach().float().contiguous()))
+    gparams, gx = apply_program()(pull, transfer.to_jax(grad_out.detach().float().contiguous()))
     return _to_torch(transfer, gparams, gx, x, params, config)
 
 
