@@ -6,8 +6,8 @@ weights and input:
   peer   the torch peer's training step: the same module with its attention through
          `scaled_dot_product_attention` (no mask tensor when every token is valid), GEMMs under fp16
          autocast, `torch.compile`d (CUDA only)
-  ttj    ttj-jax through the bridge (`bridge.TTJTransformer`): the planned forward, the backward by
-         recomputation (bridge/autograd.py)
+  ttj    ttj-jax through the bridge (`bridge.TTJTransformer`, in training mode): the layers' XLA
+         program under jax.vjp, its residuals kept for the backward (bridge/autograd.py)
 
 Gradients: one backward of each contender on a fixed input, every tensor (x and each parameter)
 against the fp32 baseline's autograd as relative L2 error; `max_rel_grad_err` is the worst tensor,

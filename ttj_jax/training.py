@@ -133,12 +133,11 @@ def differentiable(primal, config: Config, on_gpu: bool):
     def call_fwd(params, x, mask):
         y, pull = forward_with_pullback(params, x, mask, config=config, on_gpu=on_gpu,
                                         attention=backward_attention())
-        return y.astype(x.dtype), (pull, jnp.zeros((), x.dtype))
+        return y.astype(x.dtype), pull
 
-    def call_bwd(residuals, grad_out):
-        pull, like_x = residuals
-        d_params, d_x = apply_pullback(pull, grad_out, like_x.dtype)
-        return d_params, d_x.astype(like_x.dtype), None
+    def call_bwd(pull, grad_out):   # grad_out has y's dtype, which is x's
+        d_params, d_x = apply_pullback(pull, grad_out, grad_out.dtype)
+        return d_params, d_x.astype(grad_out.dtype), None
 
     call.defvjp(call_fwd, call_bwd)
     return call
