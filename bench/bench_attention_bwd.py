@@ -16,7 +16,6 @@ Writes attention-bwd-<date>-<gpu>.json and prints a table last.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -27,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.jax_timing import stream_ms_per_call
+from bench.paths import run_header
 from ttj_jax.kernels.attention_common import attention_reference
 from ttj_jax.kernels.flash_attention import flash_attention
 from ttj_jax.kernels.flash_attention_bwd import DEFAULT_BLOCKS, BwdBlocks, flash_attention_bwd
@@ -133,8 +133,8 @@ def main(argv=None) -> int:
     variants = VARIANTS if args.variants == "all" else {n: VARIANTS[n] for n in args.variants.split(",")}
     cases = [tuple(int(x) for x in c.split("x")) for c in args.cases.split(",")]
     gpu = jax.devices()[0].device_kind
-    record = {"date": datetime.date.today().isoformat(), "gpu": gpu, "jax": jax.__version__,
-              "command": "python -m bench.bench_attention_bwd " + " ".join(argv if argv is not None else sys.argv[1:]),
+    record = {"gpu": gpu, **run_header("python -m bench.bench_attention_bwd " + " ".join(
+                  argv if argv is not None else sys.argv[1:])),
               "reference_check": {}, "cases": []}
     for name in variants:
         try:

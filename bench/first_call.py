@@ -11,13 +11,14 @@ Each process also times a second call, the warm steady state. Writes first-call-
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
+
+from bench.paths import result_file, run_header
 
 
 def child(config_id: str) -> dict:
@@ -81,12 +82,10 @@ def main(argv=None) -> int:
                   f"{record['second_call_s'] * 1e3:.2f} ms (import {record['import_s']:.1f} s), "
                   f"{record['failed_elements']} failing", flush=True)
         results[config_id] = runs
-    date = datetime.date.today().isoformat()
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"first-call-{date}-{gpu.removeprefix('NVIDIA ').lower().replace(' ', '-')}.json")
+    path = result_file("first-call", gpu, args.out)
     with open(path, "w") as f:
-        json.dump({"gpu": gpu, "date": date, "command": "python -m bench.first_call " + " ".join(
-            sys.argv[1:] if argv is None else argv), "cache_dir_started_empty": args.cache_dir is None,
+        json.dump({"gpu": gpu, **run_header("python -m bench.first_call " + " ".join(
+            sys.argv[1:] if argv is None else argv)), "cache_dir_started_empty": args.cache_dir is None,
             "configs": results}, f, indent=1)
     print(f"wrote {path}")
     return 0

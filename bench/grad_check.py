@@ -9,7 +9,6 @@ Configs are ids of the official or general suite. Writes grad-check-<date>-<gpu>
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -22,7 +21,7 @@ import torch  # noqa: E402
 import bridge  # noqa: E402
 import ttj_jax as T  # noqa: E402
 from bench.baseline import TransformerConfig, harness_models, make_inputs  # noqa: E402
-from bench.paths import result_file  # noqa: E402
+from bench.paths import result_file, run_header  # noqa: E402
 from bench.train import compare_gradients, gradients  # noqa: E402
 
 
@@ -50,10 +49,9 @@ def main(argv=None) -> int:
     if device.type == "cuda":
         torch.set_float32_matmul_precision("highest")   # the reference gradients in full fp32
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-    date = datetime.date.today().isoformat()
     path = result_file("grad-check", name, args.out)
-    document = {"device": name, "date": date, "command": "python -m bench.grad_check " + " ".join(
-        sys.argv[1:] if argv is None else argv), "configs": {}}
+    document = {"device": name, **run_header("python -m bench.grad_check " + " ".join(
+        sys.argv[1:] if argv is None else argv)), "configs": {}}
     for config_id in args.configs.split(","):
         record = check(T.shapes.find(config_id), args.padding, device)
         document["configs"][config_id] = record

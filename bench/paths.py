@@ -21,3 +21,18 @@ def result_file(kind: str, device_name: str, out: str | None = None) -> str:
     os.makedirs(out_dir, exist_ok=True)
     date = datetime.date.today().isoformat()
     return os.path.join(out_dir, f"{kind}-{date}-{slug(device_name.removeprefix('NVIDIA '))}.json")
+
+
+def run_header(command: str) -> dict:
+    """What every result file records about its run: the date, the jax, jaxlib and torch versions (those
+    importable) and the command that made it. The caller adds the GPU under its own key."""
+    import datetime
+    import importlib
+
+    header = {"date": datetime.date.today().isoformat()}
+    for name in ("jax", "jaxlib", "torch"):
+        try:
+            header[name] = importlib.import_module(name).__version__
+        except ImportError:
+            pass
+    return {**header, "command": command}

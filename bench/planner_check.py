@@ -13,7 +13,6 @@ failing elements, the first call's seconds and the plan's explanation) after eve
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -26,7 +25,7 @@ import torch  # noqa: E402
 import bridge  # noqa: E402
 import ttj_jax as T  # noqa: E402
 from bench.baseline import TransformerConfig, check_close, harness_models, make_inputs  # noqa: E402
-from bench.paths import result_file  # noqa: E402
+from bench.paths import result_file, run_header  # noqa: E402
 from bench.timing import time_contenders  # noqa: E402
 from bench.torch_peer import build_peer  # noqa: E402
 
@@ -70,12 +69,9 @@ def main(argv=None) -> int:
         raise SystemExit("planner_check times on a CUDA GPU")
     torch.set_float32_matmul_precision("high")   # what the harness sets: TF32 baseline GEMMs
     gpu = torch.cuda.get_device_name()
-    date = datetime.date.today().isoformat()
     path = result_file("planner-check", gpu, args.out)
-    import jax
-    document = {"gpu": gpu, "date": date, "torch": torch.__version__, "jax": jax.__version__,
-                "command": "python -m bench.planner_check " + " ".join(
-        sys.argv[1:] if argv is None else argv), "configs": {}}
+    document = {"gpu": gpu, **run_header("python -m bench.planner_check " + " ".join(
+        sys.argv[1:] if argv is None else argv)), "configs": {}}
     for config_id in args.configs.split(","):
         record = check(T.shapes.find(config_id), rounds=args.rounds, calls=args.calls)
         document["configs"][config_id] = record

@@ -35,7 +35,7 @@ import torch.nn.functional as F  # noqa: E402
 import bridge  # noqa: E402
 import ttj_jax as T  # noqa: E402
 from bench.baseline import Attention, TransformerConfig, harness_models, make_inputs  # noqa: E402
-from bench.paths import result_file  # noqa: E402
+from bench.paths import result_file, run_header  # noqa: E402
 from bench.timing import time_contenders  # noqa: E402
 from bridge.autograd import ZERO_GRADIENT_SUFFIX  # noqa: E402
 
@@ -211,8 +211,8 @@ def main(argv=None) -> int:
         print(f"unknown config id: {e}", file=sys.stderr)
         return 2
     path = result_file("train", name, args.out)
-    document = {"device": name, "torch": torch.__version__, "command": "ttj-bench --suite train " + " ".join(
-        sys.argv[1:] if argv is None else argv), "configs": {}}
+    document = {"device": name, **run_header("ttj-bench --suite train " + " ".join(
+        sys.argv[1:] if argv is None else argv)), "configs": {}}
     for config_id in ids:
         print(f"{config_id}: {shapes[config_id].describe()}", flush=True)
         record = run_config(shapes[config_id], device, warmup=args.warmup, rounds=args.rounds,

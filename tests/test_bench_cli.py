@@ -312,3 +312,16 @@ def test_accuracy_sweep_records_every_case_and_flags_failures(tmp_path):
         assert case["fp64"]["baseline"]["failed_elements"] == 0   # the fp32 baseline is near exact on the CPU
     assert cases[1]["failed_elements"] == 0 and cases[1]["worst_err_over_tol"] < 1
     assert status == (1 if any(c["failed_elements"] or c["jax"]["failed_elements"] for c in cases) else 0)
+
+
+def test_result_files_record_date_versions_and_command():
+    import datetime
+
+    import jax
+    import torch
+
+    from bench.paths import run_header
+    header = run_header("python -m bench.x --y")
+    assert header["date"] == datetime.date.today().isoformat()
+    assert header["jax"] == jax.__version__ and header["torch"] == torch.__version__ and "jaxlib" in header
+    assert header["command"] == "python -m bench.x --y"
