@@ -37,7 +37,7 @@ import ttj_jax as T  # noqa: E402
 from bench.baseline import Attention, TransformerConfig, harness_models, make_inputs  # noqa: E402
 from bench.paths import result_file, run_header  # noqa: E402
 from bench.timing import time_contenders  # noqa: E402
-from bridge.autograd import ZERO_GRADIENT_SUFFIX  # noqa: E402
+from bridge.autograd import TRAINING_MASK_ENV, TRAINING_MASK_READS, ZERO_GRADIENT_SUFFIX  # noqa: E402
 
 DEFAULT_CONFIGS = "1,8,13,bert-base,gpt2-s4096"
 LEARNING_RATE = 1e-4
@@ -122,8 +122,23 @@ def gradient_errors(reference: torch.nn.Module, contender: torch.nn.Module, forw
                              gradients(reference, reference, x, mask, weights))
 
 
+def with_env(fn, name: str, value: str):
+    """fn run with os.environ[name] = value, restored after."""
+    def run():
+        old = os.environ.get(name)
+        os.environ[name] = value
+        try:
+            return fn()
+        finally:
+            if old is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = old
+    return run
+
+
 def run_config(shape: T.Shape, device: torch.device, *, warmup: int, rounds: int, calls: int,
-               breakdown: bool = False) -> dict:
+               breakdown: bool = False, mask_reads: tuple[str, ...] = ()) -> dict:
     harness_config = TransformerConfig(**vars(shape.config))
     baseline, ours = harness_models(harness_config, bridge.TTJTransformer, device=device)
     baseline.train(), ours.train()
@@ -137,12 +152,17 @@ def run_config(shape: T.Shape, device: torch.device, *, warmup: int, rounds: int
     try:
         record["ttj"] = gradient_errors(reference, ours, ours, x, mask, weights)
         record["peer"] = gradient_errors(reference, peer_module, peer_forward, x, mask, weights)
+        for read in mask_reads:
+            record[f"ttj_mask_{read}"] = with_env(lambda: gradient_errors(reference, ours, ours, x, mask, weights),
+                                                  TRAINING_MASK_ENV, read)()
     finally:
         torch.set_float32_matmul_precision(precision)
     record["max_rel_grad_err"] = record["ttj"]["max_rel_grad_err"]
     steps = {"eager": step_fn(baseline, baseline, x, mask, weights),
              "peer": step_fn(peer_module, peer_forward, x, mask, weights),
              "ttj": step_fn(ours, ours, x, mask, weights)}
+    for read in mask_reads:   # ttj with TTJ_TRAINING_MASK set for its steps (bridge.autograd.training_mask_read)
+        steps[f"ttj_mask_{read}"] = with_env(step_fn(ours, ours, x, mask, weights), TRAINING_MASK_ENV, read)
     start = time.perf_counter()
     timed = time_contenders(steps, warmup=warmup, rounds=rounds, calls=calls, device=device)
     record["timing_s"] = time.perf_counter() - start
@@ -162,7 +182,7 @@ def step_breakdown(baseline, ours, peer_module, peer_forward, x, mask, weights, 
     (the forward keeping residuals, and applying them) in a JAX loop, without the bridge."""
     from bench.jax_timing import stream_ms_per_call
     from bench.timing import interleaved_host_overhead_us
-    from bridge.autograd import apply_program, forward_program, jax_inputs
+    from bridge.autograd import apply_program, forward_program, jax_inputs, training_mask_read
     from ttj_jax.programs import model_key
     from ttj_jax.training import backward_attention
     forwards = {"ttj_forward": lambda: ours(x, mask), "peer_forward": lambda: peer_forward(x, mask),
@@ -173,7 +193,7 @@ def step_breakdown(baseline, ours, peer_module, peer_forward, x, mask, weights, 
     host = interleaved_host_overhead_us(steps, 20, device=device)
     out.update({f"{name}_step_host_us": result["median_us"] for name, result in host.items()})
     config, params = bridge.runtime.harness_parameters(ours, None)
-    mask_free = mask is None or bool(mask.all())
+    mask_free = mask is None or (training_mask_read() == "host" and bool(mask.all()))
     _, to_jax, jparams, jmask = jax_inputs(x, None if mask_free else mask, list(params), config)
     on_gpu = device.type == "cuda"
     forward = forward_program(model_key(config), on_gpu, backward_attention())
@@ -198,7 +218,13 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None)
     p.add_argument("--breakdown", action="store_true",
                    help="also time each forward alone, the steps' host time and ttj's jax programs alone")
+    p.add_argument("--mask-reads", default="",
+                   help=f"also time ttj with {TRAINING_MASK_ENV} set to each of these "
+                        f"({', '.join(TRAINING_MASK_READS)}), as contenders ttj_mask_<read>")
     args = p.parse_args(argv)
+    mask_reads = tuple(r for r in args.mask_reads.split(",") if r)
+    if any(r not in TRAINING_MASK_READS for r in mask_reads):
+        p.error(f"--mask-reads takes {', '.join(TRAINING_MASK_READS)}")
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     on_cuda = device.type == "cuda"
     if on_cuda:   # the harness's settings for the eager contender
@@ -216,11 +242,15 @@ def main(argv=None) -> int:
     for config_id in ids:
         print(f"{config_id}: {shapes[config_id].describe()}", flush=True)
         record = run_config(shapes[config_id], device, warmup=args.warmup, rounds=args.rounds,
-                            calls=args.calls or (20 if on_cuda else 2), breakdown=args.breakdown)
+                            calls=args.calls or (20 if on_cuda else 2), breakdown=args.breakdown,
+                            mask_reads=mask_reads)
         document["configs"][config_id] = record
         print(f"  eager {record['eager_ms']:.3f} ms, peer {record['peer_ms']:.3f}, ttj {record['ttj_ms']:.3f} "
               f"(peer/ttj {record['peer_over_ttj']:.2f}); worst gradient error {record['max_rel_grad_err']:.1e} "
               f"({record['ttj']['worst_tensor']})", flush=True)
+        for read in mask_reads:
+            print(f"  ttj with {TRAINING_MASK_ENV}={read}: {record[f'ttj_mask_{read}_ms']:.3f} ms, worst gradient "
+                  f"error {record[f'ttj_mask_{read}']['max_rel_grad_err']:.1e}", flush=True)
         with open(path, "w") as f:
             json.dump(document, f, indent=1)
     print(f"wrote {path}")

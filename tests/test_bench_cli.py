@@ -325,3 +325,34 @@ def test_result_files_record_date_versions_and_command():
     assert header["date"] == datetime.date.today().isoformat()
     assert header["jax"] == jax.__version__ and header["torch"] == torch.__version__ and "jaxlib" in header
     assert header["command"] == "python -m bench.x --y"
+
+
+def test_device_branch_times_each_variant(tmp_path, capsys):
+    from bench import device_branch
+    assert device_branch.main(["--size", "64", "--layers", "1", "--calls", "3", "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("device-branch-*.json")
+    results = json.loads(path.read_text())["results"]
+    assert set(results) == {"plain", "cond", "both", "host"}
+    assert all(r["stream_ms"] > 0 and r["host_us"] > 0 for r in results.values())
+
+
+def test_grad_check_keeps_the_worst_of_its_seeds(tmp_path, capsys):
+    from bench import grad_check
+    assert grad_check.main(["--configs", "cpu-2", "--seeds", "2", "--padding", "0.3", "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("grad-check-*.json")
+    record = json.loads(path.read_text())["configs"]["cpu-2"]
+    per_seed = record["max_rel_grad_err_per_seed"]
+    assert record["seeds"] == 2 and len(per_seed) == 2 and len(set(per_seed)) == 2   # seeds differ
+    assert record["max_rel_grad_err"] == max(per_seed) < 1e-2
+
+
+def test_train_times_ttj_under_each_mask_read(tmp_path, capsys):
+    from bench import train
+    assert train.main(["--configs", "cpu-2", "--mask-reads", "device,host", "--warmup", "1", "--rounds", "1",
+                       "--calls", "1", "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("train-*.json")
+    record = json.loads(path.read_text())["configs"]["cpu-2"]
+    for read in ("device", "host"):
+        assert record[f"ttj_mask_{read}_ms"] > 0 and record[f"ttj_mask_{read}"]["max_rel_grad_err"] < 1e-2
+    with pytest.raises(SystemExit):
+        train.main(["--configs", "cpu-2", "--mask-reads", "sometimes"])

@@ -359,3 +359,33 @@ def test_training_forward_keeps_parameter_views_that_see_in_place_updates():
     assert torch.allclose(out.detach(), base(x, mask).detach(), atol=2e-3, rtol=2e-2)
     ours.final_norm.bias.data = ours.final_norm.bias.detach().clone()   # new memory, same Parameter
     assert runtime.training_parameters(ours)[2] is not views
+
+
+@pytest.mark.parametrize("read", ["device", "host"])
+def test_the_training_forward_reads_the_mask_on_the_host_only_when_told(monkeypatch, read):
+    """TTJ_TRAINING_MASK: by default nothing of the mask is read on the host (no sync); "host" reads
+    mask.all() to drop an all-True mask. The gradients match the baseline's either way."""
+    from bridge import autograd
+    monkeypatch.setenv(autograd.TRAINING_MASK_ENV, read)
+    config = CONFIGS["causal"]
+    base, ours = _models(config, 0)
+    ours.train()
+    x, mask = make_inputs(config, 3)
+    reads = []
+    real_all = torch.Tensor.all
+    monkeypatch.setattr(torch.Tensor, "all", lambda t, *a, **k: reads.append(t.dtype) or real_all(t, *a, **k))
+    weights = torch.randn(x.shape, generator=torch.Generator().manual_seed(0))   # (a plain sum's dL/dx is ~0)
+    x_ours = x.clone().requires_grad_(True)
+    (ours(x_ours, mask) * weights).sum().backward()
+    monkeypatch.setattr(torch.Tensor, "all", real_all)
+    assert (torch.bool in reads) == (read == "host")
+    x_base = x.clone().requires_grad_(True)
+    (base(x_base, mask) * weights).sum().backward()
+    assert float((x_ours.grad - x_base.grad).norm() / x_base.grad.norm()) < MAX_REL_L2
+
+
+def test_an_unknown_training_mask_read_is_refused(monkeypatch):
+    from bridge import autograd
+    monkeypatch.setenv(autograd.TRAINING_MASK_ENV, "sometimes")
+    with pytest.raises(ValueError, match="TTJ_TRAINING_MASK"):
+        autograd.training_mask_read()
