@@ -138,7 +138,7 @@ def with_env(fn, name: str, value: str):
 
 
 def run_config(shape: T.Shape, device: torch.device, *, warmup: int, rounds: int, calls: int,
-               breakdown: bool = False, mask_reads: tuple[str, ...] = ()) -> dict:
+               breakdown: bool = False, mask_reads: tuple[str, ...] = (), kernels: bool = False) -> dict:
     harness_config = TransformerConfig(**vars(shape.config))
     baseline, ours = harness_models(harness_config, bridge.TTJTransformer, device=device)
     baseline.train(), ours.train()
@@ -171,15 +171,18 @@ def run_config(shape: T.Shape, device: torch.device, *, warmup: int, rounds: int
     record["peer_over_ttj"] = record["peer_ms"] / record["ttj_ms"]
     if breakdown:
         record["breakdown"] = step_breakdown(baseline, ours, peer_module, peer_forward, x, mask, weights, device,
-                                             warmup=warmup, rounds=rounds, calls=calls)
+                                             warmup=warmup, rounds=rounds, calls=calls, kernels=kernels)
     return record
 
 
 def step_breakdown(baseline, ours, peer_module, peer_forward, x, mask, weights, device, *, warmup, rounds,
-                   calls) -> dict:
+                   calls, kernels: bool = False) -> dict:
     """Where a training step's time goes: each contender's forward alone in grad mode (the residuals it
     keeps are freed with its output), the step's host time per call, and ttj's two jax programs alone
-    (the forward keeping residuals, and applying them) in a JAX loop, without the bridge."""
+    (the forward keeping residuals, and applying them) in a JAX loop, without the bridge; with `kernels`,
+    on CUDA, the kernel table (bench.cuda_trace) of those two programs and of the peer's step."""
+    import jax
+
     from bench.jax_timing import stream_ms_per_call
     from bench.timing import interleaved_host_overhead_us
     from bridge.autograd import apply_program, forward_program, jax_inputs, training_mask_read
@@ -203,6 +206,12 @@ def step_breakdown(baseline, ours, peer_module, peer_forward, x, mask, weights, 
     g = to_jax(weights / weights.numel())
     out["jax_forward_ms"], _ = stream_ms_per_call(forward, (jparams, jx, jmask), min_seconds=0.2, repeats=3)
     out["jax_backward_ms"], _ = stream_ms_per_call(apply, (pull, g), min_seconds=0.2, repeats=3)
+    if kernels and device.type == "cuda":   # where the GPU time of each goes, per kernel
+        from bench.cuda_trace import kernel_table, profile_cuda
+        out["kernels"] = {
+            "jax_forward": kernel_table(profile_cuda(lambda: forward(jparams, jx, jmask), calls=5), calls=5),
+            "jax_backward": kernel_table(profile_cuda(lambda: jax.block_until_ready(apply(pull, g)), calls=5), calls=5),
+            "peer_step": kernel_table(profile_cuda(steps["peer"], calls=5), calls=5)}
     return out
 
 
@@ -218,6 +227,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None)
     p.add_argument("--breakdown", action="store_true",
                    help="also time each forward alone, the steps' host time and ttj's jax programs alone")
+    p.add_argument("--kernels", action="store_true",
+                   help="with --breakdown on CUDA: the kernel table of ttj's two jax programs and the peer's step")
     p.add_argument("--mask-reads", default="",
                    help=f"also time ttj with {TRAINING_MASK_ENV} set to each of these "
                         f"({', '.join(TRAINING_MASK_READS)}), as contenders ttj_mask_<read>")
@@ -243,7 +254,7 @@ def main(argv=None) -> int:
         print(f"{config_id}: {shapes[config_id].describe()}", flush=True)
         record = run_config(shapes[config_id], device, warmup=args.warmup, rounds=args.rounds,
                             calls=args.calls or (20 if on_cuda else 2), breakdown=args.breakdown,
-                            mask_reads=mask_reads)
+                            mask_reads=mask_reads, kernels=args.kernels)
         document["configs"][config_id] = record
         print(f"  eager {record['eager_ms']:.3f} ms, peer {record['peer_ms']:.3f}, ttj {record['ttj_ms']:.3f} "
               f"(peer/ttj {record['peer_over_ttj']:.2f}); worst gradient error {record['max_rel_grad_err']:.1e} "
