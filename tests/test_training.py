@@ -389,3 +389,38 @@ def test_an_unknown_training_mask_read_is_refused(monkeypatch):
     monkeypatch.setenv(autograd.TRAINING_MASK_ENV, "sometimes")
     with pytest.raises(ValueError, match="TTJ_TRAINING_MASK"):
         autograd.training_mask_read()
+
+
+def test_the_gradients_policy_runs_its_backward_gemms_in_fp16():
+    """mixed_fp16_train: every dot of the backward takes fp16 operands (not an fp32 cotangent against
+    an fp16 weight, which ran as TF32 GEMMs on the GPU); dx and dw come back in x's and w's dtypes, near
+    the exact gradients; the GELU's backward matches jax's own rule."""
+    import jax
+    import jax.numpy as jnp
+
+    from ttj_jax.numerics import MIXED_FP16_TRAIN, _gelu_saving_its_input, gelu_exact
+    kx, kw, kg = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(kx, (2, 8, 32), jnp.float32)
+    w = jax.random.normal(kw, (32, 16), jnp.float32) / 32 ** 0.5
+    g = jax.random.normal(kg, (2, 8, 16), jnp.float32)
+    _, pull = jax.vjp(MIXED_FP16_TRAIN.matmul, x, w)
+    dx, dw = pull(g)
+    assert dx.dtype == jnp.float32 and dw.dtype == jnp.float32
+    exact_dx, exact_dw = g @ w.T, jnp.einsum("bsk,bsn->kn", x, g)
+    assert float(jnp.linalg.norm(dx - exact_dx) / jnp.linalg.norm(exact_dx)) < 2e-3
+    assert float(jnp.linalg.norm(dw - exact_dw) / jnp.linalg.norm(exact_dw)) < 2e-3
+    backward = jax.make_jaxpr(lambda x, w, g: jax.vjp(MIXED_FP16_TRAIN.matmul, x, w)[1](g))(x, w, g)
+
+    def dot_eqns(jaxpr):   # every dot_general, nested jaxprs (the custom_vjp's) included
+        for e in jaxpr.eqns:
+            if e.primitive.name == "dot_general":
+                yield e
+            for param in e.params.values():
+                inner = getattr(param, "jaxpr", param)
+                if hasattr(inner, "eqns"):
+                    yield from dot_eqns(inner)
+    dots = list(dot_eqns(backward.jaxpr))
+    assert len(dots) >= 3 and all(v.aval.dtype == jnp.float16 for e in dots for v in e.invars)
+    h = jnp.linspace(-6.0, 6.0, 257)
+    ours = jax.vmap(jax.grad(_gelu_saving_its_input))(h)
+    assert float(jnp.abs(ours - jax.vmap(jax.grad(gelu_exact))(h)).max()) < 1e-6

@@ -177,7 +177,7 @@ def synthetic_call(config: Config, inputs: InputFacts, jax_device, seed: int = 0
 
 def _runner(candidate: Plan, config: Config, params, prepared_by_dtype: dict):
     policy = get_policy(candidate.policy)
-    dtype = np.dtype(policy.gemm_dtype).name
+    dtype = policy.stored_weight_dtype.name
     if dtype not in prepared_by_dtype:
         prepared_by_dtype[dtype] = prepare_weights(params, policy)
     key_config = model_key(config)

@@ -8,11 +8,15 @@ docs/spec.md ("Numerics known to matter") sets the constraints this policy encod
 - The GELU is the erf GELU, except in the GEMM-bound policy `mixed_fp16_gemm16_tanh`, whose tanh
   approximation cuBLASLt computes in the GEMM's epilogue (chosen by measured time and margin: planner.py).
 `EXACT_FP32` is the policy tests compare against: FP32 everywhere with the highest matmul precision.
+`MIXED_FP16_TRAIN` is the gradients' policy: mixed_fp16's forward, whose backward GEMMs take fp16
+operands too (the incoming cotangent rounded to fp16, fp32 accumulation), with fp32 weights kept
+by the program and rounded inside each GEMM, so each weight's gradient comes back in fp32.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -49,6 +53,15 @@ class NumericsPolicy:
     # under half an fp16 ulp of the hidden value there), evaluated on the pre-activation in
     # hidden_dtype without a conversion between, the pattern cuBLASLt can take into its epilogue.
     gelu: str = "erf"
+    # Whether the backward of `matmul` (under jax.vjp / jax.grad) takes fp16 operands too: the cotangent
+    # rounded to fp16, fp32 accumulation (as torch's fp16 autocast does). Without it, differentiation
+    # pairs an fp32 cotangent with the fp16 operand and the backward GEMMs run in fp32 (TF32 on the
+    # GPU): 3.47 of the 6.05 ms of bert-base's backward program on the H200
+    # (bench/results/train-2026-12-03-h200-kernels.json).
+    fp16_cotangents: bool = False
+    # The dtype params.prepare_weights keeps the matrices in: gemm_dtype, or fp32 (rounded inside each
+    # GEMM) where a weight's gradient must come back in fp32.
+    weight_dtype: np.dtype | None = None
 
     def __post_init__(self):
         if self.gelu not in ("erf", "tanh"):
@@ -59,9 +72,15 @@ class NumericsPolicy:
         only on the GEMM dtype (projection_dtype changes the program, not the weights)."""
         return self.gemm_dtype == other.gemm_dtype
 
+    @property
+    def stored_weight_dtype(self) -> np.dtype:
+        return np.dtype(self.weight_dtype or self.gemm_dtype)
+
     def matmul(self, x: jax.Array, w: jax.Array) -> jax.Array:
         """x @ w with this policy's operands, accumulated and returned in fp32. `w` is already in
-        gemm_dtype (prepared once, see params.prepare_weights)."""
+        stored_weight_dtype (prepared once, see params.prepare_weights)."""
+        if self.fp16_cotangents:
+            return _matmul_with_fp16_cotangents(np.dtype(x.dtype), np.dtype(w.dtype))(x, w)
         return jnp.matmul(x.astype(self.gemm_dtype), w.astype(self.gemm_dtype),
                           precision=self.precision, preferred_element_type=self.accumulate_dtype)
 
@@ -82,7 +101,7 @@ class NumericsPolicy:
         fp32 and written in hidden_dtype; the erf GELU evaluated in fp32, the tanh GELU directly on the
         pre-activation (XLA hands that expression to cuBLASLt's epilogue where it can)."""
         if self.hidden_dtype == self.accumulate_dtype and self.gelu == "erf":
-            return gelu_exact(self.matmul(x, w) + b)
+            return (_gelu_saving_its_input if self.fp16_cotangents else gelu_exact)(self.matmul(x, w) + b)
         pre = self._affine_in(x, w, b, self.hidden_dtype)
         if self.gelu == "tanh":
             return jax.nn.gelu(pre, approximate=True)
@@ -110,8 +129,42 @@ MIXED_FP16_GEMM16 = NumericsPolicy("mixed_fp16_gemm16", gemm_dtype=np.dtype(np.f
 # And with the tanh GELU, so that the MLP's first GEMM can carry bias and GELU in its epilogue.
 MIXED_FP16_GEMM16_TANH = dataclasses.replace(MIXED_FP16_GEMM16, name="mixed_fp16_gemm16_tanh", gelu="tanh")
 
+# The gradients' policy (module docstring).
+MIXED_FP16_TRAIN = dataclasses.replace(MIXED_FP16, name="mixed_fp16_train", fp16_cotangents=True,
+                                       weight_dtype=np.dtype(np.float32))
+
 POLICIES: dict[str, NumericsPolicy] = {p.name: p for p in (MIXED_FP16, EXACT_FP32, MIXED_FP16_QKV16,
-                                                           MIXED_FP16_GEMM16, MIXED_FP16_GEMM16_TANH)}
+                                                           MIXED_FP16_GEMM16, MIXED_FP16_GEMM16_TANH,
+                                                           MIXED_FP16_TRAIN)}
+
+
+def _fp16_matmul(a: jax.Array, b: jax.Array) -> jax.Array:
+    return jnp.matmul(a.astype(jnp.float16), b.astype(jnp.float16), preferred_element_type=jnp.float32)
+
+
+@functools.cache
+def _matmul_with_fp16_cotangents(x_dtype: np.dtype, w_dtype: np.dtype):
+    """x @ w (x [..., k], w [k, n]) in fp16 with fp32 accumulation, whose backward GEMMs take fp16
+    operands as well: dx = g w^T and dw = x^T g, g rounded to fp16, fp32 accumulation; dx and dw come
+    back in x's and w's dtypes. The residuals are x and w in fp16."""
+
+    @jax.custom_vjp
+    def matmul(x, w):
+        return _fp16_matmul(x, w)
+
+    def forward(x, w):
+        x16, w16 = x.astype(jnp.float16), w.astype(jnp.float16)
+        return _fp16_matmul(x16, w16), (x16, w16)
+
+    def backward(residuals, g):
+        x16, w16 = residuals
+        g16 = g.astype(jnp.float16)
+        dx = _fp16_matmul(g16, w16.T).astype(x_dtype)
+        dw = _fp16_matmul(x16.reshape(-1, x16.shape[-1]).T, g16.reshape(-1, g16.shape[-1])).astype(w_dtype)
+        return dx, dw
+
+    matmul.defvjp(forward, backward)
+    return matmul
 
 
 def get_policy(policy: str | NumericsPolicy) -> NumericsPolicy:
@@ -135,6 +188,26 @@ def layer_norm(x: jax.Array, weight: jax.Array, bias: jax.Array) -> jax.Array:
 def gelu_exact(x: jax.Array) -> jax.Array:
     """The erf GELU (PyTorch's default), not the tanh approximation."""
     return jax.nn.gelu(x, approximate=False)
+
+
+@jax.custom_vjp
+def _gelu_saving_its_input(x: jax.Array) -> jax.Array:
+    """gelu_exact whose backward recomputes the derivative from x, the one residual, instead of the
+    forward writing the derivative's terms out as residuals (jax's own rule)."""
+    return gelu_exact(x)
+
+
+def _gelu_forward(x):
+    return gelu_exact(x), x
+
+
+def _gelu_backward(x, g):
+    cdf = 0.5 * (1.0 + jax.lax.erf(x * 0.7071067811865476))
+    pdf = 0.3989422804014327 * jnp.exp(-0.5 * x * x)
+    return ((g * (cdf + x * pdf)).astype(x.dtype),)
+
+
+_gelu_saving_its_input.defvjp(_gelu_forward, _gelu_backward)
 
 
 @jax.jit

@@ -185,9 +185,10 @@ class PreparedWeights(LayerStackWeights):
 
 
 def prepare_weights(params: Mapping, policy: NumericsPolicy) -> PreparedWeights:
-    """Fused QKV `[d, 3d]`, matrices as `[in, out]` in the policy's GEMM dtype, vectors in fp32.
-    Traceable: run it under jit (the forward does) or once and keep the result."""
-    gemm = policy.gemm_dtype
+    """Fused QKV `[d, 3d]`, matrices as `[in, out]` in the policy's weight dtype (its GEMM dtype unless
+    it says otherwise), vectors in fp32. Traceable: run it under jit (the forward does) or once and keep
+    the result."""
+    gemm = policy.stored_weight_dtype
     f32 = jnp.float32
 
     def matrix(linear):       # torch's [out, in] -> [in, out]

@@ -29,7 +29,7 @@ from ttj_jax.numerics import get_policy
 from ttj_jax.params import PreparedWeights, prepare_weights
 from ttj_jax.planner import CUDNN_HEAD_DIMS, Plan
 
-BACKWARD_POLICY = "mixed_fp16"
+BACKWARD_POLICY = "mixed_fp16_train"   # mixed_fp16's forward, fp16 GEMMs in the backward too (numerics.py)
 BACKWARD_ATTENTION_ENV = "TTJ_BACKWARD_ATTENTION"
 
 
