@@ -8,9 +8,10 @@ docs/spec.md ("Numerics known to matter") sets the constraints this policy encod
 - The GELU is the erf GELU, except in the GEMM-bound policy `mixed_fp16_gemm16_tanh`, whose tanh
   approximation cuBLASLt computes in the GEMM's epilogue (chosen by measured time and margin: planner.py).
 `EXACT_FP32` is the policy tests compare against: FP32 everywhere with the highest matmul precision.
-`MIXED_FP16_TRAIN` is the gradients' policy: mixed_fp16's forward, whose backward GEMMs take fp16
-operands too (the incoming cotangent rounded to fp16, fp32 accumulation), with fp32 weights kept
-by the program and rounded inside each GEMM, so each weight's gradient comes back in fp32.
+`MIXED_FP16_TRAIN` is the gradients' policy: mixed_fp16_gemm16's forward (q/k/v and the MLP's
+pre-activation written in fp16 by their GEMMs, erf GELU), whose backward GEMMs take fp16 operands too
+(the incoming cotangent rounded to fp16, fp32 accumulation), with fp32 weights kept by the program
+and rounded inside each GEMM, so each weight's gradient comes back in fp32.
 """
 
 from __future__ import annotations
@@ -79,10 +80,14 @@ class NumericsPolicy:
     def matmul(self, x: jax.Array, w: jax.Array) -> jax.Array:
         """x @ w with this policy's operands, accumulated and returned in fp32. `w` is already in
         stored_weight_dtype (prepared once, see params.prepare_weights)."""
+        return self._gemm(x, w, self.accumulate_dtype)
+
+    def _gemm(self, x: jax.Array, w: jax.Array, out_dtype) -> jax.Array:
+        """x @ w in gemm_dtype, fp32 accumulation, written in out_dtype."""
         if self.fp16_cotangents:
-            return _matmul_with_fp16_cotangents(np.dtype(x.dtype), np.dtype(w.dtype))(x, w)
+            return _matmul_with_fp16_cotangents(np.dtype(x.dtype), np.dtype(w.dtype), np.dtype(out_dtype))(x, w)
         return jnp.matmul(x.astype(self.gemm_dtype), w.astype(self.gemm_dtype),
-                          precision=self.precision, preferred_element_type=self.accumulate_dtype)
+                          precision=self.precision, preferred_element_type=out_dtype)
 
     def project_qkv(self, x: jax.Array, w: jax.Array, b: jax.Array) -> jax.Array:
         """x @ w + b for the q/k/v projection, returned in projection_dtype (fp32 accumulation)."""
@@ -92,9 +97,10 @@ class NumericsPolicy:
 
     def _affine_in(self, x: jax.Array, w: jax.Array, b: jax.Array, dtype) -> jax.Array:
         """x @ w + b written in `dtype` by the GEMM (fp32 accumulation), the bias added in `dtype`."""
-        y = jnp.matmul(x.astype(self.gemm_dtype), w.astype(self.gemm_dtype), precision=self.precision,
-                       preferred_element_type=dtype)
-        return y + b.astype(dtype)
+        if self.fp16_cotangents:   # (the bias's gradient summed in fp32, not in `dtype`)
+            return _affine_with_fp16_cotangents(np.dtype(x.dtype), np.dtype(w.dtype), np.dtype(b.dtype),
+                                                np.dtype(dtype))(x, w, b)
+        return self._gemm(x, w, dtype) + b.astype(dtype)
 
     def mlp_hidden(self, x: jax.Array, w: jax.Array, b: jax.Array) -> jax.Array:
         """GELU(x @ w + b), the MLP's hidden layer in hidden_dtype: the pre-activation accumulated in
@@ -105,6 +111,8 @@ class NumericsPolicy:
         pre = self._affine_in(x, w, b, self.hidden_dtype)
         if self.gelu == "tanh":
             return jax.nn.gelu(pre, approximate=True)
+        if self.fp16_cotangents:
+            return _gelu_saving_its_input(pre).astype(self.hidden_dtype)
         return gelu_exact(pre.astype(jnp.float32)).astype(self.hidden_dtype)
 
     def einsum(self, spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
@@ -130,7 +138,7 @@ MIXED_FP16_GEMM16 = NumericsPolicy("mixed_fp16_gemm16", gemm_dtype=np.dtype(np.f
 MIXED_FP16_GEMM16_TANH = dataclasses.replace(MIXED_FP16_GEMM16, name="mixed_fp16_gemm16_tanh", gelu="tanh")
 
 # The gradients' policy (module docstring).
-MIXED_FP16_TRAIN = dataclasses.replace(MIXED_FP16, name="mixed_fp16_train", fp16_cotangents=True,
+MIXED_FP16_TRAIN = dataclasses.replace(MIXED_FP16_GEMM16, name="mixed_fp16_train", fp16_cotangents=True,
                                        weight_dtype=np.dtype(np.float32))
 
 POLICIES: dict[str, NumericsPolicy] = {p.name: p for p in (MIXED_FP16, EXACT_FP32, MIXED_FP16_QKV16,
@@ -138,23 +146,23 @@ POLICIES: dict[str, NumericsPolicy] = {p.name: p for p in (MIXED_FP16, EXACT_FP3
                                                            MIXED_FP16_TRAIN)}
 
 
-def _fp16_matmul(a: jax.Array, b: jax.Array) -> jax.Array:
-    return jnp.matmul(a.astype(jnp.float16), b.astype(jnp.float16), preferred_element_type=jnp.float32)
+def _fp16_matmul(a: jax.Array, b: jax.Array, out_dtype=jnp.float32) -> jax.Array:
+    return jnp.matmul(a.astype(jnp.float16), b.astype(jnp.float16), preferred_element_type=out_dtype)
 
 
 @functools.cache
-def _matmul_with_fp16_cotangents(x_dtype: np.dtype, w_dtype: np.dtype):
-    """x @ w (x [..., k], w [k, n]) in fp16 with fp32 accumulation, whose backward GEMMs take fp16
-    operands as well: dx = g w^T and dw = x^T g, g rounded to fp16, fp32 accumulation; dx and dw come
-    back in x's and w's dtypes. The residuals are x and w in fp16."""
+def _matmul_with_fp16_cotangents(x_dtype: np.dtype, w_dtype: np.dtype, out_dtype: np.dtype):
+    """x @ w (x [..., k], w [k, n]) in fp16 with fp32 accumulation, written in out_dtype, whose backward
+    GEMMs take fp16 operands as well: dx = g w^T and dw = x^T g, g rounded to fp16, fp32 accumulation;
+    dx and dw come back in x's and w's dtypes. The residuals are x and w in fp16."""
 
     @jax.custom_vjp
     def matmul(x, w):
-        return _fp16_matmul(x, w)
+        return _fp16_matmul(x, w, out_dtype)
 
     def forward(x, w):
         x16, w16 = x.astype(jnp.float16), w.astype(jnp.float16)
-        return _fp16_matmul(x16, w16), (x16, w16)
+        return _fp16_matmul(x16, w16, out_dtype), (x16, w16)
 
     def backward(residuals, g):
         x16, w16 = residuals
@@ -165,6 +173,29 @@ def _matmul_with_fp16_cotangents(x_dtype: np.dtype, w_dtype: np.dtype):
 
     matmul.defvjp(forward, backward)
     return matmul
+
+
+@functools.cache
+def _affine_with_fp16_cotangents(x_dtype: np.dtype, w_dtype: np.dtype, b_dtype: np.dtype, out_dtype: np.dtype):
+    """x @ w + b as _matmul_with_fp16_cotangents, the bias added in out_dtype; the bias's gradient is the
+    cotangent summed over the rows in fp32 (a sum in fp16 over thousands of rows loses its precision)."""
+    product = _matmul_with_fp16_cotangents(x_dtype, w_dtype, out_dtype)
+
+    @jax.custom_vjp
+    def affine(x, w, b):
+        return product(x, w) + b.astype(out_dtype)
+
+    def forward(x, w, b):
+        y, residuals = jax.vjp(product, x, w)
+        return y + b.astype(out_dtype), residuals
+
+    def backward(pull, g):
+        dx, dw = pull(g)
+        db = g.astype(jnp.float32).reshape(-1, g.shape[-1]).sum(axis=0)
+        return dx, dw, db.astype(b_dtype)
+
+    affine.defvjp(forward, backward)
+    return affine
 
 
 def get_policy(policy: str | NumericsPolicy) -> NumericsPolicy:
@@ -192,19 +223,21 @@ def gelu_exact(x: jax.Array) -> jax.Array:
 
 @jax.custom_vjp
 def _gelu_saving_its_input(x: jax.Array) -> jax.Array:
-    """gelu_exact whose backward recomputes the derivative from x, the one residual, instead of the
-    forward writing the derivative's terms out as residuals (jax's own rule)."""
-    return gelu_exact(x)
+    """gelu_exact of x (any float dtype) computed and returned in fp32, whose backward recomputes the
+    derivative from x, the one residual (in its own dtype), instead of the forward writing the
+    derivative's terms out as residuals (jax's own rule)."""
+    return gelu_exact(x.astype(jnp.float32))
 
 
 def _gelu_forward(x):
-    return gelu_exact(x), x
+    return gelu_exact(x.astype(jnp.float32)), x
 
 
 def _gelu_backward(x, g):
-    cdf = 0.5 * (1.0 + jax.lax.erf(x * 0.7071067811865476))
-    pdf = 0.3989422804014327 * jnp.exp(-0.5 * x * x)
-    return ((g * (cdf + x * pdf)).astype(x.dtype),)
+    h = x.astype(jnp.float32)
+    cdf = 0.5 * (1.0 + jax.lax.erf(h * 0.7071067811865476))
+    pdf = 0.3989422804014327 * jnp.exp(-0.5 * h * h)
+    return ((g * (cdf + h * pdf)).astype(x.dtype),)
 
 
 _gelu_saving_its_input.defvjp(_gelu_forward, _gelu_backward)
