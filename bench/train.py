@@ -202,7 +202,7 @@ def step_breakdown(baseline, ours, peer_module, peer_forward, x, mask, weights, 
     forward = forward_program(model_key(config), on_gpu, backward_attention())
     jx = to_jax(x)
     y, pull = forward(jparams, jx, jmask)
-    apply = apply_program()
+    apply = apply_program(model_key(config))
     g = to_jax(weights / weights.numel())
     out["jax_forward_ms"], _ = stream_ms_per_call(forward, (jparams, jx, jmask), min_seconds=0.2, repeats=3)
     out["jax_backward_ms"], _ = stream_ms_per_call(apply, (pull, g), min_seconds=0.2, repeats=3)
