@@ -286,10 +286,9 @@ def test_backward_attention_choice():
     assert kind(odd, masked=False, on_gpu=True) == ("cudnn" if 40 in training.CUDNN_HEAD_DIMS else "flash")
 
 
-def test_an_all_valid_mask_takes_the_mask_free_backward_on_the_device():
-    """pullback decides per call, on the device, whether the mask holds a padded token: an all-True mask
-    gives the mask-free program's gradients, and a padded one the masked program's (zero gradient
-    on padded rows of x), from one compiled program."""
+def test_an_all_valid_mask_gives_the_mask_free_gradients_from_the_masked_program():
+    """pullback reads nothing of the mask: an all-True mask gives the mask-free program's gradients,
+    and a padded one zero gradient on padded rows of x, from one compiled program."""
     import jax
     import jax.numpy as jnp
     import numpy as np

@@ -6,9 +6,9 @@ nothing differentiates, and where something does, `jax.vjp` of the layer-by-laye
 (layers.py), once, its residuals kept for the backward:
 - in the forward's default numerics (fp16 GEMM operands, fp32 accumulation, residual, LayerNorm and
   softmax), so the gradients are those of the function the forward computes, to within its rounding;
-- with cuDNN's fused attention (which has its backward) on a GPU for a call whose mask is all valid
-  (decided on the device per call) at a head_dim cuDNN takes, else our flash backward kernels
-  (kernels/flash_attention_bwd.py); XLA's attention on the CPU;
+- with cuDNN's fused attention (which has its backward) on a GPU for a call without a mask at a head_dim
+  cuDNN takes, else our flash backward kernels (kernels/flash_attention_bwd.py); XLA's attention on
+  the CPU;
 - any mask as key masking plus zeroed rows: padded keys and zeroed rows get exactly zero gradient;
 - the incoming cotangent scaled by a power of two into fp16's range (a loss scale chosen per call).
 The torch bridge's backward (bridge/autograd.py) is the same program.
@@ -103,15 +103,12 @@ def apply_pullback(pull, grad_out, dtype=jnp.float32):
 
 def pullback(params, x, mask, grad_out, *, config: Config, on_gpu: bool, attention: str = "auto"):
     """(d params, d x) for y = forward(params, x, mask) and dL/dy = grad_out, by recomputation; params raw
-    or prepared. attention: backward_attention()'s choice. A mask with every token valid is decided on the
-    device, per call (lax.cond, no host sync, nothing cached): such a call takes the mask-free program,
-    whose attention may be cuDNN's; any other mask the masked one."""
-    def pull(p, h, m, c):
-        _, vjp = forward_with_pullback(p, h, m, config=config, on_gpu=on_gpu, attention=attention)
-        return apply_pullback(vjp, c, x.dtype)
-    if mask is None:
-        return pull(params, x, None, grad_out)
-    return jax.lax.cond(jnp.all(mask), lambda p, h, m, c: pull(p, h, None, c), pull, params, x, mask, grad_out)
+    or prepared. attention: backward_attention()'s choice. A given mask takes the masked program, whatever
+    it holds: deciding on the device whether it pads would be a lax.cond, which on the GPU makes the host
+    wait as a host read does (bench/results/device-branch-*.json), and nothing about its contents is
+    cached."""
+    _, vjp = forward_with_pullback(params, x, mask, config=config, on_gpu=on_gpu, attention=attention)
+    return apply_pullback(vjp, grad_out, x.dtype)
 
 
 def is_differentiated(params, x) -> bool:
