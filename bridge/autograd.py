@@ -86,15 +86,15 @@ def apply_program(config: Config):
     return jax.jit(program)
 
 
-def jax_inputs(x: torch.Tensor, mask: torch.Tensor | None, params: list[torch.Tensor], config: Config, views=None):
+def jax_inputs(x: torch.Tensor, mask: torch.Tensor | None, params: list[torch.Tensor], config: Config, tree=None):
     """The call's inputs as jax arrays, ordered after torch's pending work on them (the optimizer's update
-    of the parameters, the layer that made x) without a host sync. `views`: the parameters' kept jax
-    views (runtime.training_views), else they are imported here."""
+    of the parameters, the layer that made x) without a host sync. `tree`: the parameters' kept jax
+    views as the params pytree (runtime.training_parameters), else they are imported here."""
     transfer = transfer_for(x.device)
     transfer.order_before_jax()
     to_jax = lambda t: transfer.to_jax(t.detach().float().contiguous())   # noqa: E731
-    arrays = views if views is not None else map(to_jax, params)
-    jparams = params_from_state_dict(dict(zip(expected_shapes(config), arrays)), config)
+    jparams = tree if tree is not None else params_from_state_dict(
+        dict(zip(expected_shapes(config), map(to_jax, params))), config)
     jmask = transfer.to_jax(mask.contiguous()) if mask is not None else None
     return transfer, to_jax, jparams, jmask
 
@@ -130,14 +130,14 @@ def gradients(x: torch.Tensor, mask: torch.Tensor | None, params: list[torch.Ten
 
 
 def forward_keeping_residuals(x: torch.Tensor, mask: torch.Tensor | None, params: list[torch.Tensor],
-                              config: Config, views=None):
+                              config: Config, tree=None):
     """(y, pull) for an eager call in grad mode: the backward's program run forward once, its residuals
     kept in `pull` (instead of the planned inference forward plus a recomputation at backward time). The
     mask is read on the host only where training_mask_read() says "host": a mask with every token valid is
     then dropped, so the mask-free program, with cuDNN's attention where it applies, runs."""
     if mask is not None and training_mask_read() == "host" and bool(mask.all()):
         mask = None
-    transfer, to_jax, jparams, jmask = jax_inputs(x, mask, params, config, views)
+    transfer, to_jax, jparams, jmask = jax_inputs(x, mask, params, config, tree)
     program = forward_program(model_key(config), x.device.type == "cuda", backward_attention())
     y, pull = program(jparams, to_jax(x), jmask)
     return transfer.to_torch(y).to(x.dtype), pull
@@ -160,8 +160,8 @@ def needs_grad(x: torch.Tensor, params) -> bool:
 class Recorded(torch.autograd.Function):
     """An eager call recorded for autograd.
     - `run` None (a module in training mode): the forward is forward_keeping_residuals (the backward's
-      program; `views` the parameters' kept jax views or None), its residuals kept on ctx until the
-      backward has applied them.
+      program; `tree` the parameters' kept jax views as the params pytree, or None), its residuals kept
+      on ctx until the backward has applied them.
     - `run` given (grad mode on a module in eval mode, as a harness that times without no_grad runs
       it): the forward is `run()`, the planned inference path at its inference speed, and a backward,
       if one comes, recomputes (torch.ops.ttj.backward), as does a second backward through the same
@@ -170,9 +170,9 @@ class Recorded(torch.autograd.Function):
     list through pytrees."""
 
     @staticmethod
-    def forward(ctx, run, views, config: Config, x, mask, *params):
+    def forward(ctx, run, tree, config: Config, x, mask, *params):
         if run is None:
-            y, ctx.pull = forward_keeping_residuals(x, mask, list(params), config, views)
+            y, ctx.pull = forward_keeping_residuals(x, mask, list(params), config, tree)
         else:
             y, ctx.pull = run(), None
         ctx.config = config

@@ -185,8 +185,8 @@ def forward(module: torch.nn.Module, x: torch.Tensor, valid_token_mask: torch.Te
                               "no gradient", stacklevel=2)
                 return runtime.forward(module, x, valid_token_mask, config=config, **options)
             if module.training:   # a training step: one forward, its residuals kept for the backward
-                _, _, views = runtime.training_parameters(module, config)
-                return autograd.Recorded.apply(None, views, model_config, x, valid_token_mask, *params)
+                _, _, tree = runtime.training_parameters(module, config)
+                return autograd.Recorded.apply(None, tree, model_config, x, valid_token_mask, *params)
             # eval mode (a harness timing without no_grad, a saliency map): the inference path's speed;
             # x as given (the runtime detaches where it must): its kept import is found again next call
             run = lambda: runtime.forward(module, x, valid_token_mask, config=config)   # noqa: E731

@@ -346,18 +346,20 @@ def test_training_forward_keeps_parameter_views_that_see_in_place_updates():
     base, ours = _models(config, 9)
     x, mask = make_inputs(config, 9)
     ours(x, mask)
-    _, params, views = runtime.training_parameters(ours)
-    assert views is not None and len(views) == len(params)
+    _, params, tree = runtime.training_parameters(ours)
+    views = runtime.module_state(ours).training_views()
+    assert tree is not None and views is not None and len(views) == len(params)
     assert all(v.unsafe_buffer_pointer() == p.data_ptr() for v, p in zip(views, params))
     with torch.no_grad():
         for model in (base, ours):
             model.layers[0].ffn_out.weight.mul_(-2.0)
             model.final_norm.bias.add_(0.5)
     out = ours(x, mask)
-    assert runtime.training_parameters(ours)[2] is views          # kept
+    assert runtime.training_parameters(ours)[2] is tree           # kept, views and pytree
+    assert runtime.module_state(ours).training_views() is views
     assert torch.allclose(out.detach(), base(x, mask).detach(), atol=2e-3, rtol=2e-2)
     ours.final_norm.bias.data = ours.final_norm.bias.detach().clone()   # new memory, same Parameter
-    assert runtime.training_parameters(ours)[2] is not views
+    assert runtime.training_parameters(ours)[2] is not tree
 
 
 @pytest.mark.parametrize("read", ["device", "host"])
