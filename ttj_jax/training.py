@@ -4,8 +4,10 @@ Under a differentiation transform `forward` runs inside a `jax.custom_vjp`: its 
 Pallas kernels and whole-stack kernels included, which have no derivative rules of their own) where
 nothing differentiates, and where something does, `jax.vjp` of the layer-by-layer XLA program
 (layers.py), once, its residuals kept for the backward:
-- in the forward's default numerics (fp16 GEMM operands, fp32 accumulation, residual, LayerNorm and
-  softmax), so the gradients are those of the function the forward computes, to within its rounding;
+- in the numerics of policy mixed_fp16_train (numerics.py): the forward's fp16 GEMM operands with fp32
+  accumulation, residual, LayerNorm and softmax, q/k/v and the MLP's pre-activation stored in fp16
+  (as the GEMM-bound inference policy does), and fp16 operands in the backward's GEMMs too, so the
+  gradients are those of the function the forward computes, to within its rounding;
 - with cuDNN's fused attention (which has its backward) on a GPU for a call without a mask at a head_dim
   cuDNN takes, else our flash backward kernels (kernels/flash_attention_bwd.py); XLA's attention on
   the CPU;
