@@ -446,3 +446,19 @@ def test_the_backward_hands_all_parameter_gradients_over_in_one_export(monkeypat
     assert len(grads) == len(list(ours.parameters())) - config.num_layers   # all but the key biases (zeros)
     starts = sorted(g.data_ptr() for g in grads)
     assert len(set(starts)) == len(grads)
+
+
+@pytest.mark.parametrize("padding", [0.0, 0.5])
+def test_the_training_forward_meets_the_harness_rule(padding):
+    """A module in training mode returns the gradients' program's output (policy mixed_fp16_train, with
+    q/k/v and the MLP's pre-activation stored in fp16): it meets the harness rule as inference does."""
+    from bench.baseline import check_close
+    config = CONFIGS["official-4-cut"]
+    base, ours = _models(config, 4)
+    ours.train()
+    x, mask = make_inputs(config, 6, padding_ratio=padding)
+    y = ours(x.clone().requires_grad_(True), mask)
+    assert y.grad_fn is not None
+    with torch.no_grad():
+        failed, worst = check_close(y.detach().double(), base(x, mask).double())
+    assert failed == 0 and worst < 0.8
