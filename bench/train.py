@@ -26,6 +26,7 @@ import json
 import os
 import sys
 import time
+from unittest import mock
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
@@ -125,15 +126,8 @@ def gradient_errors(reference: torch.nn.Module, contender: torch.nn.Module, forw
 def with_env(fn, name: str, value: str):
     """fn run with os.environ[name] = value, restored after."""
     def run():
-        old = os.environ.get(name)
-        os.environ[name] = value
-        try:
+        with mock.patch.dict(os.environ, {name: value}):
             return fn()
-        finally:
-            if old is None:
-                del os.environ[name]
-            else:
-                os.environ[name] = old
     return run
 
 
@@ -185,7 +179,7 @@ def step_breakdown(baseline, ours, peer_module, peer_forward, x, mask, weights, 
 
     from bench.jax_timing import stream_ms_per_call
     from bench.timing import interleaved_host_overhead_us
-    from bridge.autograd import apply_program, forward_program, jax_inputs, training_mask_read
+    from bridge.autograd import apply_program, forward_program, jax_inputs, training_mask
     from ttj_jax.programs import model_key
     from ttj_jax.training import backward_attention
     forwards = {"ttj_forward": lambda: ours(x, mask), "peer_forward": lambda: peer_forward(x, mask),
@@ -196,8 +190,7 @@ def step_breakdown(baseline, ours, peer_module, peer_forward, x, mask, weights, 
     host = interleaved_host_overhead_us(steps, 20, device=device)
     out.update({f"{name}_step_host_us": result["median_us"] for name, result in host.items()})
     config, params = bridge.runtime.harness_parameters(ours, None)
-    mask_free = mask is None or (training_mask_read() == "host" and bool(mask.all()))
-    _, to_jax, jparams, jmask = jax_inputs(x, None if mask_free else mask, list(params), config)
+    _, to_jax, jparams, jmask = jax_inputs(x, training_mask(mask), list(params), config)
     on_gpu = device.type == "cuda"
     forward = forward_program(model_key(config), on_gpu, backward_attention())
     jx = to_jax(x)

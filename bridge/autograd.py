@@ -129,14 +129,21 @@ def gradients(x: torch.Tensor, mask: torch.Tensor | None, params: list[torch.Ten
     return _to_torch(transfer, flat, gx, x, params, config, separate=True)
 
 
+def training_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """The mask a training forward passes to its program: as given, or None where training_mask_read()
+    says "host" and the host read finds every token valid."""
+    if mask is not None and training_mask_read() == "host" and bool(mask.all()):
+        return None
+    return mask
+
+
 def forward_keeping_residuals(x: torch.Tensor, mask: torch.Tensor | None, params: list[torch.Tensor],
                               config: Config, tree=None):
     """(y, pull) for an eager call in grad mode: the backward's program run forward once, its residuals
     kept in `pull` (instead of the planned inference forward plus a recomputation at backward time). The
     mask is read on the host only where training_mask_read() says "host": a mask with every token valid is
     then dropped, so the mask-free program, with cuDNN's attention where it applies, runs."""
-    if mask is not None and training_mask_read() == "host" and bool(mask.all()):
-        mask = None
+    mask = training_mask(mask)
     transfer, to_jax, jparams, jmask = jax_inputs(x, mask, params, config, tree)
     program = forward_program(model_key(config), x.device.type == "cuda", backward_attention())
     y, pull = program(jparams, to_jax(x), jmask)

@@ -107,7 +107,7 @@ class NumericsPolicy:
         fp32 and written in hidden_dtype; the erf GELU evaluated in fp32, the tanh GELU directly on the
         pre-activation (XLA hands that expression to cuBLASLt's epilogue where it can)."""
         if self.hidden_dtype == self.accumulate_dtype and self.gelu == "erf":
-            return (_gelu_saving_its_input if self.fp16_cotangents else gelu_exact)(self.matmul(x, w) + b)
+            return gelu_exact(self.matmul(x, w) + b)
         pre = self._affine_in(x, w, b, self.hidden_dtype)
         if self.gelu == "tanh":
             return jax.nn.gelu(pre, approximate=True)
