@@ -34,7 +34,9 @@ per call. `gpu_ms` is the CUDA-event median of back-to-back bridge calls, as the
 
     python -m bench.host_overhead [--shapes 11,13,8,5,2 | all] [--calls 150] [--tag T] [--out DIR] [--graph]
 
---shapes takes official shape ids, comma-separated, or "all" (the harness's shapes, 1-13).
+--shapes takes shape ids, comma-separated (official ones, or a general-suite config's, with its padding),
+or "all" (the harness's shapes, 1-13). Where the plan passes the mask, the jax steps take it imported
+once (the bridge imports it per call).
 --graph (docs/decisions.md, "Bridge and host cost") adds `dispatch_graph`: the bridge's program for
 the shape compiled with XLA command buffers that take custom calls too (GRAPH_OPTIONS: the whole program
 one CUDA graph), called like `dispatch`, interleaved with it; its host time against `dispatch`'s is what
@@ -79,14 +81,24 @@ HOST_OVER_GPU_TARGET = 0.6
 
 
 def parse_shapes(text: str) -> list[str]:
-    """Official shape ids from "11,13,8" (any order, no repeats) or "all" (the harness's shapes)."""
+    """Shape ids from "11,13,8" (official ids, or any suite's: "enc-tiny-s32"; any order, no repeats) or
+    "all" (the harness's shapes)."""
     if text.strip() == "all":
         return list(HARNESS_IDS)
     ids = [s.strip() for s in text.split(",") if s.strip()]
-    unknown = [s for s in ids if s not in T.OFFICIAL]
+    unknown = [s for s in ids if shape_by_id(s) is None]
     if unknown or not ids:
-        raise argparse.ArgumentTypeError(f"unknown shape ids {unknown}; known: {list(T.OFFICIAL)} or 'all'")
+        raise argparse.ArgumentTypeError(f"unknown shape ids {unknown}; known: {list(T.OFFICIAL)}, "
+                                         f"{list(T.SUITES['general'])} or 'all'")
     return list(dict.fromkeys(ids))
+
+
+def shape_by_id(sid: str):
+    """The shape with id `sid` in the official suite, else in any other suite, else None."""
+    for suite in ("official", *T.SUITES):
+        if sid in T.SUITES[suite]:
+            return T.SUITES[suite][sid]
+    return None
 
 
 def ordering_check(ours, x, mask, rounds: int, device: torch.device) -> dict:
@@ -131,12 +143,13 @@ def free_us(make, calls: int, *, busy: bool, device: torch.device) -> float:
 
 
 def warm_bridge(sid: str, device: torch.device):
-    """Official shape `sid` as the harness builds it, through the bridge, its first call made (under
+    """Shape `sid` as the harness builds it, through the bridge, its first call made (under
     inference_mode) and finished: (config, module, x, mask, the module's bridge state, its one call)."""
-    config = T.OFFICIAL[sid].config
+    shape = shape_by_id(sid)
+    config = shape.config
     hc = TransformerConfig(**vars(config))
     _, ours = harness_models(hc, bridge.TTJTransformer, device=device)
-    x, mask = make_inputs(hc, 1234 + 100000, device=device)
+    x, mask = make_inputs(hc, 1234 + 100000, device=device, padding_ratio=shape.padding)
     with torch.inference_mode():
         ours(x, mask)
         _sync(device)
@@ -151,9 +164,10 @@ def profile_shape(sid: str, calls: int, device: torch.device, graph: bool = Fals
         weights = state.call_weights(call)
         transfer.order_before_jax()
         jx = transfer.to_jax(x)
-        kept = call.run(weights, jx, None)
+        jm = transfer.to_jax(mask) if call.passes_mask else None
+        kept = call.run(weights, jx, jm)
         jax.block_until_ready(kept)
-        jax_fn, jax_plan = ttj_jax_contender(ours, config, x)
+        jax_fn, jax_plan = ttj_jax_contender(ours, config, x, mask)
         jax.block_until_ready(jax_fn())
 
         def imported():
@@ -177,10 +191,10 @@ def profile_shape(sid: str, calls: int, device: torch.device, graph: bool = Fals
 
         variants = {
             "jax_direct": jax_fn,
-            "dispatch": lambda: call.run(weights, jx, None),
-            "+import": lambda: call.run(weights, imported(), None),
-            "+export": lambda: transfer.to_torch(call.run(weights, imported(), None)),
-            "+weights": lambda: transfer.to_torch(call.run(weights_check(), imported(), None)),
+            "dispatch": lambda: call.run(weights, jx, jm),
+            "+import": lambda: call.run(weights, imported(), jm),
+            "+export": lambda: transfer.to_torch(call.run(weights, imported(), jm)),
+            "+weights": lambda: transfer.to_torch(call.run(weights_check(), imported(), jm)),
             "bridge": lambda: ours(x, mask),
             "bridge_no_mask": lambda: ours(x, None),
             "bridge_reimport": reimport,
@@ -195,19 +209,19 @@ def profile_shape(sid: str, calls: int, device: torch.device, graph: bool = Fals
         graph_run = None
         if graph and call.direct is None:
             graph_run = T.model.executable(call.plan, state.model_key, GRAPH_OPTIONS)
-            graph_out = jax.block_until_ready(graph_run(weights, jx, None))   # compiled before the samples
+            graph_out = jax.block_until_ready(graph_run(weights, jx, jm))   # compiled before the samples
             # the same program under other launch options: its output must be the same
             graph_diff = float(jax.numpy.abs(graph_out - kept).max())
-            variants["dispatch_graph"] = lambda: graph_run(weights, jx, None)
+            variants["dispatch_graph"] = lambda: graph_run(weights, jx, jm)
         host = interleaved_host_overhead_us(variants, calls, device=device)
         frees = {}
         if call.direct is None:
             for busy in (False, True):
                 when = "busy" if busy else "idle"
-                frees[f"jax_array_{when}"] = free_us(lambda: call.run(weights, jx, None), calls // 2,
+                frees[f"jax_array_{when}"] = free_us(lambda: call.run(weights, jx, jm), calls // 2,
                                                      busy=busy, device=device)
                 frees[f"exported_tensor_{when}"] = free_us(
-                    lambda: transfer.to_torch(call.run(weights, imported(), None)), calls // 2, busy=busy,
+                    lambda: transfer.to_torch(call.run(weights, imported(), jm)), calls // 2, busy=busy,
                     device=device)
         frees["bridge_output_idle"] = free_us(lambda: ours(x, mask), calls // 2, busy=False, device=device)
         frees["bridge_output_busy"] = free_us(lambda: ours(x, mask), calls // 2, busy=True, device=device)
@@ -218,7 +232,7 @@ def profile_shape(sid: str, calls: int, device: torch.device, graph: bool = Fals
             events = {name: t["median_ms"] for name, t in timed.items()}
             events["jax_loop"] = time_jax_loop(jax_fn, warmup=20, rounds=3, calls=100)["median_ms"]
             if graph_run is not None:
-                events["jax_loop_graph"] = time_jax_loop(lambda: graph_run(weights, jx, None), warmup=20,
+                events["jax_loop_graph"] = time_jax_loop(lambda: graph_run(weights, jx, jm), warmup=20,
                                                           rounds=3, calls=100)["median_ms"]
         ordering = ordering_check(ours, x, mask, 10, device)
     gpu_ms = events.get("bridge")   # back-to-back calls under the harness's events; None on the CPU
@@ -234,7 +248,7 @@ def profile_shape(sid: str, calls: int, device: torch.device, graph: bool = Fals
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", type=parse_shapes, default="11,13,8,5,2",
-                   help='official shape ids, comma-separated, or "all" (shapes 1-13)')
+                   help='shape ids, comma-separated (official or general), or "all" (shapes 1-13)')
     p.add_argument("--calls", type=int, default=150, help="samples per variant (default 150)")
     p.add_argument("--tag", default="")
     p.add_argument("--out", default=default_out_dir())

@@ -55,6 +55,7 @@ class Transfer:
         self.order_compute = None   # the compute stream's wait alone (order_programs)
         self.compute_stream = None
         self.kept = KeptImport()
+        self.kept_mask = KeptImport()   # the mask's import, kept the same way (a mask-passing plan's)
         if self.on_cuda:
             self.jax_stream = torch.cuda.ExternalStream(self.importer.stream, device=device)
             self.event = torch.cuda.Event()
@@ -95,10 +96,11 @@ class Transfer:
             return self.importer.from_capsule(torch.utils.dlpack.to_dlpack(tensor))
         return self.importer(tensor)
 
-    def to_jax_kept(self, tensor: torch.Tensor):
-        """to_jax, kept from the last call for the same tensor, memory and layout. Only after
-        order_before_jax() returned True in this call (see the class docstring)."""
-        return self.kept.get(tensor, self.to_jax)
+    def to_jax_kept(self, tensor: torch.Tensor, kept: KeptImport | None = None):
+        """to_jax, kept from the last call for the same tensor, memory and layout (in `kept`, default x's
+        slot; `kept_mask` for the mask). Only after order_before_jax() returned True in this call (see
+        the class docstring): the array aliases the tensor's memory, so later writes to it are read."""
+        return (kept or self.kept).get(tensor, self.to_jax)
 
     def to_torch(self, array) -> torch.Tensor:
         if not self.on_cuda:

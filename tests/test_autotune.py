@@ -9,6 +9,7 @@ import json
 import multiprocessing
 import os
 import stat
+import time
 import types
 import warnings
 
@@ -280,10 +281,32 @@ def test_an_inaccurate_candidate_is_never_chosen(measuring_on_cpu, monkeypatch):
     assert times[autotune._label(found[1])].startswith("rejected")
 
 
-def test_the_budget_bounds_the_measuring(measuring_on_cpu):
+@pytest.mark.parametrize("slow", [0, 1])
+def test_the_budget_bounds_the_wait_for_compiles(measuring_on_cpu, monkeypatch, slow):
+    """A candidate still compiling when the budget ends is left unmeasured, the rules' plan included;
+    the others are timed, and the call does not wait for the slow compile."""
     found = _cpu_candidates(SMALL, _facts(SMALL), None)
-    chosen, why, times = autotune.measure(SMALL, _facts(SMALL), found, jax.devices()[0], budget_s=0.0)
-    assert chosen == found[0] and times[autotune._label(found[1])] == "not measured: time budget spent"
+    real = autotune._compiled
+
+    def compiled(run, weights, x, mask):
+        if mask is None and run is slow_run[0]:
+            time.sleep(6.0)
+        return real(run, weights, x, mask)
+    slow_run = [None]
+    real_runner = autotune._runner
+
+    def runner(candidate, config, params, prepared):
+        run, weights = real_runner(candidate, config, params, prepared)
+        if candidate == found[slow]:
+            slow_run[0] = run
+        return run, weights
+    monkeypatch.setattr(autotune, "_compiled", compiled)
+    monkeypatch.setattr(autotune, "_runner", runner)
+    start = time.perf_counter()
+    chosen, why, times = autotune.measure(SMALL, _facts(SMALL), found, jax.devices()[0], budget_s=2.5)
+    assert time.perf_counter() - start < 5.5
+    assert times[autotune._label(found[slow])] == autotune.NOT_COMPILED
+    assert isinstance(times[autotune._label(found[1 - slow])], float) and chosen == found[1 - slow]
 
 
 def test_warm_decides_ahead_of_time(measuring_on_cpu):
@@ -328,3 +351,32 @@ def test_the_compilation_cache_is_left_to_a_user_who_set_one_or_opted_out(tmp_pa
         assert plan_cache.enable_compilation_cache(tmp_path) is None and not (tmp_path / "xla").exists()
     finally:
         jax.config.update("jax_compilation_cache_dir", before)
+
+
+@pytest.mark.parametrize("threads", ["1", "4"])
+def test_candidates_compile_side_by_side_on_the_threads_given(measuring_on_cpu, monkeypatch, threads):
+    monkeypatch.setenv(autotune.THREADS_ENV, threads)
+    spans, real = [], autotune._compiled
+
+    def slow_compile(run, weights, x, mask):
+        start = time.perf_counter()
+        time.sleep(0.3)
+        out = real(run, weights, x, mask)
+        spans.append((start, time.perf_counter()))
+        return out
+    monkeypatch.setattr(autotune, "_compiled", slow_compile)
+    found = _cpu_candidates(SMALL, _facts(SMALL), None)
+    chosen, why, times = autotune.measure(SMALL, _facts(SMALL), found, jax.devices()[0])
+    assert all(isinstance(times[autotune._label(p)], float) for p in found)
+    (a0, a1), (b0, b1) = sorted(spans)
+    assert (b0 < a1) == (threads != "1")   # overlapping compiles only with more than one thread
+
+
+def test_the_compile_threads_setting_is_checked(monkeypatch):
+    monkeypatch.setenv(autotune.THREADS_ENV, "two")
+    with pytest.raises(ValueError, match=autotune.THREADS_ENV):
+        autotune.compile_threads()
+    monkeypatch.setenv(autotune.THREADS_ENV, "0")
+    assert autotune.compile_threads() == 1
+    monkeypatch.delenv(autotune.THREADS_ENV)
+    assert 1 <= autotune.compile_threads() <= 8

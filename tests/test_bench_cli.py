@@ -356,3 +356,25 @@ def test_train_times_ttj_under_each_mask_read(tmp_path, capsys):
         assert record[f"ttj_mask_{read}_ms"] > 0 and record[f"ttj_mask_{read}"]["max_rel_grad_err"] < 1e-2
     with pytest.raises(SystemExit):
         train.main(["--configs", "cpu-2", "--mask-reads", "sometimes"])
+
+
+def test_dispatch_cost_times_arguments_kernels_and_stacked_slices(tmp_path, capsys):
+    from bench import dispatch_cost
+    assert dispatch_cost.main(["--size", "32", "--calls", "3", "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("dispatch-cost-*.json")
+    document = json.loads(path.read_text())
+    assert set(document["args"]) == {str(n) for n in dispatch_cost.ARG_COUNTS}
+    assert set(document["kernels"]) == {str(k) for k in dispatch_cost.KERNEL_COUNTS}
+    slices = document["stacked_slices"]
+    assert slices["same_output"] is True
+    assert all(slices[name]["host_us"] > 0 and slices[name]["copy_kernels"] >= 0 for name in ("separate", "stacked"))
+
+
+def test_host_overhead_takes_any_suites_shape_ids_with_their_padding():
+    import argparse
+
+    from bench import host_overhead
+    assert host_overhead.parse_shapes("enc-s128-pad70,11,11") == ["enc-s128-pad70", "11"]
+    assert host_overhead.shape_by_id("enc-s128-pad70").padding == 0.7 and host_overhead.shape_by_id("11").padding == 0
+    with pytest.raises(argparse.ArgumentTypeError, match="unknown shape ids"):
+        host_overhead.parse_shapes("nope")

@@ -511,6 +511,32 @@ def test_forward_keeps_x_import_only_when_the_compute_stream_waited(monkeypatch,
     assert len(imports) == 4
 
 
+def test_forward_keeps_the_mask_import_too_and_reads_its_current_contents(monkeypatch, harness_rule):
+    """A mask-passing plan's mask is kept like x (its own slot) when the compute stream waited; the kept
+    array aliases the mask's memory, so a write to the mask, seen by torch or not, reaches the next call."""
+    base, ours = pair()
+    config = T.Config.from_object(CONFIG)
+    x = random_input(config, 23)
+    mask = torch.ones(config.batch_size, config.seq_len, dtype=torch.bool)
+    mask[:, :3] = False   # not a prefix: a general mask, which every plan passes to the program
+    ours(x, mask)
+    call = _only_call(ours)
+    assert call.passes_mask
+    transfer = call.transfer
+    imports = []
+    real_to_jax = transfer.to_jax
+    monkeypatch.setattr(transfer, "to_jax", lambda t: imports.append(t) or real_to_jax(t))
+    monkeypatch.setattr(transfer, "kept", bt.KeptImport())
+    monkeypatch.setattr(transfer, "kept_mask", bt.KeptImport())
+    monkeypatch.setattr(transfer, "order_programs", lambda: True)
+    first, second = ours(x, mask), ours(x, mask)
+    assert len(imports) == 2 and torch.equal(first, second)   # x and the mask, once each
+    harness_rule(second, torch_reference(base, x, mask))
+    mask.data[:, 5:7] = False   # behind the version counter: still a general mask, same memory
+    harness_rule(ours(x, mask), torch_reference(base, x, mask), "after the write")
+    assert len(imports) == 2
+
+
 def test_refresh_after_a_mask_written_behind_torchs_back(harness_rule):
     """The documented remedy for the known limit (README): a mask written through `.data` keeps its version,
     so the cached kind would be stale; after refresh() the call is right again."""

@@ -9,6 +9,7 @@ Tolerances:
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -109,6 +110,23 @@ def test_prepared_weights_give_the_same_output(harness_rule):
     # weights depend only on the GEMM dtype: mixed_fp16's serve the planner's GEMM-bound policy too
     y16 = T.forward(prepared, x, config=config, policy="mixed_fp16_qkv16")
     harness_rule(to_torch(y16), to_torch(T.forward(params, x, config=config, policy="exact_fp32")))
+
+
+def test_the_layer_program_takes_its_weights_stacked_fourteen_arrays_at_any_depth():
+    """The XLA program's weights as `stacks.kernel_weights` builds them: each per-layer array stacked
+    over the layers (jax's dispatch costs host time per argument), the output equal to the bit."""
+    from ttj_jax import stacks
+    config = dataclasses.replace(CONFIGS["hd16-S7"], num_layers=3)
+    _, params = baseline_and_params(config)
+    x = to_jax(random_input(config, seed=4))
+    prepared = T.prepare_weights(params, T.MIXED_FP16)
+    stacked = stacks.kernel_weights(prepared, T.model_key(config), "layers")
+    assert isinstance(stacked, T.StackedWeights) and stacked.num_layers == 3
+    assert len(jax.tree_util.tree_leaves(stacked)) == 14 < len(jax.tree_util.tree_leaves(prepared))
+    plan = T.plan(T.model_key(config), T.InputFacts(*x.shape[:2], "float32"))
+    assert plan.stack == "layers"
+    run = T.executable(plan, T.model_key(config))
+    np.testing.assert_array_equal(np.asarray(run(stacked, x, None)), np.asarray(run(prepared, x, None)))
 
 
 def test_the_plans_xla_options_reach_the_compiler():

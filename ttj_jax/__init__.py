@@ -6,6 +6,7 @@ from ttj_jax.model import executable, forward, model_key, validate_inputs
 from ttj_jax.numerics import EXACT_FP32, MIXED_FP16, NumericsPolicy, get_policy
 from ttj_jax.params import (
                             PreparedWeights,
+                            StackedWeights,
                             expected_shapes,
                             init_params,
                             params_from_state_dict,
@@ -20,7 +21,8 @@ from ttj_jax.streaming import stream_forward
 
 __all__ = [
     "Config", "MaskKind", "classify_mask", "executable", "forward", "model_key", "validate_inputs",
-    "EXACT_FP32", "MIXED_FP16", "NumericsPolicy", "get_policy", "PreparedWeights", "expected_shapes",
+    "EXACT_FP32", "MIXED_FP16", "NumericsPolicy", "get_policy", "PreparedWeights", "StackedWeights",
+    "expected_shapes",
     "init_params", "params_from_state_dict", "params_to_state_dict", "prepare_weights", "DeviceFacts",
     "InputFacts", "Plan", "device_facts", "plan", "reference", "CPU_SMALL", "OFFICIAL", "SUITES", "Shape",
     "stream_forward", "sequence_parallel_forward",

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from ttj_jax.config import Config
 from ttj_jax.numerics import NumericsPolicy, get_policy, layer_norm
-from ttj_jax.params import PreparedWeights, prepare_weights
+from ttj_jax.params import PreparedWeights, StackedWeights, prepare_weights
 from ttj_jax.planner import Plan
 
 # A large finite negative instead of -inf for excluded keys: a row with no allowed key then yields a
@@ -100,14 +100,14 @@ def key_mask_for(mask, *, mode: str, causal: bool):
     return None
 
 
-def layer_stack(weights: PreparedWeights, x, mask, *, config: Config, plan: Plan, attention=None):
+def layer_stack(weights: PreparedWeights | StackedWeights, x, mask, *, config: Config, plan: Plan, attention=None):
     """The layer stack on x (B, S, d); attention: see `layer`."""
     policy = get_policy(plan.policy)
     row_valid = mask[:, :, None] if plan.mask_mode != "none" else None
     key_valid = key_mask_for(mask, mode=plan.mask_mode, causal=config.causal)
     h = x.astype(policy.residual_dtype)
-    for w in weights.layers:
-        h = layer(w, h, row_valid, key_valid, config=config, plan=plan, policy=policy, attention=attention)
+    for i in range(weights.num_layers):
+        h = layer(weights.layer(i), h, row_valid, key_valid, config=config, plan=plan, policy=policy, attention=attention)
     y = layer_norm(h, weights.final_norm["weight"], weights.final_norm["bias"])
     if row_valid is not None:
         y = jnp.where(row_valid, y, 0.0)
@@ -115,8 +115,9 @@ def layer_stack(weights: PreparedWeights, x, mask, *, config: Config, plan: Plan
 
 
 def run_layers(weights, x, mask, *, config: Config, plan: Plan):
-    """The layer stack for a plan; weights: PreparedWeights, or raw params (prepared inside the call)."""
-    if not isinstance(weights, PreparedWeights):
+    """The layer stack for a plan; weights: StackedWeights (the fast path, see `stacks.kernel_weights`),
+    PreparedWeights, or raw params (prepared inside the call)."""
+    if not isinstance(weights, (PreparedWeights, StackedWeights)):
         weights = prepare_weights(weights, get_policy(plan.policy))
     if not get_policy(weights.policy_name).shares_weights_with(get_policy(plan.policy)):
         raise ValueError(f"weights were prepared for policy {weights.policy_name!r}, "

@@ -183,6 +183,34 @@ class PreparedWeights(LayerStackWeights):
     def num_layers(self) -> int:
         return len(self.layers)
 
+    def layer(self, i: int) -> dict:
+        return self.layers[i]
+
+
+@jax.tree_util.register_pytree_node_class
+class StackedWeights(LayerStackWeights):
+    """PreparedWeights with each per-layer array stacked over the layers (`layers[name]` is [L, ...]):
+    fourteen arrays whatever the depth, where PreparedWeights has twelve per layer. jax's dispatch costs
+    1-3 us of host time per argument on the H200 host (`bench/dispatch_cost.py`), so the layer-by-layer
+    program takes these; a static slice `layers[name][i]` of an argument costs it no copy kernel there."""
+
+    @property
+    def num_layers(self) -> int:
+        return next(iter(self.layers.values())).shape[0]
+
+    def layer(self, i: int) -> dict:
+        return {name: stacked[i] for name, stacked in self.layers.items()}
+
+
+def stacked_layers(prepared: PreparedWeights) -> dict:
+    """`prepared`'s per-layer arrays stacked over the layers, by name. Traceable."""
+    return {name: jnp.stack([layer[name] for layer in prepared.layers]) for name in prepared.layers[0]}
+
+
+def stack_layer_weights(prepared: PreparedWeights) -> StackedWeights:
+    """StackedWeights of `prepared` (the same arrays, stacked). Traceable: build it once under jit."""
+    return StackedWeights(stacked_layers(prepared), dict(prepared.final_norm), prepared.policy_name)
+
 
 def prepare_weights(params: Mapping, policy: NumericsPolicy) -> PreparedWeights:
     """Fused QKV `[d, 3d]`, matrices as `[in, out]` in the policy's weight dtype (its GEMM dtype unless

@@ -48,7 +48,7 @@ from ttj_jax.layers import layer_stack
 from ttj_jax.masks import MaskKind
 from ttj_jax.numerics import get_policy
 from ttj_jax.parallel import device_mesh
-from ttj_jax.params import PreparedWeights, prepare_weights
+from ttj_jax.params import PreparedWeights, StackedWeights, prepare_weights
 from ttj_jax.planner import Plan
 
 SEQ_AXIS = "seq"
@@ -229,7 +229,7 @@ def sequence_parallel_forward(weights, x: jax.Array, mask: jax.Array | None = No
                     None if mask is None else str(jnp.dtype(mask.dtype)), config)
     if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
         raise ValueError(f"devices must be an int >= 1; got {devices!r}")
-    if not isinstance(weights, PreparedWeights):
+    if not isinstance(weights, (PreparedWeights, StackedWeights)):
         weights = prepare_weights(weights, get_policy(policy))
     check_ring_length(x.shape[1], devices)   # before anything compiles (the order itself is built at trace time)
     if mask is not None and not isinstance(mask, jax.core.Tracer) and cached_mask_kind(mask) == MaskKind.ALL_TRUE:

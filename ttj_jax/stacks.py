@@ -20,7 +20,7 @@ import jax
 from ttj_jax.config import Config
 from ttj_jax.layers import key_mask_for, run_layers
 from ttj_jax.numerics import get_policy
-from ttj_jax.params import PreparedWeights, prepare_weights
+from ttj_jax.params import PreparedWeights, prepare_weights, stack_layer_weights
 from ttj_jax.planner import ROWS_BLOCK, Plan
 from ttj_jax.planner import STACKS as PLANNED_STACKS
 
@@ -81,6 +81,13 @@ def _mgpu_bridge_launch(config: Config, batch: int, seq_len: int) -> str | None:
     return None
 
 
+def _layers_weights(prepared, config: Config):
+    return _stack_jitted(prepared)
+
+
+_stack_jitted = jax.jit(stack_layer_weights)
+
+
 def _rows_weights(prepared, config: Config):
     from ttj_jax.kernels.row_block import rows_weights
     return jax.jit(functools.partial(rows_weights, num_heads=config.num_heads))(prepared)
@@ -97,7 +104,7 @@ def _mgpu_weights(prepared, config: Config):
 
 
 STACKS: dict[str, Stack] = {stack.name: stack for stack in (
-    Stack("layers", run_layers),
+    Stack("layers", run_layers, build_weights=_layers_weights),
     Stack("fused", _run_fused, build_weights=_fused_weights),
     Stack("rows", _run_rows, build_weights=_rows_weights),
     Stack("fused_mgpu", _run_fused_mgpu, build_weights=_mgpu_weights,

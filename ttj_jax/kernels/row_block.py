@@ -39,7 +39,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from ttj_jax.kernels.pallas_common import GEMM_DTYPE, dot, gelu, layer_norm_rows, loop
 from ttj_jax.numerics import MIXED_FP16
-from ttj_jax.params import LayerStackWeights, PreparedWeights
+from ttj_jax.params import LayerStackWeights, PreparedWeights, stacked_layers
 
 MAX_D_MODEL = 128
 MAX_FFN_DIM = 1024
@@ -144,8 +144,7 @@ class RowsWeights(LayerStackWeights):
 
 def stacked_weights(prepared: PreparedWeights) -> RowsWeights:
     """`prepared`'s layers stacked, as they are (no padding). Traceable."""
-    layers = {name: jnp.stack([layer[name] for layer in prepared.layers]) for name in prepared.layers[0]}
-    return RowsWeights(layers, dict(prepared.final_norm), prepared.policy_name)
+    return RowsWeights(stacked_layers(prepared), dict(prepared.final_norm), prepared.policy_name)
 
 
 def rows_weights(prepared: PreparedWeights, num_heads: int) -> RowsWeights:
