@@ -146,3 +146,14 @@ def test_a_long_single_sequence_from_jax_is_split_over_two_gpus_as_a_ring():
         T.plan(long, facts(long), two, sequence_parallel=2, data_parallel=1, stack="rows")
     with pytest.raises(ValueError, match="sequence_parallel"):
         T.Plan(policy="mixed_fp16", attention="pallas", mask_mode="none", sequence_parallel=2, data_parallel=2)
+
+
+def test_the_triton_whole_stack_kernel_is_planned_only_up_to_the_lengths_it_was_measured_at():
+    a100 = T.DeviceFacts(platform="gpu", device_kind="NVIDIA A100", memory_bytes=80 * 2**30, compute_capability="8.0")
+    at_128 = SHAPE_1.with_input(16, 128)
+    assert T.plan(at_128, facts(at_128), a100).stack == "fused"
+    at_256 = dataclasses.replace(SHAPE_1.with_input(16, 256), num_layers=8)
+    plan = T.plan(at_256, facts(at_256), a100)
+    assert plan.stack == "layers"
+    # the measured planner still has it to time
+    assert "fused" in {p.stack for p in T.planner.candidates(at_256, facts(at_256), a100)}

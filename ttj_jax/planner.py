@@ -71,6 +71,10 @@ FUSED_STACK_MAX_ROWS = 10000 * 128
 # lost to the XLA program (0.303 against 0.221 ms). Beyond it the "rows" stack, measured faster than the
 # XLA program there (0.156 against 0.215 ms).
 FUSED_STACK_MAX_HEADS = 4
+# ... and up to this length, where it was measured (S=32 and 128). At S=256 (16 x 256, d 128, 8 layers) it
+# took 0.84 ms against the XLA program's 0.242, and ~35 s to compile
+# (bench/results/general-2026-12-03-h200-sub-before.json and -sub-after.json).
+FUSED_STACK_PLANNED_MAX_SEQ_LEN = 128
 # The "rows" stack for sequences longer than the fused kernel takes, up to this length: at S=1024
 # (shape 13) 0.776 ms through the bridge against the XLA program's 1.088.
 ROWS_STACK_MAX_SEQ_LEN = 1024
@@ -391,6 +395,8 @@ def _stack(config: Config, inputs: InputFacts, device: DeviceFacts, policy: str,
                 return "rows", (f"{config.num_heads} heads: more than the fused kernel walks well; per layer "
                                 "our flash kernel and one row-tile kernel, measured faster than the XLA "
                                 "program at 16 heads of 8 (shape 11: 0.156 against 0.215 ms)")
+            return "layers", ""
+        if inputs.seq_len > FUSED_STACK_PLANNED_MAX_SEQ_LEN:
             return "layers", ""
         return "fused", (f"{inputs.batch_size}x{inputs.seq_len} tokens fit the fused whole-stack kernel: one "
                          f"launch instead of the XLA program's ~50 kernels, measured faster up to "
