@@ -8,9 +8,12 @@ bfloat16 is judged against fp64 only (the harness's bf16 baseline fails against 
 
     python -m bench.accuracy [--suite small|official] [--shapes cpu-2,cpu-7] [--scales 0.01,0.1,...]
         [--paddings 0,0.3,0.7] [--causal yes,no] [--dtypes float32,float16] [--tf32 on,off] [--seeds 5]
-        [--out DIR]
+        [--jax-policy NAME] [--tag T] [--out DIR]
 
-Writes `accuracy-<date>-<device>.json` (`cases`: one record per case) and prints the failing cases.
+--jax-policy runs the JAX column with that numerics policy (ttj_jax.numerics.POLICIES) instead of the
+planner's (the bridge column keeps the planner's): how a policy would fare before the planner uses it.
+
+Writes `accuracy-<date>-<device>[-<tag>].json` (`cases`: one record per case) and prints the failing cases.
 Exit status 1 when any case fails the harness rule through the bridge or from JAX.
 """
 
@@ -35,6 +38,7 @@ import ttj_jax as T
 from bench.baseline import TransformerConfig, check_close, harness_models, make_inputs
 from bench.paths import default_out_dir
 from bench.report import slug
+from ttj_jax.numerics import POLICIES
 
 SCALES = (0.01, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 10.0)
 PADDINGS = (0.0, 0.3, 0.7)
@@ -46,7 +50,7 @@ def _case_config(shape: T.Shape, causal: bool) -> TransformerConfig:
 
 
 def run_case(shape: T.Shape, *, scale: float, padding: float, causal: bool, dtype: str, tf32: bool,
-             seeds: int, device: torch.device, models: dict) -> dict:
+             seeds: int, device: torch.device, models: dict, jax_policy: str | None = None) -> dict:
     config = _case_config(shape, causal)
     torch_dtype = getattr(torch, dtype)
     key = (shape.id, causal, dtype)
@@ -72,7 +76,8 @@ def run_case(shape: T.Shape, *, scale: float, padding: float, causal: bool, dtyp
             reference = exact(x.double(), mask)
             jax_x = x.float() if dtype == "bfloat16" else x   # numpy has no bfloat16
             jax_out = T.forward(params, jax.numpy.asarray(jax_x.cpu().numpy()),
-                                jax.numpy.asarray(mask.cpu().numpy()), config=T.Config.from_object(config))
+                                jax.numpy.asarray(mask.cpu().numpy()), config=T.Config.from_object(config),
+                                policy=jax_policy)
             jax_out = torch.from_numpy(jax.device_get(jax_out).copy()).to(device)
             checks = {"bridge_vs_fp64": (out, reference), "baseline_vs_fp64": None}
             ref = None
@@ -111,6 +116,9 @@ def main(argv=None) -> int:
     p.add_argument("--dtypes", default="float32,float16")
     p.add_argument("--tf32", default="on,off")
     p.add_argument("--seeds", type=int, default=5)
+    p.add_argument("--jax-policy", default=None, choices=sorted(POLICIES),
+                   help="the JAX column's numerics policy (default: the planner's)")
+    p.add_argument("--tag", default="", help="appended to the file name")
     p.add_argument("--device", default="auto")
     p.add_argument("--out", default=default_out_dir())
     args = p.parse_args(argv)
@@ -127,13 +135,14 @@ def main(argv=None) -> int:
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     out = {"date": datetime.date.today().isoformat(), "device": device_name, "jax": jax.__version__,
            "torch": torch.__version__, "command": "python -m bench.accuracy " + " ".join(sys.argv[1:] if argv is None else argv),
-           "rule": "harness: both finite and |err| <= 0.002 or <= 2% of |ref|", "cases": []}
+           "rule": "harness: both finite and |err| <= 0.002 or <= 2% of |ref|",
+           "jax_policy": args.jax_policy or "the planner's", "cases": []}
     models: dict = {}
     started = time.perf_counter()
     grid.sort(key=lambda c: (c[0], c[3], c[4]))   # one model build per (shape, causal, dtype)
     for n, (sid, scale, padding, causal, dtype, tf32) in enumerate(grid, 1):
         record = run_case(suite[sid], scale=scale, padding=padding, causal=causal, dtype=dtype, tf32=tf32,
-                          seeds=args.seeds, device=device, models=models)
+                          seeds=args.seeds, device=device, models=models, jax_policy=args.jax_policy)
         out["cases"].append(record)
         failed = record["failed_elements"] or record["jax"]["failed_elements"]
         print(f"[{n}/{len(grid)} {time.perf_counter() - started:6.0f} s] shape {sid} scale {scale} pad {padding} "
@@ -143,7 +152,8 @@ def main(argv=None) -> int:
                  f"ok, worst {record['worst_err_over_tol'] if record['worst_err_over_tol'] is not None else 0:.2f}"),
               flush=True)
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"accuracy-{out['date']}-{slug(device_name)}.json")
+    tag = f"-{args.tag}" if args.tag else ""
+    path = os.path.join(args.out, f"accuracy-{out['date']}-{slug(device_name)}{tag}.json")
     with open(path, "w") as f:
         json.dump(out, f, indent=1)
     failing = [c for c in out["cases"] if (c["failed_elements"] or c["jax"]["failed_elements"])]

@@ -1,8 +1,9 @@
 """The bridge's settings, all read here, and what importing the bridge changes in the process.
 
 Environment switches (read when a device's first call sets up its transfers or launches):
-- `TTJ_BRIDGE_KEEP_X_IMPORT=0`: import x afresh on every call instead of keeping the last import of
-  the same tensor (on CUDA, where jax's compute stream is ordered after torch's writes).
+- `TTJ_BRIDGE_KEEP_X_IMPORT=0`: import x (and a mask the plan passes) afresh on every call instead of
+  keeping the last import of the same tensor (on CUDA, where jax's compute stream is ordered after
+  torch's writes).
 - `TTJ_MOSAIC_LAUNCH=0`: run the Mosaic GPU whole-stack kernel through jax instead of launching it on
   torch's stream.
 

@@ -314,6 +314,20 @@ def test_accuracy_sweep_records_every_case_and_flags_failures(tmp_path):
     assert status == (1 if any(c["failed_elements"] or c["jax"]["failed_elements"] for c in cases) else 0)
 
 
+def test_accuracy_sweep_runs_the_jax_column_with_a_given_policy(tmp_path):
+    """--jax-policy: the JAX column in that numerics policy (here the compensated one, which passes at
+    input scale 0.1 where the planner's fails), recorded in the file, whose name carries the tag."""
+    from bench import accuracy
+    status = accuracy.main(["--shapes", "cpu-2", "--scales", "0.1", "--paddings", "0", "--causal", "yes",
+                            "--dtypes", "float32", "--seeds", "1", "--jax-policy", "mixed_fp16x3", "--tag", "x3",
+                            "--out", str(tmp_path)])
+    (path,) = tmp_path.glob("accuracy-*-x3.json")
+    document = json.loads(path.read_text())
+    (case,) = document["cases"]
+    assert document["jax_policy"] == "mixed_fp16x3"
+    assert case["jax"]["failed_elements"] == 0 and case["failed_elements"] > 0 and status == 1
+
+
 def test_result_files_record_date_versions_and_command():
     import datetime
 

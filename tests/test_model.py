@@ -316,6 +316,37 @@ def test_fp16_hidden_policy_rounds_only_the_mlp_pre_activation_and_meets_the_rul
     harness_rule(to_torch(y), baseline(x, None))
 
 
+def test_compensated_projections_pass_the_rule_at_a_small_input_scale_where_one_fp16_product_fails():
+    """Input scale 0.01 (the harness's --input-scale), the official shape 2 as it is: one fp16 product per
+    projection (mixed_fp16) fails the harness rule against the fp32 baseline; three (mixed_fp16x3,
+    numerics.compensated_matmul) pass, with margin."""
+    from bench.baseline import check_close
+    config = T.OFFICIAL["2"].config
+    base, params = baseline_and_params(config)
+    x = random_input(config, seed=1234, scale=0.01)
+    ref = torch_reference(base, x, None)
+    failed = {}
+    for policy in ("mixed_fp16", "mixed_fp16x3"):
+        y = to_torch(T.forward(params, to_jax(x), config=config, policy=policy))
+        failed[policy] = check_close(y, ref)
+    assert failed["mixed_fp16"][0] > 0
+    assert failed["mixed_fp16x3"][0] == 0 and failed["mixed_fp16x3"][1] < 0.7
+    with pytest.raises(ValueError, match="prepared for policy"):   # fp16 weights would drop the tails
+        T.forward(T.prepare_weights(params, T.MIXED_FP16), to_jax(x), config=config, policy="mixed_fp16x3")
+
+
+def test_compensated_matmul_is_about_as_exact_as_fp32():
+    from ttj_jax.numerics import compensated_matmul
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((64, 256)).astype(np.float32), (rng.standard_normal((256, 96)) / 16).astype(np.float32)
+    exact = a.astype(np.float64) @ b.astype(np.float64)
+    scale = np.abs(exact).max()
+    one = jnp.matmul(jnp.asarray(a, jnp.float16), jnp.asarray(b, jnp.float16), preferred_element_type=jnp.float32)
+    three = compensated_matmul(jnp.asarray(a), jnp.asarray(b))
+    assert np.abs(np.asarray(one) - exact).max() / scale > 1e-4
+    assert np.abs(np.asarray(three) - exact).max() / scale < 2e-6
+
+
 def test_tanh_gelu_policy_is_the_gemm_bound_choice_and_meets_the_rule(harness_rule):
     # mixed_fp16_gemm16_tanh (the planner's GEMM-bound policy): the tanh GELU on the fp16 pre-activation,
     # as one expression on the GEMM's output (what cuBLASLt takes into its epilogue), within 2e-3 of the
