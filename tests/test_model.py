@@ -129,6 +129,24 @@ def test_the_layer_program_takes_its_weights_stacked_fourteen_arrays_at_any_dept
     np.testing.assert_array_equal(np.asarray(run(stacked, x, None)), np.asarray(run(prepared, x, None)))
 
 
+@pytest.mark.parametrize("weights", ["stacked", "prepared"])
+def test_the_layers_as_one_scan_give_the_unrolled_programs_output(weights, harness_rule):
+    from ttj_jax import stacks
+    config = dataclasses.replace(CONFIGS["hd16-S7"], num_layers=3)
+    base, params = baseline_and_params(config)
+    x = random_input(config, seed=5)
+    mask = make_mask("prefix", config.batch_size, config.seq_len, seed=5)
+    prepared = T.prepare_weights(params, T.MIXED_FP16)
+    given = stacks.kernel_weights(prepared, T.model_key(config), "layers") if weights == "stacked" else prepared
+    plan = T.plan(T.model_key(config), T.InputFacts(*x.shape[:2], "float32", T.MaskKind.PREFIX))
+    scanned = dataclasses.replace(plan, scan_layers=True)
+    assert "/scan" in scanned.name
+    y = T.executable(scanned, T.model_key(config))(given, to_jax(x), to_jax(mask))
+    y_unrolled = T.executable(plan, T.model_key(config))(given, to_jax(x), to_jax(mask))
+    np.testing.assert_allclose(np.asarray(y), np.asarray(y_unrolled), atol=2e-5)
+    harness_rule(to_torch(y), torch_reference(base, x, mask))
+
+
 def test_the_plans_xla_options_reach_the_compiler():
     """model.executable compiles with plan.xla_options (the planner's GEMM-bound plans turn XLA's Triton
     GEMMs off; on the CPU a CPU option stands in, and a misspelt one is refused by XLA itself)."""

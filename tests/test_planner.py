@@ -157,3 +157,20 @@ def test_the_triton_whole_stack_kernel_is_planned_only_up_to_the_lengths_it_was_
     assert plan.stack == "layers"
     # the measured planner still has it to time
     assert "fused" in {p.stack for p in T.planner.candidates(at_256, facts(at_256), a100)}
+
+
+def test_deep_models_get_their_xla_program_alternatives_scanned_over_the_layers():
+    """From SCAN_MIN_LAYERS layers the measured planner's XLA-program alternatives are lax.scan programs
+    (one layer to compile), the rules' plan first and unrolled, its scanned twin beside it."""
+    from ttj_jax.planner import MAX_SCANNED_CANDIDATES, SCAN_MIN_LAYERS, candidates
+    deep = T.Config(batch_size=8, seq_len=512, d_model=256, num_heads=2, ffn_dim=768, num_layers=SCAN_MIN_LAYERS + 2,
+                    causal=True)
+    found = candidates(deep, facts(deep), H200)
+    assert not found[0].scan_layers and found[0] == T.plan(deep, facts(deep), H200)
+    assert found[1] == dataclasses.replace(found[0], scan_layers=True) and "/scan" in found[1].name
+    assert all(p.scan_layers for p in found[1:] if p.stack == "layers") and len(found) <= MAX_SCANNED_CANDIDATES
+    assert len({(p.name, p.xla_options) for p in found}) == len(found)
+    shallow = dataclasses.replace(deep, num_layers=4)
+    assert not any(p.scan_layers for p in candidates(shallow, facts(shallow), H200))
+    with pytest.raises(ValueError, match="scan_layers"):
+        dataclasses.replace(found[0], stack="rows", policy="mixed_fp16", xla_options=(), scan_layers=True)

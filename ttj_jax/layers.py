@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from ttj_jax.config import Config
 from ttj_jax.numerics import NumericsPolicy, get_policy, layer_norm
-from ttj_jax.params import PreparedWeights, StackedWeights, prepare_weights
+from ttj_jax.params import PreparedWeights, StackedWeights, prepare_weights, stack_layer_weights
 from ttj_jax.planner import Plan
 
 # A large finite negative instead of -inf for excluded keys: a row with no allowed key then yields a
@@ -106,8 +106,16 @@ def layer_stack(weights: PreparedWeights | StackedWeights, x, mask, *, config: C
     row_valid = mask[:, :, None] if plan.mask_mode != "none" else None
     key_valid = key_mask_for(mask, mode=plan.mask_mode, causal=config.causal)
     h = x.astype(policy.residual_dtype)
-    for i in range(weights.num_layers):
-        h = layer(weights.layer(i), h, row_valid, key_valid, config=config, plan=plan, policy=policy, attention=attention)
+    if plan.scan_layers:   # one layer's body, compiled once, looped on the device over the stacked weights
+        stacked = weights if isinstance(weights, StackedWeights) else stack_layer_weights(weights)
+
+        def body(h, w):
+            return layer(w, h, row_valid, key_valid, config=config, plan=plan, policy=policy, attention=attention), None
+        h, _ = jax.lax.scan(body, h, stacked.layers)
+    else:
+        for i in range(weights.num_layers):
+            h = layer(weights.layer(i), h, row_valid, key_valid, config=config, plan=plan, policy=policy,
+                      attention=attention)
     y = layer_norm(h, weights.final_norm["weight"], weights.final_norm["bias"])
     if row_valid is not None:
         y = jnp.where(row_valid, y, 0.0)

@@ -80,8 +80,12 @@ class NumericsPolicy:
 
     def shares_weights_with(self, other: NumericsPolicy) -> bool:
         """Whether weights prepared for this policy serve `other` too: params.prepare_weights depends
-        only on the stored weights' dtype (projection_dtype changes the program, not the weights)."""
-        return self.stored_weight_dtype == other.stored_weight_dtype
+        only on the stored weights' dtype (projection_dtype changes the program, not the weights), and
+        every policy but a compensated one rounds its weights to gemm_dtype inside each GEMM anyway; a
+        compensated one needs the fp32 weights its tails come from."""
+        if other.split_products > 1:
+            return self.stored_weight_dtype == other.stored_weight_dtype
+        return self.gemm_dtype == other.gemm_dtype
 
     @property
     def stored_weight_dtype(self) -> np.dtype:

@@ -126,6 +126,7 @@ class Plan:
     reason: str = dataclasses.field(default="", compare=False)   # not part of the plan's identity
     stack: str = "layers"          # one of STACKS
     xla_options: tuple = ()        # ((name, value), ...): XLA compile options for this plan's program
+    scan_layers: bool = False      # the layer-by-layer program as one lax.scan over the stacked weights
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -151,6 +152,8 @@ class Plan:
                              "mask-free, without a batch split or batch chunks")
         if self.xla_options and (self.stack != "layers" or self.data_parallel > 1 or self.sequence_parallel > 1):
             raise ValueError("Plan.xla_options apply to the one-device layer-by-layer XLA program only")
+        if self.scan_layers and (self.stack != "layers" or self.sequence_parallel > 1):
+            raise ValueError("Plan.scan_layers applies to the layer-by-layer XLA program on one sequence per device")
 
     @property
     def name(self) -> str:
@@ -165,7 +168,8 @@ class Plan:
         if self.sequence_parallel > 1:
             devices = f"/ring-x{self.sequence_parallel}-devices"
         options = "/xla-options" if self.xla_options else ""
-        return f"{self.attention}-attention/{self.policy}/mask-{self.mask_mode}{chunk}{devices}{options}"
+        scan = "/scan" if self.scan_layers else ""
+        return f"{self.attention}-attention/{self.policy}/mask-{self.mask_mode}{chunk}{devices}{scan}{options}"
 
     def explain(self) -> str:
         return f"{self.name}: {self.reason}"
@@ -301,6 +305,13 @@ def plan(config: Config, inputs: InputFacts, device: DeviceFacts = CPU, *,
 # The measured planner (autotune.py) times at most this many candidates per input signature, the
 # rules' plan first: each costs one compilation (~1-3 s on the H200) and a few milliseconds of runs.
 MAX_CANDIDATES = 6
+# From this depth the XLA-program alternatives are timed as one lax.scan over the layers (one layer's
+# body to compile, at any depth): at 8 layers, six unrolled programs compiling side by side left four
+# uncompiled after the 15 s budget, in two runs on the H200 (dec-l8-d256-hd128,
+# bench/results/general-2026-12-03-h200-final4.json). The rules' plan itself stays unrolled, and its
+# scanned twin is timed beside it; with the cheaper compiles, up to MAX_SCANNED_CANDIDATES in all.
+SCAN_MIN_LAYERS = 6
+MAX_SCANNED_CANDIDATES = 8
 # XLA's explicit-softmax attention is a candidate only while its [B, H, S, S] fp32 scores stay this small.
 XLA_ATTENTION_MAX_SCORE_BYTES = 256 * 2**20
 
@@ -311,15 +322,24 @@ def candidates(config: Config, inputs: InputFacts, device: DeviceFacts = CPU) ->
     layer-by-layer XLA program with each attention implementation that takes it, in the default numerics
     and in the GEMM-bound variant (fp16 q/k/v and MLP pre-activation, tanh GELU in cuBLAS's epilogue).
     Only one-device, unchunked calls on a GPU have alternatives; elsewhere the rules' plan is the only one.
-    At most MAX_CANDIDATES."""
+    At most MAX_CANDIDATES; from SCAN_MIN_LAYERS layers on, the XLA-program alternatives scanned over the
+    layers, the rules' plan's scanned twin among them, and at most MAX_SCANNED_CANDIDATES."""
     prior = plan(config, inputs, device)
     if not device.is_gpu or prior.data_parallel > 1 or prior.sequence_parallel > 1 or prior.batch_chunk:
         return [prior]
     found = [prior]
+    scanned = config.num_layers >= SCAN_MIN_LAYERS
+    limit = MAX_SCANNED_CANDIDATES if scanned else MAX_CANDIDATES
 
     def add(candidate: Plan | None) -> None:
-        if candidate is not None and candidate not in found and len(found) < MAX_CANDIDATES:
+        if candidate is not None and scanned and candidate.stack == "layers":
+            candidate = dataclasses.replace(candidate, scan_layers=True,
+                                            reason=f"{candidate.reason}; the layers as one lax.scan")
+        if candidate is not None and candidate not in found and len(found) < limit:
             found.append(candidate)
+
+    if prior.stack == "layers":
+        add(prior)   # its scanned twin, where the depth asks for one (else already found)
 
     def forced(**choice) -> Plan | None:
         try:
@@ -350,7 +370,8 @@ def candidates(config: Config, inputs: InputFacts, device: DeviceFacts = CPU) ->
         gemm_bound = dataclasses.replace(base, policy=GEMM_BOUND_POLICY, xla_options=GEMM_BOUND_XLA_OPTIONS,
                                          reason=f"{base.reason}; numerics {GEMM_BOUND_POLICY} with cuBLAS GEMMs")
         for candidate in ((gemm_bound, default) if base.policy == GEMM_BOUND_POLICY else (default, gemm_bound)):
-            if not any(candidate.name == other.name and candidate.xla_options == other.xla_options for other in found):
+            if not any(candidate.name == other.name and candidate.xla_options == other.xla_options
+                       and candidate.scan_layers == other.scan_layers for other in found):
                 add(candidate)
     return found
 
