@@ -94,11 +94,8 @@ def parse_shapes(text: str) -> list[str]:
 
 
 def shape_by_id(sid: str):
-    """The shape with id `sid` in the official suite, else in any other suite, else None."""
-    for suite in ("official", *T.SUITES):
-        if sid in T.SUITES[suite]:
-            return T.SUITES[suite][sid]
-    return None
+    """The shape with id `sid` in whichever suite has it (their ids do not overlap), else None."""
+    return next((suite[sid] for suite in T.SUITES.values() if sid in suite), None)
 
 
 def ordering_check(ours, x, mask, rounds: int, device: torch.device) -> dict:

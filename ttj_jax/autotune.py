@@ -222,14 +222,15 @@ def measure(config: Config, inputs: InputFacts, found: list[Plan], jax_device, *
     runners = {}
     for candidate in found:
         try:
-            runners[_label(candidate)] = _runner(candidate, config, params, prepared_by_dtype)
+            run, weights = _runner(candidate, config, params, prepared_by_dtype)
+            runners[_label(candidate)] = (run, weights, mask if candidate.mask_mode != "none" else None)
         except Exception as e:   # a candidate that does not build here is not chosen
             times[_label(candidate)] = _failed(e)
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=compile_threads())
     try:
         reference_job = pool.submit(_reference, config, inputs, found[0], params, x, mask, prepared_by_dtype)
-        compiled = {label: pool.submit(_compiled, run, weights, x, mask if _candidate(found, label).mask_mode != "none"
-                                       else None) for label, (run, weights) in runners.items()}
+        compiled = {label: pool.submit(_compiled, run, weights, x, passed)
+                    for label, (run, weights, passed) in runners.items()}
         # Nothing is timed while compiles run: XLA's GEMM autotuning runs kernels on the same GPU, and the
         # compiles load the host. The budget bounds this wait; a candidate compiled in time is then timed
         # (a few rounds of ~20 ms), so one slow compile, the rules' plan's included, hides no other.
@@ -248,8 +249,7 @@ def measure(config: Config, inputs: InputFacts, found: list[Plan], jax_device, *
             except Exception as e:
                 times[label] = _failed(e)
                 continue
-            weights = runners[label][1]
-            passed = mask if candidate.mask_mode != "none" else None
+            _, weights, passed = runners[label]
             try:
                 out = jax.block_until_ready(run(weights, x, passed))
             except Exception as e:
@@ -298,10 +298,6 @@ def _compiled(run, weights, x, mask):
     """run compiled for these arguments ahead of its first call (a jitted function), else run itself."""
     lower = getattr(run, "lower", None)
     return run if lower is None else lower(weights, x, mask).compile()
-
-
-def _candidate(found: list[Plan], label: str) -> Plan:
-    return next(p for p in found if _label(p) == label)
 
 
 def _failed(e: Exception) -> str:

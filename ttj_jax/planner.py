@@ -370,9 +370,7 @@ def candidates(config: Config, inputs: InputFacts, device: DeviceFacts = CPU) ->
         gemm_bound = dataclasses.replace(base, policy=GEMM_BOUND_POLICY, xla_options=GEMM_BOUND_XLA_OPTIONS,
                                          reason=f"{base.reason}; numerics {GEMM_BOUND_POLICY} with cuBLAS GEMMs")
         for candidate in ((gemm_bound, default) if base.policy == GEMM_BOUND_POLICY else (default, gemm_bound)):
-            if not any(candidate.name == other.name and candidate.xla_options == other.xla_options
-                       and candidate.scan_layers == other.scan_layers for other in found):
-                add(candidate)
+            add(candidate)   # (a plan equal to one found, its reason aside, is not added twice)
     return found
 
 
