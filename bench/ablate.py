@@ -46,6 +46,7 @@ from bench.jax_timing import stream_ms_per_call  # noqa: E402
 from bench.paths import default_out_dir  # noqa: E402
 from bench.report import describe_error, slug  # noqa: E402
 from ttj_jax.model import kernel_weights, plan_for  # noqa: E402
+from ttj_jax.shapes import find  # noqa: E402
 
 DEFAULT_VARIANTS = "mixed_fp16/layers,mixed_fp16_qkv16/layers"
 
@@ -79,7 +80,7 @@ def parse_variant(text: str) -> dict:
 
 def run_shape(sid: str, variants: list[str], seeds: int, device: str, kernels: bool = False,
               hlo_path: pathlib.Path | None = None) -> dict:
-    config = {**T.OFFICIAL, **T.CPU_SMALL}[sid].config   # official ids, or the CPU twins ("cpu-8")
+    config = find(sid).config   # any suite's id: official, the CPU twins ("cpu-8"), the general suite's
     torch.manual_seed(0)
     baseline = BaselineTransformer(TransformerConfig(**vars(config))).to(device).eval()
     params = T.params_from_state_dict({k: v.detach().cpu().numpy() for k, v in baseline.state_dict().items()},

@@ -281,6 +281,45 @@ def test_an_inaccurate_candidate_is_never_chosen(measuring_on_cpu, monkeypatch):
     assert times[autotune._label(found[1])].startswith("rejected")
 
 
+def test_the_rules_scanned_twin_is_held_to_the_rule_itself(measuring_on_cpu, monkeypatch):
+    """Off by 0.7 of the tolerance (over the 0.5 margin, under the rule): the rules' plan's scanned twin,
+    the same arithmetic, is timed as the rules' plan would be; another candidate is rejected."""
+    rules = T.plan(SMALL, _facts(SMALL), planner.CPU)
+    twin = dataclasses.replace(rules, scan_layers=True)
+    other = dataclasses.replace(rules, policy="exact_fp32", reason="exact")
+    assert autotune._accuracy_bound(twin, rules) == 1.0 == autotune._accuracy_bound(rules, rules)
+    assert autotune._accuracy_bound(other, rules) == autotune.ACCURACY_MARGIN
+    real_runner = autotune._runner
+
+    def runner(candidate, config, params, prepared):
+        run, weights = real_runner(candidate, config, params, prepared)
+        if candidate in (twin, other):
+            return (lambda w, x, m: run(w, x, m) + 0.7 * T.numerics.HARNESS_ATOL), weights
+        return run, weights
+    monkeypatch.setattr(autotune, "_runner", runner)
+    _, _, times = autotune.measure(SMALL, _facts(SMALL), [rules, twin, other], jax.devices()[0])
+    assert isinstance(times[autotune._label(twin)], float)
+    assert times[autotune._label(other)].startswith("rejected: worst error 0.7")
+
+
+def test_candidates_are_timed_in_turn_within_each_round(monkeypatch):
+    """Each round times every candidate once, one after another, so a load that comes and goes while
+    timing (a compile past the budget) reaches all of them, not only the first ones."""
+    calls = []
+
+    def fn(label):
+        def run():
+            calls.append(label)
+            return jax.numpy.zeros(())
+        return run
+    monkeypatch.setattr(autotune, "ROUND_S", 0.0)   # one call per round
+    times = autotune._time({"a": fn("a"), "b": fn("b"), "c": fn("c")})
+    assert set(times) == {"a", "b", "c"} and all(t > 0 for t in times.values())
+    calibration = autotune.WARMUP_CALLS + 1
+    assert calls[:3 * calibration] == ["a"] * calibration + ["b"] * calibration + ["c"] * calibration
+    assert calls[3 * calibration:] == ["a", "b", "c"] * autotune.ROUNDS
+
+
 @pytest.mark.parametrize("slow", [0, 1])
 def test_the_budget_bounds_the_wait_for_compiles(measuring_on_cpu, monkeypatch, slow):
     """A candidate still compiling when the budget ends is left unmeasured, the rules' plan included;

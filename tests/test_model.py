@@ -337,18 +337,19 @@ def test_fp16_hidden_policy_rounds_only_the_mlp_pre_activation_and_meets_the_rul
 def test_compensated_projections_pass_the_rule_at_a_small_input_scale_where_one_fp16_product_fails():
     """Input scale 0.01 (the harness's --input-scale), the official shape 2 as it is: one fp16 product per
     projection (mixed_fp16) fails the harness rule against the fp32 baseline; three (mixed_fp16x3,
-    numerics.compensated_matmul) pass, with margin."""
+    numerics.compensated_matmul) pass, with margin; so does tf32 (fp32 operands: exact fp32 on the CPU)."""
     from bench.baseline import check_close
     config = T.OFFICIAL["2"].config
     base, params = baseline_and_params(config)
     x = random_input(config, seed=1234, scale=0.01)
     ref = torch_reference(base, x, None)
     failed = {}
-    for policy in ("mixed_fp16", "mixed_fp16x3"):
+    for policy in ("mixed_fp16", "mixed_fp16x3", "tf32"):
         y = to_torch(T.forward(params, to_jax(x), config=config, policy=policy))
         failed[policy] = check_close(y, ref)
     assert failed["mixed_fp16"][0] > 0
     assert failed["mixed_fp16x3"][0] == 0 and failed["mixed_fp16x3"][1] < 0.7
+    assert failed["tf32"][0] == 0 and failed["tf32"][1] < 0.1
     with pytest.raises(ValueError, match="prepared for policy"):   # fp16 weights would drop the tails
         T.forward(T.prepare_weights(params, T.MIXED_FP16), to_jax(x), config=config, policy="mixed_fp16x3")
 

@@ -174,3 +174,16 @@ def test_deep_models_get_their_xla_program_alternatives_scanned_over_the_layers(
     assert not any(p.scan_layers for p in candidates(shallow, facts(shallow), H200))
     with pytest.raises(ValueError, match="scan_layers"):
         dataclasses.replace(found[0], stack="rows", policy="mixed_fp16", xla_options=(), scan_layers=True)
+
+
+@pytest.mark.parametrize("policy", ["exact_fp32", "tf32"])
+def test_fp32_operand_policies_run_xla_attention_and_the_layer_program(policy):
+    """Our attention kernels, cuDNN's and the fused stacks take fp16 operands: a policy with fp32 GEMM
+    operands gets XLA's attention in the layer-by-layer program, on any GPU."""
+    inputs = T.InputFacts(batch_size=64, seq_len=128, dtype="float32", mask_kind=T.MaskKind.ALL_TRUE, caller="torch")
+    for facts in (T.DeviceFacts(platform="gpu", device_kind="NVIDIA H200", memory_bytes=100 * 2**30,
+                                compute_capability="9.0"),
+                  T.DeviceFacts(platform="gpu", device_kind="NVIDIA A100", memory_bytes=40 * 2**30,
+                                compute_capability="8.0")):
+        chosen = T.plan(T.OFFICIAL["2"].config, inputs, facts, policy=policy)
+        assert (chosen.attention, chosen.stack, chosen.policy) == ("xla", "layers", policy)

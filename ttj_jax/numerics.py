@@ -164,9 +164,16 @@ MIXED_FP16_TRAIN = dataclasses.replace(MIXED_FP16_GEMM16, name="mixed_fp16_train
 MIXED_FP16X3 = NumericsPolicy("mixed_fp16x3", gemm_dtype=np.dtype(np.float16), precision=jax.lax.Precision.DEFAULT,
                               weight_dtype=np.dtype(np.float32), split_products=3)
 
+# fp32 operands at XLA's DEFAULT precision: on an Ampere or later GPU the TF32 tensor cores, the arithmetic
+# of the harness's own baseline under torch's allow_tf32 (the harness's default on CUDA), so its rounding
+# follows that baseline's where one fp16 product per GEMM, or an exact product, is judged against the
+# baseline's own TF32 error (input scales <= 0.25: docs/decisions.md, "Numerics"). Exact fp32 on the CPU.
+# Requested by name; the planner does not choose it.
+TF32 = NumericsPolicy("tf32", gemm_dtype=np.dtype(np.float32), precision=jax.lax.Precision.DEFAULT)
+
 POLICIES: dict[str, NumericsPolicy] = {p.name: p for p in (MIXED_FP16, EXACT_FP32, MIXED_FP16_QKV16,
                                                            MIXED_FP16_GEMM16, MIXED_FP16_GEMM16_TANH,
-                                                           MIXED_FP16_TRAIN, MIXED_FP16X3)}
+                                                           MIXED_FP16_TRAIN, MIXED_FP16X3, TF32)}
 
 # The tail's scale in a compensated product: 2**11, fp16's precision, so x - head (at most half an ulp of
 # x) becomes a normal fp16 number unless x itself is below ~2**-14 * 2**11.

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from ttj_jax.config import Config
 from ttj_jax.device import CPU, DeviceFacts, device_facts  # noqa: F401  (re-exported: the planner's inputs)
 from ttj_jax.masks import MaskKind
@@ -238,9 +240,9 @@ def plan(config: Config, inputs: InputFacts, device: DeviceFacts = CPU, *,
     elif not device.is_gpu:
         attention = "xla"
         reasons.append("XLA attention on the CPU (Pallas GPU kernels run there only interpreted)")
-    elif policy == "exact_fp32":
+    elif POLICIES[policy].gemm_dtype == np.float32:   # our kernels and cuDNN's take fp16 operands
         attention = "xla"
-        reasons.append("exact fp32 attention through XLA at HIGHEST precision")
+        reasons.append(f"fp32-operand attention through XLA ({policy})")
     elif (mask_mode in ("none", "rows") and device.is_hopper
           and (hopper_from := hopper_over_cudnn_min_seq_len(config.head_dim)) is not None
           and inputs.seq_len >= hopper_from):
