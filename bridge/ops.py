@@ -142,7 +142,15 @@ def _backward(ctx, grad_out):
 forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
+def _exporting() -> bool:
+    """Whether torch.export is tracing, from the flag torch.export itself sets. Not
+    torch.compiler.is_exporting(): under torch.compile, Dynamo folded that call to a constant True before
+    pytorch/pytorch#176347 was fixed (torch 2.11 on the H200 machine does), which sent every compiled
+    graph down the parameters path: a model's 66 parameters as the op's inputs, each checked per call."""
+    flag = getattr(torch.compiler, "_is_exporting_flag", None)
+    if flag is None:   # a torch without the flag: its public reading
+        return bool(getattr(torch.compiler, "is_exporting", lambda: False)())
+    return bool(flag)
 
 
 def ordered_parameters(module: torch.nn.Module, num_layers: int) -> list[torch.Tensor]:

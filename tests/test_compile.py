@@ -125,6 +125,21 @@ def test_export_holds_the_op_and_the_parameters():
         close(moved(x), reference(x))
 
 
+def test_export_is_told_by_torch_exports_own_flag(monkeypatch):
+    """Before pytorch/pytorch#176347 was fixed, Dynamo folded torch.compiler.is_exporting() to True under
+    torch.compile too, which sent compiled graphs down the parameters path (66 tensor inputs checked per
+    call; the handle path is asserted in test_compiled_model_matches_and_holds_one_opaque_op). The bridge
+    reads the flag torch.export sets instead, whatever is_exporting() answers."""
+    from bridge import ops
+    monkeypatch.setattr(torch.compiler, "is_exporting", lambda: True)
+    monkeypatch.setattr(torch.compiler, "_is_exporting_flag", False)
+    assert not ops._exporting()
+    monkeypatch.setattr(torch.compiler, "_is_exporting_flag", True)
+    assert ops._exporting()
+    monkeypatch.delattr(torch.compiler, "_is_exporting_flag")   # a torch without it: the public reading
+    assert ops._exporting()
+
+
 @pytest.mark.slow
 def test_a_copied_module_runs_its_own_weights_when_compiled():
     """Compiled graphs name a TTJTransformer by its handle: a deep copy must get its own."""
