@@ -30,7 +30,7 @@ import jax
 import numpy as np
 import torch
 
-from bridge import mosaic_launch
+from bridge import mosaic_launch, settings
 from bridge.transfer import Transfer, current_cuda_device, transfer_for
 from ttj_jax import stacks
 from ttj_jax.config import Config
@@ -289,7 +289,7 @@ class _ModuleState:
         shape_probe = jax.ShapeDtypeStruct(tuple(x.shape), "float32" if upcast else _torch_dtype_name(x.dtype))
         plan = plan_for(self.config, shape_probe, kind, device=jax_device or jax.devices(
             "cpu" if x.device.type == "cpu" else None)[0], caller="torch", data_parallel=data_parallel,
-            stack=stack)
+            stack=stack, policy=settings.requested_policy())
         call = _Call(plan=plan, run=executable(plan, self.model_key), transfer=transfer,
                      passes_mask=plan.mask_mode != "none", upcast_to=upcast)
         bridge_launch = stacks.get(plan.stack).bridge_launch

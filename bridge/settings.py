@@ -6,6 +6,9 @@ Environment switches (read when a device's first call sets up its transfers or l
   torch's writes).
 - `TTJ_MOSAIC_LAUNCH=0`: run the Mosaic GPU whole-stack kernel through jax instead of launching it on
   torch's stream.
+- `TTJ_POLICY=<name>`: a numerics policy (`ttj_jax.numerics.POLICIES`) for every call signature the
+  bridge plans from then on, instead of the planner's choice (read when a signature is first planned):
+  `mixed_fp16x3` or `tf32` for inputs at small scales (docs/decisions.md, "Numerics").
 
 Effects of `import bridge`:
 - `XLA_PYTHON_CLIENT_PREALLOCATE=false` unless already set, so jax does not take 75% of the GPU's
@@ -21,6 +24,7 @@ import os
 
 KEEP_X_IMPORT_ENV = "TTJ_BRIDGE_KEEP_X_IMPORT"
 MOSAIC_LAUNCH_ENV = "TTJ_MOSAIC_LAUNCH"
+POLICY_ENV = "TTJ_POLICY"
 _OFF = ("0", "false", "False", "")
 
 
@@ -30,6 +34,18 @@ def keep_x_import() -> bool:
 
 def mosaic_launch() -> bool:
     return os.environ.get(MOSAIC_LAUNCH_ENV, "1") not in _OFF
+
+
+def requested_policy() -> str | None:
+    """The numerics policy TTJ_POLICY names, or None (unset or empty: the planner's). ValueError for a
+    name that is not a policy."""
+    value = os.environ.get(POLICY_ENV, "").strip()
+    if not value:
+        return None
+    from ttj_jax.numerics import POLICIES  # deferred: this module is read before jax starts
+    if value not in POLICIES:
+        raise ValueError(f"{POLICY_ENV}={value!r} is not a numerics policy; choose one of {sorted(POLICIES)}")
+    return value
 
 
 def apply_process_defaults() -> None:

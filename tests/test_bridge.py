@@ -569,3 +569,25 @@ def test_a_host_mask_written_behind_torchs_back_is_never_stale(route, harness_ru
             np.from_dlpack(mask)[0, ::3] = False   # a general (non-prefix) mask now
         assert mask._version == version and not bool(mask.all())
         harness_rule(ours(x, mask), base(x, mask), f"after a write through {route}")
+
+
+def test_a_policy_named_in_the_environment_is_planned_and_passes_at_a_small_input_scale(monkeypatch):
+    """TTJ_POLICY: the harness's --input-scale 0.01 at official shape 2, where the planner's fp16 GEMMs fail
+    the rule against the float32 baseline and the compensated policy passes (read when a call signature is
+    first planned; a name that is not a policy is a clear error)."""
+    from bench.baseline import check_close, harness_models
+    config = TransformerConfig(**vars(T.OFFICIAL["2"].config))
+    x, mask = make_inputs(config, 1234, input_scale=0.01)
+    monkeypatch.delenv("TTJ_POLICY", raising=False)
+    baseline, planned = harness_models(config, bridge.TTJTransformer)
+    (_, requested), (_, wrong) = (harness_models(config, bridge.TTJTransformer) for _ in range(2))
+    with torch.inference_mode():
+        ref = baseline(x, mask)
+        assert check_close(planned(x, mask), ref)[0] > 0
+        monkeypatch.setenv("TTJ_POLICY", "mixed_fp16x3")
+        failed, worst = check_close(requested(x, mask), ref)
+        assert failed == 0 and worst < 0.7
+        assert "mixed_fp16x3" in bridge.explain(requested, x, mask) and "requested" in bridge.explain(requested, x, mask)
+        monkeypatch.setenv("TTJ_POLICY", "fp8")
+        with pytest.raises(ValueError, match="TTJ_POLICY='fp8' is not a numerics policy"):
+            wrong(x, mask)
