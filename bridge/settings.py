@@ -6,7 +6,7 @@ Environment switches (read when a device's first call sets up its transfers or l
   torch's writes).
 - `TTJ_MOSAIC_LAUNCH=0`: run the Mosaic GPU whole-stack kernel through jax instead of launching it on
   torch's stream.
-- `TTJ_POLICY=<name>`: a numerics policy (`ttj_jax.numerics.POLICIES`) for every call signature the
+- `TTJ_POLICY=<name>`: a numerics policy (`ttj_jax.numerics.POLICIES`) for every inference call signature the
   bridge plans from then on, instead of the planner's choice (read when a signature is first planned):
   `mixed_fp16x3` or `tf32` for inputs at small scales (docs/decisions.md, "Numerics").
 
