@@ -230,6 +230,8 @@ def test_choose_measures_once_then_reads_the_cache(measuring_on_cpu, monkeypatch
     chosen = autotune.choose(SMALL, inputs, cache=cache)
     assert chosen in _cpu_candidates(SMALL, inputs, None)
     assert "measured" in chosen.explain() and " ms" in chosen.explain()
+    # where the measuring's time went, for a first call that takes longer than the budget
+    assert "to the end of the compiles or the budget" in chosen.explain() and "for the reference" in chosen.explain()
     [stored] = [json.loads(p.read_text()) for p in (cache.directory / "plans").glob("*.json")]
     assert set(stored["record"]["times_ms"]) == {autotune._label(p) for p in _cpu_candidates(SMALL, inputs, None)}
     assert all(isinstance(v, float) and v > 0 for v in stored["record"]["times_ms"].values())

@@ -251,7 +251,9 @@ def measure(config: Config, inputs: InputFacts, found: list[Plan], jax_device, *
         # compiles load the host. The budget bounds this wait; a candidate compiled in time is then timed
         # (a few rounds of ~20 ms), so one slow compile, the rules' plan's included, hides no other.
         concurrent.futures.wait(compiled.values(), timeout=max(budget_s - (time.perf_counter() - started), 0.0))
+        compiled_at = time.perf_counter()
         reference, exact = reference_job.result()
+        referenced_at = time.perf_counter()
         accepted: dict[str, tuple[Plan, object]] = {}
         for candidate in found:
             label = _label(candidate)
@@ -297,7 +299,12 @@ def measure(config: Config, inputs: InputFacts, found: list[Plan], jax_device, *
     else:
         why = (f"measured fastest of {len(found)} candidates on this device, {ms:.3f} ms (checked against "
                f"{checked}; {others})")
-    _say(f"chose {_label(chosen)} ({ms:.3f} ms) in {time.perf_counter() - started:.1f} s")
+    ended = time.perf_counter()
+    phases = (f"{ended - started:.1f} s: {compiled_at - started:.1f} s to the end of the compiles or the budget, "
+              f"{referenced_at - compiled_at:.1f} s more for the reference, {ended - referenced_at:.1f} s "
+              "checking and timing")
+    why = f"{why}; decided in {phases}"
+    _say(f"chose {_label(chosen)} ({ms:.3f} ms) in {phases}")
     return chosen, why, times
 
 
