@@ -22,6 +22,8 @@ def test_pure_and_explained():
     assert a == T.plan(SHAPE_1, facts(SHAPE_1), H200)
     line = a.explain()
     assert "\n" not in line and line.startswith(a.name) and "mixed_fp16" in line
+    # the default policy's known limit, and what to run instead, in the plan's own words
+    assert "0.25 and below" in line and "mixed_fp16x3" in line and "TTJ_POLICY" in line
 
 
 @pytest.mark.parametrize("kind, causal, mode", [

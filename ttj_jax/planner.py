@@ -189,7 +189,9 @@ def plan(config: Config, inputs: InputFacts, device: DeviceFacts = CPU, *,
 
     if policy is None:
         policy = "mixed_fp16"
-        reasons.append("fp16 GEMMs with fp32 accumulation and fp32 residual meet the harness rule (docs/spec.md)")
+        reasons.append("fp16 GEMMs with fp32 accumulation and fp32 residual meet the harness rule (docs/spec.md) at "
+                       "input scales near 1; at 0.25 and below some elements fail: policy mixed_fp16x3 (an exact "
+                       "baseline) or tf32 (a TF32 one) there, by name or TTJ_POLICY")
     else:
         reasons.append(f"policy {policy} requested")
 
