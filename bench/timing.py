@@ -87,6 +87,42 @@ def time_contenders(contenders: dict[str, Callable[[], Any]], *, warmup: int = 2
             for name in names}
 
 
+def loop_host_us(fn: Callable[[], Any], *, calls: int = 20, rounds: int = 15, device=None,
+                 warmup: int = 5) -> dict:
+    """The host's pace in the harness's own loop: from an idle GPU, `calls` calls back to back, each
+    between the harness's two event records, no sync inside; perf_counter over the loop / calls. This is
+    the interval at which the host hands the GPU work: below the GPU's time per call, the GPU never
+    waits for the host (the events then measure the GPU alone). A loop is kept short enough that the
+    launch queue never fills (a full queue would hold the host back to the GPU's pace). Unlike the
+    drained single-call time (interleaved_host_overhead_us), it leaves out what the first launch after
+    an idle period costs once per loop, not per call. Returns {"median_us", "p10_us", "p90_us"} over
+    the rounds."""
+    on_cuda = device is not None and torch.device(device).type == "cuda"
+    for _ in range(warmup):
+        fn()
+    per_call = []
+    for _ in range(rounds):
+        if on_cuda:
+            stream = torch.cuda.current_stream(device)
+            events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                      for _ in range(calls)]
+            torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            for begin, end in events:
+                begin.record(stream)
+                fn()
+                end.record(stream)
+            per_call.append((time.perf_counter() - start) * 1e6 / calls)
+            torch.cuda.synchronize(device)
+        else:
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            per_call.append((time.perf_counter() - start) * 1e6 / calls)
+    return {"median_us": statistics.median(per_call), "p10_us": float(np.percentile(per_call, 10)),
+            "p90_us": float(np.percentile(per_call, 90))}
+
+
 def interleaved_host_overhead_us(contenders: dict[str, Callable[[], Any]], calls: int, *, device=None,
                                  warmup: int = 5) -> dict[str, dict]:
     """Median host time, in microseconds, of issuing one call of each contender: `perf_counter` around

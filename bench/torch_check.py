@@ -12,6 +12,9 @@ Per shape (under torch.inference_mode, TF32 baseline GEMMs, as the harness runs)
     gpu_us            the same module's time per call under the harness's CUDA events, back-to-back calls
                       (bench.timing.time_contenders, the module alone)
     host_over_gpu     host_us / gpu_us (about 1 or more: a host-bound call)
+    loop_host_us      the host's time per call in the harness's own loop (bench.timing.loop_host_us: 20
+                      calls back to back between their event records, from an idle GPU, no sync inside),
+                      the interval at which the host hands the GPU work; loop_host_over_gpu: over gpu_us
     class_ms          the harness's time of `bridge.TTJTransformer` as its user class, and
     dropin_ms         of the one-line drop-in (`bridge.forward(self, x, mask)` in the harness's class,
                       bench.compile_check.DropIn), timed in one time_contenders call, so they alternate
@@ -54,7 +57,7 @@ from bench.compile_check import DropIn  # noqa: E402
 from bench.host_overhead import parse_shapes  # noqa: E402
 from bench.paths import result_file  # noqa: E402
 from bench.report import describe_error, run_shapes  # noqa: E402
-from bench.timing import interleaved_host_overhead_us, time_contenders  # noqa: E402
+from bench.timing import interleaved_host_overhead_us, loop_host_us, time_contenders  # noqa: E402
 from bench.torch_peer import MASK_NONE, build_peer, classify_mask  # noqa: E402
 from ttj_jax.shapes import HARNESS_IDS  # noqa: E402
 
@@ -66,7 +69,8 @@ WRAPPER_SEED = 99
 DEFAULTS = {"cuda": {"warmup": 20, "rounds": 3, "calls": 50}, "cpu": {"warmup": 1, "rounds": 2, "calls": 2}}
 # the contenders whose failing elements make up failed_elements
 ACCURACY_CONTENDERS = ("class", "dropin", "compiled")
-FIELDS = ("host_us", "gpu_us", "host_over_gpu", "class_ms", "dropin_ms", "class_vs_dropin", "compiled_ms",
+FIELDS = ("host_us", "gpu_us", "host_over_gpu", "loop_host_us", "loop_host_over_gpu", "class_ms", "dropin_ms",
+          "class_vs_dropin", "compiled_ms",
           "compiled_peer_ms", "failed_elements")
 
 
@@ -139,6 +143,9 @@ def run_shape(sid: str, device: torch.device, *, compiled: bool, warmup: int, ro
             gpu_ms = _timed_ms(record, {"class": eager["class"]}, timing).get("class")
             record["gpu_us"] = gpu_ms * 1e3 if gpu_ms is not None else None
             record["host_over_gpu"] = _ratio(record["host_us"], record["gpu_us"])
+            loop = _attempt(record, "loop_host_us", lambda: loop_host_us(eager["class"], device=device))
+            record["loop_host_us"] = loop["median_us"] if loop else None
+            record["loop_host_over_gpu"] = _ratio(record["loop_host_us"], record["gpu_us"])
         ms = _timed_ms(record, eager, timing)
         record["class_ms"], record["dropin_ms"] = ms.get("class"), ms.get("dropin")
         if record["class_ms"] and record["dropin_ms"]:
@@ -261,14 +268,15 @@ def main(argv=None) -> int:
 
     bad = run_shapes(result, path, args.shapes, run_one, summary)
     bad |= any(r.get("errors") or r.get("failed_elements") for r in result["shapes"].values())
-    print(f"\n{'shape':>5} {'host_us':>8} {'gpu_us':>8} {'host/gpu':>8} {'class_ms':>9} {'dropin_ms':>9} "
-          f"{'cls/drop':>8} {'compiled':>9} {'c_peer':>9} {'failed':>6}  errors")
+    print(f"\n{'shape':>5} {'host_us':>8} {'loop_us':>8} {'gpu_us':>8} {'host/gpu':>8} {'loop/gpu':>8} "
+          f"{'class_ms':>9} {'dropin_ms':>9} {'cls/drop':>8} {'compiled':>9} {'c_peer':>9} {'failed':>6}  errors")
     for sid, r in result["shapes"].items():
         if "error" in r:
             print(f"{sid:>5} error: {r['error'][:120]}")
             continue
-        print(f"{sid:>5} {_cell(r['host_us'], 8, '.1f')} {_cell(r['gpu_us'], 8, '.1f')} "
-              f"{_cell(r['host_over_gpu'], 8, '.3f')} {_cell(r['class_ms'], 9, '.4f')} {_cell(r['dropin_ms'], 9, '.4f')} "
+        print(f"{sid:>5} {_cell(r['host_us'], 8, '.1f')} {_cell(r['loop_host_us'], 8, '.1f')} "
+              f"{_cell(r['gpu_us'], 8, '.1f')} {_cell(r['host_over_gpu'], 8, '.3f')} "
+              f"{_cell(r['loop_host_over_gpu'], 8, '.3f')} {_cell(r['class_ms'], 9, '.4f')} {_cell(r['dropin_ms'], 9, '.4f')} "
               f"{_cell(r['class_vs_dropin'], 8, '.3f')} {_cell(r['compiled_ms'], 9, '.4f')} "
               f"{_cell(r['compiled_peer_ms'], 9, '.4f')} {_cell(r['failed_elements'], 6, 'd')}  "
               f"{', '.join(sorted(r['errors'])) or '-'}")

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from bench.baseline import BaselineTransformer, TransformerConfig, check_close, make_inputs
-from bench.timing import interleaved_host_overhead_us, time_contenders
+from bench.timing import interleaved_host_overhead_us, loop_host_us, time_contenders
 from bench.torch_peer import (
     MASK_KEYS,
     MASK_NONE,
@@ -180,6 +180,13 @@ def test_time_contenders_tells_slow_from_fast():
 
 def test_host_overhead_of_a_no_op():
     assert 0 <= interleaved_host_overhead_us({"no_op": lambda: None}, 20)["no_op"]["median_us"] < 1000
+
+
+def test_loop_host_us_is_the_host_time_per_call_of_a_loop():
+    counted = []
+    result = loop_host_us(lambda: (counted.append(1), time.sleep(0.001)), calls=4, rounds=3, warmup=2)
+    assert len(counted) == 2 + 4 * 3
+    assert 1000 <= result["p10_us"] <= result["median_us"] <= result["p90_us"] < 50_000
 
 
 def test_interleaved_host_overhead_us_takes_turns():

@@ -6,12 +6,14 @@
   candidates in turn within each round, the fastest of the rounds: what a caller who issues calls back
   to back sees, host dispatch included.
 - Correctness first: every candidate's output on that input is checked against an exact fp32 program
-  (or, where its explicit scores would not fit, the rules' plan) with the harness rule at half its
+  (or the rules' plan, where the exact program's scores would not fit or it is still compiling when the
+  candidates are done: its compile never lengthens the call) with the harness rule at half its
   tolerance; a candidate that misses is not chosen, whatever its time. The rules' plan and its scanned
   twin (the same arithmetic) are held to the rule itself, as the rules alone would run them.
 - Bounded: the candidates compile side by side on several threads (`TTJ_AUTOTUNE_THREADS`, default up
   to 8) for at most `budget_s` (15 s by default) per signature; those not compiled by then are left
-  unmeasured and said so (their compiles finish in the background, unused), the others are timed.
+  unmeasured and said so (their compiles finish in the background, unused), the others are timed. The
+  rules' plan is waited for past the budget: a call without measuring compiles it too.
 - Persistent: the decision goes to the plan cache (plan_cache.py) under a key of the GPU, driver, jax,
   jaxlib and ttj-jax versions, the model and the input facts; jax's persistent compilation cache is
   turned on beside it, so a second process neither measures nor compiles again.
@@ -29,6 +31,7 @@ import datetime
 import functools
 import os
 import sys
+import threading
 import time
 
 import jax
@@ -67,8 +70,12 @@ REFERENCE_SEQUENCES = 2
 EXACT_REFERENCE_MAX_SCORE_BYTES = 1 << 30
 REFERENCE_COMPILER_OPTIONS = (("xla_gpu_autotune_level", 0),)
 NOT_COMPILED = "not measured: not compiled within the time budget"
+# Past the budget, how long to wait for jobs still tracing (Python, holding the GIL) to reach their compile
+# (which runs without it). Timing while a thread traces reads the GIL's switch interval, not the program:
+# 5.65 ms for a 0.15 ms program at official shape 11 on the H200.
+TRACING_GRACE_S = 5.0
 # Bumped when the candidates or the timing change: older decisions then read as misses.
-VERSION = 3
+VERSION = 4
 
 
 def enabled(device: DeviceFacts, autotune: bool | None = None) -> bool:
@@ -243,27 +250,60 @@ def measure(config: Config, inputs: InputFacts, found: list[Plan], jax_device, *
         except Exception as e:   # a candidate that does not build here is not chosen
             times[_label(candidate)] = _failed(e)
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=compile_threads())
+    past_budget = threading.Event()
+    rules_label = _label(found[0])
+    # the rules' plan never stops at the budget (a call without measuring compiles it too)
+    rules_stage = _Stage(threading.Event()) if rules_label in runners else None
+    # The others trace after the rules' plan: tracing holds the GIL, so jobs tracing side by side take
+    # turns, and the rules' plan, the one the call waits for, got a share of it (27.9 s to compile beside
+    # five others at general config enc-small-s128 on the H200).
+    after = rules_stage.traced if rules_stage is not None else None
+    stages = {label: rules_stage if label == rules_label else _Stage(past_budget, after) for label in runners}
+    reference_stage = _Stage(threading.Event())   # submitted first, so begun first; small: never stopped
     try:
-        reference_job = pool.submit(_reference, config, inputs, found[0], params, x, mask, prepared_by_dtype)
-        compiled = {label: pool.submit(_compiled, run, weights, x, passed)
+        reference_job = pool.submit(_reference, config, inputs, found[0], params, x, mask, prepared_by_dtype,
+                                    reference_stage)
+        compiled = {label: pool.submit(_compiled, run, weights, x, passed, stages[label])
                     for label, (run, weights, passed) in runners.items()}
         # Nothing is timed while compiles run: XLA's GEMM autotuning runs kernels on the same GPU, and the
         # compiles load the host. The budget bounds this wait; a candidate compiled in time is then timed
-        # (a few rounds of ~20 ms), so one slow compile, the rules' plan's included, hides no other.
+        # (a few rounds of ~20 ms), so one slow compile hides no other.
         concurrent.futures.wait(compiled.values(), timeout=max(budget_s - (time.perf_counter() - started), 0.0))
+        # Past the budget: jobs not started never start, jobs still tracing stop before their compile.
+        past_budget.set()
+        for job in compiled.values():
+            job.cancel()
+        rules_job = compiled.get(rules_label)
+        if rules_job is not None and not rules_job.done():
+            # The rules' plan is the call's own program: a call without measuring compiles it too, so
+            # waiting for it adds nothing to what the call costs anyway, and the plan the rules trust is
+            # never left out unmeasured (at general config enc-small-s128 on the H200 it was, and a plan
+            # 30x slower in that moment's timing won).
+            concurrent.futures.wait([rules_job])
+        # No thread may trace while the candidates are timed, nor after the call returns: wait (a
+        # little) for the tracing ones to finish; their compiles, if begun, run on without the GIL.
+        grace_ends = time.perf_counter() + TRACING_GRACE_S
+        begun = [stages[label] for label, job in compiled.items() if not job.cancelled()]
+        for stage in (*begun, reference_stage):
+            stage.traced.wait(timeout=max(grace_ends - time.perf_counter(), 0.0))
         compiled_at = time.perf_counter()
-        reference, exact = reference_job.result()
+        reference, exact = _bounded_reference(reference_job, rules_job, runners.get(_label(found[0])), x,
+                                               min(REFERENCE_SEQUENCES, inputs.batch_size))
         referenced_at = time.perf_counter()
         accepted: dict[str, tuple[Plan, object]] = {}
         for candidate in found:
             label = _label(candidate)
             if label in times:
                 continue
-            if not compiled[label].done():
+            job = compiled[label]
+            if not job.done() or job.cancelled():
                 times[label] = NOT_COMPILED
                 continue
             try:
-                run = compiled[label].result()
+                run = job.result()
+            except _Stopped:
+                times[label] = NOT_COMPILED
+                continue
             except Exception as e:
                 times[label] = _failed(e)
                 continue
@@ -300,12 +340,28 @@ def measure(config: Config, inputs: InputFacts, found: list[Plan], jax_device, *
         why = (f"measured fastest of {len(found)} candidates on this device, {ms:.3f} ms (checked against "
                f"{checked}; {others})")
     ended = time.perf_counter()
-    phases = (f"{ended - started:.1f} s: {compiled_at - started:.1f} s to the end of the compiles or the budget, "
+    phases = (f"{ended - started:.1f} s: {compiled_at - started:.1f} s to the end of the compiles, the budget or the "
+              f"rules' plan's compile, "
               f"{referenced_at - compiled_at:.1f} s more for the reference, {ended - referenced_at:.1f} s "
               "checking and timing")
     why = f"{why}; decided in {phases}"
     _say(f"chose {_label(chosen)} ({ms:.3f} ms) in {phases}")
     return chosen, why, times
+
+
+def _bounded_reference(reference_job, rules_job, rules_runner, x, rows: int):
+    """(reference output, whether it is exact fp32) without waiting past the compiles: the exact program's
+    output where it is ready, else the rules' plan's (compiled by now), so the exact program's own
+    compile never lengthens the call. Waits for the exact program only where the rules' plan has no
+    compiled program to stand in."""
+    if reference_job.done() or rules_job is None or rules_runner is None:
+        return reference_job.result()
+    try:
+        run = rules_job.result()
+    except Exception:   # the rules' plan did not build: only the exact program can check the others
+        return reference_job.result()
+    _, weights, passed = rules_runner
+    return jax.block_until_ready(run(weights, x, passed))[:rows], False
 
 
 def compile_threads() -> int:
@@ -320,10 +376,40 @@ def compile_threads() -> int:
     return max(1, min(8, os.cpu_count() or 1))
 
 
-def _compiled(run, weights, x, mask):
-    """run compiled for these arguments ahead of its first call (a jitted function), else run itself."""
+class _Stage:
+    """Where a compile job stands: `traced` is set once its Python tracing (which holds the GIL) is over,
+    whether it then compiles or not; `stop` set before its compile begins skips the compile; `after`,
+    when given, is waited for before tracing begins."""
+
+    def __init__(self, stop: threading.Event, after: threading.Event | None = None):
+        self.stop = stop
+        self.after = after       # tracing begins once this is set
+        self.traced = threading.Event()
+
+
+class _Stopped(Exception):
+    """A compile skipped: the budget ended before it began."""
+
+
+def _compiled(run, weights, x, mask, stage: _Stage | None = None):
+    """run compiled for these arguments ahead of its first call (a jitted function), else run itself.
+    The tracing holds the GIL, the compile runs without it; past `stage.stop` no compile begins."""
     lower = getattr(run, "lower", None)
-    return run if lower is None else lower(weights, x, mask).compile()
+    if stage is not None and stage.after is not None:
+        stage.after.wait()
+    if stage is not None and stage.stop.is_set():   # past the budget before its tracing began
+        stage.traced.set()
+        raise _Stopped(NOT_COMPILED)
+    try:
+        lowered = None if lower is None else lower(weights, x, mask)
+    finally:
+        if stage is not None:
+            stage.traced.set()
+    if lowered is None:
+        return run
+    if stage is not None and stage.stop.is_set():
+        raise _Stopped(NOT_COMPILED)
+    return lowered.compile()
 
 
 def _failed(e: Exception) -> str:
@@ -334,7 +420,7 @@ def _label(candidate: Plan) -> str:
     return candidate.name + ("+cublas" if candidate.xla_options else "")
 
 
-def _reference(config, inputs, rules: Plan, params, x, mask, prepared_by_dtype):
+def _reference(config, inputs, rules: Plan, params, x, mask, prepared_by_dtype, stage: _Stage | None = None):
     """(reference output of the first REFERENCE_SEQUENCES sequences, whether it is exact fp32): the exact
     program on those sequences alone (compiled without XLA's GEMM autotuning: it runs once), where its
     scores fit; else the rules' plan."""
@@ -344,8 +430,10 @@ def _reference(config, inputs, rules: Plan, params, x, mask, prepared_by_dtype):
                                     xla_options=(), mask_mode="keys" if mask is not None else "none",
                                     reason="reference")
         run = executable(exact, model_key(config), compiler_options=REFERENCE_COMPILER_OPTIONS)
-        out = run(params, x[:rows].astype(jnp.float32), None if mask is None else mask[:rows])
-        return jax.block_until_ready(out), True
+        args = (params, x[:rows].astype(jnp.float32), None if mask is None else mask[:rows])
+        return jax.block_until_ready(_compiled(run, *args, stage)(*args)), True
+    if stage is not None:
+        stage.traced.set()
     run, weights = _runner(rules, config, params, prepared_by_dtype)
     return jax.block_until_ready(run(weights, x, mask if rules.mask_mode != "none" else None))[:rows], False
 
