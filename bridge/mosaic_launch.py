@@ -4,9 +4,8 @@ For calls the planner gives to `Plan.stack == "fused_mgpu"` (Hopper, mask-free, 
 kernels/fused_stack_mgpu.py takes), the GPU work is one kernel of ~60-120 us, and a call through jax
 costs the bridge more host time than that. So the bridge compiles the kernel once, with the compiler and
 launcher jaxlib ships for `plgpu.as_torch_kernel` (compat.mosaic_gpu_module + MosaicLauncher below), and
-each call is one output allocation and one launch with the tensors' pointers: ~16 us of host time on the
-H200 host, where as_torch_kernel itself costs ~66 us per call. Everything about the kernel (function,
-argument layout, output) comes from `fused_stack_mgpu.launch_spec`.
+each call is one output allocation and one launch with the tensors' pointers (MosaicLauncher).
+Everything about the kernel (function, argument layout, output) comes from `fused_stack_mgpu.launch_spec`.
 
 Stream order: the launcher launches on torch's default stream. A caller on the default stream (the
 harness) gets torch's own ordering: no event, no host sync. A caller on another stream gets two cached
@@ -61,9 +60,16 @@ class MosaicLauncher:
     launched with raw device pointers: `launch(pointers)`, the kernel's inputs then its outputs (ints).
     It launches on torch's DEFAULT stream of the device current at construction; the caller orders
     that stream against its own (MosaicStackLaunch). Skips as_torch_kernel's per-call tracing lookup,
-    pytree and dtype checks (~66 us per call on the H200 host; this: ~16 us). (A launcher of our own
-    calling the compiled host entry with the caller's stream aborted on the H200 with
-    "cuTensorMapEncodeTiled failed: invalid argument", cause not found.)"""
+    pytree and dtype checks (~66 us per call on the H200 host). Where jax's launcher holds its
+    compiled host entry in a form known here (the closure of its `launch`, _direct_entry), the launch
+    calls that entry with arguments built once: per call, the pointers are written into a kept buffer
+    and one ctypes call launches, where jax's `launch` builds a torch Stream object (and, in jax 0.10,
+    the argument structures) on every call. Else jax's `launch` runs as it is. On the H200 with jax
+    0.11.2 (`bench/mosaic_launch_check.py --shapes 2`): 19.5 us of host time per bridge call, against
+    56.0 us through jax's `launch` in the run before (`bench/results/mosaic-launch-2026-12-04-h200*.json`).
+    (A launcher of our own calling the compiled host
+    entry with the caller's stream, not the default one, aborted on the H200 with "cuTensorMapEncodeTiled
+    failed: invalid argument", cause not found.)"""
 
     def __init__(self, module_asm: bytes, num_buffers: int):
         import jax
@@ -78,12 +84,57 @@ class MosaicLauncher:
         self.buffers = (ctypes.c_void_p * num_buffers)()
         self._num_buffers = num_buffers
         self._device = torch.device("cuda", torch.cuda.current_device())
+        self._entry, self._entry_args = self._direct_entry(self._launch, self.buffers, self._device)
+        self.direct = self._entry is not None
+
+    @staticmethod
+    def _direct_entry(launch, buffers, device):
+        """(jax's compiled host entry, its arguments built once) from `launch`'s closure, or (None, None)
+        where this jax's launcher holds neither of the two forms known:
+        - entry(function, stream, buffers) (jax 0.11): the loaded function's handle (an int) in the
+          closure; the default stream's handle and `buffers` are fixed, so all three are built once;
+        - entry(args) (jax 0.10): args an array of pointers to the module context (in the closure), to
+          the default stream's handle and to the pointer to `buffers`; the objects behind them are kept
+          on the array, so they live as long as it does."""
+        closure = getattr(launch, "__closure__", None)
+        if closure is None:
+            return None, None
+        values = []
+        for cell in closure:
+            try:
+                values.append(cell.cell_contents)
+            except ValueError:   # an empty cell
+                pass
+        entries = [v for v in values if isinstance(v, ctypes._CFuncPtr)]
+        if len(entries) != 1:
+            return None, None
+        entry, arity = entries[0], len(getattr(entries[0], "argtypes", None) or ())
+        handles = [v for v in values if type(v) is int]
+        pointers = [v for v in values if isinstance(v, ctypes._Pointer)]
+        stream = ctypes.c_void_p(torch.cuda.default_stream(device).cuda_stream)
+        if arity == 3 and len(handles) == 1:
+            return entry, (handles[0], stream, buffers)
+        if arity == 1 and len(pointers) == 1:
+            ctx_ptr_ptr = pointers[0]
+            stream_ptr = ctypes.pointer(stream)
+            buffers_ptr = ctypes.pointer(buffers)
+            buffers_ptr_ptr = ctypes.pointer(buffers_ptr)
+            args = (ctypes.POINTER(ctypes.c_void_p) * 3)()
+            args[0] = ctx_ptr_ptr
+            args[1] = stream_ptr
+            args[2] = ctypes.cast(buffers_ptr_ptr, ctypes.POINTER(ctypes.c_void_p))
+            args._kept = (ctx_ptr_ptr, stream, stream_ptr, buffers, buffers_ptr, buffers_ptr_ptr)
+            return entry, (args,)
+        return None, None
 
     def launch(self, pointers) -> None:
         if len(pointers) != self._num_buffers:
             raise ValueError(f"{len(pointers)} pointers, the kernel takes {self._num_buffers}")
         self.buffers[:] = pointers
-        self._launch(self.buffers, self._device)
+        if self._entry is not None:
+            self._entry(*self._entry_args)
+        else:
+            self._launch(self.buffers, self._device)
 
 
 class MosaicStackLaunch:
@@ -109,7 +160,7 @@ class MosaicStackLaunch:
         self._ready, self._done = torch.cuda.Event(), torch.cuda.Event()
 
     def __call__(self, x: torch.Tensor, mats: torch.Tensor, vecs: torch.Tensor) -> torch.Tensor:
-        y = torch.empty(self.shape, dtype=torch.float32, device=x.device)
+        y = torch.empty(self.shape, dtype=torch.float32, device=self.device)
         pointers = (x.data_ptr(), mats.data_ptr(), vecs.data_ptr(), y.data_ptr())
         if self._stream() == 0:   # the caller is on the default stream: the launch's own stream
             self._launch(pointers)

@@ -12,6 +12,8 @@ its reason.
 
 from __future__ import annotations
 
+import ctypes
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -187,6 +189,76 @@ def test_launcher_without_a_gpu_compiler_says_so():
         pytest.skip("a GPU jax has the compiler; bench/mosaic_launch_check.py runs the launch there")
     with pytest.raises(RuntimeError, match="CUDA"):
         MosaicLauncher(b"not a module", num_buffers=4)
+
+
+def _jax010_launcher(entry):
+    """A launcher built as jax 0.10's `_compile_as_torch_gpu_kernel` builds its `launch` (the same
+    closure, the same argument structures per call), around `entry`, a C-callable host entry."""
+    ctx_ptr_ptr = ctypes.pointer(ctypes.c_void_p(0xC0FFEE))
+    launch_c = entry
+
+    def launch(arg_ptrs, device):
+        launch_args_ptr = (ctypes.POINTER(ctypes.c_void_p) * 3)()
+        launch_args_ptr[0] = ctx_ptr_ptr
+        launch_args_ptr[1] = ctypes.pointer(ctypes.c_void_p(0))
+        launch_args_ptr[2] = ctypes.cast(ctypes.pointer(ctypes.pointer(arg_ptrs)), ctypes.POINTER(ctypes.c_void_p))
+        launch_c(launch_args_ptr)
+    return launch
+
+
+def _jax011_launcher(entry):
+    """As jax 0.11's: the host entry takes (function, stream, buffers)."""
+    function = 0xC0FFEE
+    launch_c = entry
+
+    def launch(arg_ptrs, device):
+        launch_c(function, ctypes.c_void_p(0), arg_ptrs)
+    return launch
+
+
+def _entry_010(seen):
+    @ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+    def entry(address):   # the compiled host entry's view of its arguments
+        args = ctypes.cast(address, ctypes.POINTER(ctypes.POINTER(ctypes.c_void_p)))
+        buffers = ctypes.cast(args[2], ctypes.POINTER(ctypes.POINTER(ctypes.c_void_p)))[0]
+        seen.append((args[0][0], args[1][0], [buffers[i] for i in range(3)]))
+    return entry
+
+
+def _entry_011(seen):
+    @ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p))
+    def entry(function, stream, buffers):
+        seen.append((function, stream, [buffers[i] for i in range(3)]))
+    return entry
+
+
+@pytest.mark.parametrize("form", ["jax-0.10", "jax-0.11"])
+def test_the_kept_launch_arguments_read_as_jax_builds_them(monkeypatch, form):
+    """MosaicLauncher's launch with its arguments built once hands the host entry what jax's own launch
+    hands it on every call: the module (context or function), the default stream, the buffer pointers
+    as written for this call."""
+    seen = []
+    entry = (_entry_010 if form == "jax-0.10" else _entry_011)(seen)
+    jax_launch = (_jax010_launcher if form == "jax-0.10" else _jax011_launcher)(entry)
+    monkeypatch.setattr(torch.cuda, "default_stream", lambda device: type("S", (), {"cuda_stream": 0})())
+    launcher = MosaicLauncher.__new__(MosaicLauncher)
+    launcher._launch, launcher._num_buffers, launcher._device = jax_launch, 3, torch.device("cpu")
+    launcher.buffers = (ctypes.c_void_p * 3)()
+    launcher._entry, launcher._entry_args = MosaicLauncher._direct_entry(jax_launch, launcher.buffers, None)
+    assert launcher._entry is entry
+    for pointers in ((0x1000, 0x2000, 0x3000), (0x1100, 0x2000, 0x3300)):
+        launcher.launch(pointers)                     # the kept arguments
+        jax_launch((ctypes.c_void_p * 3)(*pointers), None)   # jax's, built for this call
+    assert seen[0] == seen[1] == (0xC0FFEE, None, [0x1000, 0x2000, 0x3000])
+    assert seen[2] == seen[3] == (0xC0FFEE, None, [0x1100, 0x2000, 0x3300])
+
+
+def test_a_launcher_without_a_known_closure_runs_jax_launch_as_it_is(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "default_stream", lambda device: type("S", (), {"cuda_stream": 0})())
+    assert MosaicLauncher._direct_entry(lambda buffers, device: None, None, None) == (None, None)
+    assert MosaicLauncher._direct_entry(print, None, None) == (None, None)
+    entry = _entry_011([])
+    assert MosaicLauncher._direct_entry(lambda b, d: entry(b, d), None, None) == (None, None)   # no handle
 
 
 # --- the bridge ---------------------------------------------------------------------------------------
