@@ -417,6 +417,17 @@ def test_the_rules_plan_traces_before_the_others(measuring_on_cpu, monkeypatch):
     assert all(isinstance(times[autotune._label(c)], float) for c in found), times
 
 
+def test_the_rules_plan_queued_at_the_budget_still_compiles(measuring_on_cpu, monkeypatch):
+    """One compile thread, its reference past the budget: the rules' plan, still queued then, is not
+    cancelled with the alternatives; it compiles and is measured."""
+    monkeypatch.setenv(autotune.THREADS_ENV, "1")
+    found = _cpu_candidates(SMALL, _facts(SMALL), None)
+    _slowed(monkeypatch, found, slow_reference=True, delay=2.0)
+    chosen, why, times = autotune.measure(SMALL, _facts(SMALL), found, jax.devices()[0], budget_s=0.5)
+    assert isinstance(times[autotune._label(found[0])], float), times
+    assert times[autotune._label(found[1])] == autotune.NOT_COMPILED and chosen == found[0]
+
+
 def test_a_slow_exact_reference_never_lengthens_the_call(measuring_on_cpu, monkeypatch):
     """The exact reference still compiling when the candidates are done: the rules' plan's output
     checks the others instead (said in explain), and the call does not wait for the reference."""

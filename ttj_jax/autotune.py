@@ -271,9 +271,10 @@ def measure(config: Config, inputs: InputFacts, found: list[Plan], jax_device, *
         concurrent.futures.wait(compiled.values(), timeout=max(budget_s - (time.perf_counter() - started), 0.0))
         # Past the budget: jobs not started never start, jobs still tracing stop before their compile.
         past_budget.set()
-        for job in compiled.values():
-            job.cancel()
         rules_job = compiled.get(rules_label)
+        for job in compiled.values():
+            if job is not rules_job:
+                job.cancel()
         if rules_job is not None and not rules_job.done():
             # The rules' plan is the call's own program: a call without measuring compiles it too, so
             # waiting for it adds nothing to what the call costs anyway, and the plan the rules trust is
