@@ -326,7 +326,12 @@ class _ModuleState:
             kernel = mosaic_launch.MosaicStackLaunch(self.config, shape[0], shape[1], device)
         except (RuntimeError, ValueError, OSError) as e:
             return None, f"the Mosaic GPU launch is unavailable: {type(e).__name__}: {e}"
-        run = lambda x, mask, tensors: kernel(x, *tensors)   # noqa: E731 - mask-free plans only
+        if call.plan.mask_mode == "rows":   # a prefix mask under causal attention: rows zeroed after the kernel
+            def run(x, mask, tensors):
+                return torch.where(mask.unsqueeze(-1), kernel(x, *tensors), 0.0)
+        else:
+            def run(x, mask, tensors):
+                return kernel(x, *tensors)
         disagreement = self._compare_with_jax(run, call, shape, "float32", device)
         return (None, disagreement) if disagreement is not None else (run, "")
 
@@ -340,7 +345,11 @@ class _ModuleState:
         generator = torch.Generator(device=device).manual_seed(0)
         x = torch.randn(tuple(shape), generator=generator, device=device).to(getattr(torch, str(dtype)))
         mask = None
-        if call.passes_mask:   # a general mask (a fully invalid sequence included) exercises every path
+        if call.passes_mask and call.plan.mask_mode == "rows":   # a prefix mask, an empty sequence included
+            lengths = torch.randint(0, shape[1] + 1, (shape[0],), generator=generator, device=device)
+            mask = torch.arange(shape[1], device=device)[None, :] < lengths[:, None]
+            mask[0] = False
+        elif call.passes_mask:   # a general mask (a fully invalid sequence included) exercises every path
             mask = torch.rand(tuple(shape[:2]), generator=generator, device=device) < 0.7
             mask[0] = False
         stack = call.plan.stack

@@ -13,6 +13,7 @@ its reason.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -76,6 +77,24 @@ def test_the_mosaic_stack_rule_keeps_to_what_it_measured():
     assert T.plan(shape_2, _facts(shape_2, batch=too_many), HOPPER).stack == "layers"
 
 
+@pytest.mark.parametrize("shape_id", ["1", "2", "7", "12"])
+def test_a_torch_caller_with_a_prefix_mask_gets_the_mosaic_launch_with_rows_zeroed(shape_id):
+    """Under causal attention a prefix mask leaves every valid row as the unmasked stack computes it:
+    the bridge launches the Mosaic kernel as without a mask and zeroes the invalid rows after it."""
+    config = T.OFFICIAL[shape_id].config
+    plan = T.plan(config, _facts(config, MaskKind.PREFIX, caller="torch"), HOPPER)
+    assert plan.stack == "fused_mgpu" and plan.mask_mode == "rows", plan.explain()
+    assert "prefix mask" in plan.explain() and "not yet measured" in plan.explain()
+    # where the mask needs more, or the caller is jax (the rules' other stacks; measured beside it), not
+    for kind, caller in ((MaskKind.GENERAL, "torch"), (MaskKind.UNKNOWN, "torch"), (MaskKind.PREFIX, "jax")):
+        assert T.plan(config, _facts(config, kind, caller=caller), HOPPER).stack != "fused_mgpu"
+    non_causal = dataclasses.replace(config, causal=False)   # a prefix mask without causal masks keys
+    assert T.plan(non_causal, _facts(non_causal, MaskKind.PREFIX, caller="torch"), HOPPER).stack != "fused_mgpu"
+    if config.seq_len < 128:   # a batch that does not fill the kernel's 128-row tiles: the jax path pads
+        odd = _facts(config, MaskKind.PREFIX, caller="torch", batch=3 * (128 // config.seq_len) + 1)
+        assert T.plan(config, odd, HOPPER).stack != "fused_mgpu"
+
+
 def test_forcing_the_mosaic_stack_is_checked():
     shape_2 = T.OFFICIAL["2"].config
     assert T.plan(shape_2, _facts(shape_2), T.planner.CPU, stack="fused_mgpu").stack == "fused_mgpu"
@@ -130,8 +149,13 @@ prepared = T.prepare_weights(params, T.get_policy("mixed_fp16"))
 y = np.asarray(T.forward(prepared, x, config=config, stack="fused_mgpu"))
 ref = np.asarray(T.reference(params, x, config=config), np.float64)
 tolerance = np.maximum(0.002, 0.02 * np.abs(ref))
+mask = jnp.arange(64)[None, :] < jnp.array([50, 0])[:, None]   # prefix masks, one empty: rows zeroed after
+y_masked = np.asarray(T.forward(prepared, x, mask, config=config, stack="fused_mgpu"))
+ref_masked = np.asarray(T.reference(params, x, mask, config=config), np.float64)
+failed_masked = int((~(np.abs(y_masked - ref_masked) <= np.maximum(0.002, 0.02 * np.abs(ref_masked)))).sum())
 weights = T.model.kernel_weights(prepared, T.model_key(config), "fused_mgpu")
 print(json.dumps({"shape_ok": y.shape == x.shape, "failed": int((~(np.abs(y - ref) <= tolerance)).sum()),
+                  "failed_masked": failed_masked, "invalid_rows_zero": bool((y_masked[~np.asarray(mask)] == 0).all()),
                   "mgpu_weights": isinstance(weights, fsm.MgpuStackWeights),
                   "built_once": T.model.kernel_weights(prepared, T.model_key(config), "fused_mgpu") is weights,
                   "layers_are_stacked": isinstance(T.model.kernel_weights(prepared, T.model_key(config), "layers"),
@@ -148,6 +172,7 @@ def test_model_forward_with_the_mosaic_stack_meets_the_harness_rule(d_model, num
     result = last_json_line(run_on_host_devices(["-c", MODEL_FORWARD_SCRIPT, json.dumps([d_model, num_heads])], 4,
                                                 timeout=600))
     assert result["shape_ok"] and result["failed"] == 0, result
+    assert result["failed_masked"] == 0 and result["invalid_rows_zero"], result
     assert result["mgpu_weights"] and result["built_once"] and result["layers_are_stacked"], result
 
 
@@ -334,6 +359,30 @@ def test_bridge_launches_the_kernel_itself_only_after_it_agreed_with_jax(monkeyp
         with torch.inference_mode():
             again = runtime.forward(ours, x, stack="fused_mgpu")
         assert launch.launches == 3 and torch.equal(again, y)
+
+
+@pytest.mark.slow
+def test_bridge_launches_the_kernel_for_a_prefix_mask_and_zeroes_its_invalid_rows(monkeypatch):
+    import bridge
+    from bridge import mosaic_launch, runtime
+    config = T.Config(4, 64, 128, 2, 128, 1, True)
+    baseline, _ = baseline_and_params(config, 17)
+    ours = bridge.TTJTransformer(config)
+    ours.load_state_dict(baseline.state_dict())
+    launch = type("Launch", (_LaunchThroughJax,), {"launches": 0})
+    monkeypatch.setattr(mosaic_launch, "unavailable_reason", lambda device: None)
+    monkeypatch.setattr(mosaic_launch, "MosaicStackLaunch", launch)
+    x = random_input(config, 18)
+    mask = torch.arange(64)[None, :] < torch.tensor([64, 40, 1, 0])[:, None]   # prefix masks, one empty
+    x_before, mask_before = x.clone(), mask.clone()
+    with torch.inference_mode():
+        y = runtime.forward(ours, x, mask, stack="fused_mgpu")
+        ref = baseline(x, mask)
+    [call] = [c for k, c in runtime._STATES[ours].calls.items() if k[-1] == "fused_mgpu"]
+    assert call.plan.mask_mode == "rows" and call.direct is not None and launch.launches == 2, call.direct_note
+    assert torch.equal(x, x_before) and torch.equal(mask, mask_before)
+    assert ((y - ref).abs() <= torch.clamp(0.02 * ref.abs(), min=0.002)).all()
+    assert (y[~mask] == 0).all() and torch.isfinite(y).all()
 
 
 @pytest.mark.slow

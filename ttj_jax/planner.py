@@ -91,6 +91,13 @@ MGPU_STACK_PLANNED_NUM_HEADS = (1, 2, 4)
 # are level on the GPU, and a torch caller still gets the Mosaic kernel there, which the bridge launches
 # with ~40 us of host time where the Triton kernel through jax costs ~0.2 ms.
 MGPU_STACK_JAX_MIN_SEQ_LEN = 64
+# For a torch caller with a prefix mask under causal attention, the rules give the Mosaic kernel (launched
+# by the bridge, mask-free, its invalid rows zeroed after it: exact, each valid query sees only earlier,
+# valid keys) where they give it without a mask. Predicted, not yet measured: the bridge's ~20 us of
+# host time for the launch and one torch where(), against the jax call's ~0.1-0.2 ms of the Triton kernel
+# with the mask. JAX callers keep the rules' other stacks; the measured planner times this one beside them.
+MGPU_STACK_ROWS_MASK = ("predicted faster than the Triton kernel through jax with the mask: the jax "
+                        "call's host time, ~0.1-0.2 ms, against ~20 us; not yet measured")
 # GEMM-bound calls (the one-device XLA program at d_model >= this, S below CUDNN_MIN_SEQ_LEN, unchunked:
 # shape 8): q/k/v and the MLP's pre-activation written in fp16 by their GEMMs, every GEMM on cuBLAS
 # (XLA's Triton GEMMs off, so cuBLAS fuses the residual adds and the tanh GELU into its epilogues):
@@ -285,12 +292,12 @@ def plan(config: Config, inputs: InputFacts, device: DeviceFacts = CPU, *,
             reasons.append(why)
     if stack == "fused_mgpu":
         from ttj_jax.kernels import fused_stack_mgpu
-        if not fused_stack_mgpu.supports(config, inputs.seq_len) or mask_mode != "none" \
+        if not fused_stack_mgpu.supports(config, inputs.seq_len) or mask_mode not in ("none", "rows") \
                 or inputs.dtype != "float32":
             model = fused_stack_mgpu.model_error(config.d_model, config.num_heads, config.ffn_dim)
             raise ValueError(f"stack 'fused_mgpu' needs a model it builds ({model or 'this one is'}), seq_len in "
                              f"{fused_stack_mgpu.SUPPORTED_SEQ_LENS}, shared memory for its layers, float32 x "
-                             f"and no mask work; got {config}, S={inputs.seq_len}, {inputs.dtype}, mask mode "
+                             f"and no mask work beyond zeroing rows; got {config}, S={inputs.seq_len}, {inputs.dtype}, mask mode "
                              f"{mask_mode}")
     if stack in ("fused", "fused_mgpu"):   # the kernel computes attention itself
         attention = "pallas"
@@ -396,17 +403,27 @@ def _stack(config: Config, inputs: InputFacts, device: DeviceFacts, policy: str,
     if not (device.is_gpu and policy == "mixed_fp16" and not batch_chunk):
         return "layers", ""
     rows = inputs.batch_size * inputs.seq_len
-    if (device.is_hopper and mask_mode == "none" and inputs.dtype == "float32" and rows <= FUSED_STACK_MAX_ROWS
+    # A prefix mask under causal attention ("rows") leaves every valid row as the unmasked stack computes
+    # it: the Mosaic kernel runs mask-free and the invalid rows are zeroed after it (MGPU_STACK_ROWS_MASK).
+    launched = (inputs.caller == "torch" and inputs.seq_len <= fused_stack_mgpu.TILE_ROWS
+                and inputs.batch_size % (fused_stack_mgpu.TILE_ROWS // inputs.seq_len) == 0)
+    mask_ok = mask_mode == "none" or (mask_mode == "rows" and launched)
+    if (device.is_hopper and mask_ok and inputs.dtype == "float32" and rows <= FUSED_STACK_MAX_ROWS
             and config.d_model in MGPU_STACK_GPU_VERIFIED_D_MODELS and config.num_heads in MGPU_STACK_PLANNED_NUM_HEADS
             and fused_stack_mgpu.supports(config, inputs.seq_len)):
+        masked = "no mask" if mask_mode == "none" else "a prefix mask (its invalid rows zeroed after the kernel)"
+        if mask_mode == "rows":
+            return "fused_mgpu", (f"S={inputs.seq_len}, {masked}, on sm_90, called from torch: the Mosaic GPU "
+                                  f"whole-stack kernel launched by the bridge without JAX dispatch, as without "
+                                  f"a mask ({MGPU_STACK_ROWS_MASK})")
         if inputs.seq_len >= MGPU_STACK_JAX_MIN_SEQ_LEN:
-            return "fused_mgpu", (f"{inputs.batch_size}x{inputs.seq_len} tokens, no mask, on sm_90: the whole "
+            return "fused_mgpu", (f"{inputs.batch_size}x{inputs.seq_len} tokens, {masked}, on sm_90: the whole "
                                   "stack as one Mosaic GPU kernel, measured faster than the Triton one (88 "
                                   "against 126 us at shape 2)")
-        if inputs.caller == "torch" and inputs.batch_size % (fused_stack_mgpu.TILE_ROWS // inputs.seq_len) == 0:
+        if launched:
             # (a batch that does not fill the kernel's 128-row tiles is padded by the jax path, which the
             # bridge would then have to take: the Triton kernel is faster there)
-            return "fused_mgpu", (f"S={inputs.seq_len}, no mask, on sm_90, called from torch: the Mosaic GPU "
+            return "fused_mgpu", (f"S={inputs.seq_len}, {masked}, on sm_90, called from torch: the Mosaic GPU "
                                   "whole-stack kernel launched by the bridge without JAX dispatch (on the GPU "
                                   "about as fast as the Triton kernel at S=32, 75 against 78 us, and that "
                                   "one pays the jax call's host time)")

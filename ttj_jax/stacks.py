@@ -51,15 +51,25 @@ def _run_fused(weights, x, mask, *, config: Config, plan: Plan):
 
 
 def _run_fused_mgpu(weights, x, mask, *, config: Config, plan: Plan):
-    """The whole stack as one Mosaic GPU kernel (plan.stack == "fused_mgpu"; mask-free plans only).
-    weights: MgpuStackWeights (the fast path, see `kernel_weights`), PreparedWeights or raw params."""
+    """The whole stack as one Mosaic GPU kernel (plan.stack == "fused_mgpu"). The kernel takes no mask:
+    mask-free plans, and "rows" plans (a prefix mask under causal attention), whose invalid rows are
+    zeroed after it (zero_invalid_rows). weights: MgpuStackWeights (the fast path, see `kernel_weights`),
+    PreparedWeights or raw params."""
     from ttj_jax.kernels.fused_stack_mgpu import MgpuStackWeights, fused_stack_mgpu_forward, stack_weights_mgpu
     if not isinstance(weights, MgpuStackWeights):
         if not isinstance(weights, PreparedWeights):
             weights = prepare_weights(weights, get_policy(plan.policy))
         weights = stack_weights_mgpu(weights, config.num_heads)
-    return fused_stack_mgpu_forward(weights, x, num_heads=config.num_heads, causal=config.causal,
-                                    interpret=jax.default_backend() == "cpu")
+    y = fused_stack_mgpu_forward(weights, x, num_heads=config.num_heads, causal=config.causal,
+                                 interpret=jax.default_backend() == "cpu")
+    return zero_invalid_rows(y, mask) if plan.mask_mode == "rows" and mask is not None else y
+
+
+def zero_invalid_rows(y, mask):
+    """y with the rows of invalid tokens set to 0 (a NaN there included). After a mask-free stack this is
+    the whole of a prefix mask's work under causal attention: each valid query attends only to earlier
+    keys, all valid, so no valid row depends on an invalid one (docs/spec.md)."""
+    return jax.numpy.where(mask[..., None], y, jax.numpy.zeros((), y.dtype))
 
 
 def _run_rows(weights, x, mask, *, config: Config, plan: Plan):
