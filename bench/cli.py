@@ -64,7 +64,8 @@ def parse_args(argv=None):
                         "(the fourteen harness shapes, the default with one) or 'general' (real-model-shaped configs); "
                         "'--suite train' first on the line runs the training benchmark (bench/train.py)")
     p.add_argument("--shapes", default=None,
-                   help="comma-separated shape ids from the suite (default: all the harness can run)")
+                   help="comma-separated shape ids from the suite (default: all the harness can run), each "
+                        "optionally with harness options after '@': a dtype, pad<ratio> (2@float16, 7@pad0.3)")
     p.add_argument("--device", default="auto", help="'auto', 'cpu' or 'cuda'")
     p.add_argument("--extra-seeds", type=int, default=None,
                    help="accuracy seeds beyond the harness's five (default 20 on CUDA, 0 on the CPU)")
@@ -379,11 +380,20 @@ def _chosen_shapes(args, *, on_gpu: bool):
     suite = T.SUITES[suite_name]
     ids = args.shapes.split(",") if args.shapes else [
         s for s in suite if suite_name != "official" or s in T.shapes.HARNESS_IDS]
-    unknown = [s for s in ids if s not in suite]
+    unknown = [s for s in ids if s.partition("@")[0] not in suite]
     if unknown:
-        print(f"unknown shape id(s) {unknown} for suite {suite_name}; known: {list(suite)}", file=sys.stderr)
+        print(f"unknown shape id(s) {unknown} for suite {suite_name}; known: {list(suite)} (each optionally with "
+              "harness options: 2@float16, 2@pad0.3)", file=sys.stderr)
         return None
-    return suite_name, suite, ids
+    chosen = {}
+    for sid in ids:   # "2@pad0.3": shape 2 at the harness's --padding-ratio 0.3 (shapes.with_options)
+        name, _, options = sid.partition("@")
+        try:
+            chosen[sid] = T.shapes.with_options(suite[name], options)
+        except ValueError as e:
+            print(f"shape {sid}: {e}", file=sys.stderr)
+            return None
+    return suite_name, chosen, ids
 
 
 def warm(args) -> int:
@@ -446,8 +456,8 @@ def main(argv=None) -> int:
     if chosen_shapes is None:
         return 2
     suite_name, suite, ids = chosen_shapes
-    order = list(suite)
-    if "14" in ids:
+    order = list(T.SUITES[suite_name]) + [sid for sid in ids if sid not in T.SUITES[suite_name]]
+    if any(sid.partition("@")[0] == "14" for sid in ids):
         print("shape 14 cannot run through the harness protocol (its baseline cannot exist); "
               "see the scale tooling", file=sys.stderr)
         return 2

@@ -1,5 +1,6 @@
 """The main job end to end on the CPU: one small shape, all contenders, JSON written, exit code 0."""
 
+import dataclasses
 import json
 import pathlib
 
@@ -49,6 +50,33 @@ def test_run_shape_records_the_clock_and_power_of_its_timing_rounds():
 def test_unknown_shape_is_refused(tmp_path, capsys):
     assert cli.main(["--suite", "small", "--shapes", "nope", "--out", str(tmp_path)]) == 2
     assert "unknown shape id" in capsys.readouterr().err
+    assert cli.main(["--suite", "small", "--shapes", "cpu-12@pad1.5", "--out", str(tmp_path)]) == 2
+    assert "padding ratio" in capsys.readouterr().err
+    assert cli.main(["--suite", "small", "--shapes", "cpu-12@float8", "--out", str(tmp_path)]) == 2
+    assert "not a harness option" in capsys.readouterr().err
+
+
+def test_ttj_bench_runs_a_shape_under_harness_options(tmp_path):
+    """"cpu-12@pad0.5" is shape cpu-12 at the harness's --padding-ratio 0.5: prefix masks for every
+    contender, recorded under that id with its padding."""
+    rc = cli.main(["--suite", "small", "--shapes", "cpu-12@pad0.5", "--warmup", "1", "--rounds", "1", "--calls", "1",
+                   "--extra-seeds", "0", "--out", str(tmp_path), "--tag", "t", "--no-plot"])
+    assert rc == 0
+    shape = json.loads((tmp_path / "t.json").read_text())["shapes"]["cpu-12@pad0.5"]
+    assert shape["padding"] == 0.5 and shape["failed_elements"] == 0
+    assert "prefix mask" in shape["plan"]
+
+
+def test_shape_ids_take_the_harness_options():
+    import ttj_jax as T
+    plain = T.shapes.find("2")
+    assert T.shapes.find("2@float16") == dataclasses.replace(plain, id="2@float16", dtype="float16")
+    padded = T.shapes.find("2@float16@pad0.3")
+    assert (padded.id, padded.dtype, padded.padding) == ("2@float16@pad0.3", "float16", 0.3)
+    assert T.shapes.find("2@pad0") is plain   # the options it already has
+    for bad in ("2@pad-0.1", "2@pad1", "2@padx", "2@half"):
+        with pytest.raises(ValueError):
+            T.shapes.find(bad)
 
 
 def test_check_close_is_the_harness_rule_in_any_chunking(monkeypatch):

@@ -105,11 +105,38 @@ GENERAL: dict[str, Shape] = {s.id: s for s in [
 SUITES: dict[str, dict[str, Shape]] = {"small": CPU_SMALL, "official": OFFICIAL, "general": GENERAL}
 
 
+HARNESS_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def with_options(shape: Shape, options: str) -> Shape:
+    """`shape` under the harness options named by `options`, "@"-separated: a dtype (the harness's
+    --dtype: "float16") and/or "pad<ratio>" (its --padding-ratio: "pad0.3"); the id gets them as given
+    ("2@float16@pad0.3"). ValueError, naming what is accepted, for anything else."""
+    dtype, padding = shape.dtype, shape.padding
+    for option in options.split("@") if options else ():
+        if option in HARNESS_DTYPES:
+            dtype = option
+        elif option.startswith("pad"):
+            try:
+                padding = float(option[3:])
+            except ValueError:
+                padding = -1.0
+            if not 0.0 <= padding < 1.0:
+                raise ValueError(f"{option!r}: a padding ratio is pad<p> with 0 <= p < 1, as the harness's "
+                                 "--padding-ratio (pad0.3)")
+        else:
+            raise ValueError(f"{option!r} is not a harness option: a dtype ({', '.join(HARNESS_DTYPES)}) or "
+                             "pad<p> (the padding ratio, 0 <= p < 1)")
+    if (dtype, padding) == (shape.dtype, shape.padding):
+        return shape
+    return dataclasses.replace(shape, id=f"{shape.id}@{options}", dtype=dtype, padding=padding)
+
+
 def find(config_id: str) -> Shape:
-    """The shape with this id in any suite (ids do not repeat across them), optionally `@<dtype>` to run
-    it in that dtype (the harness's --dtype): "bert-base", "2@float16". KeyError for an unknown id."""
-    name, _, dtype = config_id.partition("@")
+    """The shape with this id in any suite (ids do not repeat across them), optionally with harness options
+    after "@" (with_options): "bert-base", "2@float16", "2@pad0.3". KeyError for an unknown id."""
+    name, _, options = config_id.partition("@")
     for suite in SUITES.values():
         if name in suite:
-            return dataclasses.replace(suite[name], dtype=dtype) if dtype else suite[name]
+            return with_options(suite[name], options)
     raise KeyError(f"no shape {name!r} in the suites {sorted(SUITES)}")
