@@ -3,7 +3,7 @@ against its GPU time per call, the harness's two ways of plugging it in (the use
 drop-in), and the module inside a small torch model under torch.compile next to the torch peer there.
 
     python -m bench.torch_check [--shapes 1,...,13 | all] [--rounds 3] [--calls 50] [--out DIR]
-                                [--device cuda | cpu [--compile-on-cpu]]
+                                [--merge EARLIER.json] [--device cuda | cpu [--compile-on-cpu]]
 
 Per shape (under torch.inference_mode, TF32 baseline GEMMs, as the harness runs):
     host_us           the bridge module's (`bridge.TTJTransformer`) host time per call: issued on an idle GPU,
@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
+import json
 import os
 import sys
 
@@ -233,6 +234,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="folder for the JSON (default: bench.paths.default_out_dir())")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="cuda (the measurement) or cpu (a smoke test of the script)")
+    p.add_argument("--merge", default=None, metavar="JSON",
+                   help="start from this earlier file's shapes (same GPU): a run split over several calls "
+                        "ends in one file")
     p.add_argument("--compile-on-cpu", action="store_true",
                    help="with --device cpu, run the torch.compile contenders too (slow: inductor builds C++)")
     args = p.parse_args(argv)
@@ -258,6 +262,18 @@ def main(argv=None) -> int:
               "command": "python -m bench.torch_check " + " ".join(sys.argv[1:] if argv is None else argv),
               "device": device.type, **counts, "host_samples": counts["rounds"] * counts["calls"],
               "compiled": compiled, "shapes": {}}
+    if args.merge:
+        try:
+            with open(args.merge) as f:
+                previous = json.load(f)
+        except (OSError, ValueError) as e:
+            print(f"--merge {args.merge}: cannot read it ({e})", file=sys.stderr)
+            return 2
+        if previous.get("gpu") != gpu:
+            print(f"--merge {args.merge}: measured on {previous.get('gpu')!r}, not {gpu!r}", file=sys.stderr)
+            return 2
+        result["shapes"] = dict(previous.get("shapes", {}))
+        result["commands"] = previous.get("commands", [previous.get("command")]) + [result["command"]]
 
     def run_one(sid):
         try:
@@ -274,6 +290,7 @@ def main(argv=None) -> int:
         if "error" in r:
             print(f"{sid:>5} error: {r['error'][:120]}")
             continue
+        r = {**dict.fromkeys(FIELDS), "errors": {}, **r}   # (a merged record may predate a field)
         print(f"{sid:>5} {_cell(r['host_us'], 8, '.1f')} {_cell(r['loop_host_us'], 8, '.1f')} "
               f"{_cell(r['gpu_us'], 8, '.1f')} {_cell(r['host_over_gpu'], 8, '.3f')} "
               f"{_cell(r['loop_host_over_gpu'], 8, '.3f')} {_cell(r['class_ms'], 9, '.4f')} {_cell(r['dropin_ms'], 9, '.4f')} "

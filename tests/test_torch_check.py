@@ -63,3 +63,21 @@ def test_a_contender_that_raises_is_recorded_not_fatal(tmp_path, monkeypatch):
     assert list(shape["errors"]) == ["dropin"] and "no drop-in today" in shape["errors"]["dropin"]
     assert shape["dropin_ms"] is None and shape["class_vs_dropin"] is None
     assert shape["class_ms"] > 0 and shape["host_us"] > 0 and shape["failed_elements"] == 0
+
+
+def test_merge_starts_from_an_earlier_files_shapes(tmp_path, capsys):
+    """--merge FILE: a run split over several calls ends in one file, the earlier shapes and commands
+    kept; a file of another GPU is refused."""
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text(json.dumps({"gpu": "cpu", "command": "python -m bench.torch_check --shapes 1",
+                                   "shapes": {"1": {"class_ms": 1.0}}}))
+    out = tmp_path / "out"
+    assert torch_check.main(["--device", "cpu", "--shapes", "2", "--out", str(out), "--merge", str(earlier)]) == 0
+    [path] = out.glob("torch-*-cpu.json")
+    document = json.loads(path.read_text())
+    assert list(document["shapes"]) == ["1", "2"] and document["shapes"]["1"] == {"class_ms": 1.0}
+    assert document["commands"][0] == "python -m bench.torch_check --shapes 1" and len(document["commands"]) == 2
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"gpu": "NVIDIA H200", "shapes": {}}))
+    assert torch_check.main(["--device", "cpu", "--shapes", "2", "--out", str(out), "--merge", str(other)]) == 2
+    assert "measured on 'NVIDIA H200'" in capsys.readouterr().err
