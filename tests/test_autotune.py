@@ -428,6 +428,23 @@ def test_the_rules_plan_queued_at_the_budget_still_compiles(measuring_on_cpu, mo
     assert times[autotune._label(found[1])] == autotune.NOT_COMPILED and chosen == found[0]
 
 
+def test_without_an_exact_reference_the_rules_plan_checks_the_others_built_once(measuring_on_cpu, monkeypatch):
+    """Where the exact program's scores would not fit, the rules' plan's own output, from its one compile,
+    checks the others: it is not built a second time for the reference."""
+    monkeypatch.setattr(autotune, "EXACT_REFERENCE_MAX_SCORE_BYTES", 0)
+    found = _cpu_candidates(SMALL, _facts(SMALL), None)
+    built, real_runner = [], autotune._runner
+
+    def runner(candidate, *rest):
+        built.append(candidate)
+        return real_runner(candidate, *rest)
+    monkeypatch.setattr(autotune, "_runner", runner)
+    chosen, why, times = autotune.measure(SMALL, _facts(SMALL), found, jax.devices()[0])
+    assert "checked against the rules' plan" in why
+    assert built.count(found[0]) == 1
+    assert all(isinstance(times[autotune._label(c)], float) for c in found), times
+
+
 def test_a_slow_exact_reference_never_lengthens_the_call(measuring_on_cpu, monkeypatch):
     """The exact reference still compiling when the candidates are done: the rules' plan's output
     checks the others instead (said in explain), and the call does not wait for the reference."""

@@ -261,8 +261,7 @@ def measure(config: Config, inputs: InputFacts, found: list[Plan], jax_device, *
     stages = {label: rules_stage if label == rules_label else _Stage(past_budget, after) for label in runners}
     reference_stage = _Stage(threading.Event())   # submitted first, so begun first; small: never stopped
     try:
-        reference_job = pool.submit(_reference, config, inputs, found[0], params, x, mask, prepared_by_dtype,
-                                    reference_stage)
+        reference_job = pool.submit(_reference, config, inputs, found[0], params, x, mask, reference_stage)
         compiled = {label: pool.submit(_compiled, run, weights, x, passed, stages[label])
                     for label, (run, weights, passed) in runners.items()}
         # Nothing is timed while compiles run: XLA's GEMM autotuning runs kernels on the same GPU, and the
@@ -288,8 +287,20 @@ def measure(config: Config, inputs: InputFacts, found: list[Plan], jax_device, *
         for stage in (*begun, reference_stage):
             stage.traced.wait(timeout=max(grace_ends - time.perf_counter(), 0.0))
         compiled_at = time.perf_counter()
-        reference, exact = _bounded_reference(reference_job, rules_job, runners.get(_label(found[0])), x,
-                                               min(REFERENCE_SEQUENCES, inputs.batch_size))
+        rows = min(REFERENCE_SEQUENCES, inputs.batch_size)
+
+        def rules_output():   # the rules' plan on x's first rows; None where its program did not compile
+            if rules_job is None:   # it did not build: built here, raising as a call of it would
+                run, weights = _runner(found[0], config, params, prepared_by_dtype)
+                passed = mask if found[0].mask_mode != "none" else None
+            else:
+                try:
+                    run = rules_job.result()
+                except Exception:
+                    return None
+                _, weights, passed = runners[rules_label]
+            return jax.block_until_ready(run(weights, x, passed))[:rows]
+        reference, exact = _bounded_reference(reference_job, rules_output)
         referenced_at = time.perf_counter()
         accepted: dict[str, tuple[Plan, object]] = {}
         for candidate in found:
@@ -350,19 +361,22 @@ def measure(config: Config, inputs: InputFacts, found: list[Plan], jax_device, *
     return chosen, why, times
 
 
-def _bounded_reference(reference_job, rules_job, rules_runner, x, rows: int):
+def _bounded_reference(reference_job, rules_output):
     """(reference output, whether it is exact fp32) without waiting past the compiles: the exact program's
-    output where it is ready, else the rules' plan's (compiled by now), so the exact program's own
-    compile never lengthens the call. Waits for the exact program only where the rules' plan has no
-    compiled program to stand in."""
-    if reference_job.done() or rules_job is None or rules_runner is None:
-        return reference_job.result()
-    try:
-        run = rules_job.result()
-    except Exception:   # the rules' plan did not build: only the exact program can check the others
-        return reference_job.result()
-    _, weights, passed = rules_runner
-    return jax.block_until_ready(run(weights, x, passed))[:rows], False
+    output (reference_job's: None where its scores would not fit) where it is ready, else the rules'
+    plan's (rules_output(), compiled by now), so the exact program's own compile never lengthens the
+    call. Waits for the exact program only where the rules' plan has no compiled program to stand in."""
+    exact = reference_job.result() if reference_job.done() else None
+    if exact is not None:
+        return exact, True
+    rules = rules_output()
+    if rules is not None:
+        return rules, False
+    exact = reference_job.result()
+    if exact is None:
+        raise RuntimeError("measuring has no reference: the rules' plan did not compile and the exact "
+                           "program's scores would not fit")
+    return exact, True
 
 
 def compile_threads() -> int:
@@ -421,22 +435,21 @@ def _label(candidate: Plan) -> str:
     return candidate.name + ("+cublas" if candidate.xla_options else "")
 
 
-def _reference(config, inputs, rules: Plan, params, x, mask, prepared_by_dtype, stage: _Stage | None = None):
-    """(reference output of the first REFERENCE_SEQUENCES sequences, whether it is exact fp32): the exact
-    program on those sequences alone (compiled without XLA's GEMM autotuning: it runs once), where its
-    scores fit; else the rules' plan."""
+def _reference(config, inputs, rules: Plan, params, x, mask, stage: _Stage | None = None):
+    """The exact fp32 program's output on the first REFERENCE_SEQUENCES sequences (compiled without XLA's
+    GEMM autotuning: it runs once), or None where its explicit scores would not fit (the rules' plan's
+    output, which measure() has anyway, checks the others then)."""
     rows = min(REFERENCE_SEQUENCES, inputs.batch_size)
-    if 4 * rows * config.num_heads * inputs.seq_len ** 2 <= EXACT_REFERENCE_MAX_SCORE_BYTES:
-        exact = dataclasses.replace(rules, policy=EXACT_FP32.name, attention="xla", stack="layers",
-                                    xla_options=(), mask_mode="keys" if mask is not None else "none",
-                                    reason="reference")
-        run = executable(exact, model_key(config), compiler_options=REFERENCE_COMPILER_OPTIONS)
-        args = (params, x[:rows].astype(jnp.float32), None if mask is None else mask[:rows])
-        return jax.block_until_ready(_compiled(run, *args, stage)(*args)), True
-    if stage is not None:
-        stage.traced.set()
-    run, weights = _runner(rules, config, params, prepared_by_dtype)
-    return jax.block_until_ready(run(weights, x, mask if rules.mask_mode != "none" else None))[:rows], False
+    if 4 * rows * config.num_heads * inputs.seq_len ** 2 > EXACT_REFERENCE_MAX_SCORE_BYTES:
+        if stage is not None:
+            stage.traced.set()
+        return None
+    exact = dataclasses.replace(rules, policy=EXACT_FP32.name, attention="xla", stack="layers",
+                                xla_options=(), mask_mode="keys" if mask is not None else "none",
+                                reason="reference")
+    run = executable(exact, model_key(config), compiler_options=REFERENCE_COMPILER_OPTIONS)
+    args = (params, x[:rows].astype(jnp.float32), None if mask is None else mask[:rows])
+    return jax.block_until_ready(_compiled(run, *args, stage)(*args))
 
 
 def warm(calls, *, caller: str = "torch", cache: PlanCache | None = None, jax_device=None) -> list[Plan]:
