@@ -411,19 +411,18 @@ def _stack(config: Config, inputs: InputFacts, device: DeviceFacts, policy: str,
     if (device.is_hopper and mask_ok and inputs.dtype == "float32" and rows <= FUSED_STACK_MAX_ROWS
             and config.d_model in MGPU_STACK_GPU_VERIFIED_D_MODELS and config.num_heads in MGPU_STACK_PLANNED_NUM_HEADS
             and fused_stack_mgpu.supports(config, inputs.seq_len)):
-        masked = "no mask" if mask_mode == "none" else "a prefix mask (its invalid rows zeroed after the kernel)"
         if mask_mode == "rows":
-            return "fused_mgpu", (f"S={inputs.seq_len}, {masked}, on sm_90, called from torch: the Mosaic GPU "
-                                  f"whole-stack kernel launched by the bridge without JAX dispatch, as without "
-                                  f"a mask ({MGPU_STACK_ROWS_MASK})")
+            return "fused_mgpu", (f"S={inputs.seq_len}, a prefix mask (its invalid rows zeroed after the kernel), "
+                                  "on sm_90, called from torch: the Mosaic GPU whole-stack kernel launched by "
+                                  f"the bridge without JAX dispatch, as without a mask ({MGPU_STACK_ROWS_MASK})")
         if inputs.seq_len >= MGPU_STACK_JAX_MIN_SEQ_LEN:
-            return "fused_mgpu", (f"{inputs.batch_size}x{inputs.seq_len} tokens, {masked}, on sm_90: the whole "
+            return "fused_mgpu", (f"{inputs.batch_size}x{inputs.seq_len} tokens, no mask, on sm_90: the whole "
                                   "stack as one Mosaic GPU kernel, measured faster than the Triton one (88 "
                                   "against 126 us at shape 2)")
         if launched:
             # (a batch that does not fill the kernel's 128-row tiles is padded by the jax path, which the
             # bridge would then have to take: the Triton kernel is faster there)
-            return "fused_mgpu", (f"S={inputs.seq_len}, {masked}, on sm_90, called from torch: the Mosaic GPU "
+            return "fused_mgpu", (f"S={inputs.seq_len}, no mask, on sm_90, called from torch: the Mosaic GPU "
                                   "whole-stack kernel launched by the bridge without JAX dispatch (on the GPU "
                                   "about as fast as the Triton kernel at S=32, 75 against 78 us, and that "
                                   "one pays the jax call's host time)")

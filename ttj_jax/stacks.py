@@ -69,7 +69,7 @@ def zero_invalid_rows(y, mask):
     """y with the rows of invalid tokens set to 0 (a NaN there included). After a mask-free stack this is
     the whole of a prefix mask's work under causal attention: each valid query attends only to earlier
     keys, all valid, so no valid row depends on an invalid one (docs/spec.md)."""
-    return jax.numpy.where(mask[..., None], y, jax.numpy.zeros((), y.dtype))
+    return jax.numpy.where(mask[..., None], y, 0.0)
 
 
 def _run_rows(weights, x, mask, *, config: Config, plan: Plan):
