@@ -85,7 +85,11 @@ class MosaicLauncher:
         self._num_buffers = num_buffers
         self._device = torch.device("cuda", torch.cuda.current_device())
         self._entry, self._entry_args = self._direct_entry(self._launch, self.buffers, self._device)
-        self.direct = self._entry is not None
+
+    @property
+    def direct(self) -> bool:
+        """Whether launches call jax's host entry with the kept arguments (else jax's `launch`)."""
+        return self._entry is not None
 
     @staticmethod
     def _direct_entry(launch, buffers, device):
