@@ -65,7 +65,8 @@ def parse_args(argv=None):
                         "'--suite train' first on the line runs the training benchmark (bench/train.py)")
     p.add_argument("--shapes", default=None,
                    help="comma-separated shape ids from the suite (default: all the harness can run), each "
-                        "optionally with harness options after '@': a dtype, pad<ratio> (2@float16, 7@pad0.3)")
+                        "optionally with harness options after '@': a dtype, pad<ratio>, scale<input scale> "
+                        "(2@float16, 7@pad0.3, 8@scale0.1)")
     p.add_argument("--device", default="auto", help="'auto', 'cpu' or 'cuda'")
     p.add_argument("--extra-seeds", type=int, default=None,
                    help="accuracy seeds beyond the harness's five (default 20 on CUDA, 0 on the CPU)")
@@ -193,8 +194,10 @@ def run_shape(shape: T.Shape, args, device: torch.device, progress: Progress,
     dtype = getattr(torch, shape.dtype)
     baseline, ours = harness_models(harness_config, bridge.TTJTransformer, device=device, dtype=dtype)
     # the harness's input for this shape: its padding ratio and dtype, for every contender
-    inputs = lambda seed: make_inputs(harness_config, seed, padding_ratio=shape.padding, device=device, dtype=dtype)
-    result = {"config": vars(config), "regime": shape.regime, "padding": shape.padding, "dtype": shape.dtype}
+    inputs = lambda seed: make_inputs(harness_config, seed, padding_ratio=shape.padding, input_scale=shape.input_scale,
+                                      device=device, dtype=dtype)
+    result = {"config": vars(config), "regime": shape.regime, "padding": shape.padding, "dtype": shape.dtype,
+              "input_scale": shape.input_scale}
 
     contenders = {"baseline": baseline, "ttj_bridge": ours}
     if args.peer:
@@ -383,7 +386,7 @@ def _chosen_shapes(args, *, on_gpu: bool):
     unknown = [s for s in ids if s.partition("@")[0] not in suite]
     if unknown:
         print(f"unknown shape id(s) {unknown} for suite {suite_name}; known: {list(suite)} (each optionally with "
-              "harness options: 2@float16, 2@pad0.3)", file=sys.stderr)
+              "harness options: 2@float16, 2@pad0.3, 2@scale0.1)", file=sys.stderr)
         return None
     chosen = {}
     for sid in ids:   # "2@pad0.3": shape 2 at the harness's --padding-ratio 0.3 (shapes.with_options)

@@ -1,8 +1,10 @@
-"""GPU check of the bridge's own launch of the Mosaic GPU whole-stack kernel (bridge/mosaic_launch.py).
+"""GPU check of the bridge's own launches: the Mosaic GPU whole-stack kernel (bridge/mosaic_launch.py) and
+a program of Triton kernels (bridge/triton_launch.py).
 
     PYTHONPATH=. python3 bench/mosaic_launch_check.py --out bench/results [--shapes 2,1,3,4,5,9,10,12,6]
     PYTHONPATH=. python3 bench/mosaic_launch_check.py --out bench/results --shapes 7 --stack fused_mgpu
     PYTHONPATH=. python3 bench/mosaic_launch_check.py --out bench/results --shapes 11 --stack fused_mgpu --against planner
+    PYTHONPATH=. python3 bench/mosaic_launch_check.py --out bench/results --shapes 2,7,11 --stack rows --against jax
 
 --stack forces a stack through `bridge.forward(..., stack=...)` instead of the module's own call (the
 planner's choice): how a build the planner does not pick yet (shape 7's d_model 32) is checked.
@@ -17,8 +19,10 @@ Per official shape, through the bridge module as the harness calls it (all-True 
 - host us per call (perf_counter, no sync) and the harness timing (CUDA events per call, 3 x 100 calls)
   of the bridge with the launch, and of the same module forced to the Triton kernel through jax
   (--against fused, the default) or called as the harness calls it, the planner's choice (--against
-  planner: with --stack, what the forced stack would replace, e.g. shape 11's rows stack).
-Writes <out>/mosaic-launch-<date>-<gpu>.json and prints a table last.
+  planner: with --stack, what the forced stack would replace, e.g. shape 11's rows stack), or the same
+  plan through jax, the bridge's own launches off (--against jax).
+Writes <out>/mosaic-launch-<date>-<gpu>.json (triton-launch-... for --stack rows or fused) and prints a
+table last.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ from bench.timing import (
     host_us,  # noqa: E402
     time_contenders,  # noqa: E402
 )
-from bridge import runtime  # noqa: E402
+from bridge import runtime, settings  # noqa: E402
 
 DEFAULT_SHAPES = "2,1,3,4,5,9,10,12,6"
 
@@ -90,6 +94,16 @@ def check_shape(sid: str, device: torch.device, stack: str | None = None, agains
         record["host_us_bridge"] = host_us(lambda: ours(x, mask))["median_us"]
         if against == "planner":   # the module as the harness calls it
             other_name, other = "bridge_planner", (lambda: module(x, mask))
+        elif against == "jax":   # the same plan, built with the bridge's own launches off (its own call key)
+            other_name = "bridge_via_jax"
+            other = (lambda: runtime.forward(module, x, mask, stack=stack, data_parallel=1))
+            saved = {k: os.environ.get(k) for k in (settings.MOSAIC_LAUNCH_ENV, settings.TRITON_LAUNCH_ENV)}
+            os.environ.update({k: "0" for k in saved})
+            try:
+                other()
+            finally:
+                for k, v in saved.items():
+                    os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
         else:
             other_name, other = "bridge_triton_via_jax", (lambda: runtime.forward(module, x, mask, stack="fused"))
         other()
@@ -105,15 +119,17 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--shapes", default=DEFAULT_SHAPES)
-    parser.add_argument("--stack", default=None, choices=("fused_mgpu",),
+    parser.add_argument("--stack", default=None, choices=("fused_mgpu", "rows", "fused"),
                         help="force this stack instead of the planner's choice (e.g. shape 7's d_model 32)")
-    parser.add_argument("--against", default="fused", choices=("fused", "planner"),
-                        help="time the bridge against the Triton kernel through jax, or the planner's choice")
+    parser.add_argument("--against", default="fused", choices=("fused", "planner", "jax"),
+                        help="time the bridge against the Triton kernel through jax, the planner's choice, "
+                             "or the same plan through jax")
     args = parser.parse_args(argv)
     device = torch.device("cuda")
     name = torch.cuda.get_device_name(device)
     suffix = "" if args.stack is None else f"-{args.stack}"
-    path = os.path.join(args.out, f"mosaic-launch-{datetime.date.today()}-{name.split()[-1].lower()}{suffix}.json")
+    kind = "triton" if args.stack in ("rows", "fused") else "mosaic"
+    path = os.path.join(args.out, f"{kind}-launch-{datetime.date.today()}-{name.split()[-1].lower()}{suffix}.json")
     result = {"gpu": name, "jax": jax.__version__, "torch": torch.__version__,
               "date": str(datetime.date.today()), "command": " ".join(sys.argv), "shapes": {}}
     for sid in args.shapes.split(","):

@@ -30,14 +30,14 @@ import jax
 import numpy as np
 import torch
 
-from bridge import mosaic_launch, settings
+from bridge import mosaic_launch, settings, triton_launch
 from bridge.transfer import Transfer, current_cuda_device, transfer_for
 from ttj_jax import stacks
 from ttj_jax.config import Config
 from ttj_jax.device import device_facts
 from ttj_jax.masks import MaskKind, classify_mask
 from ttj_jax.model import executable, model_key, plan_for, validate_inputs
-from ttj_jax.numerics import get_policy
+from ttj_jax.numerics import HARNESS_ATOL, HARNESS_RTOL, get_policy
 from ttj_jax.params import expected_shapes, params_from_state_dict, prepare_weights
 from ttj_jax.planner import InputFacts, Plan
 from ttj_jax.planner import plan as make_plan
@@ -297,6 +297,8 @@ class _ModuleState:
             call.direct_note = f"the batch is split over {plan.data_parallel} devices, one kernel per device"
         elif bridge_launch is not None:
             call.direct, call.direct_note = self._mosaic_kernel(call, x.shape, x.device)
+        elif stacks.get(plan.stack).kernels_only and plan.data_parallel == 1:
+            call.direct, call.direct_note = self._triton_kernels(call, x)
         if call.direct is not None and x.device.type == "cuda":
             call.direct_device = x.device.index   # a CUDA tensor's device always carries its index
         return call
@@ -335,13 +337,37 @@ class _ModuleState:
         disagreement = self._compare_with_jax(run, call, shape, "float32", device)
         return (None, disagreement) if disagreement is not None else (run, "")
 
+    def _triton_kernels(self, call: _Call, x: torch.Tensor):
+        """(launch, "") running the plan's Triton kernels on torch's stream (bridge/triton_launch.py), or
+        (None, why it runs through jax)."""
+        why = triton_launch.unavailable_reason(x.device)
+        if why is None and call.plan.policy != "mixed_fp16":
+            why = f"policy {call.plan.policy}: the bridge keeps kernel weights of mixed_fp16 only"
+        if why is not None:
+            return None, why
+        dtype = "float32" if call.upcast_to is not None else _torch_dtype_name(x.dtype)
+        x_struct = jax.ShapeDtypeStruct(tuple(x.shape), dtype)
+        mask_struct = jax.ShapeDtypeStruct(tuple(x.shape[:2]), "bool") if call.passes_mask else None
+        try:
+            launch = triton_launch.TritonProgramLaunch(
+                call.run, self.kernel_jax_weights(call.plan.stack), x_struct, mask_struct, x.device,
+                kernels=triton_launch.kernels_for(x.device))
+        except triton_launch.NotReplayable as e:
+            return None, f"the program is not only Triton kernels: {e}"
+        except (RuntimeError, OSError, ImportError, AttributeError) as e:
+            return None, f"the Triton launch is unavailable: {type(e).__name__}: {e}"
+        disagreement = self._compare_with_jax(launch, call, x.shape, dtype, x.device, rule_fraction=0.25)
+        return (None, disagreement) if disagreement is not None else (launch, "")
+
     # The direct launch runs the binary the jax path runs: its output must match to rounding noise.
     DIRECT_CHECK_ATOL = 1e-4
 
-    def _compare_with_jax(self, run, call: _Call, shape, dtype, device) -> str | None:
+    def _compare_with_jax(self, run, call: _Call, shape, dtype, device, rule_fraction: float | None = None
+                          ) -> str | None:
         """Runs `run(x, mask, weights)` (a direct launch) once on a random input and compares it with the
-        jax path (the same plan through jax). Returns why it cannot be used, or None. One host sync, once
-        per input signature."""
+        jax path (the same plan through jax): within DIRECT_CHECK_ATOL (the same binary), or, with
+        rule_fraction, within that fraction of the harness rule's tolerance (another compile of the same
+        kernels). Returns why it cannot be used, or None. One host sync, once per input signature."""
         generator = torch.Generator(device=device).manual_seed(0)
         x = torch.randn(tuple(shape), generator=generator, device=device).to(getattr(torch, str(dtype)))
         mask = None
@@ -357,6 +383,15 @@ class _ModuleState:
         call.transfer.order_before_jax()
         jax_out = call.transfer.to_torch(call.run(self.kernel_jax_weights(stack), call.transfer.to_jax(x),
                                                   None if mask is None else call.transfer.to_jax(mask)))
+        if rule_fraction is not None:
+            out, ref = direct_out.float(), jax_out.float()
+            tolerance = torch.clamp(HARNESS_RTOL * ref.abs(), min=HARNESS_ATOL)
+            ratio = torch.where(out.isfinite() & ref.isfinite(), (out - ref).abs() / tolerance, torch.inf)
+            worst = float(ratio.max()) if ratio.numel() else 0.0
+            if not worst <= rule_fraction:   # also catches NaN
+                return (f"the direct launch differed from the jax path by {worst:.3g} of the harness rule's "
+                        f"tolerance (> {rule_fraction}) on a test input: running through jax")
+            return None
         difference = float((direct_out.float() - jax_out.float()).abs().max())
         if not difference <= self.DIRECT_CHECK_ATOL:   # also catches NaN
             return (f"the direct launch differed from the jax path by {difference:.3g} (> "
@@ -688,9 +723,14 @@ def explain(module: torch.nn.Module, x: torch.Tensor, valid_token_mask=None, *, 
     if call is None:
         call = state.calls[key] = state.build_call(x, kind)
     text = call.plan.explain()
-    if stacks.get(call.plan.stack).bridge_launch is not None:
-        text += ("; launched directly on torch's current stream (no JAX dispatch)" if call.direct is not None
-                 else f"; run through jax: {call.direct_note}")
+    stack = stacks.get(call.plan.stack)
+    if call.direct is not None and stack.kernels_only:
+        text += (f"; its {call.direct.num_kernels} Triton kernel(s) launched directly on torch's current stream "
+                 "(no JAX dispatch)")
+    elif call.direct is not None:
+        text += "; launched directly on torch's current stream (no JAX dispatch)"
+    elif stack.bridge_launch is not None or stack.kernels_only:
+        text += f"; run through jax: {call.direct_note}"
     return text
 
 

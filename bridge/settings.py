@@ -6,6 +6,9 @@ Environment switches (read when a device's first call sets up its transfers or l
   torch's writes).
 - `TTJ_MOSAIC_LAUNCH=0`: run the Mosaic GPU whole-stack kernel through jax instead of launching it on
   torch's stream.
+- `TTJ_TRITON_LAUNCH=1`: launch the kernels of plans made only of Triton kernels (the "rows" and "fused"
+  stacks) on torch's stream instead of calling jax (bridge/triton_launch.py). Off by default: an
+  experiment whose GPU checks have not passed yet (see that module).
 - `TTJ_POLICY=<name>`: a numerics policy (`ttj_jax.numerics.POLICIES`) for every inference call signature the
   bridge plans from then on, instead of the planner's choice (read when a signature is first planned):
   `mixed_fp16x3` or `tf32` for inputs at small scales (docs/decisions.md, "Numerics").
@@ -25,6 +28,7 @@ import os
 KEEP_X_IMPORT_ENV = "TTJ_BRIDGE_KEEP_X_IMPORT"
 MOSAIC_LAUNCH_ENV = "TTJ_MOSAIC_LAUNCH"
 POLICY_ENV = "TTJ_POLICY"
+TRITON_LAUNCH_ENV = "TTJ_TRITON_LAUNCH"
 _OFF = ("0", "false", "False", "")
 
 
@@ -34,6 +38,10 @@ def keep_x_import() -> bool:
 
 def mosaic_launch() -> bool:
     return os.environ.get(MOSAIC_LAUNCH_ENV, "1") not in _OFF
+
+
+def triton_launch() -> bool:
+    return os.environ.get(TRITON_LAUNCH_ENV, "0") not in _OFF
 
 
 def requested_policy() -> str | None:

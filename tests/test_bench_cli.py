@@ -73,8 +73,11 @@ def test_shape_ids_take_the_harness_options():
     assert T.shapes.find("2@float16") == dataclasses.replace(plain, id="2@float16", dtype="float16")
     padded = T.shapes.find("2@float16@pad0.3")
     assert (padded.id, padded.dtype, padded.padding) == ("2@float16@pad0.3", "float16", 0.3)
-    assert T.shapes.find("2@pad0") is plain   # the options it already has
-    for bad in ("2@pad-0.1", "2@pad1", "2@padx", "2@half"):
+    scaled = T.shapes.find("8@scale0.1")
+    assert (scaled.id, scaled.input_scale, scaled.padding) == ("8@scale0.1", 0.1, 0.0)
+    assert "input_scale=0.1" in scaled.describe()
+    assert T.shapes.find("2@pad0") is plain and T.shapes.find("2@scale1") is plain   # the options it already has
+    for bad in ("2@pad-0.1", "2@pad1", "2@padx", "2@half", "2@scale0", "2@scale-1", "2@scalex", "2@scaleinf"):
         with pytest.raises(ValueError):
             T.shapes.find(bad)
 

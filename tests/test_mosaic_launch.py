@@ -84,7 +84,7 @@ def test_a_torch_caller_with_a_prefix_mask_gets_the_mosaic_launch_with_rows_zero
     config = T.OFFICIAL[shape_id].config
     plan = T.plan(config, _facts(config, MaskKind.PREFIX, caller="torch"), HOPPER)
     assert plan.stack == "fused_mgpu" and plan.mask_mode == "rows", plan.explain()
-    assert "prefix mask" in plan.explain() and "not yet measured" in plan.explain()
+    assert "prefix mask" in plan.explain() and "with padding ratio 0.3" in plan.explain()
     # where the mask needs more, or the caller is jax (the rules' other stacks; measured beside it), not
     for kind, caller in ((MaskKind.GENERAL, "torch"), (MaskKind.UNKNOWN, "torch"), (MaskKind.PREFIX, "jax")):
         assert T.plan(config, _facts(config, kind, caller=caller), HOPPER).stack != "fused_mgpu"

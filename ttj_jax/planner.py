@@ -93,11 +93,12 @@ MGPU_STACK_PLANNED_NUM_HEADS = (1, 2, 4)
 MGPU_STACK_JAX_MIN_SEQ_LEN = 64
 # For a torch caller with a prefix mask under causal attention, the rules give the Mosaic kernel (launched
 # by the bridge, mask-free, its invalid rows zeroed after it: exact, each valid query sees only earlier,
-# valid keys) where they give it without a mask. Predicted, not yet measured: the bridge's ~20 us of
-# host time for the launch and one torch where(), against the jax call's ~0.1-0.2 ms of the Triton kernel
-# with the mask. JAX callers keep the rules' other stacks; the measured planner times this one beside them.
-MGPU_STACK_ROWS_MASK = ("predicted faster than the Triton kernel through jax with the mask: the jax "
-                        "call's host time, ~0.1-0.2 ms, against ~20 us; not yet measured")
+# valid keys) where they give it without a mask. Measured on the H200 at the harness's --padding-ratio 0.3
+# (bench/results/official-2026-12-04-h200-prefix-mask-mosaic.json): 0.079 / 0.066 / 0.079 ms at shapes
+# 2 / 7 / 12 against 0.074 / 0.051 / 0.073 unpadded, the peer 0.095 / 0.117 / 0.121. JAX callers keep the
+# rules' other stacks; the measured planner times this one beside them.
+MGPU_STACK_ROWS_MASK = ("measured 0.079 / 0.066 / 0.079 ms at shapes 2 / 7 / 12 with padding ratio 0.3, "
+                        "against 0.074 / 0.051 / 0.073 without a mask")
 # GEMM-bound calls (the one-device XLA program at d_model >= this, S below CUDNN_MIN_SEQ_LEN, unchunked:
 # shape 8): q/k/v and the MLP's pre-activation written in fp16 by their GEMMs, every GEMM on cuBLAS
 # (XLA's Triton GEMMs off, so cuBLAS fuses the residual adds and the tanh GELU into its epilogues):

@@ -24,6 +24,8 @@ class Shape:
     padding: float = 0.0
     # the harness's --dtype: model and input in this dtype, checked against the baseline in it
     dtype: str = "float32"
+    # the harness's --input-scale: x = randn * input_scale
+    input_scale: float = 1.0
 
     def describe(self) -> str:
         c = self.config
@@ -33,6 +35,8 @@ class Shape:
             text += f" padding={self.padding}"
         if self.dtype != "float32":
             text += f" dtype={self.dtype}"
+        if self.input_scale != 1.0:
+            text += f" input_scale={self.input_scale:g}"
         return text
 
 
@@ -110,9 +114,10 @@ HARNESS_DTYPES = ("float32", "float16", "bfloat16")
 
 def with_options(shape: Shape, options: str) -> Shape:
     """`shape` under the harness options named by `options`, "@"-separated: a dtype (the harness's
-    --dtype: "float16") and/or "pad<ratio>" (its --padding-ratio: "pad0.3"); the id gets them as given
-    ("2@float16@pad0.3"). ValueError, naming what is accepted, for anything else."""
-    dtype, padding = shape.dtype, shape.padding
+    --dtype: "float16"), "pad<ratio>" (its --padding-ratio: "pad0.3") and/or "scale<s>" (its
+    --input-scale: "scale0.1"); the id gets them as given ("2@float16@pad0.3"). ValueError, naming what is
+    accepted, for anything else."""
+    dtype, padding, scale = shape.dtype, shape.padding, shape.input_scale
     for option in options.split("@") if options else ():
         if option in HARNESS_DTYPES:
             dtype = option
@@ -124,12 +129,20 @@ def with_options(shape: Shape, options: str) -> Shape:
             if not 0.0 <= padding < 1.0:
                 raise ValueError(f"{option!r}: a padding ratio is pad<p> with 0 <= p < 1, as the harness's "
                                  "--padding-ratio (pad0.3)")
+        elif option.startswith("scale"):
+            try:
+                scale = float(option[5:])
+            except ValueError:
+                scale = -1.0
+            if not (scale > 0.0 and scale < float("inf")):
+                raise ValueError(f"{option!r}: an input scale is scale<s> with s > 0, as the harness's "
+                                 "--input-scale (scale0.1)")
         else:
-            raise ValueError(f"{option!r} is not a harness option: a dtype ({', '.join(HARNESS_DTYPES)}) or "
-                             "pad<p> (the padding ratio, 0 <= p < 1)")
-    if (dtype, padding) == (shape.dtype, shape.padding):
+            raise ValueError(f"{option!r} is not a harness option: a dtype ({', '.join(HARNESS_DTYPES)}), "
+                             "pad<p> (the padding ratio, 0 <= p < 1) or scale<s> (the input scale, s > 0)")
+    if (dtype, padding, scale) == (shape.dtype, shape.padding, shape.input_scale):
         return shape
-    return dataclasses.replace(shape, id=f"{shape.id}@{options}", dtype=dtype, padding=padding)
+    return dataclasses.replace(shape, id=f"{shape.id}@{options}", dtype=dtype, padding=padding, input_scale=scale)
 
 
 def find(config_id: str) -> Shape:

@@ -3,9 +3,10 @@ whole-stack and row-tile kernels.
 
 Each `Stack` says how to run it (`run`), which weight layout it takes (`build_weights`, built once per
 PreparedWeights; None: the PreparedWeights themselves), and, for the kernels the torch bridge launches
-itself without JAX dispatch, which shapes it can launch (`bridge_launch`) and the weight arrays that
-launch reads (`weight_arrays`). model.py and the bridge look a plan's stack up here instead of testing
-its name. Kernel modules are imported on first use: importing Pallas' GPU backends costs seconds.
+itself without JAX dispatch, which shapes it can launch (`bridge_launch`: the Mosaic GPU kernel;
+`kernels_only`: a program of Triton kernels) and the weight arrays that launch reads (`weight_arrays`).
+model.py and the bridge look a plan's stack up here instead of testing its name. Kernel modules are
+imported on first use: importing Pallas' GPU backends costs seconds.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ class Stack:
     build_weights: Callable | None = None          # (prepared, config) -> the kernel's weight layout
     weight_arrays: Callable | None = None          # that layout -> the arrays a bridge launch reads
     bridge_launch: Callable | None = None          # (config, batch, seq_len) -> None, or why not
+    # Its program is Pallas Triton kernels joined by reshapes: the torch bridge may launch those kernels
+    # itself (bridge/triton_launch.py), reading the weight layout's leaves (`weight_arrays`).
+    kernels_only: bool = False
 
 
 def _run_fused(weights, x, mask, *, config: Config, plan: Plan):
@@ -115,8 +119,10 @@ def _mgpu_weights(prepared, config: Config):
 
 STACKS: dict[str, Stack] = {stack.name: stack for stack in (
     Stack("layers", run_layers, build_weights=_layers_weights),
-    Stack("fused", _run_fused, build_weights=_fused_weights),
-    Stack("rows", _run_rows, build_weights=_rows_weights),
+    Stack("fused", _run_fused, build_weights=_fused_weights, weight_arrays=jax.tree_util.tree_leaves,
+          kernels_only=True),
+    Stack("rows", _run_rows, build_weights=_rows_weights, weight_arrays=jax.tree_util.tree_leaves,
+          kernels_only=True),
     Stack("fused_mgpu", _run_fused_mgpu, build_weights=_mgpu_weights,
           weight_arrays=lambda weights: [weights.mats, weights.vecs], bridge_launch=_mgpu_bridge_launch),
 )}
