@@ -729,7 +729,7 @@ def explain(module: torch.nn.Module, x: torch.Tensor, valid_token_mask=None, *, 
                  "(no JAX dispatch)")
     elif call.direct is not None:
         text += "; launched directly on torch's current stream (no JAX dispatch)"
-    elif stack.bridge_launch is not None or stack.kernels_only:
+    elif stack.bridge_launch is not None or (stack.kernels_only and settings.triton_launch()):
         text += f"; run through jax: {call.direct_note}"
     return text
 

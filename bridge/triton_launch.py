@@ -388,7 +388,7 @@ def unavailable_reason(device: torch.device) -> str | None:
     """Why the bridge cannot launch a program's Triton kernels itself on `device`, or None."""
     from bridge import settings
     if not settings.triton_launch():
-        return f"{settings.TRITON_LAUNCH_ENV}=0"
+        return f"the bridge's own launch of Triton kernels is off (an experiment: {settings.TRITON_LAUNCH_ENV}=1)"
     if device.type != "cuda":
         return f"x is on {device}, not a CUDA device"
     if torch.version.cuda is None:
