@@ -34,6 +34,7 @@ import os
 import sys
 import time
 import traceback
+from unittest import mock
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
@@ -97,13 +98,8 @@ def check_shape(sid: str, device: torch.device, stack: str | None = None, agains
         elif against == "jax":   # the same plan, built with the bridge's own launches off (its own call key)
             other_name = "bridge_via_jax"
             other = (lambda: runtime.forward(module, x, mask, stack=stack, data_parallel=1))
-            saved = {k: os.environ.get(k) for k in (settings.MOSAIC_LAUNCH_ENV, settings.TRITON_LAUNCH_ENV)}
-            os.environ.update({k: "0" for k in saved})
-            try:
+            with mock.patch.dict(os.environ, {settings.MOSAIC_LAUNCH_ENV: "0", settings.TRITON_LAUNCH_ENV: "0"}):
                 other()
-            finally:
-                for k, v in saved.items():
-                    os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
         else:
             other_name, other = "bridge_triton_via_jax", (lambda: runtime.forward(module, x, mask, stack="fused"))
         other()

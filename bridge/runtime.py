@@ -37,7 +37,7 @@ from ttj_jax.config import Config
 from ttj_jax.device import device_facts
 from ttj_jax.masks import MaskKind, classify_mask
 from ttj_jax.model import executable, model_key, plan_for, validate_inputs
-from ttj_jax.numerics import HARNESS_ATOL, HARNESS_RTOL, get_policy
+from ttj_jax.numerics import get_policy, harness_check
 from ttj_jax.params import expected_shapes, params_from_state_dict, prepare_weights
 from ttj_jax.planner import InputFacts, Plan
 from ttj_jax.planner import plan as make_plan
@@ -381,17 +381,15 @@ class _ModuleState:
         stack = call.plan.stack
         direct_out = run(x, mask, self.kernel_tensors(stack))
         call.transfer.order_before_jax()
-        jax_out = call.transfer.to_torch(call.run(self.kernel_jax_weights(stack), call.transfer.to_jax(x),
-                                                  None if mask is None else call.transfer.to_jax(mask)))
+        jax_result = call.run(self.kernel_jax_weights(stack), call.transfer.to_jax(x),
+                              None if mask is None else call.transfer.to_jax(mask))
         if rule_fraction is not None:
-            out, ref = direct_out.float(), jax_out.float()
-            tolerance = torch.clamp(HARNESS_RTOL * ref.abs(), min=HARNESS_ATOL)
-            ratio = torch.where(out.isfinite() & ref.isfinite(), (out - ref).abs() / tolerance, torch.inf)
-            worst = float(ratio.max()) if ratio.numel() else 0.0
+            worst = float(harness_check(call.transfer.to_jax(direct_out), jax_result)[1])
             if not worst <= rule_fraction:   # also catches NaN
                 return (f"the direct launch differed from the jax path by {worst:.3g} of the harness rule's "
                         f"tolerance (> {rule_fraction}) on a test input: running through jax")
             return None
+        jax_out = call.transfer.to_torch(jax_result)
         difference = float((direct_out.float() - jax_out.float()).abs().max())
         if not difference <= self.DIRECT_CHECK_ATOL:   # also catches NaN
             return (f"the direct launch differed from the jax path by {difference:.3g} (> "

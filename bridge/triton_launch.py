@@ -59,6 +59,10 @@ _CALLS = ("pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_
 _ALIGN = 256   # bytes: every workspace array starts on this boundary (Triton assumes 16)
 
 
+def _aligned(size: int) -> int:
+    return -(-size // _ALIGN) * _ALIGN
+
+
 class NotReplayable(ValueError):
     """The program contains something the bridge cannot run itself; the message says what."""
 
@@ -198,18 +202,17 @@ def program_steps(closed_jaxpr) -> Program:
     offsets, workspace = plan_buffers(
         [([v for v in outs if v is not out_root], [v for v in ins if v not in inputs]) for _, ins, outs in kernels],
         sizes, last_read)
-    num_inputs = len(jaxpr.invars)
+    program = Program([], len(jaxpr.invars), workspace, tuple(out_var.aval.shape), np.dtype(out_var.aval.dtype))
 
     def ref(v) -> Ref:
         if v in inputs:
             return inputs[v]
         if v is out_root:
-            return Ref(num_inputs + 1, 0)
-        return Ref(num_inputs, offsets[v])
+            return Ref(program.output_base, 0)
+        return Ref(program.workspace_base, offsets[v])
 
-    steps = [Step(eqn, [ref(v) for v in ins], [ref(v) for v in outs]) for eqn, ins, outs in kernels]
-    out_aval = out_var.aval
-    return Program(steps, num_inputs, workspace, tuple(out_aval.shape), np.dtype(out_aval.dtype))
+    program.steps = [Step(eqn, [ref(v) for v in ins], [ref(v) for v in outs]) for eqn, ins, outs in kernels]
+    return program
 
 
 def plan_buffers(kernels: Sequence[tuple[list, list]], sizes: dict, last_read: dict) -> tuple[dict, int]:
@@ -223,7 +226,7 @@ def plan_buffers(kernels: Sequence[tuple[list, list]], sizes: dict, last_read: d
     end = 0
     for index, (writes, reads) in enumerate(kernels):
         for a in writes:
-            need = -(-sizes[a] // _ALIGN) * _ALIGN
+            need = _aligned(sizes[a])
             fits = [block for block in free if block[0] >= need]
             if fits:
                 block = min(fits)
@@ -235,11 +238,11 @@ def plan_buffers(kernels: Sequence[tuple[list, list]], sizes: dict, last_read: d
                 offsets[a], end = end, end + need
         for a in set(reads) | set(writes):
             if last_read.get(a, -1) <= index and a in offsets:   # read for the last time (or never read)
-                free.append((-(-sizes[a] // _ALIGN) * _ALIGN, offsets[a]))
+                free.append((_aligned(sizes[a]), offsets[a]))
     return offsets, end
 
 
-# --- Compiling a kernel with jaxlib's Triton pipeline --------------------------------------------------
+# --- Compiling a kernel with torch's Triton -----------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
 class KernelBinary:
@@ -310,13 +313,13 @@ def triton_ir(eqn) -> tuple[list[str], tuple[int, int, int]]:
 _ENTRY = re.compile(r"\.entry\s+([A-Za-z_$][\w$]*)\s*\(([^)]*)\)", re.S)
 
 
-def ptx_entry(ptx: str) -> tuple[str, int]:
-    """(name, number of parameters) of the PTX's one kernel entry."""
-    entries = _ENTRY.findall(ptx)
+def ptx_entry(ptx: str) -> tuple[str, int, str]:
+    """(name, number of parameters, declaration) of the PTX's one kernel entry."""
+    entries = list(_ENTRY.finditer(ptx))
     if len(entries) != 1:
         raise NotReplayable(f"the PTX has {len(entries)} kernel entries, not one")
-    name, params = entries[0]
-    return name, params.count(".param")
+    name, params = entries[0].groups()
+    return name, params.count(".param"), entries[0].group(0)
 
 
 def compile_kernel(eqn) -> KernelBinary:
@@ -358,14 +361,12 @@ def compile_kernel(eqn) -> KernelBinary:
             raise NotReplayable(f"the kernel needs Triton's {scratch.replace('_', ' ')} ({getattr(metadata, scratch)})")
     if getattr(metadata, "num_ctas", 1) != 1:
         raise NotReplayable(f"a kernel of {metadata.num_ctas} CTAs per cluster")
-    image = compiled.asm["cubin"]
-    ptx = compiled.asm.get("ptx", "")
-    name, num_params = ptx_entry(ptx) if ptx else (metadata.name, len(eqn.invars) + len(eqn.outvars) + 2)
+    name, num_params, declaration = ptx_entry(compiled.asm.get("ptx", ""))
     arrays = len(eqn.invars) + len(eqn.outvars)
     if num_params < arrays:
         raise NotReplayable(f"the kernel takes {num_params} parameters for {arrays} arrays")
-    declaration = next(iter(re.findall(r"\.entry[^)]*\)", ptx)), "")
-    return KernelBinary(name, image, grid, metadata.num_warps, metadata.shared, num_params, declaration)
+    return KernelBinary(name, compiled.asm["cubin"], grid, metadata.num_warps, metadata.shared, num_params,
+                        declaration)
 
 
 _COMPILED: dict = {}
@@ -457,8 +458,9 @@ def _driver() -> _Driver:
 # --- The launch --------------------------------------------------------------------------------------
 
 class CudaKernels:
-    """Launches a Program's kernels on raw pointers: one kept array of argument values for all kernels
-    (written per call), and per kernel its cuLaunchKernel arguments built once."""
+    """Launches a Program's kernels on raw pointers: one kept array of the arrays' pointer values for all
+    kernels (written per call in one slice assignment), and per kernel its cuLaunchKernel arguments built
+    once."""
 
     def __init__(self, program: Program, device: torch.device, compile: Callable = _compiled):
         from bridge.mosaic_launch import current_stream_getter
@@ -473,31 +475,26 @@ class CudaKernels:
                     loaded[binary] = driver.load(binary)
             functions = [loaded[b] for b in binaries]
         self._refs = [ref for step in program.steps for ref in step.inputs + step.outputs]
-        total = sum(b.num_params for b in binaries)
-        self._values = (ctypes.c_uint64 * total)()   # scratch parameters stay 0 (null)
+        # The arrays' pointer values, all kernels' in order, written per call; one last slot stays 0, the
+        # null every scratch parameter points to.
+        self._values = (ctypes.c_uint64 * (len(self._refs) + 1))()
         base = ctypes.addressof(self._values)
-        self._slots: list[int] = []   # index into _values of each ref, in _refs' order
+        null = base + 8 * len(self._refs)
         self._launches = []
         first = 0
         for step, binary, function in zip(program.steps, binaries, functions):
             arrays = len(step.inputs) + len(step.outputs)
-            self._slots.extend(range(first, first + arrays))
-            params = (ctypes.c_void_p * binary.num_params)(*[base + 8 * (first + i) for i in range(binary.num_params)])
+            slots = [base + 8 * (first + i) for i in range(arrays)] + [null] * (binary.num_params - arrays)
+            params = (ctypes.c_void_p * binary.num_params)(*slots)
             self._launches.append((function, *binary.grid, 32 * binary.num_warps, 1, 1, binary.shared_bytes, params))
-            first += binary.num_params
-        self._contiguous = self._slots == list(range(len(self._slots)))
+            first += arrays
         self._stream = current_stream_getter(device)
         self._check = driver.check
         self._launch = driver.launch
         self.num_kernels = len(binaries)
 
     def __call__(self, pointers: Sequence[int]) -> None:
-        values = [pointers[r.base] + r.offset for r in self._refs]
-        if self._contiguous:
-            self._values[:len(values)] = values
-        else:
-            for slot, value in zip(self._slots, values):
-                self._values[slot] = value
+        self._values[:len(self._refs)] = [pointers[r.base] + r.offset for r in self._refs]
         stream = self._stream()
         launch = self._launch
         for function, gx, gy, gz, bx, by, bz, shared, params in self._launches:

@@ -114,7 +114,8 @@ def test_reshapes_and_byte_preserving_casts_are_views_and_other_casts_are_refuse
 
 def test_ptx_entry_reads_the_kernel_name_and_its_parameters():
     ptx = ".visible .entry ttj_rows_entry(\n\t.param .u64 .ptr .global .align 1 p0,\n\t.param .u64 p1,\n\t.param .u64 p2\n)\n{}"
-    assert tl.ptx_entry(ptx) == ("ttj_rows_entry", 3)
+    name, params, declaration = tl.ptx_entry(ptx)
+    assert (name, params) == ("ttj_rows_entry", 3) and declaration.startswith(".entry ttj_rows_entry(")
     with pytest.raises(tl.NotReplayable, match="2 kernel entries"):
         tl.ptx_entry(ptx + ptx)
 

@@ -112,6 +112,17 @@ SUITES: dict[str, dict[str, Shape]] = {"small": CPU_SMALL, "official": OFFICIAL,
 HARNESS_DTYPES = ("float32", "float16", "bfloat16")
 
 
+def _option_number(option: str, prefix: str, valid, rule: str) -> float:
+    """The number after `prefix` in a harness option; ValueError stating `rule` where it is none or not valid."""
+    try:
+        value = float(option[len(prefix):])
+    except ValueError:
+        value = float("nan")
+    if not valid(value):
+        raise ValueError(f"{option!r}: {rule}")
+    return value
+
+
 def with_options(shape: Shape, options: str) -> Shape:
     """`shape` under the harness options named by `options`, "@"-separated: a dtype (the harness's
     --dtype: "float16"), "pad<ratio>" (its --padding-ratio: "pad0.3") and/or "scale<s>" (its
@@ -122,21 +133,11 @@ def with_options(shape: Shape, options: str) -> Shape:
         if option in HARNESS_DTYPES:
             dtype = option
         elif option.startswith("pad"):
-            try:
-                padding = float(option[3:])
-            except ValueError:
-                padding = -1.0
-            if not 0.0 <= padding < 1.0:
-                raise ValueError(f"{option!r}: a padding ratio is pad<p> with 0 <= p < 1, as the harness's "
-                                 "--padding-ratio (pad0.3)")
+            padding = _option_number(option, "pad", lambda p: 0.0 <= p < 1.0,
+                                     "a padding ratio is pad<p> with 0 <= p < 1, as the harness's --padding-ratio (pad0.3)")
         elif option.startswith("scale"):
-            try:
-                scale = float(option[5:])
-            except ValueError:
-                scale = -1.0
-            if not (scale > 0.0 and scale < float("inf")):
-                raise ValueError(f"{option!r}: an input scale is scale<s> with s > 0, as the harness's "
-                                 "--input-scale (scale0.1)")
+            scale = _option_number(option, "scale", lambda s: 0.0 < s < float("inf"),
+                                   "an input scale is scale<s> with s > 0, as the harness's --input-scale (scale0.1)")
         else:
             raise ValueError(f"{option!r} is not a harness option: a dtype ({', '.join(HARNESS_DTYPES)}), "
                              "pad<p> (the padding ratio, 0 <= p < 1) or scale<s> (the input scale, s > 0)")
