@@ -129,6 +129,25 @@ def test_the_layer_program_takes_its_weights_stacked_fourteen_arrays_at_any_dept
     np.testing.assert_array_equal(np.asarray(run(stacked, x, None)), np.asarray(run(prepared, x, None)))
 
 
+def test_layer_norm_reduces_over_two_dimensional_rows_and_keeps_the_shape():
+    """numerics.layer_norm of a [B, S, d] input computes on the [B*S, d] rows: XLA's GPU fusion of the
+    3-D form tiled rows a sequence apart (10% of vit-s197's program, docs/decisions.md). Its values
+    are the per-row formula's."""
+    from ttj_jax.numerics import layer_norm
+    x = jax.random.normal(jax.random.key(0), (3, 5, 16)) * 2 + 1
+    w, b = jnp.linspace(0.5, 1.5, 16), jnp.linspace(-1, 1, 16)
+    jaxpr = jax.make_jaxpr(layer_norm)(x, w, b)
+    reductions = [e for e in jaxpr.eqns if e.primitive.name == "reduce_sum"]
+    assert reductions and all(e.invars[0].aval.shape == (15, 16) for e in reductions)
+    y = layer_norm(x, w, b)
+    assert y.shape == x.shape and y.dtype == jnp.float32
+    rows = np.asarray(x, np.float64).reshape(15, 16)
+    mean, var = rows.mean(1, keepdims=True), rows.var(1, keepdims=True)
+    expected = ((rows - mean) / np.sqrt(var + 1e-5) * np.asarray(w) + np.asarray(b)).reshape(x.shape)
+    np.testing.assert_allclose(np.asarray(y), expected, atol=2e-6)
+    assert layer_norm(x[0, 0], w, b).shape == (16,)
+
+
 @pytest.mark.parametrize("weights", ["stacked", "prepared"])
 def test_the_layers_as_one_scan_give_the_unrolled_programs_output(weights, harness_rule):
     from ttj_jax import stacks
