@@ -3,8 +3,9 @@
     PYTHONPATH=. python3 bench/ablate.py [--shapes 8,11] [--variants mixed_fp16/layers,mixed_fp16/rows]
                                          [--seeds 5] [--out DIR]
 
-A variant is `policy[/stack[/attention]][@option=value+option=value]` (a missing or "-" part is the
-planner's choice), e.g. `mixed_fp16_qkv16/layers` (the q/k/v projection written in fp16),
+A variant is `policy[/stack[/attention[/weights]]][@option=value+option=value]` (a missing or "-" part is
+the planner's choice; weights: the XLA program's, `stacked` over the layers as the planner runs it or
+`per-layer`), e.g. `mixed_fp16_qkv16/layers` (the q/k/v projection written in fp16),
 `mixed_fp16/rows` (per layer our flash kernel and one row-tile kernel), `mixed_fp16/layers/cudnn`,
 `mixed_fp16@xla_gpu_enable_triton_gemm=false` (XLA options for that program alone; values true/false,
 integers or text). Per shape and variant: accuracy
@@ -60,14 +61,21 @@ def _option_value(text: str):
         return text
 
 
+WEIGHT_LAYOUTS = ("stacked", "per-layer")
+
+
 def parse_variant(text: str) -> dict:
-    """"policy[/stack[/attention]][@name=value+...]" -> forward() keyword arguments ("-" or missing: the
-    planner's choice) and "compiler_options", a tuple of (name, value) XLA options."""
+    """"policy[/stack[/attention[/weights]]][@name=value+...]" -> forward() keyword arguments ("-" or
+    missing: the planner's choice), "weights" (the XLA program's weights: None, the stack's own layout,
+    "stacked" or "per-layer") and "compiler_options", a tuple of (name, value) XLA options."""
     spec, _, options = text.partition("@")
-    parts = (spec.split("/") + ["-", "-"])[:3]
-    if len(spec.split("/")) > 3 or not parts[0] or parts[0] == "-":
-        raise ValueError(f"variant {text!r}: expected policy[/stack[/attention]][@option=value+...]")
+    parts = (spec.split("/") + ["-", "-", "-"])[:4]
+    if len(spec.split("/")) > 4 or not parts[0] or parts[0] == "-":
+        raise ValueError(f"variant {text!r}: expected policy[/stack[/attention[/weights]]][@option=value+...]")
     parsed = {k: (None if v in ("", "-") else v) for k, v in zip(("policy", "stack", "attention"), parts)}
+    parsed["weights"] = None if parts[3] in ("", "-") else parts[3]
+    if parsed["weights"] not in (None,) + WEIGHT_LAYOUTS:
+        raise ValueError(f"variant {text!r}: weights {parts[3]!r} is not one of {WEIGHT_LAYOUTS}")
     pairs = []
     for item in filter(None, options.split("+")):
         name, equals, value = item.partition("=")
@@ -90,6 +98,7 @@ def run_shape(sid: str, variants: list[str], seeds: int, device: str, kernels: b
         try:
             kwargs = parse_variant(variant)
             options = kwargs.pop("compiler_options")
+            layout = kwargs.pop("weights")
             prepared = T.prepare_weights(params, T.get_policy(kwargs["policy"]))
             timing_x = jax.random.normal(jax.random.key(7),
                                          (config.batch_size, config.seq_len, config.d_model))
@@ -98,7 +107,13 @@ def run_shape(sid: str, variants: list[str], seeds: int, device: str, kernels: b
             chosen = plan_for(config, timing_x, T.MaskKind.NONE, **kwargs)
             program = T.executable(chosen, T.model_key(config), options)
             program_weights = kernel_weights(prepared, T.model_key(config), chosen.stack)
-            if options:   # forward() takes no XLA options: the program compiled with them
+            if layout is not None:
+                if chosen.stack != "layers":
+                    raise ValueError(f"weights {layout!r}: only the XLA program ('layers') takes either layout")
+                # per layer: twelve arguments a layer, each a buffer of its own; stacked: fourteen, each
+                # layer's slices cut inside the program
+                program_weights = prepared if layout == "per-layer" else program_weights
+            if options or layout is not None:   # forward() takes neither: the program compiled with them
                 step = lambda w, a: program(program_weights, a, None)   # noqa: E731
             else:
                 # ttj_jax.forward plans once per input signature and runs its cached executable

@@ -207,18 +207,23 @@ def test_ablate_variants_end_to_end(tmp_path):
     optimized HLO is written."""
     from bench import ablate
     assert ablate.parse_variant("mixed_fp16") == {"policy": "mixed_fp16", "stack": None, "attention": None,
-                                                  "compiler_options": ()}
+                                                  "weights": None, "compiler_options": ()}
     assert ablate.parse_variant("mixed_fp16/-/xla@a=false+b=3+c=x") == {
-        "policy": "mixed_fp16", "stack": None, "attention": "xla",
+        "policy": "mixed_fp16", "stack": None, "attention": "xla", "weights": None,
         "compiler_options": (("a", False), ("b", 3), ("c", "x"))}
-    with pytest.raises(ValueError):
+    assert ablate.parse_variant("mixed_fp16/layers/-/per-layer")["weights"] == "per-layer"
+    with pytest.raises(ValueError, match="weights"):
         ablate.parse_variant("a/b/c/d")
+    with pytest.raises(ValueError):
+        ablate.parse_variant("a/b/c/stacked/e")
     with pytest.raises(ValueError, match="name=value"):
         ablate.parse_variant("mixed_fp16@novalue")
     with pytest.raises(ValueError, match="unknown numerics policy"):
         ablate.main(["--shapes", "cpu-1", "--variants", "nonsense", "--device", "cpu", "--out", str(tmp_path)])
     optioned = "mixed_fp16/layers/xla@xla_cpu_enable_fast_math=false"
-    status = ablate.main(["--shapes", "cpu-1", "--variants", f"mixed_fp16/layers/xla,mixed_fp16/fused,{optioned}",
+    per_layer = "mixed_fp16/layers/xla/per-layer"   # the XLA program on unstacked weights
+    status = ablate.main(["--shapes", "cpu-1", "--variants",
+                          f"mixed_fp16/layers/xla,mixed_fp16/fused,{optioned},{per_layer},mixed_fp16/fused/-/stacked",
                           "--seeds", "1", "--device", "cpu", "--out", str(tmp_path), "--tag", "t", "--hlo"])
     document = json.loads((tmp_path / "t.json").read_text())
     assert document["torch"] == torch.__version__ and document["jax"] == jax.__version__
@@ -229,6 +234,8 @@ def test_ablate_variants_end_to_end(tmp_path):
     assert f"==== shape cpu-1 variant {optioned}" in hlo and "ENTRY" in hlo
     assert shape["jax_ms"]["mixed_fp16/layers/xla"] > 0 and "mixed_fp16/layers/xla" in shape["plans"]
     assert "mixed_fp16/fused" in shape["errors"] or "mixed_fp16/fused" in shape["jax_ms"]
+    assert shape["accuracy"][per_layer] == shape["accuracy"]["mixed_fp16/layers/xla"]   # the same program's output
+    assert "only the XLA program" in shape["errors"]["mixed_fp16/fused/-/stacked"]
 
 
 def test_split_timeline_summary():
