@@ -105,14 +105,13 @@ def run_shape(sid: str, variants: list[str], seeds: int, device: str, kernels: b
             # the variant's compiled program alone (what the bridge calls): timed below, not forward()'s
             # planning and checks, whose host time would hide the GPU time of the small shapes
             chosen = plan_for(config, timing_x, T.MaskKind.NONE, **kwargs)
+            if layout is not None and chosen.stack != "layers":
+                raise ValueError(f"weights {layout!r}: only the XLA program ('layers') takes either layout")
             program = T.executable(chosen, T.model_key(config), options)
-            program_weights = kernel_weights(prepared, T.model_key(config), chosen.stack)
-            if layout is not None:
-                if chosen.stack != "layers":
-                    raise ValueError(f"weights {layout!r}: only the XLA program ('layers') takes either layout")
-                # per layer: twelve arguments a layer, each a buffer of its own; stacked: fourteen, each
-                # layer's slices cut inside the program
-                program_weights = prepared if layout == "per-layer" else program_weights
+            # per layer: twelve arguments a layer, each a buffer of its own; stacked (the stack's own layout):
+            # fourteen, each layer's slices cut inside the program
+            program_weights = (prepared if layout == "per-layer"
+                               else kernel_weights(prepared, T.model_key(config), chosen.stack))
             if options or layout is not None:   # forward() takes neither: the program compiled with them
                 step = lambda w, a: program(program_weights, a, None)   # noqa: E731
             else:
