@@ -7,6 +7,7 @@ import torch.nn as nn
 
 from bridge.ops import forward as _forward
 from bridge.ops import register
+from bridge.versions import share_version_counter
 from ttj_jax.config import Config
 
 
@@ -33,13 +34,15 @@ class _Layer(nn.Module):
 class TTJTransformer(nn.Module):
     """Parameters named exactly as the harness's (`layers.{i}.attention.q_proj.weight`, ...; docs/spec.md),
     PyTorch's default init; `forward(x, valid_token_mask=None)` runs ttj-jax; in grad mode it records for autograd (bridge/autograd.py).
-    Works under torch.compile and torch.export (bridge/ops.py)."""
+    Works under torch.compile and torch.export (bridge/ops.py). Its parameters share one version counter
+    (bridge/versions.py), so a call checks them for in-place writes with one read."""
 
     def __init__(self, config):
         super().__init__()
         self.config = Config.from_object(config)
         self.layers = nn.ModuleList(_Layer(self.config) for _ in range(self.config.num_layers))
         self.final_norm = nn.LayerNorm(self.config.d_model)
+        share_version_counter(self)
         self.ttj_handle = register(self)   # names this module inside compiled graphs (bridge/ops.py)
 
     def __setstate__(self, state):   # copy.deepcopy and unpickling: a copy gets a handle of its own

@@ -7,7 +7,7 @@ Per module, built once and reused (held in a WeakKeyDictionary, so nothing is ad
   alive, so a new allocation can never reuse a cached address (no false "unchanged").
 - per input signature (shape, dtype, device, mask kind): the plan and its compiled executable.
 - the kind of the last mask seen, keyed by the tensor object and its version counter.
-Per call, the work is: a few attribute checks, a key comparison, one DLPack import of x (the native
+Per call, the work is: a few attribute checks, the parameters' change check (bridge/versions.py), one DLPack import of x (the native
 path, compat.DlpackImporter; on CUDA kept from the last call for the same x, Transfer.to_jax_kept,
 unless TTJ_BRIDGE_KEEP_X_IMPORT=0),
 the async jax dispatch, and one DLPack export. No host sync: torch's
@@ -23,7 +23,7 @@ import dataclasses
 import weakref
 from collections.abc import Callable
 from itertools import chain
-from operator import attrgetter, is_
+from operator import is_
 from typing import Any
 
 import jax
@@ -32,6 +32,7 @@ import torch
 
 from bridge import mosaic_launch, settings, triton_launch
 from bridge.transfer import Transfer, current_cuda_device, transfer_for
+from bridge.versions import ParameterWatch
 from ttj_jax import stacks
 from ttj_jax.config import Config
 from ttj_jax.device import device_facts
@@ -44,8 +45,6 @@ from ttj_jax.planner import plan as make_plan
 
 _STATES: weakref.WeakKeyDictionary[torch.nn.Module, _ModuleState] = weakref.WeakKeyDictionary()
 _PREPARE = {}   # policy name -> jitted prepare_weights
-_version_of = attrgetter("_version")
-_data_ptr_of = torch.Tensor.data_ptr
 _dict_values = dict.values
 
 
@@ -89,9 +88,9 @@ class _Call:
     direct: Callable | None = None
     direct_note: str = ""           # why a whole-stack plan runs through jax instead, when it does
     direct_device: int | None = None   # the CUDA device index a direct launch needs current
-    # The weights this call's program takes, and the parameters' (versions, data_ptrs) they were built
-    # from: one list comparison per call instead of the per-weight-version cache lookups.
-    weights_key: Any = None
+    # The weights this call's program takes, and the _ModuleState.generation they were built in: one
+    # integer comparison per call instead of the per-weight-version cache lookups.
+    weights_generation: int = -1
     weights: Any = None
 
 
@@ -99,7 +98,7 @@ class _ModuleState:
     def __init__(self, module: torch.nn.Module, config: Config):
         self.config = config
         self.model_key = model_key(config)
-        self.weights_key = None
+        self.generation = 0                      # counts the parameter changes seen (weights_generation)
         self.registrations = _REGISTRATIONS[0]
         self._collect(module)
         self.views: dict[str, Any] = {}          # name -> zero-copy jax view of the parameter
@@ -130,6 +129,7 @@ class _ModuleState:
                                  f"needs {shape}")
         self.names = list(expected)
         self.params = [named[n] for n in self.names]
+        self.watch = ParameterWatch(self.params)   # unmarked: the next weights_generation() rebuilds
         modules = list(module.modules())
         self.containers = [m._parameters for m in modules] + [m._modules for m in modules]
         self.contents = list(chain.from_iterable(map(_dict_values, self.containers)))
@@ -138,7 +138,7 @@ class _ModuleState:
         """Notices parameters or submodules replaced by new objects since the last call (`m.w =
         nn.Parameter(...)`, `load_state_dict(..., assign=True)`, `.to()` under torch's
         overwrite-on-conversion flag, a submodule swapped): versions and data pointers, which
-        current_key compares, live on the old objects and would not change. Then the parameters are
+        the ParameterWatch compares, live on the old objects and would not change. Then the parameters are
         collected again and every cached weight is rebuilt. The identity comparison of every dict entry
         (~6 us for an official shape's module on the CPU) runs only after a registration anywhere in the
         process (_REGISTRATIONS) or under torch's overwrite-on-conversion flag, else one int comparison."""
@@ -148,23 +148,23 @@ class _ModuleState:
         contents = list(chain.from_iterable(map(_dict_values, self.containers)))
         if len(contents) != len(self.contents) or not all(map(is_, contents, self.contents)):
             self._collect(module)   # raises if the module no longer fits the config: checked again next call
-            self.weights_key = None   # the next weights() drops every cached derivation
         self.registrations = registrations
 
-    def current_key(self):
-        """The parameters' (versions, data pointers): what every cached weight is checked against. map()
-        over C-level getters (~8 us for 66 parameters, where a Python loop took ~18 us on the H200
-        host)."""
-        return list(map(_version_of, self.params)), list(map(_data_ptr_of, self.params))
-
-    def weights(self, policy_name: str, data_parallel: int = 1):
-        key = self.current_key()
-        if key != self.weights_key:   # also after check_structure set it to None
+    def weights_generation(self) -> int:
+        """A number that changes whenever a parameter changed since the last call (a version counter or a
+        data pointer moved: bridge/versions.py; replaced objects: check_structure): then every cached
+        derivation is dropped first, so nothing keeps the old weights alive."""
+        if self.watch.changed():   # also after _collect made a new, unmarked watch
             self.prepared.clear()
             self.views = {}
-            self.weights_key = key
-            for call in self.calls.values():   # nothing keeps the old weights alive
-                call.weights_key = call.weights = None
+            for call in self.calls.values():
+                call.weights = None
+            self.watch.mark()
+            self.generation += 1
+        return self.generation
+
+    def weights(self, policy_name: str, data_parallel: int = 1):
+        self.weights_generation()
         return self._derived(policy_name, data_parallel, lambda: self._prepare(policy_name))
 
     def kernel_jax_weights(self, stack: str, data_parallel: int = 1, policy_name: str = "mixed_fp16"):
@@ -268,15 +268,15 @@ class _ModuleState:
         return kind
 
     def call_weights(self, call: _Call):
-        """The weights `call`'s jax program takes: kept on the call with the parameters' key they were
-        built from (one list comparison per call), rebuilt through the caches when a parameter changed."""
-        weights_key = self.current_key()
-        if weights_key != call.weights_key:   # first call, or a parameter changed: the caches decide
+        """The weights `call`'s jax program takes: kept on the call with the generation they were built
+        in, rebuilt through the caches when a parameter changed."""
+        generation = self.weights_generation()
+        if generation != call.weights_generation:   # first call, or a parameter changed: the caches decide
             if stacks.get(call.plan.stack).build_weights is not None:   # the stack's own layout
                 call.weights = self.kernel_jax_weights(call.plan.stack, call.plan.data_parallel, call.plan.policy)
             else:
                 call.weights = self.weights(call.plan.policy, call.plan.data_parallel)
-            call.weights_key = weights_key
+            call.weights_generation = generation
         return call.weights
 
     def build_call(self, x: torch.Tensor, kind: MaskKind, data_parallel: int | None = None,

@@ -351,6 +351,86 @@ def test_steady_calls_do_not_collect_the_parameters_again(monkeypatch):
     assert walks and collects == []
 
 
+def test_our_modules_parameters_share_one_version_counter_and_nothing_else():
+    """TTJTransformer's parameters report one version counter (an in-place write to any bumps all), and
+    stay ordinary parameters: separate storages, no views, the same values as torch's init, the counter
+    kept through `.to()`. Copies get new parameter objects, which are read one by one."""
+    import pickle
+
+    from bridge.versions import shared_version_counter
+    torch.manual_seed(3)
+    ours = bridge.TTJTransformer(CONFIG)
+    torch.manual_seed(3)
+    plain = BaselineTransformer(CONFIG)
+    params = list(ours.parameters())
+    assert shared_version_counter(params)
+    assert len({p.data_ptr() for p in params}) == len(params)
+    assert not any(p._is_view() or p._base is not None for p in params)
+    assert all(p.requires_grad and type(p) is torch.nn.Parameter for p in params)
+    assert all(torch.equal(a, b) for a, b in zip(ours.state_dict().values(), plain.state_dict().values()))
+    ours.to(torch.float64)
+    params = list(ours.parameters())
+    assert shared_version_counter(params) and params[0].dtype == torch.float64
+    copies = [copy.deepcopy(ours), pickle.loads(pickle.dumps(ours))]
+    before = [[p._version for p in c.parameters()] for c in copies]
+    with torch.no_grad():
+        ours.final_norm.bias.add_(1.0)
+    assert len({p._version for p in params}) == 1 and params[0]._version > 0
+    assert [[p._version for p in c.parameters()] for c in copies] == before
+    assert not any(shared_version_counter(list(c.parameters())) for c in copies)
+    assert not shared_version_counter(list(BaselineTransformer(CONFIG).parameters()))
+
+
+@pytest.mark.parametrize("module", ["ours", "deep_copy", "harness_module"])
+def test_an_in_place_edit_of_any_one_parameter_is_seen(module, harness_rule):
+    """Whichever way the parameters are watched (one shared version, or one version each for a copy and
+    for the harness's own module in the drop-in way), an in-place edit of one parameter, the first or the
+    last, changes the next output to the new weights'."""
+    base, ours = pair()
+    if module == "deep_copy":
+        ours = copy.deepcopy(ours)
+    x = random_input(T.Config.from_object(CONFIG), 36)
+
+    def run():
+        if module == "harness_module":
+            return bridge.forward(other, x)
+        return ours(x)
+    other = copy.deepcopy(base)
+    for name in ("layers.0.norm1.weight", "final_norm.bias"):
+        first = run()
+        with torch.no_grad():
+            for m in (base, ours, other):
+                m.get_parameter(name).mul_(1.5).add_(0.125)
+        second = run()
+        assert not torch.equal(second, first), name
+        harness_rule(second, torch_reference(base, x, None), f"-{module}-{name}")
+    state = runtime.module_state(other if module == "harness_module" else ours)
+    assert state.watch.shared == (module == "ours")
+
+
+def test_data_pointers_are_compared_in_one_call_where_torch_has_one(monkeypatch):
+    """Where torch has its C comparison of data pointers (CUDA builds), the watch calls it once per check
+    instead of reading each pointer; a `.data =` reassignment is still caught through it."""
+    from bridge import versions
+    calls = []
+
+    def bulk(tensors, pointers, indices):
+        calls.append(len(indices))
+        return all(tensors[i].data_ptr() == pointers[i] for i in indices)
+    monkeypatch.setattr(versions, "_bulk_pointers_equal", bulk)
+    _, ours = pair()
+    x = random_input(T.Config.from_object(CONFIG), 37)
+    first = ours(x)
+    calls.clear()
+    assert torch.equal(ours(x), first)
+    assert calls == [len(list(ours.parameters()))]
+    weight = ours.layers[1].ffn_out.weight
+    weight.data = weight.data.clone() * 0.5
+    second = ours(x)
+    assert not torch.equal(second, first)
+    assert torch.equal(second, _fresh_copy_output(ours, x))
+
+
 def test_data_attribute_reassignment_is_noticed():
     """`.data =` keeps the parameter object and its version but moves its storage: the data pointers in
     the weights key catch it (`.to()` on a module does this to every parameter)."""
