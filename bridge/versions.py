@@ -24,6 +24,7 @@ official shape's 66 parameters on the CPU machine and 11-22 us on a slow H200 ho
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from operator import attrgetter
 
@@ -84,6 +85,7 @@ class ParameterWatch:
                           else (lambda: list(map(_version_of, self.params))))
         self._indices = list(range(len(self.params)))
         self.versions = self.pointers = None
+        self.warned = False
 
     def pointers_unchanged(self) -> bool:
         if self.pointers is None:
@@ -92,10 +94,22 @@ class ParameterWatch:
             return _bulk_pointers_equal(self.params, self.pointers, self._indices)
         return list(map(_data_ptr_of, self.params)) == self.pointers
 
+    def _read_versions(self):
+        try:
+            return self._versions()
+        except RuntimeError:   # an inference tensor (made or converted under torch.inference_mode) has none
+            if not self.warned:
+                self.warned = True
+                warnings.warn("some of the module's parameters are inference tensors (made or converted under "
+                              "torch.inference_mode), which keep no version counter: ttj-jax sees their "
+                              "replacement and `.to()` but not in-place writes to them; call "
+                              "bridge.refresh(module) after such writes", stacklevel=4)
+            return [None if p.is_inference() else p._version for p in self.params]
+
     def changed(self) -> bool:
         """True until the first mark(), and whenever a version or data pointer moved since the last one."""
-        return self._versions() != self.versions or not self.pointers_unchanged()
+        return self._read_versions() != self.versions or not self.pointers_unchanged()
 
     def mark(self) -> None:
-        self.versions = self._versions()
+        self.versions = self._read_versions()
         self.pointers = list(map(_data_ptr_of, self.params))

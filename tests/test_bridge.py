@@ -408,6 +408,32 @@ def test_an_in_place_edit_of_any_one_parameter_is_seen(module, harness_rule):
     assert state.watch.shared == (module == "ours")
 
 
+@pytest.mark.parametrize("made", ["built", "copied"])
+def test_parameters_that_are_inference_tensors_run_and_say_what_is_not_seen(made, harness_rule):
+    """A module built, or deep-copied, under torch.inference_mode has parameters without a version
+    counter: the call runs (one warning names what it cannot see), and `.to()` and `.data =` are still
+    seen."""
+    base, ours = pair()
+    x = random_input(T.Config.from_object(CONFIG), 38)
+    with torch.inference_mode():
+        if made == "built":
+            ours = bridge.TTJTransformer(CONFIG).eval()
+            ours.load_state_dict(base.state_dict())
+        else:
+            ours = copy.deepcopy(ours)
+        assert ours.layers[0].ffn_in.weight.is_inference()
+        with pytest.warns(UserWarning, match="inference tensors"):
+            first = ours(x)
+        harness_rule(first, torch_reference(base, x, None))
+        ours.to(torch.float32)
+        with torch.no_grad():
+            base.layers[0].ffn_in.weight.mul_(0.5)
+        ours.layers[0].ffn_in.weight.data = base.layers[0].ffn_in.weight.detach().clone()
+        second = ours(x)
+    assert not torch.equal(second, first)
+    harness_rule(second, torch_reference(base, x, None), "-after")
+
+
 def test_data_pointers_are_compared_in_one_call_where_torch_has_one(monkeypatch):
     """Where torch has its C comparison of data pointers (CUDA builds), the watch calls it once per check
     instead of reading each pointer; a `.data =` reassignment is still caught through it."""
