@@ -143,14 +143,17 @@ class MosaicLauncher:
 
 class MosaicStackLaunch:
     """The Mosaic GPU whole-stack kernel for x [batch, seq_len, d_model] fp32 on one CUDA device:
-    `launch(x, mats, vecs)` returns a new y. x must be contiguous fp32 on the device; mats and vecs are
-    the MgpuStackWeights arrays as torch tensors (contiguous, on the device). Compiles on construction
-    (seconds); raises RuntimeError / ValueError when this jax cannot build it."""
+    `launch(x, mats, vecs)` returns a new y; masked, `launch(x, mask, mats, vecs)` with the token mask a
+    contiguous [batch, seq_len] bool tensor, whose bytes the kernel reads as uint8. x must be contiguous
+    fp32 on the device; mats and vecs are the MgpuStackWeights arrays as torch tensors (contiguous, on
+    the device). Compiles on construction (seconds); raises RuntimeError / ValueError when this jax cannot
+    build it."""
 
-    def __init__(self, config: Config, batch: int, seq_len: int, device: torch.device):
+    def __init__(self, config: Config, batch: int, seq_len: int, device: torch.device, masked: bool = False):
         from ttj_jax.compat import mosaic_gpu_module
         from ttj_jax.kernels import fused_stack_mgpu
-        spec = fused_stack_mgpu.launch_spec(config, batch, seq_len)
+        spec = fused_stack_mgpu.launch_spec(config, batch, seq_len, masked=masked)
+        self.masked = masked
         if spec.out_dtype != np.float32:
             raise ValueError(f"the kernel writes {spec.out_dtype}; this launch allocates float32")
         self.shape = spec.out_shape
@@ -163,9 +166,10 @@ class MosaicStackLaunch:
         self._default = torch.cuda.default_stream(device)
         self._ready, self._done = torch.cuda.Event(), torch.cuda.Event()
 
-    def __call__(self, x: torch.Tensor, mats: torch.Tensor, vecs: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, *arrays: torch.Tensor) -> torch.Tensor:
+        """arrays: (mats, vecs), or (mask, mats, vecs) for a masked launch."""
         y = torch.empty(self.shape, dtype=torch.float32, device=self.device)
-        pointers = (x.data_ptr(), mats.data_ptr(), vecs.data_ptr(), y.data_ptr())
+        pointers = (x.data_ptr(), *(a.data_ptr() for a in arrays), y.data_ptr())
         if self._stream() == 0:   # the caller is on the default stream: the launch's own stream
             self._launch(pointers)
             return y

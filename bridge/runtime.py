@@ -324,13 +324,18 @@ class _ModuleState:
             why = stacks.get(call.plan.stack).bridge_launch(self.config, shape[0], shape[1])
         if why is not None:
             return None, why
+        masked = call.plan.mask_mode in ("keys", "device")   # any mask: the kernel's masked build
         try:
-            kernel = mosaic_launch.MosaicStackLaunch(self.config, shape[0], shape[1], device)
+            kernel = mosaic_launch.MosaicStackLaunch(self.config, shape[0], shape[1], device,
+                                                     **({"masked": True} if masked else {}))
         except (RuntimeError, ValueError, OSError) as e:
             return None, f"the Mosaic GPU launch is unavailable: {type(e).__name__}: {e}"
         if call.plan.mask_mode == "rows":   # a prefix mask under causal attention: rows zeroed after the kernel
             def run(x, mask, tensors):
                 return torch.where(mask.unsqueeze(-1), kernel(x, *tensors), 0.0)
+        elif masked:   # the kernel reads the bool mask's bytes; its TMA copies want 16-byte aligned rows
+            def run(x, mask, tensors):
+                return kernel(x, mask if mask.data_ptr() % 16 == 0 else mask.clone(), *tensors)
         else:
             def run(x, mask, tensors):
                 return kernel(x, *tensors)

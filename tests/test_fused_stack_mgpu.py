@@ -189,6 +189,49 @@ def test_argument_errors():
         fsm.fused_stack_mgpu_forward(per_head, x, num_heads=16)
 
 
+def test_mask_argument_errors():
+    weights, _ = _structs(4, 2, 128)
+    x = jnp.zeros((2, 128, 128), jnp.float32)
+    real = fsm.MgpuStackWeights(jnp.zeros(weights.mats.shape, jnp.float16),
+                                jnp.zeros(weights.vecs.shape, jnp.float32), num_heads=4)
+    with pytest.raises(ValueError, match=r"valid_token_mask.shape=\(2, 127\)"):
+        fsm.fused_stack_mgpu_forward(real, x, jnp.ones((2, 127), bool), num_heads=4)
+    with pytest.raises(ValueError, match="must be bool, int8 or uint8"):
+        fsm.fused_stack_mgpu_forward(real, x, jnp.ones((2, 128), jnp.float32), num_heads=4)
+
+
+# Each key layout of the masked build: split (S=128 causal, few tiles), all (non-causal, and causal past
+# SPLIT_MAX_TILES), own (S < 128, padded batch), d_model 32, packed heads.
+MASKED_LOWERING_CASES = {"split": (4, 1, 128, True), "all-noncausal": (4, 1, 128, False),
+                         "all-causal-many-tiles": (4, 256, 128, True), "own-S32-padded": (2, 6, 32, True),
+                         "own-S64": (1, 64, 64, False), "d32": (4, 64, 128, True, 32), "packed-16": (16, 2, 128, True)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(MASKED_LOWERING_CASES))
+def test_masked_build_lowers_to_one_mosaic_gpu_kernel(case):
+    """The masked build (the mask's TMA copies, its uint8 loads in both WGMMA vector layouts, the key bias
+    and the zeroed rows) passes Mosaic GPU's layout inference and lowering for CUDA in every key layout,
+    as one kernel, and is another kernel than the mask-free build."""
+    num_heads, batch, seq_len, causal, *d_model = MASKED_LOWERING_CASES[case]
+    d_model = d_model[0] if d_model else 128
+    weights, x = _structs(num_heads, batch, seq_len, d_model=d_model)
+    mask = jax.ShapeDtypeStruct((batch, seq_len), jnp.bool_)
+    masked = jax.jit(lambda w, x, m: fsm.fused_stack_mgpu_forward(w, x, m, num_heads=num_heads, causal=causal))
+    text = masked.trace(weights, x, mask).lower(lowering_platforms=("cuda",)).as_text()
+    assert _custom_calls(text) == ["mosaic_gpu_v2"]
+    assert text != _lower(num_heads, batch, seq_len, causal=causal, d_model=d_model)
+
+
+def test_masked_launch_spec_takes_the_mask_second_as_bytes():
+    config = T.Config(2, 64, 128, 2, 128, 2, True)
+    plain, masked = fsm.launch_spec(config, 2, 64), fsm.launch_spec(config, 2, 64, masked=True)
+    assert [s.shape for s in masked.arg_structs] == [plain.arg_structs[0].shape, (2, 64),
+                                                     *(s.shape for s in plain.arg_structs[1:])]
+    assert masked.arg_structs[1].dtype == jnp.uint8 and masked.out_shape == plain.out_shape
+    assert fsm.smem_bytes(4, masked=True) == fsm.smem_bytes(4) + fsm.TILE_ROWS + 8
+
+
 def test_stack_weights_errors():
     config = T.Config(1, 32, 128, 32, 128, 1, True)
     params = T.init_params(jax.random.key(0), config)

@@ -98,8 +98,12 @@ def test_a_torch_caller_with_a_prefix_mask_gets_the_mosaic_launch_with_rows_zero
 def test_forcing_the_mosaic_stack_is_checked():
     shape_2 = T.OFFICIAL["2"].config
     assert T.plan(shape_2, _facts(shape_2), T.planner.CPU, stack="fused_mgpu").stack == "fused_mgpu"
-    with pytest.raises(ValueError, match="fused_mgpu"):
-        T.plan(shape_2, _facts(shape_2, MaskKind.GENERAL), HOPPER, stack="fused_mgpu")
+    # a mask that needs key masking: its masked build by request; the rules keep it for mask-free and
+    # prefix-mask calls (the masked build has not been timed on a GPU)
+    forced = T.plan(shape_2, _facts(shape_2, MaskKind.GENERAL), HOPPER, stack="fused_mgpu")
+    assert (forced.stack, forced.mask_mode) == ("fused_mgpu", "keys")
+    for caller in ("jax", "torch"):
+        assert T.plan(shape_2, _facts(shape_2, MaskKind.GENERAL, caller=caller), HOPPER).stack != "fused_mgpu"
     with pytest.raises(ValueError, match="fused_mgpu"):   # d_model 1024: not a model it builds
         T.plan(T.OFFICIAL["8"].config, _facts(T.OFFICIAL["8"].config), HOPPER, stack="fused_mgpu")
     # 16 heads of 8 (shape 11): built (packed four to a block), measured slower than the rows stack, so
@@ -153,9 +157,14 @@ mask = jnp.arange(64)[None, :] < jnp.array([50, 0])[:, None]   # prefix masks, o
 y_masked = np.asarray(T.forward(prepared, x, mask, config=config, stack="fused_mgpu"))
 ref_masked = np.asarray(T.reference(params, x, mask, config=config), np.float64)
 failed_masked = int((~(np.abs(y_masked - ref_masked) <= np.maximum(0.002, 0.02 * np.abs(ref_masked)))).sum())
+holes = jnp.asarray(np.random.default_rng(5).random((2, 64)) < 0.7).at[:, 0].set(False)   # keys masked in the kernel
+y_holes = np.asarray(T.forward(prepared, x, holes, config=config, stack="fused_mgpu"))
+ref_holes = np.asarray(T.reference(params, x, holes, config=config), np.float64)
+failed_holes = int((~(np.abs(y_holes - ref_holes) <= np.maximum(0.002, 0.02 * np.abs(ref_holes)))).sum())
 weights = T.model.kernel_weights(prepared, T.model_key(config), "fused_mgpu")
 print(json.dumps({"shape_ok": y.shape == x.shape, "failed": int((~(np.abs(y - ref) <= tolerance)).sum()),
                   "failed_masked": failed_masked, "invalid_rows_zero": bool((y_masked[~np.asarray(mask)] == 0).all()),
+                  "failed_holes": failed_holes, "holes_rows_zero": bool((y_holes[~np.asarray(holes)] == 0).all()),
                   "mgpu_weights": isinstance(weights, fsm.MgpuStackWeights),
                   "built_once": T.model.kernel_weights(prepared, T.model_key(config), "fused_mgpu") is weights,
                   "layers_are_stacked": isinstance(T.model.kernel_weights(prepared, T.model_key(config), "layers"),
@@ -173,6 +182,7 @@ def test_model_forward_with_the_mosaic_stack_meets_the_harness_rule(d_model, num
                                                 timeout=600))
     assert result["shape_ok"] and result["failed"] == 0, result
     assert result["failed_masked"] == 0 and result["invalid_rows_zero"], result
+    assert result["failed_holes"] == 0 and result["holes_rows_zero"], result
     assert result["mgpu_weights"] and result["built_once"] and result["layers_are_stacked"], result
 
 
@@ -320,16 +330,21 @@ class _LaunchThroughJax:
     offset = 0.0
     launches = 0
 
-    def __init__(self, config, batch, seq_len, device):
-        self.config = config
+    def __init__(self, config, batch, seq_len, device, masked=False):
+        self.config, self.masked = config, masked
         assert (batch, seq_len) == (config.batch_size, config.seq_len) and device.type == "cpu"
 
-    def __call__(self, x, mats, vecs):
+    def __call__(self, x, *arrays):
         type(self).launches += 1
+        mask, mats, vecs = arrays if self.masked else (None, *arrays)
         weights = fsm.MgpuStackWeights(jnp.asarray(mats.numpy()), jnp.asarray(vecs.numpy()),
                                        num_heads=self.config.num_heads)
-        y = fsm.fused_stack_mgpu_forward(weights, jnp.asarray(x.numpy()), num_heads=self.config.num_heads,
-                                         causal=self.config.causal, interpret=True)
+        if mask is not None:   # the masked build as `emulate` models it (GPU interpret mode of it: below)
+            assert mask.dtype == torch.bool and mask.data_ptr() % 16 == 0
+            y = fsm.emulate(weights, x.numpy(), mask.numpy(), causal=self.config.causal)
+        else:
+            y = fsm.fused_stack_mgpu_forward(weights, jnp.asarray(x.numpy()), num_heads=self.config.num_heads,
+                                             causal=self.config.causal, interpret=True)
         return torch.from_numpy(np.array(y)) + self.offset
 
 
@@ -383,6 +398,62 @@ def test_bridge_launches_the_kernel_for_a_prefix_mask_and_zeroes_its_invalid_row
     assert torch.equal(x, x_before) and torch.equal(mask, mask_before)
     assert ((y - ref).abs() <= torch.clamp(0.02 * ref.abs(), min=0.002)).all()
     assert (y[~mask] == 0).all() and torch.isfinite(y).all()
+
+
+# The masked build through the bridge's own launch, in a 4-device subprocess (GPU interpret mode of the
+# masked build hangs in process on two cores: tests/test_fused_stack_mgpu_numerics.py).
+BRIDGE_MASKED_SCRIPT = r"""
+import json, sys
+sys.path.insert(0, "tests")
+import jax.numpy as jnp, numpy as np, torch
+import bridge
+import ttj_jax as T
+from bridge import mosaic_launch, runtime
+from conftest import baseline_and_params, random_input
+from ttj_jax.kernels import fused_stack_mgpu as fsm
+config = T.Config(2, 64, 128, 2, 128, 2, False)
+baseline, _ = baseline_and_params(config, 19)
+ours = bridge.TTJTransformer(config)
+ours.load_state_dict(baseline.state_dict())
+launches = []
+
+class Launch:   # MosaicStackLaunch on the CPU: the masked build in interpret mode on the tensors handed over
+    def __init__(self, config, batch, seq_len, device, masked=False):
+        self.config, self.masked = config, masked
+    def __call__(self, x, mask, mats, vecs):
+        launches.append(self.masked and mask.dtype == torch.bool)
+        weights = fsm.MgpuStackWeights(jnp.asarray(mats.numpy()), jnp.asarray(vecs.numpy()), num_heads=2)
+        return torch.from_numpy(np.array(fsm.fused_stack_mgpu_forward(
+            weights, jnp.asarray(x.numpy()), jnp.asarray(mask.numpy()), num_heads=2, causal=False, interpret=True)))
+
+mosaic_launch.unavailable_reason = lambda device: None
+mosaic_launch.MosaicStackLaunch = Launch
+x = random_input(config, 20)
+mask = torch.from_numpy(np.random.default_rng(21).random((2, 64)) < 0.6)
+mask[1] = False   # a sequence with no valid token
+x_before, mask_before = x.clone(), mask.clone()
+with torch.inference_mode():
+    y = runtime.forward(ours, x, mask, stack="fused_mgpu")
+    ref = baseline(x, mask)
+[call] = [c for k, c in runtime._STATES[ours].calls.items() if k[-1] == "fused_mgpu"]
+print(json.dumps({"mask_mode": call.plan.mask_mode, "direct": call.direct is not None, "note": call.direct_note,
+                  "launches": launches, "inputs_unchanged": bool(torch.equal(x, x_before) and torch.equal(mask, mask_before)),
+                  "failed": int((~((y - ref).abs() <= torch.clamp(0.02 * ref.abs(), min=0.002))).sum()),
+                  "invalid_rows_zero": bool((y[~mask] == 0).all()), "finite": bool(torch.isfinite(y).all())}))
+"""
+
+
+@pytest.mark.slow
+def test_bridge_launches_the_masked_kernel_for_a_mask_with_key_masking():
+    """A non-causal model with a mask that needs key masking, on the Mosaic stack: the bridge builds the
+    masked launch, checks it against the jax path (both the masked build), launches it with the bool
+    mask's bytes, and the output meets the harness rule with invalid rows zero and inputs untouched."""
+    from conftest import last_json_line, run_on_host_devices
+    result = last_json_line(run_on_host_devices(["-c", BRIDGE_MASKED_SCRIPT], 4, timeout=600))
+    assert result["mask_mode"] == "keys" and result["direct"], result
+    assert len(result["launches"]) == 2 and all(result["launches"]), result   # the check's, then the call's
+    assert result["failed"] == 0 and result["invalid_rows_zero"] and result["finite"], result
+    assert result["inputs_unchanged"], result
 
 
 @pytest.mark.slow

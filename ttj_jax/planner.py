@@ -22,8 +22,8 @@ MASK_MODES = ("none", "rows", "keys", "device")
 # "layers": the XLA program, layer by layer (layers.py);
 # "fused": the whole stack as one Pallas (Triton) kernel (kernels/fused_stack.py);
 # "rows": per layer our flash attention and one row-tile kernel for the rest (kernels/row_block.py);
-# "fused_mgpu": the whole stack as one Mosaic GPU kernel (kernels/fused_stack_mgpu.py, Hopper,
-# mask-free), which the torch bridge launches on torch's stream without JAX dispatch.
+# "fused_mgpu": the whole stack as one Mosaic GPU kernel (kernels/fused_stack_mgpu.py, Hopper; any mask
+# in its masked build), which the torch bridge launches on torch's stream without JAX dispatch.
 STACKS = ("layers", "fused", "rows", "fused_mgpu")
 CALLERS = ("jax", "torch")
 # Rows per program of the "rows" stack (batch * seq_len must be a multiple): the fastest of 12 tilings
@@ -293,13 +293,12 @@ def plan(config: Config, inputs: InputFacts, device: DeviceFacts = CPU, *,
             reasons.append(why)
     if stack == "fused_mgpu":
         from ttj_jax.kernels import fused_stack_mgpu
-        if not fused_stack_mgpu.supports(config, inputs.seq_len) or mask_mode not in ("none", "rows") \
+        if not fused_stack_mgpu.supports(config, inputs.seq_len, masked=mask_mode in ("keys", "device")) \
                 or inputs.dtype != "float32":
             model = fused_stack_mgpu.model_error(config.d_model, config.num_heads, config.ffn_dim)
             raise ValueError(f"stack 'fused_mgpu' needs a model it builds ({model or 'this one is'}), seq_len in "
-                             f"{fused_stack_mgpu.SUPPORTED_SEQ_LENS}, shared memory for its layers, float32 x "
-                             f"and no mask work beyond zeroing rows; got {config}, S={inputs.seq_len}, {inputs.dtype}, mask mode "
-                             f"{mask_mode}")
+                             f"{fused_stack_mgpu.SUPPORTED_SEQ_LENS}, shared memory for its layers and float32 x; "
+                             f"got {config}, S={inputs.seq_len}, {inputs.dtype}")
     if stack in ("fused", "fused_mgpu"):   # the kernel computes attention itself
         attention = "pallas"
     xla_options = ()

@@ -55,17 +55,19 @@ def _run_fused(weights, x, mask, *, config: Config, plan: Plan):
 
 
 def _run_fused_mgpu(weights, x, mask, *, config: Config, plan: Plan):
-    """The whole stack as one Mosaic GPU kernel (plan.stack == "fused_mgpu"). The kernel takes no mask:
-    mask-free plans, and "rows" plans (a prefix mask under causal attention), whose invalid rows are
-    zeroed after it (zero_invalid_rows). weights: MgpuStackWeights (the fast path, see `kernel_weights`),
-    PreparedWeights or raw params."""
+    """The whole stack as one Mosaic GPU kernel (plan.stack == "fused_mgpu"): mask-free plans, "rows"
+    plans (a prefix mask under causal attention) with the mask-free kernel and their invalid rows zeroed
+    after it (zero_invalid_rows), and "keys" or "device" plans with the masked build, which takes any
+    mask. weights: MgpuStackWeights (the fast path, see `kernel_weights`), PreparedWeights or raw
+    params."""
     from ttj_jax.kernels.fused_stack_mgpu import MgpuStackWeights, fused_stack_mgpu_forward, stack_weights_mgpu
     if not isinstance(weights, MgpuStackWeights):
         if not isinstance(weights, PreparedWeights):
             weights = prepare_weights(weights, get_policy(plan.policy))
         weights = stack_weights_mgpu(weights, config.num_heads)
-    y = fused_stack_mgpu_forward(weights, x, num_heads=config.num_heads, causal=config.causal,
-                                 interpret=jax.default_backend() == "cpu")
+    masked = plan.mask_mode in ("keys", "device") and mask is not None
+    y = fused_stack_mgpu_forward(weights, x, mask if masked else None, num_heads=config.num_heads,
+                                 causal=config.causal, interpret=jax.default_backend() == "cpu")
     return zero_invalid_rows(y, mask) if plan.mask_mode == "rows" and mask is not None else y
 
 

@@ -9,7 +9,9 @@ kernel body and build; `fused_stack_mgpu_reference.py` `emulate`, its algorithm 
 
 Scope: d_model = ffn_dim = 128 (or 32: shape 7), num_heads in {1, 2, 4} (and 8 or 16 at d_model 128,
 packed: see the layout module), seq_len in {32, 64, 128}, 1 to 5 layers (all layers' vectors sit in
-shared memory), causal or not, fp32 x in and fp32 y out, any batch, no masks. Everything else belongs to
+shared memory), causal or not, fp32 x in and fp32 y out, any batch. A token mask (any: prefix or with
+holes) takes the masked build: the producer copies the tile's mask bytes to shared memory, every score
+block adds MASKED_SCORE at invalid keys, and the epilogue zeroes invalid rows. Everything else belongs to
 `fused_stack.py` (see `supports`).
 
 Design (one CUDA block per 128-row tile; three warpgroups):
@@ -139,41 +141,54 @@ def _check_call(weights, x, num_heads, causal):
 
 
 @functools.partial(jax.jit, static_argnames=("num_heads", "causal", "interpret"))
-def fused_stack_mgpu_forward(weights: MgpuStackWeights, x: jax.Array, *, num_heads: int,
-                             causal: bool = True, interpret: bool = False) -> jax.Array:
-    """y = LN_final(layers(x)) (docs/spec.md, mask-free) in one Mosaic GPU kernel; fp32 [B, S, d].
+def fused_stack_mgpu_forward(weights: MgpuStackWeights, x: jax.Array, valid_token_mask: jax.Array | None = None,
+                             *, num_heads: int, causal: bool = True, interpret: bool = False) -> jax.Array:
+    """y = LN_final(layers(x)) (docs/spec.md) in one Mosaic GPU kernel; fp32 [B, S, d].
 
+    valid_token_mask: None, or [B, S] bool, int8 or uint8 (nonzero = valid): invalid keys are left out
+    of every softmax and invalid rows of y are zeros, for any mask (the masked build).
     S in {32, 64, 128}; any B (for S < 128 a B that is not a multiple of 128 // S is padded: one copy
     in, one slice out). Runs on Hopper; `interpret=True` runs the kernel body in Mosaic GPU's interpret
     mode on a CPU (slow; wgmma operands staged through shared memory there)."""
     _check_call(weights, x, num_heads, causal)
     batch, seq_len, _ = x.shape
+    inputs = [x]
+    if valid_token_mask is not None:
+        if tuple(valid_token_mask.shape) != (batch, seq_len):
+            raise ValueError(f"valid_token_mask.shape={tuple(valid_token_mask.shape)} must be [batch, seq_len] "
+                             f"= {(batch, seq_len)}")
+        if jnp.dtype(valid_token_mask.dtype) not in (jnp.dtype(jnp.bool_), jnp.dtype(jnp.int8), jnp.dtype(jnp.uint8)):
+            raise ValueError(f"valid_token_mask.dtype={jnp.dtype(valid_token_mask.dtype)} must be bool, int8 or uint8")
+        inputs.append((valid_token_mask != 0).astype(jnp.uint8))
     batch_pad = -batch % (TILE_ROWS // seq_len)
-    if batch_pad:
-        x = jnp.pad(x, ((0, batch_pad), (0, 0), (0, 0)))
+    if batch_pad:   # padding sequences: zeros, and with a mask all invalid
+        inputs = [jnp.pad(a, ((0, batch_pad),) + ((0, 0),) * (a.ndim - 1)) for a in inputs]
     y = kernel_function(batch + batch_pad, seq_len, num_heads, weights.num_layers, causal, interpret,
-                        d_model=weights.d_model)(x, weights.mats, weights.vecs)
+                        d_model=weights.d_model, masked=len(inputs) == 2)(*inputs, weights.mats, weights.vecs)
     return y[:batch] if batch_pad else y
 
 
 @dataclasses.dataclass(frozen=True)
 class LaunchSpec:
-    """Everything a launcher outside jax needs for one input shape. `function(x, mats, vecs) -> y` holds
-    nothing but the Mosaic GPU call; its arguments are `arg_structs` (x, then MgpuStackWeights' mats and
-    vecs as `stack_weights_mgpu` lays them out), its one output `out_shape` of `out_dtype`."""
+    """Everything a launcher outside jax needs for one input shape. `function(x, mats, vecs) -> y` (masked:
+    `function(x, mask, mats, vecs)`, the mask [B, S] uint8) holds nothing but the Mosaic GPU call; its
+    arguments are `arg_structs` (x, the mask if masked, then MgpuStackWeights' mats and vecs as
+    `stack_weights_mgpu` lays them out), its one output `out_shape` of `out_dtype`."""
     function: Callable
     arg_structs: tuple[jax.ShapeDtypeStruct, ...]
     out_shape: tuple[int, ...]
     out_dtype: np.dtype
 
 
-def launch_spec(config: Any, batch: int, seq_len: int) -> LaunchSpec:
+def launch_spec(config: Any, batch: int, seq_len: int, masked: bool = False) -> LaunchSpec:
     """The LaunchSpec of the kernel for `config` (d_model, num_heads, num_layers, causal) on x
-    [batch, seq_len, d_model] fp32. Raises ValueError for what the kernel does not run, including a
-    batch that is not a multiple of 128 // seq_len (callers pad or go through fused_stack_mgpu_forward)."""
+    [batch, seq_len, d_model] fp32 (and, masked, a [batch, seq_len] uint8 mask). Raises ValueError for
+    what the kernel does not run, including a batch that is not a multiple of 128 // seq_len (callers pad
+    or go through fused_stack_mgpu_forward)."""
     function = kernel_function(batch, seq_len, config.num_heads, config.num_layers, config.causal,
-                               d_model=config.d_model)
+                               d_model=config.d_model, masked=masked)
     mats, vecs = weight_shapes(config.num_layers, config.d_model, config.num_heads)
     x = jax.ShapeDtypeStruct((batch, seq_len, config.d_model), jnp.float32)
-    return LaunchSpec(function, (x, jax.ShapeDtypeStruct(mats, GEMM_DTYPE), jax.ShapeDtypeStruct(vecs, jnp.float32)),
-                      x.shape, np.dtype(np.float32))
+    mask = (jax.ShapeDtypeStruct((batch, seq_len), jnp.uint8),) if masked else ()
+    return LaunchSpec(function, (x, *mask, jax.ShapeDtypeStruct(mats, GEMM_DTYPE),
+                                 jax.ShapeDtypeStruct(vecs, jnp.float32)), x.shape, np.dtype(np.float32))

@@ -54,6 +54,12 @@ from ttj_jax.numerics import LAYER_NORM_EPS
 # (240 and 32 hung).
 _REGISTERS = (232, 40)
 LOG2_E = math.log2(math.e)
+# What masked builds add to an invalid key's score: far below any real score (softmax weight exp2(-1.8e5)
+# or less, 0 in fp32, at head_dim up to 128), yet small enough that for a row whose keys are all invalid
+# (an invalid token's) s * scale - m, which the compiler may fuse into one multiply-add, stays within a
+# few hundredths of its exact value: with -1e30 that rounding difference alone overflowed exp2 to inf
+# and the row turned NaN (seen in GPU interpret mode), which reached the valid rows through P v.
+MASKED_SCORE = -1e6
 # Grid axis names share a namespace with enclosing mesh axes (see flash_attention_mgpu.py): never "batch".
 GRID_AXIS = "ttj_fsm_sequence"
 # Profiler regions per warpgroup (profile_dir builds): 16 bytes each in shared memory, of the ~8 KB the
@@ -110,33 +116,44 @@ class _Build:
     key_blocks: str        # "own", "split" or "all" (layout.key_blocks)
     interpret: bool | str  # False, True or "detect_races"
     profile: bool
+    masked: bool = False   # a token mask: invalid keys left out of every softmax, invalid rows of y zeroed
 
     def phase(self, name):
         """A named region for Mosaic GPU's profiler; nothing at all otherwise (the lowering is pinned)."""
         return jax.named_scope(name) if self.profile else contextlib.nullcontext()
 
 
-def _stack_kernel(x_ref, mats_ref, vecs_ref, y_ref, scoped, *, build: _Build):
+def _stack_kernel(x_ref, mask_ref, mats_ref, vecs_ref, y_ref, scoped, *, build: _Build):
+    """mask_ref: None, or (masked builds) the token mask [batch, seq_len] uint8, nonzero = valid."""
     (x_smem, k_smem, v_smem, w_smem, vec_smem, *stages), barriers = scoped
+    mask_smem, mask_ready = (stages.pop(0), barriers[-1]) if build.masked else (None, None)
+    barriers = barriers[:6]
     wg = lax.axis_index("wg")
     tile = lax.axis_index(GRID_AXIS)
 
     @pl.when(wg < NUM_CONSUMERS)
     def _consumer():
         _Consumer(build, wg, tile, (x_ref, y_ref), (x_smem, k_smem, v_smem, w_smem, vec_smem), stages,
-                  barriers).run()
+                  barriers, (mask_smem, mask_ready)).run()
 
     @pl.when(wg == NUM_CONSUMERS)
     def _producer():
-        _produce(build, mats_ref, vecs_ref, w_smem, vec_smem, barriers)
+        _produce(build, mats_ref, vecs_ref, w_smem, vec_smem, barriers, (mask_ref, mask_smem, mask_ready), tile)
 
 
-def _produce(build: _Build, mats_ref, vecs_ref, w_smem, vec_smem, barriers):
-    """The producer warpgroup: the vectors once, then every layer's six chunks through the two-slot ring,
-    each as soon as both consumers released its slot (chunk j of every layer sits in slot j % 2)."""
+def _produce(build: _Build, mats_ref, vecs_ref, w_smem, vec_smem, barriers, mask=(None, None, None), tile=None):
+    """The producer warpgroup: the tile's token mask (masked builds) and the vectors once, then every
+    layer's six chunks through the two-slot ring, each as soon as both consumers released its slot
+    (chunk j of every layer sits in slot j % 2)."""
     plgpu = _plgpu()
     _, vec_ready, w_ready, w_consumed, _, _ = barriers
     plgpu.set_max_registers(_REGISTERS[1], action="decrease")
+    mask_ref, mask_smem, mask_ready = mask
+    if build.masked:   # the tile's sequences' rows, one copy per sequence
+        seqs_per_tile = TILE_ROWS // build.seq_len
+        for j in range(seqs_per_tile):
+            plgpu.copy_gmem_to_smem(mask_ref.at[tile * seqs_per_tile + j],
+                                    mask_smem.at[pl.ds(j * build.seq_len, build.seq_len)], mask_ready.at[0])
     plgpu.copy_gmem_to_smem(vecs_ref, vec_smem, vec_ready.at[0])
     for which in range(NUM_SLOTS):   # layer 0 fills the ring
         plgpu.copy_gmem_to_smem(mats_ref.at[0, which], w_smem.at[which], w_ready.at[which])
@@ -166,7 +183,7 @@ class _Consumer:
     """One consumer warpgroup's 64 rows through every layer. Its residual lives in shared memory (leaving
     registers for the attention); h, q and the contexts are fp16 registers (wgmma A operands)."""
 
-    def __init__(self, build: _Build, wg, tile, gmem, smem, stages, barriers):
+    def __init__(self, build: _Build, wg, tile, gmem, smem, stages, barriers, mask=(None, None)):
         self.plgpu = _plgpu()
         self.b = build
         self.wg, self.tile = wg, tile
@@ -175,12 +192,14 @@ class _Consumer:
         self.stages = stages
         (self.x_ready, self.vec_ready, self.w_ready, self.w_consumed, self.kv_written,
          self.kv_free) = barriers
+        self.mask_smem, self.mask_ready = mask   # masked builds: the tile's token mask, uint8 per row
         self.hd, self.width, _ = widths(build.d_model, build.num_heads)
         self.num_blocks, self.heads_per_block = blocks(build.d_model, build.num_heads)
         self.seqs_per_tile = TILE_ROWS // build.seq_len
         self.keys = TILE_ROWS if build.key_blocks == "all" else WG_ROWS   # keys per score tile
         self.wgmma_layout = self.plgpu.Layout.WGMMA
         self.col_layout = self.plgpu.Layout.WGMMA.reduce(0)
+        self.row_layout = self.plgpu.Layout.WGMMA.reduce(1)
         self.score_scale = self.hd ** -0.5 * LOG2_E
         # Two key blocks: both Q @ K^T issued before either is read, both P @ V in one accumulator.
         # GPU interpret mode cannot (see chained_products): one at a time there, the same fp32 values.
@@ -197,6 +216,8 @@ class _Consumer:
         with b.phase("wait_inputs"):
             plgpu.barrier_wait(self.vec_ready.at[0])
             plgpu.barrier_wait(self.x_ready.at[self.wg])
+            if b.masked:
+                plgpu.barrier_wait(self.mask_ready.at[0])
         assert CHUNKS_PER_LAYER % NUM_SLOTS == 0
         # Both consumers arrive once before the loop, so that every layer can start with a wait for
         # the other consumer to be done reading the previous layer's k and v.
@@ -283,6 +304,10 @@ class _Consumer:
         plgpu.barrier_wait(self.kv_free.at[0])
         with b.phase("final_ln"):
             y = self.layer_norm(self.load_x(), b.num_layers, 0, 1)
+            if b.masked:   # invalid tokens' rows are zeros (docs/spec.md)
+                valid = self.cast(self.mask_smem[pl.ds(self.wg * WG_ROWS, WG_ROWS)], self.row_layout)
+                keep = jnp.where(valid != 0, 1.0, 0.0).astype(jnp.float32)
+                y = jnp.where(self.col_bcast(keep, y.shape) != 0.0, y, 0.0)
             self.rows_smem[...] = y
         plgpu.commit_smem()
         seq_len, wg, tile = b.seq_len, self.wg, self.tile
@@ -330,8 +355,18 @@ class _Consumer:
         """softmax(q_head k^T) v (fp32 [64, width]) over the key blocks named; the last key block is the
         diagonal one (masked by allowed_keys), any before it are wholly in the past (no mask)."""
         scores = self.block_scores(q_head, [kv(self.k_smem, key_id) for key_id in key_ids])
+        if self.b.masked:
+            scores = [s + self.row_bcast(self.key_bias(key_id), s.shape) for s, key_id in zip(scores, key_ids)]
         return self.block_context(self.softmax_probabilities(scores),
                                   [kv(self.v_smem, key_id) for key_id in key_ids])
+
+    def key_bias(self, key_id):
+        """0 for a valid key, MASKED_SCORE for an invalid one, over key block key_id's keys (None: all
+        128). Finite, so a row whose keys are all invalid (an invalid token's) stays finite; its output
+        row is zeroed in the epilogue, and valid rows give its key weight 0."""
+        start, size = (0, TILE_ROWS) if key_id is None else (key_id * WG_ROWS, WG_ROWS)
+        valid = self.cast(self.mask_smem[pl.ds(start, size)], self.col_layout)
+        return jnp.where(valid != 0, 0.0, MASKED_SCORE).astype(jnp.float32)
 
     def softmax_probabilities(self, scores):
         """P (fp16) per key block from the fp32 score blocks: the diagonal (last) block masked, base-2
@@ -536,12 +571,15 @@ def _interpret_params(detect_races: bool = False):
 
 
 def kernel_function(batch: int, seq_len: int, num_heads: int, num_layers: int, causal: bool,
-                    interpret: bool | str = False, *, d_model: int = D_MODEL, profile_dir: str | None = None):
+                    interpret: bool | str = False, *, d_model: int = D_MODEL, profile_dir: str | None = None,
+                    masked: bool = False):
     """The bare kernel for x [batch, seq_len, d_model] fp32: f(x, mats, vecs) -> y, nothing but the Mosaic
     GPU call (what a launcher outside jax compiles); batch must be a multiple of 128 // seq_len.
     interpret: False (the GPU kernel), True or "detect_races" (Mosaic GPU's interpret mode on a CPU, the
     latter with its race detector). profile_dir: every stage a named profiler region per warpgroup, and
-    every call writes a Perfetto trace there (GPU only; bench/fused_stack_mgpu_profile.py reads it)."""
+    every call writes a Perfetto trace there (GPU only; bench/fused_stack_mgpu_profile.py reads it).
+    masked: f(x, mask, mats, vecs) -> y with mask [batch, seq_len] uint8 (nonzero = valid; a torch bool
+    tensor's bytes): any mask, prefix or not, causal or not (docs/spec.md)."""
     if seq_len not in SUPPORTED_SEQ_LENS:
         raise ValueError(f"{seq_len=} must be one of {SUPPORTED_SEQ_LENS}")
     error = model_error(d_model, num_heads, d_model)
@@ -550,7 +588,7 @@ def kernel_function(batch: int, seq_len: int, num_heads: int, num_layers: int, c
     seqs_per_tile = TILE_ROWS // seq_len
     if batch < 1 or batch % seqs_per_tile:
         raise ValueError(f"{batch=} must be a positive multiple of {seqs_per_tile} at {seq_len=}")
-    needed = smem_bytes(num_layers, d_model=d_model, num_heads=num_heads)
+    needed = smem_bytes(num_layers, d_model=d_model, num_heads=num_heads, masked=masked)
     if needed > SMEM_BUDGET_BYTES:
         raise ValueError(f"num_layers={num_layers} needs {needed} bytes of shared memory, "
                          f"more than {SMEM_BUDGET_BYTES}")
@@ -572,6 +610,8 @@ def kernel_function(batch: int, seq_len: int, num_heads: int, num_layers: int, c
             plgpu.SMEM(kv_shape, GEMM_DTYPE, transforms=kv_transforms),   # v
             plgpu.SMEM((NUM_SLOTS, num_blocks, d_model, width), GEMM_DTYPE, transforms=kv_transforms),  # ring
             plgpu.SMEM((num_layers + 1, NUM_VECS, vec_len), jnp.float32))                   # vectors
+    if masked:   # the tile's token mask, one byte a row
+        smem += (plgpu.SMEM((TILE_ROWS,), jnp.uint8),)
     if interpret:   # wgmma operand staging for GPU interpret mode (see _Consumer.matmul)
         smem += tuple(plgpu.SMEM((NUM_CONSUMERS,) + shape, GEMM_DTYPE)
                       for _, shape in _staging_shapes(d_model, width, keys))
@@ -582,14 +622,21 @@ def kernel_function(batch: int, seq_len: int, num_heads: int, num_layers: int, c
                 plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=NUM_SLOTS),       # w_consumed
                 plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=1),               # kv_written
                 plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=1))               # kv_free
+    if masked:
+        barriers += (plgpu.Barrier(num_arrivals=seqs_per_tile, num_barriers=1),)        # mask_ready
     build = _Build(num_layers=num_layers, num_heads=num_heads, seq_len=seq_len, causal=causal, d_model=d_model,
                    fast_erf=default_fast_erf(batch, seq_len, causal), key_blocks=layout, interpret=interpret,
-                   profile=bool(profile_dir))
+                   profile=bool(profile_dir), masked=masked)
     body = functools.partial(_stack_kernel, build=build)
 
-    def entry(x_ref, mats_ref, vecs_ref, y_ref):
-        pl.run_scoped(lambda *scoped: body(x_ref, mats_ref, vecs_ref, y_ref, scoped), smem, barriers,
-                      collective_axes="wg")
+    if masked:
+        def entry(x_ref, mask_ref, mats_ref, vecs_ref, y_ref):
+            pl.run_scoped(lambda *scoped: body(x_ref, mask_ref, mats_ref, vecs_ref, y_ref, scoped), smem, barriers,
+                          collective_axes="wg")
+    else:
+        def entry(x_ref, mats_ref, vecs_ref, y_ref):
+            pl.run_scoped(lambda *scoped: body(x_ref, None, mats_ref, vecs_ref, y_ref, scoped), smem, barriers,
+                          collective_axes="wg")
 
     return plgpu.kernel(
         entry,

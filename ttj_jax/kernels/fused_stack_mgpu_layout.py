@@ -86,23 +86,27 @@ def weight_shapes(num_layers: int, d_model: int, num_heads: int) -> tuple[tuple[
             (num_layers + 1, NUM_VECS, vec_len))
 
 
-def smem_bytes(num_layers: int, num_slots: int = NUM_SLOTS, *, d_model: int = D_MODEL, num_heads: int = 4) -> int:
-    """Shared memory of one block: residual, k, v, weight ring, vectors, barriers."""
+def smem_bytes(num_layers: int, num_slots: int = NUM_SLOTS, *, d_model: int = D_MODEL, num_heads: int = 4,
+               masked: bool = False) -> int:
+    """Shared memory of one block: residual, k, v, weight ring, vectors, barriers (and, masked, the
+    tile's token mask, one byte a row, and its barrier)."""
     _, width, vec_len = widths(d_model, num_heads)
     num_blocks, _ = blocks(d_model, num_heads)
     chunk = num_blocks * d_model * width * 2
     kv = 2 * num_blocks * TILE_ROWS * width * 2
     return (TILE_ROWS * d_model * 4 + kv + num_slots * chunk
-            + (num_layers + 1) * NUM_VECS * vec_len * 4 + 8 * (2 + 1 + 2 * num_slots + 2))
+            + (num_layers + 1) * NUM_VECS * vec_len * 4 + 8 * (2 + 1 + 2 * num_slots + 2)
+            + (TILE_ROWS + 8 if masked else 0))
 
 
-def supports(config: Any, seq_len: int) -> bool:
+def supports(config: Any, seq_len: int, masked: bool = False) -> bool:
     """Whether this kernel runs the model (anything with d_model, num_heads, ffn_dim and, if it has
-    one, num_layers) at seq_len. Mask-free calls only: the caller must know the call has no mask."""
+    one, num_layers) at seq_len; masked: in its masked build (a token mask in shared memory too)."""
     num_layers = getattr(config, "num_layers", 1)
     return (seq_len in SUPPORTED_SEQ_LENS
             and model_error(config.d_model, config.num_heads, config.ffn_dim) is None
-            and smem_bytes(num_layers, d_model=config.d_model, num_heads=config.num_heads) <= SMEM_BUDGET_BYTES)
+            and smem_bytes(num_layers, d_model=config.d_model, num_heads=config.num_heads,
+                           masked=masked) <= SMEM_BUDGET_BYTES)
 
 
 def tile_count(batch: int, seq_len: int) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ttj_jax.kernels.fused_stack_mgpu_kernel import AS_COEFFICIENTS, AS_P, LOG2_E, LOG2_E_ERF
+from ttj_jax.kernels.fused_stack_mgpu_kernel import AS_COEFFICIENTS, AS_P, LOG2_E, LOG2_E_ERF, MASKED_SCORE
 from ttj_jax.kernels.fused_stack_mgpu_layout import (
     B1,
     B2,
@@ -53,7 +53,8 @@ def np_one_plus_erf_fast(z):
     return np.where(z >= 0, np.float32(2.0) - q, q).astype(np.float32)
 
 
-def emulate(weights: MgpuStackWeights, x, *, causal: bool = True, fast_erf: bool | None = None) -> np.ndarray:
+def emulate(weights: MgpuStackWeights, x, valid_token_mask=None, *, causal: bool = True,
+            fast_erf: bool | None = None) -> np.ndarray:
     """The kernel's algorithm in NumPy, tile by tile and warpgroup by warpgroup, with its dtypes: fp16
     GEMM operands (rounded where the kernel rounds), fp32 accumulation, the out-projection and the
     MLP's second GEMM accumulated block by block onto x + bias, the 128-row tile's masked
@@ -62,7 +63,8 @@ def emulate(weights: MgpuStackWeights, x, *, causal: bool = True, fast_erf: bool
     with q's other columns zeroed in fp16, the scale of the real head_dim, P v over the whole block in
     fp32 of which the sub-head's columns are selected into the block's context, then fp16; the GELU's
     erf as the kernel builds it for x's shape (fast_erf None) or as told (emulating a slice of a
-    larger batch)."""
+    larger batch). With valid_token_mask ([B, S], nonzero = valid), as the masked build: MASKED_SCORE
+    added to every invalid key's score before the (causal, block-diagonal) mask, invalid rows of y zeros."""
     if fast_erf is None:
         fast_erf = default_fast_erf(np.shape(x)[0], np.shape(x)[1], causal)
     mats = np.asarray(weights.mats).astype(np.float32)   # fp16 values, exactly representable
@@ -77,6 +79,10 @@ def emulate(weights: MgpuStackWeights, x, *, causal: bool = True, fast_erf: bool
     batch_pad = -batch % seqs_per_tile
     xp = np.concatenate([x, np.zeros((batch_pad, seq_len, d), np.float32)]) if batch_pad else x
     tiles = xp.reshape(-1, TILE_ROWS, d)
+    if valid_token_mask is not None:
+        valid = np.asarray(valid_token_mask) != 0
+        valid = np.concatenate([valid, np.zeros((batch_pad, seq_len), bool)]) if batch_pad else valid
+        key_bias = np.where(valid.reshape(-1, TILE_ROWS), np.float32(0.0), np.float32(MASKED_SCORE))
     f16 = lambda a: a.astype(np.float16).astype(np.float32)   # noqa: E731
     dot = lambda a, b: np.matmul(a, b, dtype=np.float32)        # noqa: E731  (operands already fp16 values)
 
@@ -109,6 +115,8 @@ def emulate(weights: MgpuStackWeights, x, *, causal: bool = True, fast_erf: bool
 
             def context(q_head, k_block, v_block, r):   # fp32 P v over the block's columns
                 scores = dot(q_head, k_block.T)
+                if valid_token_mask is not None:
+                    scores = (scores + key_bias[t]).astype(np.float32)
                 scores = np.where(allowed[r], scores, -np.inf).astype(np.float32)
                 m = scores.max(axis=1, keepdims=True) * scale
                 p = np.exp2(scores * scale - m).astype(np.float32)
@@ -143,4 +151,6 @@ def emulate(weights: MgpuStackWeights, x, *, causal: bool = True, fast_erf: bool
                 new[r] = xr
             res = new
         out[t] = ln(res, vecs[-1][0][:d], vecs[-1][1][:d])
+        if valid_token_mask is not None:
+            out[t] = np.where(key_bias[t][:, None] == 0, out[t], np.float32(0.0))
     return out.reshape(-1, seq_len, d)[:batch]
