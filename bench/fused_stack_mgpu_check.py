@@ -1,6 +1,7 @@
 """GPU check of the Mosaic GPU whole-stack kernel (`ttj_jax/kernels/fused_stack_mgpu.py`) on an H200.
 
     PYTHONPATH=. python3 bench/fused_stack_mgpu_check.py --out bench/results [--shapes 2,1,9,10,12,5]
+        [--mask all_true|prefix|holes]
     PYTHONPATH=. python3 bench/fused_stack_mgpu_check.py --out /tmp/x --smoke     # CPU: no GPU work
 
 A new build's first launch may fail to compile (ptxas), produce wrong numbers, or deadlock. So:
@@ -17,6 +18,10 @@ A new build's first launch may fail to compile (ptxas), produce wrong numbers, o
    - timing (median of TIMING_REPEATS timings of back-to-back calls, bench.jax_timing) of the Mosaic
      kernel, the Triton fused kernel (`fused_stack_forward`) and the XLA program
      (`ttj_jax.forward(..., stack="layers")`);
+With --mask, the kernel's masked build is probed, checked (against the reference and `emulate` with the
+same mask) and timed too ("mgpu_masked"), beside the mask-free build on the same x: all_true prices the
+masked build where the mask-free one serves, prefix is a harness --padding-ratio 0.3 mask, holes a
+random mask (position 0 valid).
 The bridge's own launch of the kernel on torch tensors is checked by bench/mosaic_launch_check.py.
 Writes <out>/fused-stack-mgpu-<date>-<gpu>.json after every shape and prints a table last. Budget:
 about 6 minutes on an H200 (a deadline skips what is left after DEADLINE_S).
@@ -41,6 +46,7 @@ if str(_REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(_REPO_ROOT))
 
 DEFAULT_SHAPES = ("2", "1", "9", "10", "12", "5", "7")
+MASK_KINDS = ("none", "all_true", "prefix", "holes")
 TIMING_REPEATS = 7
 MIN_TIMING_S = 0.05
 EMULATED_SEQUENCES = 2
@@ -72,6 +78,24 @@ def harness_stats(out, ref) -> dict:
             "non_finite": int((~np.isfinite(out)).sum())}
 
 
+def make_mask(kind: str, batch: int, seq_len: int):
+    """The [B, S] bool mask --mask names (None for "none"), from a fixed seed."""
+    import numpy as np
+    rng = np.random.default_rng(2)
+    if kind == "none":
+        return None
+    if kind == "all_true":
+        return np.ones((batch, seq_len), bool)
+    if kind == "prefix":   # the harness's --padding-ratio 0.3: lengths in [round(0.7 S), S]
+        lengths = rng.integers(round(seq_len * 0.7), seq_len + 1, batch)
+        return np.arange(seq_len)[None, :] < lengths[:, None]
+    if kind == "holes":
+        mask = rng.random((batch, seq_len)) < 0.7
+        mask[:, 0] = True
+        return mask
+    raise ValueError(f"--mask {kind!r} is not one of {MASK_KINDS}")
+
+
 def _setup(sid: str):
     import jax
 
@@ -86,8 +110,9 @@ def _setup(sid: str):
 
 # --- 1. Probe (child processes) -----------------------------------------------------------------------
 
-def _probe_child(shape_ids) -> None:
-    """Runs each shape's kernel once; prints 'START sid', then 'DONE sid seconds' or 'ERROR sid msg'."""
+def _probe_child(shape_ids, mask_kind: str = "none") -> None:
+    """Runs each shape's kernel once (and its masked build, with a mask); prints 'START sid', then
+    'DONE sid seconds' or 'ERROR sid msg'."""
     import jax
 
     from ttj_jax.kernels import fused_stack_mgpu as fsm
@@ -97,12 +122,15 @@ def _probe_child(shape_ids) -> None:
         try:
             config, _, x, weights = _setup(sid)
             jax.block_until_ready(fsm.fused_stack_mgpu_forward(weights, x, num_heads=config.num_heads))
+            mask = make_mask(mask_kind, x.shape[0], x.shape[1])
+            if mask is not None:
+                jax.block_until_ready(fsm.fused_stack_mgpu_forward(weights, x, mask, num_heads=config.num_heads))
             print(f"DONE {sid} {time.perf_counter() - start:.1f}", flush=True)
         except Exception as e:   # recorded by the parent; the next shape still runs
             print(f"ERROR {sid} {_error(e)}".replace("\n", " "), flush=True)
 
 
-def probe(shape_ids, budget_s: float = PROBE_BUDGET_S) -> dict:
+def probe(shape_ids, budget_s: float = PROBE_BUDGET_S, mask_kind: str = "none") -> dict:
     """{sid: {"status": "ok"|"error"|"hung"|"crashed"|"not probed", ...}} from child processes (module
     docstring). A child gets PROBE_FIRST_SHAPE_S for its first shape (jax start-up, compile) and
     PROBE_PER_SHAPE_S for each later one; a shape that overruns is "hung", its child is killed, and a
@@ -112,7 +140,8 @@ def probe(shape_ids, budget_s: float = PROBE_BUDGET_S) -> dict:
     results, remaining = {}, list(shape_ids)
     probe_end = time.perf_counter() + budget_s
     while remaining and time.perf_counter() < probe_end:
-        command = [sys.executable, os.path.abspath(__file__), "--probe-child", ",".join(remaining)]
+        command = [sys.executable, os.path.abspath(__file__), "--probe-child", ",".join(remaining),
+                   "--mask", mask_kind]
         child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                  cwd=_REPO_ROOT)
         lines: queue.Queue = queue.Queue()
@@ -166,7 +195,7 @@ def _time_jax(fn, args) -> dict:
     return {"ms_per_call": ms, "calls_per_timing": calls}
 
 
-def run_shape(sid: str, probe_status: dict, deadline: float) -> dict:
+def run_shape(sid: str, probe_status: dict, deadline: float, mask_kind: str = "none") -> dict:
     import jax
     import numpy as np
 
@@ -205,6 +234,21 @@ def run_shape(sid: str, probe_status: dict, deadline: float) -> dict:
                         "emulation_vs_reference": harness_stats(emulated, ref[:n])}
             record["accuracy"]["mgpu_vs_emulation"] = step("mgpu_vs_emulation", vs_emulation)
             record["timing"]["mgpu"] = step("mgpu_timing", lambda: _time_jax(mgpu, (weights, x)))
+        mask = make_mask(mask_kind, x.shape[0], x.shape[1])
+        if mask is not None:
+            record["mask"] = {"kind": mask_kind, "valid_fraction": float(mask.mean())}
+            jmask = jax.numpy.asarray(mask)
+            masked = lambda w, x, m: fsm.fused_stack_mgpu_forward(w, x, m, num_heads=H)   # noqa: E731
+            y_masked = step("mgpu_masked_run", lambda: np.asarray(jax.block_until_ready(masked(weights, x, jmask))))
+            if y_masked is not None:
+                ref_masked = np.asarray(T.reference(params, x, jmask, config=config))
+                record["accuracy"]["mgpu_masked"] = harness_stats(y_masked, ref_masked)
+                n = min(EMULATED_SEQUENCES, x.shape[0])
+                record["accuracy"]["mgpu_masked_vs_emulation"] = step("mgpu_masked_vs_emulation", lambda: {
+                    "sequences": n, **harness_stats(y_masked[:n], fsm.emulate(
+                        weights, np.asarray(x[:n]), mask[:n], fast_erf=default_erf))})
+                record["timing"]["mgpu_masked"] = step("mgpu_masked_timing",
+                                                       lambda: _time_jax(masked, (weights, x, jmask)))
     else:
         record["mgpu_skipped"] = f"probe status {probe_status.get('status')}"
 
@@ -240,8 +284,8 @@ def _row(sid, rec) -> str:
         return ("ok" if a["failed_elements"] == 0 else f"FAIL{a['failed_elements']}") if a else "-"
 
     probe_status = (rec.get("probe") or {}).get("status", "-")
-    return (f"{sid:>3} {probe_status:>7} {acc('mgpu'):>9} {acc('triton'):>7} {acc('xla'):>7} "
-            f"{ms('mgpu')} {ms('triton')} {ms('xla')}")
+    return (f"{sid:>3} {probe_status:>7} {acc('mgpu'):>9} {acc('mgpu_masked'):>9} {acc('triton'):>7} {acc('xla'):>7} "
+            f"{ms('mgpu')} {ms('mgpu_masked')} {ms('triton')} {ms('xla')}")
 
 
 def main(argv=None) -> int:
@@ -250,10 +294,12 @@ def main(argv=None) -> int:
     parser.add_argument("--shapes", default=",".join(DEFAULT_SHAPES), help="official shape ids, comma separated")
     parser.add_argument("--smoke", action="store_true", help="CPU: parse, plan and write the JSON; no GPU work")
     parser.add_argument("--no-probe", action="store_true", help="skip the child-process probe (trust the kernel)")
+    parser.add_argument("--mask", default="none", choices=MASK_KINDS,
+                        help="also check and time the masked build with this mask (module docstring)")
     parser.add_argument("--probe-child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.probe_child is not None:
-        _probe_child(args.probe_child.split(","))
+        _probe_child(args.probe_child.split(","), args.mask)
         return 0
     if not args.out:
         parser.error("--out is required")
@@ -266,6 +312,7 @@ def main(argv=None) -> int:
     result: dict = {"script": "bench/fused_stack_mgpu_check.py", "smoke": args.smoke,
                     "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                     "shapes_requested": shape_ids, "harness_rule": {"atol": ATOL, "rtol": RTOL},
+                    "mask": args.mask, "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
                     "shapes": {}}
     try:
         import jax
@@ -303,7 +350,7 @@ def main(argv=None) -> int:
         probes = {s: {"status": "ok", "note": "probe skipped"} for s in shape_ids}
     else:
         try:
-            probes = probe([s for s in shape_ids if result.get("supported", {}).get(s)])
+            probes = probe([s for s in shape_ids if result.get("supported", {}).get(s)], mask_kind=args.mask)
         except Exception as e:
             result["probe_error"] = _error(e)
     result["probe"] = probes
@@ -311,7 +358,7 @@ def main(argv=None) -> int:
     for sid in shape_ids:
         t0 = time.perf_counter()
         try:
-            record = run_shape(sid, probes.get(sid, {"status": "not probed"}), deadline)
+            record = run_shape(sid, probes.get(sid, {"status": "not probed"}), deadline, args.mask)
         except Exception as e:
             record = {"error": _error(e)}
         record["wall_s"] = round(time.perf_counter() - t0, 1)
@@ -322,7 +369,8 @@ def main(argv=None) -> int:
 
     print(f"\nwrote {path}  ({result['total_wall_s']} s)")
     print("times: us per call (stream of back-to-back jax calls)")
-    print(f"{'id':>3} {'probe':>7} {'mgpu':>9} {'triton':>7} {'xla':>7} {'mgpu':>8} {'triton':>8} {'xla':>8}")
+    print(f"{'id':>3} {'probe':>7} {'mgpu':>9} {'masked':>9} {'triton':>7} {'xla':>7} {'mgpu':>8} {'masked':>8} "
+          f"{'triton':>8} {'xla':>8}")
     for sid, rec in result["shapes"].items():
         try:
             print(_row(sid, rec))

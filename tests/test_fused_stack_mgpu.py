@@ -337,6 +337,21 @@ def test_gpu_check_script_smoke(tmp_path):
     assert result["smoke"] is True and result["supported"] == {"2": True, "12": True}
 
 
+def test_gpu_check_script_masks():
+    """--mask's masks: all_true all valid, prefix a harness --padding-ratio 0.3 mask (prefixes of length
+    >= 0.7 S), holes a mask with holes and position 0 valid; an unknown kind is refused."""
+    import importlib
+    check = importlib.import_module("bench.fused_stack_mgpu_check")
+    assert check.make_mask("none", 2, 32) is None and check.make_mask("all_true", 2, 32).all()
+    prefix = check.make_mask("prefix", 64, 128)
+    lengths = prefix.sum(1)
+    assert (prefix == (np.arange(128)[None, :] < lengths[:, None])).all() and lengths.min() >= 90 and not prefix.all()
+    holes = check.make_mask("holes", 8, 128)
+    assert holes[:, 0].all() and (~holes[:, :-1] & holes[:, 1:]).any()
+    with pytest.raises(ValueError, match="--mask"):
+        check.make_mask("striped", 2, 32)
+
+
 SHARD_SCRIPT = r"""
 import re, hashlib, importlib, json
 import jax, jax.numpy as jnp, numpy as np
