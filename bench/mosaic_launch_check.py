@@ -5,9 +5,13 @@ a program of Triton kernels (bridge/triton_launch.py).
     PYTHONPATH=. python3 bench/mosaic_launch_check.py --out bench/results --shapes 7 --stack fused_mgpu
     PYTHONPATH=. python3 bench/mosaic_launch_check.py --out bench/results --shapes 11 --stack fused_mgpu --against planner
     PYTHONPATH=. python3 bench/mosaic_launch_check.py --out bench/results --shapes 2,7,11 --stack rows --against jax
+    PYTHONPATH=. python3 bench/mosaic_launch_check.py --out bench/results --shapes 2,7,12 --stack fused_mgpu \
+        --mask holes --against jax
 
 --stack forces a stack through `bridge.forward(..., stack=...)` instead of the module's own call (the
 planner's choice): how a build the planner does not pick yet (shape 7's d_model 32) is checked.
+--mask holes replaces the harness's all-True masks by masks with holes (position 0 valid, x zeroed at
+invalid rows), which need key masking: with --stack fused_mgpu, the kernel's masked build.
 
 Per official shape, through the bridge module as the harness calls it (all-True mask, fp32 x on cuda):
 - the plan and whether the bridge launches the kernel itself (explain()); its one-time comparison with
@@ -54,16 +58,30 @@ from bridge import runtime, settings  # noqa: E402
 DEFAULT_SHAPES = "2,1,3,4,5,9,10,12,6"
 
 
-def check_shape(sid: str, device: torch.device, stack: str | None = None, against: str = "fused") -> dict:
+def with_holes(x: torch.Tensor, mask: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x zeroed at its invalid rows, a mask of x's [B, S] with holes: ~30% invalid, position 0 valid),
+    from `seed`, on mask's device; the inputs are not modified."""
+    generator = torch.Generator().manual_seed(seed)
+    holes = torch.rand(tuple(mask.shape), generator=generator) < 0.7
+    holes[:, 0] = True
+    holes = holes.to(mask.device)
+    return x * holes[..., None], holes
+
+
+def check_shape(sid: str, device: torch.device, stack: str | None = None, against: str = "fused",
+                mask_kind: str = "all_true") -> dict:
     config = T.OFFICIAL[sid].config
     harness_config = TransformerConfig(**vars(config))
     baseline, module = harness_models(harness_config, bridge.TTJTransformer, device=device)
-    record: dict = {"shape": T.OFFICIAL[sid].describe(), "stack_forced": stack}
+    record: dict = {"shape": T.OFFICIAL[sid].describe(), "stack_forced": stack, "mask": mask_kind}
     ours = module if stack is None else (lambda x, mask: runtime.forward(module, x, mask, stack=stack))
     # Made outside inference mode, as the harness's timing input: the bridge classifies such a mask once
     # (all True: no mask work). An inference tensor's mask is decided on the device (the Triton kernel).
     x, mask = make_inputs(harness_config, HARNESS_SEEDS[0] + TIMING_SEED_OFFSET, device=device)
     inputs = [make_inputs(harness_config, seed, device=device) for seed in HARNESS_SEEDS]
+    if mask_kind == "holes":
+        x, mask = with_holes(x, mask, HARNESS_SEEDS[0] + TIMING_SEED_OFFSET)
+        inputs = [with_holes(xs, ms, seed) for (xs, ms), seed in zip(inputs, HARNESS_SEEDS)]
     with torch.inference_mode():
         t0 = time.perf_counter()
         y = ours(x, mask)
@@ -120,10 +138,12 @@ def main(argv=None) -> int:
     parser.add_argument("--against", default="fused", choices=("fused", "planner", "jax"),
                         help="time the bridge against the Triton kernel through jax, the planner's choice, "
                              "or the same plan through jax")
+    parser.add_argument("--mask", default="all_true", choices=("all_true", "holes"),
+                        help="the harness's all-True mask, or masks with holes (key masking)")
     args = parser.parse_args(argv)
     device = torch.device("cuda")
     name = torch.cuda.get_device_name(device)
-    suffix = "" if args.stack is None else f"-{args.stack}"
+    suffix = ("" if args.stack is None else f"-{args.stack}") + ("" if args.mask == "all_true" else f"-{args.mask}")
     kind = "triton" if args.stack in ("rows", "fused") else "mosaic"
     path = os.path.join(args.out, f"{kind}-launch-{datetime.date.today()}-{name.split()[-1].lower()}{suffix}.json")
     result = {"gpu": name, "jax": jax.__version__, "torch": torch.__version__,
@@ -131,7 +151,7 @@ def main(argv=None) -> int:
     for sid in args.shapes.split(","):
         t0 = time.perf_counter()
         try:
-            record = check_shape(sid, device, args.stack, args.against)
+            record = check_shape(sid, device, args.stack, args.against, args.mask)
         except Exception as e:   # noqa: BLE001 - one shape's failure is recorded, the rest still run
             record = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-2000:]}
         record["wall_s"] = time.perf_counter() - t0

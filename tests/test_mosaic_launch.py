@@ -503,3 +503,16 @@ def test_launch_spec_matches_the_weights_built(sid):
     assert (vecs.shape, vecs.dtype) == (built.vecs.shape, built.vecs.dtype)
     assert x.shape == spec.out_shape == (config.batch_size, config.seq_len, config.d_model)
     assert spec.out_dtype == np.float32
+
+
+def test_launch_check_masks_with_holes_leave_their_inputs_alone():
+    """bench/mosaic_launch_check.py --mask holes: a mask with holes (position 0 valid, some later position
+    invalid after a valid one) of the mask's shape, x zeroed exactly at its invalid rows, inputs kept."""
+    from bench.mosaic_launch_check import with_holes
+    x, mask = torch.randn(8, 32, 16), torch.ones(8, 32, dtype=torch.bool)
+    x_before = x.clone()
+    x2, holes = with_holes(x, mask, 5)
+    assert holes.shape == mask.shape and holes.dtype == torch.bool and holes[:, 0].all()
+    assert (~holes[:, :-1] & holes[:, 1:]).any() and torch.equal(x, x_before) and mask.all()
+    assert (x2[~holes] == 0).all() and torch.equal(x2[holes], x[holes])
+    assert torch.equal(with_holes(x, mask, 5)[1], holes)
