@@ -32,7 +32,24 @@ import torch
 
 _version_of = attrgetter("_version")
 _data_ptr_of = torch.Tensor.data_ptr
-_bulk_pointers_equal = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
+
+
+def _checked_bulk_pointers_equal():
+    """torch's C comparison of data pointers (private: inductor's), if this torch has it and it answers a
+    known case right; else None (the pointers are then read one by one)."""
+    compare = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
+    if compare is None:
+        return None
+    a, b = torch.zeros(1), torch.zeros(1)
+    try:
+        right = (compare([a, b], [a.data_ptr(), b.data_ptr()], [0, 1]) is True
+                 and compare([a, b], [a.data_ptr(), a.data_ptr()], [0, 1]) is False)
+    except Exception:   # another signature in another torch
+        return None
+    return compare if right else None
+
+
+_bulk_pointers_equal = _checked_bulk_pointers_equal()
 
 # id(parameter) -> (weak reference to it, its group's token): the parameters share_version_counter made.
 _GROUPS: dict[int, tuple[weakref.ref, object]] = {}

@@ -434,6 +434,20 @@ def test_parameters_that_are_inference_tensors_run_and_say_what_is_not_seen(made
     harness_rule(second, torch_reference(base, x, None), "-after")
 
 
+def test_torchs_pointer_comparison_is_used_only_if_it_answers_right(monkeypatch):
+    from bridge import versions
+    monkeypatch.delattr(torch._C, "_tensors_data_ptrs_at_indices_equal", raising=False)
+    assert versions._checked_bulk_pointers_equal() is None
+    for wrong in (lambda tensors, pointers, indices: True, lambda tensors, pointers: True):
+        monkeypatch.setattr(torch._C, "_tensors_data_ptrs_at_indices_equal", wrong, raising=False)
+        assert versions._checked_bulk_pointers_equal() is None
+
+    def right(tensors, pointers, indices):
+        return all(tensors[i].data_ptr() == pointers[i] for i in indices)
+    monkeypatch.setattr(torch._C, "_tensors_data_ptrs_at_indices_equal", right, raising=False)
+    assert versions._checked_bulk_pointers_equal() is right
+
+
 def test_data_pointers_are_compared_in_one_call_where_torch_has_one(monkeypatch):
     """Where torch has its C comparison of data pointers (CUDA builds), the watch calls it once per check
     instead of reading each pointer; a `.data =` reassignment is still caught through it."""
