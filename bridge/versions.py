@@ -68,12 +68,21 @@ def share_version_counter(module: torch.nn.Module) -> None:
         return
     # Parameters made from views of one tensor share its version counter (nn.Parameter keeps the view's
     # counter and drops the view relation); `.data = ` then gives each its own storage back.
-    base = torch.empty(len(owners), device=device)
-    token = object()
+    base = torch.zeros(len(owners), device=device)
+    made = []
     for i, (owner, name, p) in enumerate(owners):
         shared = torch.nn.Parameter(base[i:i + 1], requires_grad=p.requires_grad)
         shared.data = p.data
         owner._parameters[name] = shared
+        made.append(shared)
+    # Proof, not trust: a write to the base (ours alone) must move every parameter's version.
+    before = [p._version for p in made]
+    with torch.no_grad():
+        base.zero_()
+    if not all(p._version > v for p, v in zip(made, before)):
+        return   # this torch does not share the counter that way: each parameter is read on its own
+    token = object()
+    for shared in made:
         key = id(shared)
         _GROUPS[key] = (weakref.ref(shared, lambda _, key=key: _GROUPS.pop(key, None)), token)
 
