@@ -153,7 +153,6 @@ class MosaicStackLaunch:
         from ttj_jax.compat import mosaic_gpu_module
         from ttj_jax.kernels import fused_stack_mgpu
         spec = fused_stack_mgpu.launch_spec(config, batch, seq_len, masked=masked)
-        self.masked = masked
         if spec.out_dtype != np.float32:
             raise ValueError(f"the kernel writes {spec.out_dtype}; this launch allocates float32")
         self.shape = spec.out_shape

@@ -40,7 +40,7 @@ from ttj_jax.masks import MaskKind, classify_mask
 from ttj_jax.model import executable, model_key, plan_for, validate_inputs
 from ttj_jax.numerics import get_policy, harness_check
 from ttj_jax.params import expected_shapes, params_from_state_dict, prepare_weights
-from ttj_jax.planner import InputFacts, Plan
+from ttj_jax.planner import KEY_MASK_MODES, InputFacts, Plan
 from ttj_jax.planner import plan as make_plan
 
 _STATES: weakref.WeakKeyDictionary[torch.nn.Module, _ModuleState] = weakref.WeakKeyDictionary()
@@ -324,7 +324,7 @@ class _ModuleState:
             why = stacks.get(call.plan.stack).bridge_launch(self.config, shape[0], shape[1])
         if why is not None:
             return None, why
-        masked = call.plan.mask_mode in ("keys", "device")   # any mask: the kernel's masked build
+        masked = call.plan.mask_mode in KEY_MASK_MODES   # any mask: the kernel's masked build
         try:
             kernel = mosaic_launch.MosaicStackLaunch(self.config, shape[0], shape[1], device,
                                                      **({"masked": True} if masked else {}))

@@ -18,6 +18,7 @@ from ttj_jax.numerics import POLICIES
 
 ATTENTION_IMPLEMENTATIONS = ("xla", "pallas", "cudnn")
 MASK_MODES = ("none", "rows", "keys", "device")
+KEY_MASK_MODES = ("keys", "device")   # the modes whose plans mask keys (the rest at most zero rows)
 # What runs the layers (stacks.py has one entry per name):
 # "layers": the XLA program, layer by layer (layers.py);
 # "fused": the whole stack as one Pallas (Triton) kernel (kernels/fused_stack.py);
@@ -293,7 +294,7 @@ def plan(config: Config, inputs: InputFacts, device: DeviceFacts = CPU, *,
             reasons.append(why)
     if stack == "fused_mgpu":
         from ttj_jax.kernels import fused_stack_mgpu
-        if not fused_stack_mgpu.supports(config, inputs.seq_len, masked=mask_mode in ("keys", "device")) \
+        if not fused_stack_mgpu.supports(config, inputs.seq_len, masked=mask_mode in KEY_MASK_MODES) \
                 or inputs.dtype != "float32":
             model = fused_stack_mgpu.model_error(config.d_model, config.num_heads, config.ffn_dim)
             raise ValueError(f"stack 'fused_mgpu' needs a model it builds ({model or 'this one is'}), seq_len in "
@@ -363,7 +364,7 @@ def candidates(config: Config, inputs: InputFacts, device: DeviceFacts = CPU) ->
     # (the Mosaic kernel's masked build, for key masking, has not run on a GPU yet: a first launch can
     # deadlock, which no timing budget catches in process; bench/fused_stack_mgpu_check.py --mask probes
     # it in a child process first)
-    if not device.is_hopper or inputs.dtype != "float32" or prior.mask_mode in ("keys", "device"):
+    if not device.is_hopper or inputs.dtype != "float32" or prior.mask_mode in KEY_MASK_MODES:
         stacks.remove("fused_mgpu")
     from ttj_jax.kernels import fused_stack
     if not fused_stack.supports(config, inputs.seq_len) and "fused" in stacks:

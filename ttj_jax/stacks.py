@@ -22,7 +22,7 @@ from ttj_jax.config import Config
 from ttj_jax.layers import key_mask_for, run_layers
 from ttj_jax.numerics import get_policy
 from ttj_jax.params import PreparedWeights, prepare_weights, stack_layer_weights
-from ttj_jax.planner import ROWS_BLOCK, Plan
+from ttj_jax.planner import KEY_MASK_MODES, ROWS_BLOCK, Plan
 from ttj_jax.planner import STACKS as PLANNED_STACKS
 
 
@@ -65,7 +65,7 @@ def _run_fused_mgpu(weights, x, mask, *, config: Config, plan: Plan):
         if not isinstance(weights, PreparedWeights):
             weights = prepare_weights(weights, get_policy(plan.policy))
         weights = stack_weights_mgpu(weights, config.num_heads)
-    masked = plan.mask_mode in ("keys", "device") and mask is not None
+    masked = plan.mask_mode in KEY_MASK_MODES and mask is not None
     y = fused_stack_mgpu_forward(weights, x, mask if masked else None, num_heads=config.num_heads,
                                  causal=config.causal, interpret=jax.default_backend() == "cpu")
     return zero_invalid_rows(y, mask) if plan.mask_mode == "rows" and mask is not None else y

@@ -126,8 +126,9 @@ class _Build:
 def _stack_kernel(x_ref, mask_ref, mats_ref, vecs_ref, y_ref, scoped, *, build: _Build):
     """mask_ref: None, or (masked builds) the token mask [batch, seq_len] uint8, nonzero = valid."""
     (x_smem, k_smem, v_smem, w_smem, vec_smem, *stages), barriers = scoped
-    mask_smem, mask_ready = (stages.pop(0), barriers[-1]) if build.masked else (None, None)
-    barriers = barriers[:6]
+    mask_smem = mask_ready = None
+    if build.masked:   # kernel_function adds the mask's buffer before the staging ones, its barrier last
+        mask_smem, mask_ready, barriers = stages.pop(0), barriers[-1], barriers[:-1]
     wg = lax.axis_index("wg")
     tile = lax.axis_index(GRID_AXIS)
 
