@@ -78,19 +78,22 @@ def harness_stats(out, ref) -> dict:
             "non_finite": int((~np.isfinite(out)).sum())}
 
 
-def make_mask(kind: str, batch: int, seq_len: int):
-    """The [B, S] bool mask --mask names (None for "none"), from a fixed seed."""
+def make_mask(kind: str, batch: int, seq_len: int, seed: int = 2):
+    """The [B, S] bool mask --mask names (None for "none"), from `seed`: "prefix" is the harness's own
+    --padding-ratio 0.3 mask (bench.baseline.make_inputs), "holes" ~30% invalid with position 0 valid."""
+    import types
+
     import numpy as np
-    rng = np.random.default_rng(2)
     if kind == "none":
         return None
     if kind == "all_true":
         return np.ones((batch, seq_len), bool)
-    if kind == "prefix":   # the harness's --padding-ratio 0.3: lengths in [round(0.7 S), S]
-        lengths = rng.integers(round(seq_len * 0.7), seq_len + 1, batch)
-        return np.arange(seq_len)[None, :] < lengths[:, None]
+    if kind == "prefix":
+        from bench.baseline import make_inputs
+        shape = types.SimpleNamespace(batch_size=batch, seq_len=seq_len, d_model=1)
+        return make_inputs(shape, seed, padding_ratio=0.3)[1].numpy()
     if kind == "holes":
-        mask = rng.random((batch, seq_len)) < 0.7
+        mask = np.random.default_rng(seed).random((batch, seq_len)) < 0.7
         mask[:, 0] = True
         return mask
     raise ValueError(f"--mask {kind!r} is not one of {MASK_KINDS}")

@@ -59,12 +59,10 @@ DEFAULT_SHAPES = "2,1,3,4,5,9,10,12,6"
 
 
 def with_holes(x: torch.Tensor, mask: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x zeroed at its invalid rows, a mask of x's [B, S] with holes: ~30% invalid, position 0 valid),
-    from `seed`, on mask's device; the inputs are not modified."""
-    generator = torch.Generator().manual_seed(seed)
-    holes = torch.rand(tuple(mask.shape), generator=generator) < 0.7
-    holes[:, 0] = True
-    holes = holes.to(mask.device)
+    """(x zeroed at its invalid rows, a mask of x's [B, S] with holes: bench/fused_stack_mgpu_check.py's
+    "holes" mask from `seed`, on mask's device); the inputs are not modified."""
+    from bench.fused_stack_mgpu_check import make_mask
+    holes = torch.from_numpy(make_mask("holes", *mask.shape, seed=seed)).to(mask.device)
     return x * holes[..., None], holes
 
 
