@@ -339,6 +339,7 @@ class _ModuleState:
         else:
             def run(x, mask, tensors):
                 return kernel(x, *tensors)
+        run.kernel, run.masked = kernel, masked   # for diagnostic tools (bench/host_parts.py)
         disagreement = self._compare_with_jax(run, call, shape, "float32", device)
         return (None, disagreement) if disagreement is not None else (run, "")
 
