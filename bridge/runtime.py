@@ -105,6 +105,7 @@ class _ModuleState:
         self.prepared: dict[str, Any] = {}
         self.calls: dict[tuple, _Call] = {}
         self.validated: set[tuple] = set()       # input signatures validate_inputs has passed
+        self.mask_on_device = settings.gpu_mask_on_device()   # TTJ_GPU_MASK
         self.mask_ref = None
         self.mask_version = None
         self.mask_kind = None
@@ -255,10 +256,11 @@ class _ModuleState:
         """The mask's kind. A mask in host memory is read on every call (no device to wait for), so no write
         can make it stale: through `.data`, a numpy view or a DLPack consumer alike. A GPU mask's kind is
         cached per tensor object and version (reading it costs a host sync); an inference tensor has no
-        version counter, so its contents could change unseen: the device decides (MaskKind.UNKNOWN)."""
+        version counter, so its contents could change unseen: the device decides (MaskKind.UNKNOWN), as it
+        does for every GPU mask under TTJ_GPU_MASK=device."""
         if mask.device.type == "cpu":
             return classify_mask(mask.detach().numpy())
-        if mask.is_inference():
+        if self.mask_on_device or mask.is_inference():
             return MaskKind.UNKNOWN
         version = mask._version
         if self.mask_ref is not None and self.mask_ref() is mask and self.mask_version == version:

@@ -9,6 +9,10 @@ Environment switches (read when a device's first call sets up its transfers or l
 - `TTJ_TRITON_LAUNCH=1`: launch the kernels of plans made only of Triton kernels (the "rows" and "fused"
   stacks) on torch's stream instead of calling jax (bridge/triton_launch.py). Off by default: an
   experiment whose GPU checks have not passed yet (see that module).
+- `TTJ_GPU_MASK=device`: a mask on the GPU is never classified on the host; every call's program (or
+  the Mosaic kernel's masked build) decides on the device, so a mask written behind torch's version
+  counter (`.data`, a DLPack consumer, a kernel) can never give a stale answer. `host` (the default): a
+  GPU mask's kind is read once per tensor and version (one host sync), then kept.
 - `TTJ_POLICY=<name>`: a numerics policy (`ttj_jax.numerics.POLICIES`) for every inference call signature the
   bridge plans from then on, instead of the planner's choice (read when a signature is first planned):
   `mixed_fp16x3` or `tf32` for inputs at small scales (docs/decisions.md, "Numerics").
@@ -25,11 +29,23 @@ from __future__ import annotations
 
 import os
 
+GPU_MASK_ENV = "TTJ_GPU_MASK"
+GPU_MASK_CHOICES = ("host", "device")
+GPU_MASK_DEFAULT = "host"
 KEEP_X_IMPORT_ENV = "TTJ_BRIDGE_KEEP_X_IMPORT"
 MOSAIC_LAUNCH_ENV = "TTJ_MOSAIC_LAUNCH"
 POLICY_ENV = "TTJ_POLICY"
 TRITON_LAUNCH_ENV = "TTJ_TRITON_LAUNCH"
 _OFF = ("0", "false", "False", "")
+
+
+def gpu_mask_on_device() -> bool:
+    """Whether a GPU mask's kind is left to the device on every call (TTJ_GPU_MASK, read when a module's
+    first call sets up its state). ValueError for a value that is not one of GPU_MASK_CHOICES."""
+    value = os.environ.get(GPU_MASK_ENV, "").strip() or GPU_MASK_DEFAULT
+    if value not in GPU_MASK_CHOICES:
+        raise ValueError(f"{GPU_MASK_ENV}={value!r}: choose one of {GPU_MASK_CHOICES}")
+    return value == "device"
 
 
 def keep_x_import() -> bool:

@@ -12,7 +12,7 @@ from conftest import make_mask, random_input, torch_reference
 import bridge
 import ttj_jax as T
 from bench.baseline import BaselineTransformer, TransformerConfig, copy_model_weights, make_inputs
-from bridge import runtime
+from bridge import runtime, settings
 from bridge import transfer as bt
 
 CONFIG = TransformerConfig(batch_size=2, seq_len=17, d_model=64, num_heads=4, ffn_dim=96, num_layers=2,
@@ -150,6 +150,32 @@ def test_inference_tensor_masks_are_read_every_call_on_the_host_and_decided_on_t
         # a device mask without a version counter is not read on the host (a sync): the device decides
         on_device = torch.ones(2, 3, dtype=torch.bool, device="meta")
         assert runtime.module_state(ours).classify(on_device) == T.MaskKind.UNKNOWN
+
+
+def test_gpu_masks_are_left_to_the_device_under_TTJ_GPU_MASK_device(monkeypatch):
+    """TTJ_GPU_MASK=device: a GPU mask (a meta tensor stands in: any device but the CPU) is never read on
+    the host, whatever its version counter says; a host mask is still read (no sync to save). The setting
+    is read when the module's state is made; a value that is no choice is a clear error."""
+    on_device = torch.ones(2, 3, dtype=torch.bool, device="meta")
+    for value, expected in (("device", True), ("host", False), ("", settings.GPU_MASK_DEFAULT == "device")):
+        monkeypatch.setenv(settings.GPU_MASK_ENV, value)
+        assert settings.gpu_mask_on_device() is expected
+    monkeypatch.setenv(settings.GPU_MASK_ENV, "sometimes")
+    with pytest.raises(ValueError, match="TTJ_GPU_MASK"):
+        settings.gpu_mask_on_device()
+    monkeypatch.setenv(settings.GPU_MASK_ENV, "device")
+    base, ours = pair()
+    x, mask = make_inputs(CONFIG, 5)
+    ours(x, mask)
+    state = runtime.module_state(ours)
+    assert state.mask_on_device
+    assert state.classify(on_device) == T.MaskKind.UNKNOWN   # a versioned (non-inference) tensor too
+    assert not on_device.is_inference()
+    assert state.classify(mask) == T.MaskKind.ALL_TRUE         # the host mask: read
+    monkeypatch.setenv(settings.GPU_MASK_ENV, "host")
+    _, other = pair()
+    other(x, mask)
+    assert not runtime.module_state(other).mask_on_device
 
 
 def test_harness_flow_assigning_our_class(harness_rule):

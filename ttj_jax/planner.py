@@ -98,6 +98,10 @@ MGPU_STACK_JAX_MIN_SEQ_LEN = 64
 # (bench/results/official-2026-12-04-h200-prefix-mask-mosaic.json): 0.079 / 0.066 / 0.079 ms at shapes
 # 2 / 7 / 12 against 0.074 / 0.051 / 0.073 unpadded, the peer 0.095 / 0.117 / 0.121. JAX callers keep the
 # rules' other stacks; the measured planner times this one beside them.
+# For a torch caller with a mask that needs keys masked ("keys": a general mask, a prefix one without
+# causal attention; "device": a mask not classified on the host), the rules give the Mosaic kernel's
+# masked build where they give the kernel without a mask, once that build has run on a GPU.
+MGPU_STACK_MASKED_PLANNED = False
 MGPU_STACK_ROWS_MASK = ("measured 0.079 / 0.066 / 0.079 ms at shapes 2 / 7 / 12 with padding ratio 0.3, "
                         "against 0.074 / 0.051 / 0.073 without a mask")
 # GEMM-bound calls (the one-device XLA program at d_model >= this, S below CUDNN_MIN_SEQ_LEN, unchunked:
@@ -364,7 +368,8 @@ def candidates(config: Config, inputs: InputFacts, device: DeviceFacts = CPU) ->
     # (the Mosaic kernel's masked build, for key masking, has not run on a GPU yet: a first launch can
     # deadlock, which no timing budget catches in process; bench/fused_stack_mgpu_check.py --mask probes
     # it in a child process first)
-    if not device.is_hopper or inputs.dtype != "float32" or prior.mask_mode in KEY_MASK_MODES:
+    if (not device.is_hopper or inputs.dtype != "float32"
+            or (prior.mask_mode in KEY_MASK_MODES and not MGPU_STACK_MASKED_PLANNED)):
         stacks.remove("fused_mgpu")
     from ttj_jax.kernels import fused_stack
     if not fused_stack.supports(config, inputs.seq_len) and "fused" in stacks:
@@ -411,10 +416,17 @@ def _stack(config: Config, inputs: InputFacts, device: DeviceFacts, policy: str,
     # it: the Mosaic kernel runs mask-free and the invalid rows are zeroed after it (MGPU_STACK_ROWS_MASK).
     launched = (inputs.caller == "torch" and inputs.seq_len <= fused_stack_mgpu.TILE_ROWS
                 and inputs.batch_size % (fused_stack_mgpu.TILE_ROWS // inputs.seq_len) == 0)
-    mask_ok = mask_mode == "none" or (mask_mode == "rows" and launched)
+    masked = mask_mode in KEY_MASK_MODES
+    mask_ok = (mask_mode == "none" or (mask_mode == "rows" and launched)
+               or (masked and launched and MGPU_STACK_MASKED_PLANNED))
     if (device.is_hopper and mask_ok and inputs.dtype == "float32" and rows <= FUSED_STACK_MAX_ROWS
             and config.d_model in MGPU_STACK_GPU_VERIFIED_D_MODELS and config.num_heads in MGPU_STACK_PLANNED_NUM_HEADS
-            and fused_stack_mgpu.supports(config, inputs.seq_len)):
+            and fused_stack_mgpu.supports(config, inputs.seq_len, masked=masked)):
+        if masked:
+            return "fused_mgpu", (f"S={inputs.seq_len}, a mask that needs its keys masked"
+                                  + (" (decided in the kernel)" if mask_mode == "device" else "")
+                                  + ", on sm_90, called from torch: the Mosaic GPU kernel's masked build, "
+                                  "launched by the bridge without JAX dispatch")
         if mask_mode == "rows":
             return "fused_mgpu", (f"S={inputs.seq_len}, a prefix mask (its invalid rows zeroed after the kernel), "
                                   "on sm_90, called from torch: the Mosaic GPU whole-stack kernel launched by "
