@@ -189,3 +189,30 @@ def test_fp32_operand_policies_run_xla_attention_and_the_layer_program(policy):
                                 compute_capability="8.0")):
         chosen = T.plan(T.OFFICIAL["2"].config, inputs, facts, policy=policy)
         assert (chosen.attention, chosen.stack, chosen.policy) == ("xla", "layers", policy)
+
+
+@pytest.mark.parametrize("kind", [MaskKind.GENERAL, MaskKind.UNKNOWN])
+def test_the_mosaic_kernels_masked_build_is_planned_for_key_masks_only_once_switched_on(monkeypatch, kind):
+    """MGPU_STACK_MASKED_PLANNED: off, a torch call whose mask needs keys masked never gets the Mosaic
+    kernel (rules or candidates); on, it gets the masked build where the mask-free call gets the kernel,
+    and the measured planner may time it; a JAX caller (no bridge launch) never does."""
+    from ttj_jax import planner
+    hopper = T.DeviceFacts(platform="gpu", device_kind="NVIDIA H200", memory_bytes=100 * 2**30,
+                           compute_capability="9.0")
+    for sid in ("2", "7", "12"):
+        config = T.OFFICIAL[sid].config
+        torch_facts = T.InputFacts(config.batch_size, config.seq_len, "float32", mask_kind=kind, caller="torch")
+        mask_free = T.InputFacts(config.batch_size, config.seq_len, "float32", mask_kind=MaskKind.ALL_TRUE,
+                                 caller="torch")
+        assert T.plan(config, mask_free, hopper).stack == "fused_mgpu"
+        monkeypatch.setattr(planner, "MGPU_STACK_MASKED_PLANNED", False)
+        off = T.plan(config, torch_facts, hopper)
+        assert off.stack != "fused_mgpu" and off.mask_mode in planner.KEY_MASK_MODES
+        assert all(c.stack != "fused_mgpu" for c in planner.candidates(config, torch_facts, hopper))
+        monkeypatch.setattr(planner, "MGPU_STACK_MASKED_PLANNED", True)
+        on = T.plan(config, torch_facts, hopper)
+        assert (on.stack, on.mask_mode) == ("fused_mgpu", off.mask_mode), on.explain()
+        assert "masked build" in on.explain()
+        assert any(c.stack == "fused_mgpu" for c in planner.candidates(config, torch_facts, hopper))
+        jax_facts = dataclasses.replace(torch_facts, caller="jax")
+        assert T.plan(config, jax_facts, hopper).stack != "fused_mgpu"
