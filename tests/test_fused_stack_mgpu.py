@@ -226,7 +226,7 @@ def test_masked_build_lowers_to_one_mosaic_gpu_kernel(case):
 def test_masked_launch_spec_takes_the_mask_second_as_bytes():
     config = T.Config(2, 64, 128, 2, 128, 2, True)
     plain, masked = fsm.launch_spec(config, 2, 64), fsm.launch_spec(config, 2, 64, masked=True)
-    assert [s.shape for s in masked.arg_structs] == [plain.arg_structs[0].shape, (2, 64),
+    assert [s.shape for s in masked.arg_structs] == [plain.arg_structs[0].shape, (1, 128),   # a row a tile
                                                      *(s.shape for s in plain.arg_structs[1:])]
     assert masked.arg_structs[1].dtype == jnp.uint8 and masked.out_shape == plain.out_shape
     assert fsm.smem_bytes(4, masked=True) == fsm.smem_bytes(4) + fsm.TILE_ROWS + 8

@@ -311,7 +311,7 @@ if mode == "forward":   # the jax entry point: mask checks and conversion, batch
     y = fsm.fused_stack_mgpu_forward(weights, x, mask, num_heads=num_heads, causal=causal, interpret=True)
 else:
     y = fsm.kernel_function(batch, seq_len, num_heads, num_layers, causal, mode, d_model=d_model, masked=True)(
-        x, mask.astype(jnp.uint8), weights.mats, weights.vecs)
+        x, mask.astype(jnp.uint8).reshape(-1, 128), weights.mats, weights.vecs)
 y = np.asarray(y)
 ref = np.asarray(T.reference(params, x, mask, config=config), np.float64)
 ratio = np.abs(y - ref) / np.maximum(0.002, 0.02 * np.abs(ref))

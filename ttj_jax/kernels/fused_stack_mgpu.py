@@ -163,6 +163,8 @@ def fused_stack_mgpu_forward(weights: MgpuStackWeights, x: jax.Array, valid_toke
     batch_pad = -batch % (TILE_ROWS // seq_len)
     if batch_pad:   # padding sequences: zeros, and with a mask all invalid
         inputs = [jnp.pad(a, ((0, batch_pad),) + ((0, 0),) * (a.ndim - 1)) for a in inputs]
+    if len(inputs) == 2:   # the kernel reads the mask as one 128-byte row per tile (the same bytes)
+        inputs[1] = inputs[1].reshape(-1, TILE_ROWS)
     y = kernel_function(batch + batch_pad, seq_len, num_heads, weights.num_layers, causal, interpret,
                         d_model=weights.d_model, masked=len(inputs) == 2)(*inputs, weights.mats, weights.vecs)
     return y[:batch] if batch_pad else y
@@ -182,13 +184,14 @@ class LaunchSpec:
 
 def launch_spec(config: Any, batch: int, seq_len: int, masked: bool = False) -> LaunchSpec:
     """The LaunchSpec of the kernel for `config` (d_model, num_heads, num_layers, causal) on x
-    [batch, seq_len, d_model] fp32 (and, masked, a [batch, seq_len] uint8 mask). Raises ValueError for
+    [batch, seq_len, d_model] fp32 (and, masked, the [batch, seq_len] uint8 mask's bytes as
+    [batch * seq_len // 128, 128]: a contiguous torch bool mask as it is). Raises ValueError for
     what the kernel does not run, including a batch that is not a multiple of 128 // seq_len (callers pad
     or go through fused_stack_mgpu_forward)."""
     function = kernel_function(batch, seq_len, config.num_heads, config.num_layers, config.causal,
                                d_model=config.d_model, masked=masked)
     mats, vecs = weight_shapes(config.num_layers, config.d_model, config.num_heads)
     x = jax.ShapeDtypeStruct((batch, seq_len, config.d_model), jnp.float32)
-    mask = (jax.ShapeDtypeStruct((batch, seq_len), jnp.uint8),) if masked else ()
+    mask = (jax.ShapeDtypeStruct((batch * seq_len // TILE_ROWS, TILE_ROWS), jnp.uint8),) if masked else ()
     return LaunchSpec(function, (x, *mask, jax.ShapeDtypeStruct(mats, GEMM_DTYPE),
                                  jax.ShapeDtypeStruct(vecs, jnp.float32)), x.shape, np.dtype(np.float32))

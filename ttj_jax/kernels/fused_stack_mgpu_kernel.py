@@ -150,11 +150,11 @@ def _produce(build: _Build, mats_ref, vecs_ref, w_smem, vec_smem, barriers, mask
     _, vec_ready, w_ready, w_consumed, _, _ = barriers
     plgpu.set_max_registers(_REGISTERS[1], action="decrease")
     mask_ref, mask_smem, mask_ready = mask
-    if build.masked:   # the tile's sequences' rows, one copy per sequence
-        seqs_per_tile = TILE_ROWS // build.seq_len
-        for j in range(seqs_per_tile):
-            plgpu.copy_gmem_to_smem(mask_ref.at[tile * seqs_per_tile + j],
-                                    mask_smem.at[pl.ds(j * build.seq_len, build.seq_len)], mask_ready.at[0])
+    if build.masked:   # the tile's 128 mask bytes (its sequences' rows, contiguous): one copy
+        # (One copy per sequence put the second one at shared-memory byte 32 or 64 for S < 128, and a bulk
+        # tensor copy's destination must be 128-byte aligned: CUDA_ERROR_MISALIGNED_ADDRESS on the H200 at
+        # S=32, which GPU interpret mode does not model.)
+        plgpu.copy_gmem_to_smem(mask_ref.at[tile], mask_smem, mask_ready.at[0])
     plgpu.copy_gmem_to_smem(vecs_ref, vec_smem, vec_ready.at[0])
     for which in range(NUM_SLOTS):   # layer 0 fills the ring
         plgpu.copy_gmem_to_smem(mats_ref.at[0, which], w_smem.at[which], w_ready.at[which])
@@ -579,8 +579,9 @@ def kernel_function(batch: int, seq_len: int, num_heads: int, num_layers: int, c
     interpret: False (the GPU kernel), True or "detect_races" (Mosaic GPU's interpret mode on a CPU, the
     latter with its race detector). profile_dir: every stage a named profiler region per warpgroup, and
     every call writes a Perfetto trace there (GPU only; bench/fused_stack_mgpu_profile.py reads it).
-    masked: f(x, mask, mats, vecs) -> y with mask [batch, seq_len] uint8 (nonzero = valid; a torch bool
-    tensor's bytes): any mask, prefix or not, causal or not (docs/spec.md)."""
+    masked: f(x, mask, mats, vecs) -> y with mask [batch * seq_len // 128, 128] uint8, the [batch, seq_len]
+    token mask's bytes as one 128-byte row per tile (nonzero = valid; a torch bool tensor's bytes, as they
+    are): any mask, prefix or not, causal or not (docs/spec.md)."""
     if seq_len not in SUPPORTED_SEQ_LENS:
         raise ValueError(f"{seq_len=} must be one of {SUPPORTED_SEQ_LENS}")
     error = model_error(d_model, num_heads, d_model)
@@ -624,7 +625,7 @@ def kernel_function(batch: int, seq_len: int, num_heads: int, num_layers: int, c
                 plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=1),               # kv_written
                 plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=1))               # kv_free
     if masked:
-        barriers += (plgpu.Barrier(num_arrivals=seqs_per_tile, num_barriers=1),)        # mask_ready
+        barriers += (plgpu.Barrier(num_arrivals=1, num_barriers=1),)                    # mask_ready
     build = _Build(num_layers=num_layers, num_heads=num_heads, seq_len=seq_len, causal=causal, d_model=d_model,
                    fast_erf=default_fast_erf(batch, seq_len, causal), key_blocks=layout, interpret=interpret,
                    profile=bool(profile_dir), masked=masked)
