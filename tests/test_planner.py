@@ -195,10 +195,12 @@ def test_fp32_operand_policies_run_xla_attention_and_the_layer_program(policy):
 def test_the_mosaic_kernels_masked_build_is_planned_for_key_masks_only_once_switched_on(monkeypatch, kind):
     """MGPU_STACK_MASKED_PLANNED: off, a torch call whose mask needs keys masked never gets the Mosaic
     kernel (rules or candidates); on, it gets the masked build where the mask-free call gets the kernel,
-    and the measured planner may time it; a JAX caller (no bridge launch) never does."""
+    at the sequence lengths where the build has run on a GPU, and the measured planner may time it; a JAX
+    caller (no bridge launch) never does."""
     from ttj_jax import planner
     hopper = T.DeviceFacts(platform="gpu", device_kind="NVIDIA H200", memory_bytes=100 * 2**30,
                            compute_capability="9.0")
+    monkeypatch.setattr(planner, "MGPU_STACK_MASKED_VERIFIED_SEQ_LENS", (32, 128))
     for sid in ("2", "7", "12"):
         config = T.OFFICIAL[sid].config
         torch_facts = T.InputFacts(config.batch_size, config.seq_len, "float32", mask_kind=kind, caller="torch")
@@ -216,3 +218,15 @@ def test_the_mosaic_kernels_masked_build_is_planned_for_key_masks_only_once_swit
         assert any(c.stack == "fused_mgpu" for c in planner.candidates(config, torch_facts, hopper))
         jax_facts = dataclasses.replace(torch_facts, caller="jax")
         assert T.plan(config, jax_facts, hopper).stack != "fused_mgpu"
+
+
+def test_the_masked_build_is_not_planned_at_a_sequence_length_it_has_not_run_at(monkeypatch):
+    from ttj_jax import planner
+    hopper = T.DeviceFacts(platform="gpu", device_kind="NVIDIA H200", memory_bytes=100 * 2**30,
+                           compute_capability="9.0")
+    config = T.OFFICIAL["12"].config   # S=32
+    facts_ = T.InputFacts(config.batch_size, config.seq_len, "float32", mask_kind=MaskKind.UNKNOWN, caller="torch")
+    monkeypatch.setattr(planner, "MGPU_STACK_MASKED_PLANNED", True)
+    monkeypatch.setattr(planner, "MGPU_STACK_MASKED_VERIFIED_SEQ_LENS", (128,))
+    assert T.plan(config, facts_, hopper).stack != "fused_mgpu"
+    assert all(c.stack != "fused_mgpu" for c in planner.candidates(config, facts_, hopper))
