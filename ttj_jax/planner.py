@@ -100,13 +100,13 @@ MGPU_STACK_JAX_MIN_SEQ_LEN = 64
 # rules' other stacks; the measured planner times this one beside them.
 # For a torch caller with a mask that needs keys masked ("keys": a general mask, a prefix one without
 # causal attention; "device": a mask not classified on the host, such as an inference tensor's), the
-# rules give the Mosaic kernel's masked build where they give the kernel without a mask, at the sequence
-# lengths where that build has run on a GPU. On the H200 (bench/results/fused-stack-mgpu-2026-12-05-h200-
+# rules give the Mosaic kernel's masked build where they give the kernel without a mask, in the builds
+# (d_model, num_heads, seq_len) that have run on a GPU with a mask. On the H200 (bench/results/fused-stack-mgpu-2026-12-05-h200-
 # holes.json, mask-cost-2026-12-05-h200.json): 0 failed elements with a mask with holes at shapes 2 and 7;
 # at shape 7 with an all-True mask it is exact against the mask-free kernel and takes 45.2 us against
 # 38.4 (+18%), where the plan it replaces ("rows" through jax, the device deciding) took 126.6.
 MGPU_STACK_MASKED_PLANNED = True
-MGPU_STACK_MASKED_VERIFIED_SEQ_LENS = (128,)
+MGPU_STACK_MASKED_VERIFIED = ((128, 4, 128), (32, 4, 128))
 MGPU_STACK_ROWS_MASK = ("measured 0.079 / 0.066 / 0.079 ms at shapes 2 / 7 / 12 with padding ratio 0.3, "
                         "against 0.074 / 0.051 / 0.073 without a mask")
 # GEMM-bound calls (the one-device XLA program at d_model >= this, S below CUDNN_MIN_SEQ_LEN, unchunked:
@@ -370,12 +370,12 @@ def candidates(config: Config, inputs: InputFacts, device: DeviceFacts = CPU) ->
         return chosen if not chosen.batch_chunk else None
 
     stacks = [s for s in ("fused_mgpu", "fused", "rows") if s != prior.stack]
-    # (the Mosaic kernel's masked build, for key masking, only at the sequence lengths where it has run on
-    # a GPU: a first launch of a new build can deadlock or fault, which no timing budget catches in process;
+    # (the Mosaic kernel's masked build, for key masking, only in the builds that have run on a GPU: a
+    # first launch of a new build can deadlock or fault, which no timing budget catches in process;
     # bench/fused_stack_mgpu_check.py --mask probes it in a child process first)
     if (not device.is_hopper or inputs.dtype != "float32"
             or (prior.mask_mode in KEY_MASK_MODES and not (MGPU_STACK_MASKED_PLANNED
-                                                           and inputs.seq_len in MGPU_STACK_MASKED_VERIFIED_SEQ_LENS))):
+                                                           and _masked_build_verified(config, inputs)))):
         stacks.remove("fused_mgpu")
     from ttj_jax.kernels import fused_stack
     if not fused_stack.supports(config, inputs.seq_len) and "fused" in stacks:
@@ -398,6 +398,10 @@ def candidates(config: Config, inputs: InputFacts, device: DeviceFacts = CPU) ->
         for candidate in ((gemm_bound, default) if base.policy == GEMM_BOUND_POLICY else (default, gemm_bound)):
             add(candidate)   # (a plan equal to one found, its reason aside, is not added twice)
     return found
+
+
+def _masked_build_verified(config: Config, inputs: InputFacts) -> bool:
+    return (config.d_model, config.num_heads, inputs.seq_len) in MGPU_STACK_MASKED_VERIFIED
 
 
 def _rows_stack_fits(config: Config, inputs: InputFacts) -> bool:
@@ -425,7 +429,7 @@ def _stack(config: Config, inputs: InputFacts, device: DeviceFacts, policy: str,
     masked = mask_mode in KEY_MASK_MODES
     mask_ok = (mask_mode == "none" or (mask_mode == "rows" and launched)
                or (masked and launched and MGPU_STACK_MASKED_PLANNED
-                   and inputs.seq_len in MGPU_STACK_MASKED_VERIFIED_SEQ_LENS))
+                   and _masked_build_verified(config, inputs)))
     if (device.is_hopper and mask_ok and inputs.dtype == "float32" and rows <= FUSED_STACK_MAX_ROWS
             and config.d_model in MGPU_STACK_GPU_VERIFIED_D_MODELS and config.num_heads in MGPU_STACK_PLANNED_NUM_HEADS
             and fused_stack_mgpu.supports(config, inputs.seq_len, masked=masked)):
