@@ -85,9 +85,13 @@ def test_a_torch_caller_with_a_prefix_mask_gets_the_mosaic_launch_with_rows_zero
     plan = T.plan(config, _facts(config, MaskKind.PREFIX, caller="torch"), HOPPER)
     assert plan.stack == "fused_mgpu" and plan.mask_mode == "rows", plan.explain()
     assert "prefix mask" in plan.explain() and "with padding ratio 0.3" in plan.explain()
-    # where the mask needs more, or the caller is jax (the rules' other stacks; measured beside it), not
-    for kind, caller in ((MaskKind.GENERAL, "torch"), (MaskKind.UNKNOWN, "torch"), (MaskKind.PREFIX, "jax")):
-        assert T.plan(config, _facts(config, kind, caller=caller), HOPPER).stack != "fused_mgpu"
+    # where the mask needs keys masked: the masked build, in the builds that have run with a mask on a GPU
+    verified = (config.d_model, config.num_heads, config.seq_len, True) in T.planner.MGPU_STACK_MASKED_VERIFIED
+    for kind in (MaskKind.GENERAL, MaskKind.UNKNOWN):
+        keys = T.plan(config, _facts(config, kind, caller="torch"), HOPPER)
+        assert (keys.stack == "fused_mgpu") == verified and keys.mask_mode in T.planner.KEY_MASK_MODES, keys.explain()
+    # the caller is jax (the rules' other stacks; measured beside it): not
+    assert T.plan(config, _facts(config, MaskKind.PREFIX, caller="jax"), HOPPER).stack != "fused_mgpu"
     non_causal = dataclasses.replace(config, causal=False)   # a prefix mask without causal masks keys
     assert T.plan(non_causal, _facts(non_causal, MaskKind.PREFIX, caller="torch"), HOPPER).stack != "fused_mgpu"
     if config.seq_len < 128:   # a batch that does not fill the kernel's 128-row tiles: the jax path pads
@@ -98,12 +102,12 @@ def test_a_torch_caller_with_a_prefix_mask_gets_the_mosaic_launch_with_rows_zero
 def test_forcing_the_mosaic_stack_is_checked():
     shape_2 = T.OFFICIAL["2"].config
     assert T.plan(shape_2, _facts(shape_2), T.planner.CPU, stack="fused_mgpu").stack == "fused_mgpu"
-    # a mask that needs key masking: its masked build by request; the rules keep it for mask-free and
-    # prefix-mask calls (the masked build has not been timed on a GPU)
+    # a mask that needs key masking: its masked build by request; the rules give it to torch callers
+    # (launched by the bridge), not to jax ones
     forced = T.plan(shape_2, _facts(shape_2, MaskKind.GENERAL), HOPPER, stack="fused_mgpu")
     assert (forced.stack, forced.mask_mode) == ("fused_mgpu", "keys")
-    for caller in ("jax", "torch"):
-        assert T.plan(shape_2, _facts(shape_2, MaskKind.GENERAL, caller=caller), HOPPER).stack != "fused_mgpu"
+    assert T.plan(shape_2, _facts(shape_2, MaskKind.GENERAL, caller="jax"), HOPPER).stack != "fused_mgpu"
+    assert T.plan(shape_2, _facts(shape_2, MaskKind.GENERAL, caller="torch"), HOPPER).stack == "fused_mgpu"
     with pytest.raises(ValueError, match="fused_mgpu"):   # d_model 1024: not a model it builds
         T.plan(T.OFFICIAL["8"].config, _facts(T.OFFICIAL["8"].config), HOPPER, stack="fused_mgpu")
     # 16 heads of 8 (shape 11): built (packed four to a block), measured slower than the rows stack, so

@@ -200,7 +200,7 @@ def test_the_mosaic_kernels_masked_build_is_planned_for_key_masks_only_once_swit
     from ttj_jax import planner
     hopper = T.DeviceFacts(platform="gpu", device_kind="NVIDIA H200", memory_bytes=100 * 2**30,
                            compute_capability="9.0")
-    monkeypatch.setattr(planner, "MGPU_STACK_MASKED_VERIFIED", ((128, 4, 128), (32, 4, 128), (128, 4, 32)))
+    monkeypatch.setattr(planner, "MGPU_STACK_MASKED_VERIFIED", ((128, 4, 128, True), (32, 4, 128, True), (128, 4, 32, True)))
     for sid in ("2", "7", "12"):
         config = T.OFFICIAL[sid].config
         torch_facts = T.InputFacts(config.batch_size, config.seq_len, "float32", mask_kind=kind, caller="torch")
@@ -227,7 +227,7 @@ def test_the_masked_build_is_not_planned_in_a_build_that_has_not_run_on_a_gpu(mo
     config = T.OFFICIAL["12"].config   # S=32
     facts_ = T.InputFacts(config.batch_size, config.seq_len, "float32", mask_kind=MaskKind.UNKNOWN, caller="torch")
     monkeypatch.setattr(planner, "MGPU_STACK_MASKED_PLANNED", True)
-    monkeypatch.setattr(planner, "MGPU_STACK_MASKED_VERIFIED", ((128, 4, 128),))
+    monkeypatch.setattr(planner, "MGPU_STACK_MASKED_VERIFIED", ((128, 4, 128, True),))
     assert T.plan(config, facts_, hopper).stack != "fused_mgpu"
     assert all(c.stack != "fused_mgpu" for c in planner.candidates(config, facts_, hopper))
     shape_9 = T.OFFICIAL["9"].config   # S=128 but one head: another build

@@ -101,12 +101,12 @@ MGPU_STACK_JAX_MIN_SEQ_LEN = 64
 # For a torch caller with a mask that needs keys masked ("keys": a general mask, a prefix one without
 # causal attention; "device": a mask not classified on the host, such as an inference tensor's), the
 # rules give the Mosaic kernel's masked build where they give the kernel without a mask, in the builds
-# (d_model, num_heads, seq_len) that have run on a GPU with a mask. On the H200 (bench/results/fused-stack-mgpu-2026-12-05-h200-
+# (d_model, num_heads, seq_len, causal) that have run on a GPU with a mask. On the H200 (bench/results/fused-stack-mgpu-2026-12-05-h200-
 # holes.json, mask-cost-2026-12-05-h200.json): 0 failed elements with a mask with holes at shapes 2 and 7;
 # at shape 7 with an all-True mask it is exact against the mask-free kernel and takes 45.2 us against
 # 38.4 (+18%), where the plan it replaces ("rows" through jax, the device deciding) took 126.6.
 MGPU_STACK_MASKED_PLANNED = True
-MGPU_STACK_MASKED_VERIFIED = ((128, 4, 128), (32, 4, 128))
+MGPU_STACK_MASKED_VERIFIED = ((128, 4, 128, True), (32, 4, 128, True))
 MGPU_STACK_ROWS_MASK = ("measured 0.079 / 0.066 / 0.079 ms at shapes 2 / 7 / 12 with padding ratio 0.3, "
                         "against 0.074 / 0.051 / 0.073 without a mask")
 # GEMM-bound calls (the one-device XLA program at d_model >= this, S below CUDNN_MIN_SEQ_LEN, unchunked:
@@ -401,7 +401,7 @@ def candidates(config: Config, inputs: InputFacts, device: DeviceFacts = CPU) ->
 
 
 def _masked_build_verified(config: Config, inputs: InputFacts) -> bool:
-    return (config.d_model, config.num_heads, inputs.seq_len) in MGPU_STACK_MASKED_VERIFIED
+    return (config.d_model, config.num_heads, inputs.seq_len, bool(config.causal)) in MGPU_STACK_MASKED_VERIFIED
 
 
 def _rows_stack_fits(config: Config, inputs: InputFacts) -> bool:
