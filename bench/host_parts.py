@@ -126,7 +126,6 @@ def main(argv=None) -> int:
         contenders = ours = x = mask = None
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    path = os.path.join(out_dir, stem + ".json")
     over = [sid for sid, e in result["shapes"].items() if e["host_over_gpu"] >= HOST_OVER_GPU_TARGET]
     print(f"host/GPU >= {HOST_OVER_GPU_TARGET}: {over or 'none'}; wrote {path}")
     return 0

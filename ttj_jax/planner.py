@@ -374,8 +374,7 @@ def candidates(config: Config, inputs: InputFacts, device: DeviceFacts = CPU) ->
     # first launch of a new build can deadlock or fault, which no timing budget catches in process;
     # bench/fused_stack_mgpu_check.py --mask probes it in a child process first)
     if (not device.is_hopper or inputs.dtype != "float32"
-            or (prior.mask_mode in KEY_MASK_MODES and not (MGPU_STACK_MASKED_PLANNED
-                                                           and _masked_build_verified(config, inputs)))):
+            or (prior.mask_mode in KEY_MASK_MODES and not _masked_build_planned(config, inputs))):
         stacks.remove("fused_mgpu")
     from ttj_jax.kernels import fused_stack
     if not fused_stack.supports(config, inputs.seq_len) and "fused" in stacks:
@@ -400,8 +399,11 @@ def candidates(config: Config, inputs: InputFacts, device: DeviceFacts = CPU) ->
     return found
 
 
-def _masked_build_verified(config: Config, inputs: InputFacts) -> bool:
-    return (config.d_model, config.num_heads, inputs.seq_len, bool(config.causal)) in MGPU_STACK_MASKED_VERIFIED
+def _masked_build_planned(config: Config, inputs: InputFacts) -> bool:
+    """Whether the Mosaic kernel's masked build may be planned for this model and length: switched on, and
+    a build that has run on a GPU with a mask (MGPU_STACK_MASKED_VERIFIED)."""
+    return MGPU_STACK_MASKED_PLANNED and (config.d_model, config.num_heads, inputs.seq_len,
+                                          bool(config.causal)) in MGPU_STACK_MASKED_VERIFIED
 
 
 def _rows_stack_fits(config: Config, inputs: InputFacts) -> bool:
@@ -428,8 +430,7 @@ def _stack(config: Config, inputs: InputFacts, device: DeviceFacts, policy: str,
                 and inputs.batch_size % (fused_stack_mgpu.TILE_ROWS // inputs.seq_len) == 0)
     masked = mask_mode in KEY_MASK_MODES
     mask_ok = (mask_mode == "none" or (mask_mode == "rows" and launched)
-               or (masked and launched and MGPU_STACK_MASKED_PLANNED
-                   and _masked_build_verified(config, inputs)))
+               or (masked and launched and _masked_build_planned(config, inputs)))
     if (device.is_hopper and mask_ok and inputs.dtype == "float32" and rows <= FUSED_STACK_MAX_ROWS
             and config.d_model in MGPU_STACK_GPU_VERIFIED_D_MODELS and config.num_heads in MGPU_STACK_PLANNED_NUM_HEADS
             and fused_stack_mgpu.supports(config, inputs.seq_len, masked=masked)):
