@@ -402,7 +402,7 @@ def _chosen_shapes(args, *, on_gpu: bool):
 def warm(args) -> int:
     """--warm: the measured planner's decisions for the chosen shapes, made now and kept in the plan cache
     (ttj_jax/plan_cache.py), so that the first real call of each neither measures nor, with jax's
-    compilation cache beside it, compiles."""
+    compilation cache beside it, compiles; on a GPU, the bridge's native lane built too (bridge/native)."""
     from ttj_jax import autotune
     if args.force_device:
         os.environ[FORCE_DEVICE_ENV] = args.force_device
@@ -410,6 +410,12 @@ def warm(args) -> int:
     if chosen_shapes is None:
         return 2
     _, suite, ids = chosen_shapes
+    if jax.default_backend() == "gpu":   # the bridge's native lane, built (or found built) now
+        from bridge import native
+        try:
+            native.build()
+        except RuntimeError as e:
+            print(f"the bridge's native lane cannot be built here ({e}); the bridge keeps its Python path", flush=True)
     for sid in ids:
         shape = suite[sid]
         kind = T.MaskKind.PREFIX if shape.padding else T.MaskKind.ALL_TRUE

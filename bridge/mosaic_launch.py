@@ -131,6 +131,22 @@ class MosaicLauncher:
             return entry, (args,)
         return None, None
 
+    def native_call(self):
+        """(entry address, form, entry arguments, buffer address, buffer count, owner) for a launch made
+        from C++ (bridge/native/lane.cpp): form 3 calls entry(function, stream, buffers) and form 1
+        entry(args), each argument a pointer-sized int; the caller writes the pointers into the buffer
+        first and keeps the owner (this launcher) alive. None where launches go through jax's `launch`."""
+        if self._entry is None:
+            return None
+        entry = ctypes.cast(self._entry, ctypes.c_void_p).value
+        if len(self._entry_args) == 3:
+            function, stream, buffers = self._entry_args
+            args = [int(function), int(stream.value or 0), ctypes.addressof(buffers)]
+            form = 3
+        else:
+            args, form = [ctypes.addressof(self._entry_args[0])], 1
+        return entry, form, args, ctypes.addressof(self.buffers), self._num_buffers, self
+
     def launch(self, pointers) -> None:
         if len(pointers) != self._num_buffers:
             raise ValueError(f"{len(pointers)} pointers, the kernel takes {self._num_buffers}")
@@ -159,11 +175,17 @@ class MosaicStackLaunch:
         self.device = device
         num_buffers = len(spec.arg_structs) + 1   # the inputs, then the one output
         with torch.cuda.device(device):   # the module loads into this device's CUDA context
-            self._launch = MosaicLauncher(mosaic_gpu_module(spec.function, *spec.arg_structs),
-                                          num_buffers=num_buffers).launch
+            self.launcher = MosaicLauncher(mosaic_gpu_module(spec.function, *spec.arg_structs), num_buffers=num_buffers)
+        self._launch = self.launcher.launch
         self._stream = current_stream_getter(device)
         self._default = torch.cuda.default_stream(device)
         self._ready, self._done = torch.cuda.Event(), torch.cuda.Event()
+
+    def native_call(self):
+        """MosaicLauncher.native_call, for a launch on the default stream of this kernel's device."""
+        if torch.cuda.default_stream(self.device).cuda_stream != 0:   # the lane's stream test reads stream id 0
+            return None
+        return self.launcher.native_call()
 
     def __call__(self, x: torch.Tensor, *arrays: torch.Tensor) -> torch.Tensor:
         """arrays: (mats, vecs), or (mask, mats, vecs) for a masked launch."""

@@ -100,7 +100,8 @@ def forward_op(x: torch.Tensor, valid_token_mask: torch.Tensor | None, handle: i
         if module is None:
             raise RuntimeError(f"torch.ops.ttj.forward: no live module has handle {handle} (a graph traced in "
                                "another process?); compile or export again here")
-        return runtime.forward(module, x, valid_token_mask)
+        out = runtime.fast_forward(module, x, valid_token_mask)
+        return out if out is not None else runtime.forward(module, x, valid_token_mask)
     holder = _holder(params, num_heads, causal, x)
     return runtime.forward(holder, x, valid_token_mask, config=holder.config)
 
@@ -185,6 +186,10 @@ def forward(module: torch.nn.Module, x: torch.Tensor, valid_token_mask: torch.Te
         config = module.config if config is None else config
         return torch.ops.ttj.forward(x, valid_token_mask, 0, ordered_parameters(module, config.num_layers),
                                      config.num_heads, bool(config.causal))
+    if config is None and not options:   # a repeat of the last launched call: one C++ call (bridge/native)
+        out = runtime.fast_forward(module, x, valid_token_mask)
+        if out is not None:
+            return out
     if torch.is_grad_enabled():
         model_config, params = runtime.harness_parameters(module, config)
         if autograd.needs_grad(x, params):

@@ -30,7 +30,7 @@ import jax
 import numpy as np
 import torch
 
-from bridge import mosaic_launch, settings, triton_launch
+from bridge import mosaic_launch, native, settings, triton_launch
 from bridge.transfer import Transfer, current_cuda_device, transfer_for
 from bridge.versions import ParameterWatch
 from ttj_jax import stacks
@@ -112,6 +112,8 @@ class _ModuleState:
         self.training_key = None                 # training_views(): the parameters' memory it was built for
         self.training_list = None
         self.training_tree_kept = None           # training_tree(): the views as the jax params pytree
+        self.lane = None                         # the native lane repeating the last launched call (fast_forward)
+        self.lane_key = None
 
     def _collect(self, module: torch.nn.Module) -> None:
         """The module's parameters by the harness's names (checked), and what check_structure compares:
@@ -335,13 +337,17 @@ class _ModuleState:
         if call.plan.mask_mode == "rows":   # a prefix mask under causal attention: rows zeroed after the kernel
             def run(x, mask, tensors):
                 return torch.where(mask.unsqueeze(-1), kernel(x, *tensors), 0.0)
+            mode = "rows"
         elif masked:   # the kernel reads the bool mask's bytes; its TMA copies want 16-byte aligned rows
             def run(x, mask, tensors):
                 return kernel(x, mask if mask.data_ptr() % 16 == 0 else mask.clone(), *tensors)
+            mode = "masked"
         else:
             def run(x, mask, tensors):
                 return kernel(x, *tensors)
-        run.kernel, run.masked = kernel, masked   # for diagnostic tools (bench/host_parts.py)
+            mode = "plain"
+        # for the native lane (lane_mask_mode) and diagnostic tools (bench/host_parts.py)
+        run.kernel, run.masked, run.mode = kernel, masked, mode
         disagreement = self._compare_with_jax(run, call, shape, "float32", device)
         return (None, disagreement) if disagreement is not None else (run, "")
 
@@ -463,6 +469,7 @@ def forward(module: torch.nn.Module, x: torch.Tensor, valid_token_mask: torch.Te
     must then divide evenly), meant to offload the other GPUs, which also wait for their copies; on two
     H200s 2-8% of shape 6 that way was slower, not faster."""
     state = _state(module, config)
+    lane_options = data_parallel is None and stack is None and split_chunks is None and split_home_rows == 0
     if split_chunks is not None or type(split_home_rows) is not int or split_home_rows:   # not the defaults
         if isinstance(split_chunks, list):
             split_chunks = tuple(split_chunks)
@@ -501,6 +508,7 @@ def forward(module: torch.nn.Module, x: torch.Tensor, valid_token_mask: torch.Te
 
     if call.direct is not None:   # one kernel launch on torch's current stream, no JAX dispatch
         tensors = state.kernel_tensors(call.plan.stack)
+        as_given = call.upcast_to is None and x.is_contiguous()
         if call.upcast_to is not None:
             x = x.float()
         x = x if x.is_contiguous() else x.contiguous()
@@ -514,6 +522,8 @@ def forward(module: torch.nn.Module, x: torch.Tensor, valid_token_mask: torch.Te
                 out = call.direct(x, mask, tensors)
         else:
             out = call.direct(x, mask, tensors)
+            if as_given and lane_options:
+                _arm_lane(state, call, x, mask, kind, tensors)
         return out if call.upcast_to is None else out.to(call.upcast_to)
 
     weights = state.call_weights(call)
@@ -527,6 +537,71 @@ def forward(module: torch.nn.Module, x: torch.Tensor, valid_token_mask: torch.Te
         jmask = transfer.to_jax(mask) if call.passes_mask else None
     out = transfer.to_torch(call.run(weights, jx, jmask))
     return out if call.upcast_to is None else out.to(call.upcast_to)
+
+
+def fast_forward(module: torch.nn.Module, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor | None:
+    """The output of forward(module, x, mask) with no options, through the module's native lane
+    (bridge/native) when this call repeats the last launched one on unchanged inputs; else None (the
+    caller then runs forward). The lane makes forward's checks in C++; the two made here are the ones it
+    cannot see: a parameter or submodule replaced (check_structure) and torch's overwrite-on-conversion flag."""
+    state = _STATES.get(module)
+    lane = state.lane if state is not None else None
+    if lane is None or state.registrations != _REGISTRATIONS[0] or _overwrites_on_conversion():
+        return None
+    return lane.run(x, mask)
+
+
+# The native lane's mask modes (bridge/native/lane.cpp, MaskMode).
+LANE_NO_MASK, LANE_KEPT_MASK, LANE_DEVICE_MASK, LANE_INFERENCE_MASK = 0, 1, 2, 3
+
+
+def lane_mask_mode(state: _ModuleState, call: _Call, mask: torch.Tensor | None, kind: MaskKind) -> int | None:
+    """How a lane repeats this launched call's mask handling, or None where it cannot:
+    - no mask: LANE_NO_MASK;
+    - a GPU mask classified on the host and kept (classify) for the mask-free kernel: LANE_KEPT_MASK,
+      the same tensor at the same version;
+    - the kernel's masked build reading a mask the device decides about: LANE_DEVICE_MASK under
+      TTJ_GPU_MASK=device (any mask), LANE_INFERENCE_MASK for an inference-tensor mask (no version counter:
+      only inference-tensor masks repeat this call).
+    A host mask (read on every call), a kept mask the masked build reads, and the rows-zeroing run are
+    left to the Python path."""
+    mode = getattr(call.direct, "mode", None)
+    if mask is None:
+        return LANE_NO_MASK if mode == "plain" and kind == MaskKind.NONE else None
+    if mask.device.type != "cuda":
+        return None
+    if mode == "plain" and not call.passes_mask:
+        kept = state.mask_ref is not None and state.mask_ref() is mask and state.mask_version == mask._version
+        return LANE_KEPT_MASK if kept and not state.mask_on_device and not mask.is_inference() else None
+    if mode == "masked" and kind == MaskKind.UNKNOWN:
+        if state.mask_on_device:
+            return LANE_DEVICE_MASK
+        return LANE_INFERENCE_MASK if mask.is_inference() else None
+    return None
+
+
+def _arm_lane(state: _ModuleState, call: _Call, x: torch.Tensor, mask: torch.Tensor | None, kind: MaskKind,
+              tensors: list[torch.Tensor]) -> None:
+    """After a launched call on the default stream: a native lane that repeats it (fast_forward), unless
+    the one armed already does. Nothing where the lane cannot repeat it (lane_mask_mode, inference-tensor
+    parameters, a launcher of unknown form) or native lanes are unavailable (bridge/native)."""
+    if x.dtype != torch.float32 or x.device.type != "cuda" or torch.cuda.current_stream(x.device).cuda_stream:
+        return   # the lane launches on the default stream only (as MosaicStackLaunch does without events)
+    mask_key = None if mask is None else (id(mask), None if mask.is_inference() else mask._version)
+    key = (id(call), id(state.watch), state.generation, id(tensors), mask_key)
+    if state.lane_key == key:
+        return
+    state.lane_key, state.lane = key, None
+    mode = lane_mask_mode(state, call, mask, kind)
+    kernel = getattr(call.direct, "kernel", None)
+    native_call = kernel.native_call() if kernel is not None else None
+    if mode is None or native_call is None or any(p.is_inference() for p in state.params) or not native.available():
+        return
+    entry, form, entry_args, buffers, num_buffers, keep_alive = native_call
+    state.lane = native.lane_class()(
+        sizes=list(x.shape), params=state.params, weights=tensors, mask_mode=mode,
+        kept_mask=mask if mode == LANE_KEPT_MASK else None, entry=entry, form=form, entry_args=entry_args,
+        buffers=buffers, num_buffers=num_buffers, keep_alive=keep_alive)
 
 
 def _jax_inputs(call: _Call, x: torch.Tensor, mask: torch.Tensor | None):

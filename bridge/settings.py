@@ -6,6 +6,8 @@ Environment switches (read when a device's first call sets up its transfers or l
   torch's writes).
 - `TTJ_MOSAIC_LAUNCH=0`: run the Mosaic GPU whole-stack kernel through jax instead of launching it on
   torch's stream.
+- `TTJ_NATIVE_LANE=0`: never repeat a launched call through the native lane (bridge/native); read when
+  a lane would be armed, after a launched call with new inputs or weights.
 - `TTJ_TRITON_LAUNCH=1`: launch the kernels of plans made only of Triton kernels (the "rows" and "fused"
   stacks) on torch's stream instead of calling jax (bridge/triton_launch.py). Off by default: an
   experiment whose GPU checks have not passed yet (see that module).
@@ -34,6 +36,7 @@ GPU_MASK_CHOICES = ("host", "device")
 GPU_MASK_DEFAULT = "host"
 KEEP_X_IMPORT_ENV = "TTJ_BRIDGE_KEEP_X_IMPORT"
 MOSAIC_LAUNCH_ENV = "TTJ_MOSAIC_LAUNCH"
+NATIVE_LANE_ENV = "TTJ_NATIVE_LANE"
 POLICY_ENV = "TTJ_POLICY"
 TRITON_LAUNCH_ENV = "TTJ_TRITON_LAUNCH"
 _OFF = ("0", "false", "False", "")
@@ -74,3 +77,8 @@ def requested_policy() -> str | None:
 
 def apply_process_defaults() -> None:
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+
+def native_lane() -> bool:
+    """Whether the bridge repeats its launched calls through the native lane (bridge/native)."""
+    return os.environ.get(NATIVE_LANE_ENV, "1") not in _OFF

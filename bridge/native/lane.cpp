@@ -1,0 +1,167 @@
+// The bridge's native lane: a repeat of the last Mosaic-launched call, checked and launched in C++.
+//
+// bridge/native/__init__.py builds this file with torch's extension builder and bridge/runtime.py arms
+// one Lane per module after a call it launched itself (bridge/mosaic_launch.py). A Lane holds what that
+// call was: x's sizes and device, how the mask was used, the parameters' data pointers and versions,
+// the kernel's weight tensors, and jax's compiled host entry with its argument buffer. `run(x, mask)`
+// returns the new output when this call is the same call on unchanged inputs, and None otherwise: the
+// Python path then runs, decides again and re-arms. Every check the Python path makes for a launched
+// call is made here or by the caller (bridge/runtime.py, fast_forward); none is skipped.
+//
+// Only ATen, c10 and pybind11 headers: the file builds against a CPU-only torch as well, where a Lane
+// on CPU tensors (no stream, no device guard) runs the tests with a stand-in entry.
+
+#include <torch/csrc/utils/pybind.h>
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/core/GradMode.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/util/intrusive_ptr.h>
+
+#include <cstdint>
+#include <optional>
+#include <stdexcept>
+#include <vector>
+
+namespace py = pybind11;
+
+namespace {
+
+// How the armed call used the mask (bridge/runtime.py, _lane_mask_mode).
+enum MaskMode : int {
+  kNoMask = 0,     // called with no mask
+  kKeptMask = 1,   // a GPU mask classified on the host, kept per tensor and version: the mask-free kernel
+  kDeviceMask = 2, // the kernel's masked build reads any mask (TTJ_GPU_MASK=device)
+  kInferenceMask = 3,  // the masked build for inference-tensor masks (no version counter to keep a kind by)
+};
+
+using WeakImpl = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
+
+class Lane {
+ public:
+  Lane(std::vector<int64_t> sizes, std::vector<at::Tensor> params, std::vector<at::Tensor> weights,
+       int mask_mode, std::optional<at::Tensor> kept_mask, uint64_t entry, int form,
+       std::vector<uint64_t> entry_args, uint64_t buffers, int64_t num_buffers, py::object keep_alive)
+      : sizes_(std::move(sizes)),
+        params_(std::move(params)),
+        weights_(std::move(weights)),
+        mask_mode_(mask_mode),
+        entry_(entry),
+        form_(form),
+        entry_args_(std::move(entry_args)),
+        buffers_(reinterpret_cast<void**>(buffers)),
+        keep_alive_(std::move(keep_alive)) {
+    if (sizes_.size() != 3) throw std::invalid_argument("x's sizes: [batch, seq_len, d_model]");
+    if (params_.empty()) throw std::invalid_argument("no parameters");
+    if (mask_mode_ < kNoMask || mask_mode_ > kInferenceMask) throw std::invalid_argument("unknown mask mode");
+    if (form_ == 3 ? entry_args_.size() != 3 : form_ == 1 ? entry_args_.size() != 1 : true)
+      throw std::invalid_argument("entry form 3 takes 3 arguments, form 1 takes 1");
+    const int64_t expected = 2 + static_cast<int64_t>(weights_.size()) +
+                             (mask_mode_ == kDeviceMask || mask_mode_ == kInferenceMask ? 1 : 0);
+    if (num_buffers != expected) throw std::invalid_argument("the buffer count does not fit the call");
+    device_ = params_[0].device();
+    for (const auto& p : params_) {
+      if (p.is_inference()) throw std::invalid_argument("an inference-tensor parameter has no version counter");
+      pointers_.push_back(p.data_ptr());
+      versions_.push_back(p._version());
+    }
+    if (mask_mode_ == kKeptMask) {
+      if (!kept_mask.has_value() || kept_mask->is_inference())
+        throw std::invalid_argument("a kept mask needs the mask tensor (not an inference tensor)");
+      kept_mask_.emplace(kept_mask->getIntrusivePtr());
+      kept_version_ = kept_mask->_version();
+      kept_sizes_ = kept_mask->sizes().vec();
+      kept_dtype_ = kept_mask->scalar_type();
+    }
+  }
+
+  // The output of this call, or None where it is not the armed call on unchanged inputs.
+  py::object run(const at::Tensor& x, const std::optional<at::Tensor>& mask) {
+    if (!x.defined() || x.device() != device_ || x.scalar_type() != at::kFloat || x.sizes() != at::IntArrayRef(sizes_) ||
+        !x.is_contiguous())
+      return py::none();
+    if (c10::GradMode::is_enabled()) {  // a call that records for autograd takes the Python path
+      if (x.requires_grad()) return py::none();
+      for (const auto& p : params_)
+        if (p.requires_grad()) return py::none();
+    }
+    const void* mask_pointer = nullptr;
+    switch (mask_mode_) {
+      case kNoMask:
+        if (mask.has_value()) return py::none();
+        break;
+      case kKeptMask: {
+        if (!mask.has_value() || kept_mask_->expired() || mask->unsafeGetTensorImpl() != kept_mask_->_unsafe_get_target() ||
+            mask->is_inference() || mask->_version() != kept_version_ || mask->device() != device_ ||
+            mask->sizes() != kept_sizes_ || mask->scalar_type() != kept_dtype_)
+          return py::none();
+        break;
+      }
+      default: {  // the masked build reads the mask's bytes: bool [batch, seq_len], contiguous, 16-byte aligned
+        if (!mask.has_value()) return py::none();
+        const at::Tensor& m = *mask;
+        if (m.device() != device_ || m.scalar_type() != at::kBool || m.dim() != 2 || m.size(0) != sizes_[0] ||
+            m.size(1) != sizes_[1] || !m.is_contiguous() || (mask_mode_ == kInferenceMask && !m.is_inference()))
+          return py::none();
+        mask_pointer = m.const_data_ptr();
+        if (reinterpret_cast<uintptr_t>(mask_pointer) % 16 != 0) return py::none();
+      }
+    }
+    for (size_t i = 0; i < params_.size(); ++i) {  // a parameter written, moved or retyped since arming
+      const auto& p = params_[i];
+      if (p.data_ptr() != pointers_[i] || p._version() != versions_[i]) return py::none();
+    }
+    if (device_.is_cuda()) {  // launched on the device's default stream, with that device current
+      const auto* guard = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
+      if (guard->getDevice().index() != device_.index() || guard->getStream(device_).id() != 0) return py::none();
+    }
+    at::Tensor y = at::empty(sizes_, x.options());
+    int64_t i = 0;
+    buffers_[i++] = const_cast<void*>(x.const_data_ptr());
+    if (mask_pointer != nullptr) buffers_[i++] = const_cast<void*>(mask_pointer);
+    for (const auto& w : weights_) buffers_[i++] = const_cast<void*>(w.const_data_ptr());
+    buffers_[i++] = y.data_ptr();
+    if (form_ == 3) {
+      reinterpret_cast<void (*)(void*, void*, void*)>(entry_)(reinterpret_cast<void*>(entry_args_[0]),
+                                                             reinterpret_cast<void*>(entry_args_[1]),
+                                                             reinterpret_cast<void*>(entry_args_[2]));
+    } else {
+      reinterpret_cast<void (*)(void*)>(entry_)(reinterpret_cast<void*>(entry_args_[0]));
+    }
+    return py::cast(y);
+  }
+
+  int mask_mode() const { return mask_mode_; }
+
+ private:
+  std::vector<int64_t> sizes_;
+  std::vector<at::Tensor> params_;
+  std::vector<at::Tensor> weights_;
+  int mask_mode_;
+  std::optional<WeakImpl> kept_mask_;
+  int64_t kept_version_ = 0;
+  std::vector<int64_t> kept_sizes_;
+  at::ScalarType kept_dtype_ = at::kBool;
+  uint64_t entry_;
+  int form_;
+  std::vector<uint64_t> entry_args_;
+  void** buffers_;
+  py::object keep_alive_;  // what owns the entry and the buffer memory (the MosaicLauncher)
+  at::Device device_{at::kCPU};
+  std::vector<const void*> pointers_;
+  std::vector<int64_t> versions_;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  py::class_<Lane>(m, "Lane")
+      .def(py::init<std::vector<int64_t>, std::vector<at::Tensor>, std::vector<at::Tensor>, int,
+                    std::optional<at::Tensor>, uint64_t, int, std::vector<uint64_t>, uint64_t, int64_t, py::object>(),
+           py::arg("sizes"), py::arg("params"), py::arg("weights"), py::arg("mask_mode"), py::arg("kept_mask"),
+           py::arg("entry"), py::arg("form"), py::arg("entry_args"), py::arg("buffers"), py::arg("num_buffers"),
+           py::arg("keep_alive"))
+      .def("run", &Lane::run, py::arg("x"), py::arg("mask") = py::none())
+      .def_property_readonly("mask_mode", &Lane::mask_mode);
+}

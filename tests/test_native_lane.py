@@ -1,0 +1,224 @@
+"""The native lane (bridge/native/lane.cpp) on the CPU: built with torch's extension builder, given CPU
+tensors and a stand-in for jax's host entry (a ctypes callback that records the buffer it is handed and
+writes the output), so every check that sends a call back to the Python path is exercised here; the GPU
+run is bench/host_parts.py and bench/native_lane_check.py on the H200."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+from bridge import native, runtime
+from bridge.runtime import LANE_DEVICE_MASK, LANE_INFERENCE_MASK, LANE_KEPT_MASK, LANE_NO_MASK
+
+pytestmark = pytest.mark.slow   # the first test in a fresh cache builds the extension (~10-60 s)
+
+B, S, D = 2, 4, 8
+
+
+@pytest.fixture(scope="module")
+def lane_module(tmp_path_factory):
+    import os
+    old = os.environ.get("TTJ_CACHE_DIR")
+    os.environ["TTJ_CACHE_DIR"] = str(tmp_path_factory.mktemp("native-cache"))
+    try:
+        return native.build()
+    finally:
+        if old is None:
+            os.environ.pop("TTJ_CACHE_DIR")
+        else:
+            os.environ["TTJ_CACHE_DIR"] = old
+
+
+class StandIn:
+    """jax's host entry, form 3 (entry(function, stream, buffers)) or form 1 (entry(args), args pointing
+    at the function, the stream and the buffer): records each call's buffer and writes y = x + 1 +
+    sum of the weights' first elements into the output."""
+
+    def __init__(self, num_buffers: int, form: int = 3):
+        self.num_buffers, self.form, self.calls = num_buffers, form, []
+        self.buffers = (ctypes.c_void_p * num_buffers)()
+        if form == 3:
+            self._fn = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)(self._entry3)
+            self.args = [77, 0, ctypes.addressof(self.buffers)]
+        else:
+            self._fn = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(self._entry1)
+            self._function, self._stream = ctypes.c_void_p(77), ctypes.c_void_p(0)
+            self._buffers_ptr = ctypes.pointer(self.buffers)
+            self._array = (ctypes.c_void_p * 3)(ctypes.addressof(self._function), ctypes.addressof(self._stream),
+                                                ctypes.addressof(self._buffers_ptr))
+            self.args = [ctypes.addressof(self._array)]
+        self.entry = ctypes.cast(self._fn, ctypes.c_void_p).value
+
+    def _entry3(self, function, stream, buffers):
+        assert function == 77 and not stream and buffers == ctypes.addressof(self.buffers)
+        self._record()
+
+    def _entry1(self, args):
+        assert args == ctypes.addressof(self._array)
+        self._record()
+
+    def _record(self):
+        pointers = [self.buffers[i] for i in range(self.num_buffers)]
+        self.calls.append(pointers)
+        self.on_call(pointers)
+
+    def on_call(self, pointers):
+        pass
+
+
+def _tensor_at(pointer: int, like: torch.Tensor) -> torch.Tensor:
+    array = (ctypes.c_float * like.numel()).from_address(pointer)
+    return torch.frombuffer(array, dtype=torch.float32).view(like.shape)
+
+
+def make_lane(lane_module, mask_mode=LANE_NO_MASK, kept_mask=None, form=3, params=None, weights=None):
+    params = params if params is not None else [torch.randn(D), torch.randn(D, D)]
+    weights = weights if weights is not None else [torch.randn(3), torch.randn(5)]
+    masked = mask_mode in (LANE_DEVICE_MASK, LANE_INFERENCE_MASK)
+    entry = StandIn(2 + len(weights) + masked, form)
+    shift = 1.0 + sum(float(w[0]) for w in weights)
+
+    def write(pointers):
+        x = _tensor_at(pointers[0], torch.empty(B, S, D))
+        _tensor_at(pointers[-1], torch.empty(B, S, D)).copy_(x + shift)
+    entry.on_call = write
+    lane = lane_module.Lane(sizes=[B, S, D], params=params, weights=weights, mask_mode=mask_mode,
+                            kept_mask=kept_mask, entry=entry.entry, form=form, entry_args=entry.args,
+                            buffers=ctypes.addressof(entry.buffers), num_buffers=entry.num_buffers, keep_alive=entry)
+    return lane, entry, params, weights, shift
+
+
+@pytest.mark.parametrize("form", [3, 1])
+def test_launch_hands_the_entry_every_pointer_in_order(lane_module, form):
+    lane, entry, params, weights, shift = make_lane(lane_module, form=form)
+    x = torch.randn(B, S, D)
+    y = lane.run(x)
+    assert y is not None and y.shape == x.shape and y.dtype == torch.float32
+    assert entry.calls == [[x.data_ptr(), *(w.data_ptr() for w in weights), y.data_ptr()]]
+    torch.testing.assert_close(y, x + shift)
+    y2 = lane.run(x)
+    assert y2.data_ptr() != y.data_ptr() or y2 is not y   # a new output per call
+    torch.testing.assert_close(y, x + shift)              # the first output is left as it was
+
+
+def test_other_inputs_go_back_to_python(lane_module):
+    lane, entry, params, _, _ = make_lane(lane_module)
+    x = torch.randn(B, S, D)
+    assert lane.run(torch.randn(B, S + 1, D)) is None              # another shape
+    assert lane.run(x.double()) is None                             # another dtype
+    assert lane.run(torch.randn(B, D, S).transpose(1, 2)) is None   # not contiguous
+    assert lane.run(x, torch.ones(B, S, dtype=torch.bool)) is None  # a mask where the call had none
+    assert lane.run(x, None) is not None
+    assert len(entry.calls) == 1
+
+
+def test_parameter_changes_go_back_to_python(lane_module):
+    lane, entry, params, _, _ = make_lane(lane_module)
+    x = torch.randn(B, S, D)
+    assert lane.run(x) is not None
+    with torch.no_grad():
+        params[1].mul_(2.0)                 # an in-place write: the version moves
+    assert lane.run(x) is None
+    lane, entry, params, _, _ = make_lane(lane_module)
+    params[0].data = torch.randn(D)         # new memory behind the same tensor: the pointer moves
+    assert lane.run(x) is None
+
+
+def test_a_call_that_records_for_autograd_goes_back_to_python(lane_module):
+    params = [torch.randn(D, requires_grad=True), torch.randn(D, D)]
+    lane, *_ = make_lane(lane_module, params=params)
+    x = torch.randn(B, S, D)
+    assert lane.run(x) is None                         # grad mode, a parameter requires grad
+    with torch.no_grad():
+        assert lane.run(x) is not None
+    with torch.inference_mode():
+        assert lane.run(x) is not None
+    lane, *_ = make_lane(lane_module)
+    assert lane.run(x.requires_grad_()) is None        # x requires grad
+
+
+def test_kept_mask_is_the_same_tensor_at_the_same_version(lane_module):
+    mask = torch.ones(B, S, dtype=torch.bool)
+    lane, entry, *_ = make_lane(lane_module, LANE_KEPT_MASK, kept_mask=mask)
+    x = torch.randn(B, S, D)
+    assert lane.run(x, mask) is not None
+    assert entry.calls[-1][0] == x.data_ptr() and len(entry.calls[-1]) == 4   # the mask is not handed over
+    assert lane.run(x, mask.clone()) is None       # another tensor with the same contents
+    assert lane.run(x) is None                     # no mask
+    mask[0, 1] = False                             # a write torch sees
+    assert lane.run(x, mask) is None
+
+
+def test_kept_mask_must_be_a_versioned_tensor(lane_module):
+    with torch.inference_mode():
+        mask = torch.ones(B, S, dtype=torch.bool)
+    with pytest.raises(ValueError):
+        make_lane(lane_module, LANE_KEPT_MASK, kept_mask=mask)
+
+
+@pytest.mark.parametrize("mode", [LANE_DEVICE_MASK, LANE_INFERENCE_MASK])
+def test_masked_build_reads_the_mask_given(lane_module, mode):
+    lane, entry, _, weights, _ = make_lane(lane_module, mode)
+    x = torch.randn(B, S, D)
+    with torch.inference_mode():
+        inference_mask = torch.ones(B, S, dtype=torch.bool)
+    y = lane.run(x, inference_mask)
+    assert y is not None
+    assert entry.calls[-1] == [x.data_ptr(), inference_mask.data_ptr(), *(w.data_ptr() for w in weights), y.data_ptr()]
+    plain_mask = torch.ones(B, S, dtype=torch.bool)
+    # a versioned mask: the device decides under TTJ_GPU_MASK=device; in host mode it is classified in Python
+    assert (lane.run(x, plain_mask) is not None) == (mode == LANE_DEVICE_MASK)
+    assert lane.run(x, torch.ones(B, S, dtype=torch.float32)) is None          # not bool
+    assert lane.run(x, torch.ones(B, S + 1, dtype=torch.bool)[:, :S]) is None  # not contiguous
+    assert lane.run(x) is None
+
+
+def test_construction_refuses_what_it_cannot_check(lane_module):
+    with torch.inference_mode():
+        params = [torch.randn(D)]
+    with pytest.raises(ValueError):
+        make_lane(lane_module, params=params)   # an inference tensor has no version counter
+    with pytest.raises(ValueError):
+        lane_module.Lane(sizes=[B, S], params=[torch.randn(D)], weights=[], mask_mode=0, kept_mask=None, entry=1,
+                         form=3, entry_args=[0, 0, 0], buffers=1, num_buffers=2, keep_alive=None)
+
+
+def test_lane_mask_mode_follows_the_python_path():
+    class Run:
+        mode = "plain"
+
+    class Call:
+        direct, passes_mask = Run(), False
+
+    class State:
+        mask_ref = mask_version = None
+        mask_on_device = False
+
+    from ttj_jax.masks import MaskKind
+    state, call = State(), Call()
+    assert runtime.lane_mask_mode(state, call, None, MaskKind.NONE) == LANE_NO_MASK
+    mask = torch.ones(B, S, dtype=torch.bool)
+    assert runtime.lane_mask_mode(state, call, mask, MaskKind.ALL_TRUE) is None   # a host mask: read every call
+    Run.mode = "rows"
+    assert runtime.lane_mask_mode(state, call, None, MaskKind.NONE) is None
+
+
+def test_switch_keeps_lanes_off(monkeypatch):
+    monkeypatch.setenv("TTJ_NATIVE_LANE", "0")
+    assert native.available() is False
+
+
+def test_failed_build_warns_once_and_keeps_python(monkeypatch, tmp_path):
+    monkeypatch.setenv("TTJ_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(native, "_STATE", {})
+    monkeypatch.setattr(native, "SOURCE", native.SOURCE.with_name("missing.cpp"))
+    monkeypatch.setenv("TTJ_NATIVE_LANE", "1")
+    with pytest.warns(native.NativeLaneWarning, match="unavailable"):
+        assert native.available() is False
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert native.available() is False
