@@ -19,6 +19,7 @@ Per shape (under torch.inference_mode, TF32 baseline GEMMs, as the harness runs)
     dropin_ms         of the one-line drop-in (`bridge.forward(self, x, mask)` in the harness's class,
                       bench.compile_check.DropIn), timed in one time_contenders call, so they alternate
     class_vs_dropin   max(class_ms, dropin_ms) / min(class_ms, dropin_ms)
+    native_lane       per plug-in way, whether its calls went through the bridge's native lane (bridge/native)
     compiled_ms       Linear(d, d) -> our module -> Linear(d, d) (Wrapped below) under torch.compile
                       (default mode), and
     compiled_peer_ms  the same wrapper around the torch peer's model (bench.torch_peer.build_peer, its own
@@ -60,6 +61,7 @@ from bench.paths import result_file  # noqa: E402
 from bench.report import describe_error, run_shapes  # noqa: E402
 from bench.timing import interleaved_host_overhead_us, loop_host_us, time_contenders  # noqa: E402
 from bench.torch_peer import MASK_NONE, build_peer, classify_mask  # noqa: E402
+from bridge import runtime  # noqa: E402
 from ttj_jax.shapes import HARNESS_IDS  # noqa: E402
 
 # the accuracy and timing input (planner_check's)
@@ -147,6 +149,9 @@ def run_shape(sid: str, device: torch.device, *, compiled: bool, warmup: int, ro
             loop = _attempt(record, "loop_host_us", lambda: loop_host_us(eager["class"], device=device))
             record["loop_host_us"] = loop["median_us"] if loop else None
             record["loop_host_over_gpu"] = _ratio(record["loop_host_us"], record["gpu_us"])
+        # whether the timed calls went through the bridge's native lane (bridge/native), per plug-in way
+        record["native_lane"] = {name: runtime.fast_forward(module, x, mask) is not None
+                                 for name, module in (("class", ours), ("dropin", drop_in))}
         ms = _timed_ms(record, eager, timing)
         record["class_ms"], record["dropin_ms"] = ms.get("class"), ms.get("dropin")
         if record["class_ms"] and record["dropin_ms"]:
