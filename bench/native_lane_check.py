@@ -14,6 +14,9 @@ Per shape, two modules with the harness's weights (bench.baseline.harness_models
   a call on a side stream, a non-contiguous x;
 - an inference-tensor mask (the harness's accuracy trials): the lane when the masked build is planned
   for the shape, else the Python path; bitwise equal to the Python path either way;
+- float16 (the harness's --dtype float16: model and x in fp16): the lane engaged, its output bitwise the
+  Python path's; the harness rule against the fp16 baseline is reported, not required (docs/decisions.md,
+  "Numerics");
 - host_us: the module's host time per call, each sample from a drained GPU, interleaved
   (bench.timing.interleaved_host_overhead_us), `lane` against `python`; gpu_us: CUDA-event median per
   call back to back (bench.timing.time_contenders) with the lane; host_over_gpu for each.
@@ -51,7 +54,7 @@ def _python_module(baseline, config):
     return module
 
 
-def check_shape(sid: str, calls: int) -> dict:
+def check_shape(sid: str, calls: int, half: bool = True) -> dict:
     shape = shape_by_id(sid)
     config = TransformerConfig(**{k: getattr(shape.config, k) for k in TransformerConfig.__dataclass_fields__})
     baseline, lane = harness_models(config, bridge.TTJTransformer, device="cuda")
@@ -136,6 +139,28 @@ def check_shape(sid: str, calls: int) -> dict:
         out_inf = fast_inf if fast_inf is not None else lane(x_inf, mask_inf)
         expect("bitwise_inference_mask", torch.equal(out_inf, py(x_inf, mask_inf)))
         rule(out_inf, baseline(x_inf, mask_inf), "inference-tensor mask")
+
+        # the harness's --dtype float16: model and x in fp16, computed as float32 by the kernel
+        if half:
+            base16, lane16 = harness_models(config, bridge.TTJTransformer, device="cuda", dtype=torch.float16)
+            _, python16 = harness_models(config, bridge.TTJTransformer, device="cuda", dtype=torch.float16)
+            x16, mask16 = make_inputs(config, 3, device="cuda", dtype=torch.float16)
+            first16 = lane16(x16, mask16)
+            fast16 = runtime.fast_forward(lane16, x16, mask16)
+            entry["lane_float16"] = fast16 is not None
+            old = os.environ.get(NATIVE_LANE_ENV)
+            os.environ[NATIVE_LANE_ENV] = "0"
+            try:
+                py16 = python16(x16, mask16)
+            finally:
+                if old is None:
+                    os.environ.pop(NATIVE_LANE_ENV)
+                else:
+                    os.environ[NATIVE_LANE_ENV] = old
+            expect("bitwise_float16", torch.equal(first16, py16) and (fast16 is None or torch.equal(fast16, py16)))
+            entry["float16_vs_fp16_baseline"] = dict(zip(("failed_elements", "worst_err_over_tol"),
+                                                         check_close(py16, base16(x16, mask16))))
+            base16 = lane16 = python16 = None
 
         # host and GPU time per call, the harness's kept mask
         lane(x, mask)

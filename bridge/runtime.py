@@ -508,7 +508,7 @@ def forward(module: torch.nn.Module, x: torch.Tensor, valid_token_mask: torch.Te
 
     if call.direct is not None:   # one kernel launch on torch's current stream, no JAX dispatch
         tensors = state.kernel_tensors(call.plan.stack)
-        as_given = call.upcast_to is None and x.is_contiguous()
+        contiguous = x.is_contiguous()
         if call.upcast_to is not None:
             x = x.float()
         x = x if x.is_contiguous() else x.contiguous()
@@ -522,7 +522,7 @@ def forward(module: torch.nn.Module, x: torch.Tensor, valid_token_mask: torch.Te
                 out = call.direct(x, mask, tensors)
         else:
             out = call.direct(x, mask, tensors)
-            if as_given and lane_options:
+            if contiguous and lane_options:
                 _arm_lane(state, call, x, mask, kind, tensors)
         return out if call.upcast_to is None else out.to(call.upcast_to)
 
@@ -582,10 +582,12 @@ def lane_mask_mode(state: _ModuleState, call: _Call, mask: torch.Tensor | None, 
 
 def _arm_lane(state: _ModuleState, call: _Call, x: torch.Tensor, mask: torch.Tensor | None, kind: MaskKind,
               tensors: list[torch.Tensor]) -> None:
-    """After a launched call on the default stream: a native lane that repeats it (fast_forward), unless
+    """After a launched call on the default stream (x: the float32 x it launched with, contiguous as given;
+    an x of another dtype, `call.upcast_to`, is cast in and out by the lane as here): a native lane that
+    repeats it (fast_forward), unless
     the one armed already does. Nothing where the lane cannot repeat it (lane_mask_mode, inference-tensor
     parameters, a launcher of unknown form) or native lanes are unavailable (bridge/native)."""
-    if x.dtype != torch.float32 or x.device.type != "cuda" or torch.cuda.current_stream(x.device).cuda_stream:
+    if x.device.type != "cuda" or torch.cuda.current_stream(x.device).cuda_stream:
         return   # the lane launches on the default stream only (as MosaicStackLaunch does without events)
     mask_key = None if mask is None else (id(mask), None if mask.is_inference() else mask._version)
     key = (id(call), id(state.watch), state.generation, id(tensors), mask_key)
@@ -599,7 +601,7 @@ def _arm_lane(state: _ModuleState, call: _Call, x: torch.Tensor, mask: torch.Ten
         return
     entry, form, entry_args, buffers, num_buffers, keep_alive = native_call
     state.lane = native.lane_class()(
-        sizes=list(x.shape), params=state.params, weights=tensors, mask_mode=mode,
+        sizes=list(x.shape), dtype=call.upcast_to or torch.float32, params=state.params, weights=tensors, mask_mode=mode,
         kept_mask=mask if mode == LANE_KEPT_MASK else None, entry=entry, form=form, entry_args=entry_args,
         buffers=buffers, num_buffers=num_buffers, keep_alive=keep_alive)
 

@@ -74,7 +74,8 @@ def _tensor_at(pointer: int, like: torch.Tensor) -> torch.Tensor:
     return torch.frombuffer(array, dtype=torch.float32).view(like.shape)
 
 
-def make_lane(lane_module, mask_mode=LANE_NO_MASK, kept_mask=None, form=3, params=None, weights=None):
+def make_lane(lane_module, mask_mode=LANE_NO_MASK, kept_mask=None, form=3, params=None, weights=None,
+              dtype=torch.float32):
     params = params if params is not None else [torch.randn(D), torch.randn(D, D)]
     weights = weights if weights is not None else [torch.randn(3), torch.randn(5)]
     masked = mask_mode in (LANE_DEVICE_MASK, LANE_INFERENCE_MASK)
@@ -85,7 +86,7 @@ def make_lane(lane_module, mask_mode=LANE_NO_MASK, kept_mask=None, form=3, param
         x = _tensor_at(pointers[0], torch.empty(B, S, D))
         _tensor_at(pointers[-1], torch.empty(B, S, D)).copy_(x + shift)
     entry.on_call = write
-    lane = lane_module.Lane(sizes=[B, S, D], params=params, weights=weights, mask_mode=mask_mode,
+    lane = lane_module.Lane(sizes=[B, S, D], dtype=dtype, params=params, weights=weights, mask_mode=mask_mode,
                             kept_mask=kept_mask, entry=entry.entry, form=form, entry_args=entry.args,
                             buffers=ctypes.addressof(entry.buffers), num_buffers=entry.num_buffers, keep_alive=entry)
     return lane, entry, params, weights, shift
@@ -102,6 +103,24 @@ def test_launch_hands_the_entry_every_pointer_in_order(lane_module, form):
     y2 = lane.run(x)
     assert y2.data_ptr() != y.data_ptr() or y2 is not y   # a new output per call
     torch.testing.assert_close(y, x + shift)              # the first output is left as it was
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_another_dtype_is_cast_in_and_out(lane_module, dtype):
+    lane, entry, params, weights, shift = make_lane(lane_module, dtype=dtype)
+    x = torch.randn(B, S, D).to(dtype)
+    seen = {}
+    write = entry.on_call
+
+    def check(pointers):
+        seen["x"] = _tensor_at(pointers[0], torch.empty(B, S, D)).clone()   # the kernel reads float32
+        write(pointers)
+    entry.on_call = check
+    y = lane.run(x)
+    assert y is not None and y.dtype == dtype and y.shape == x.shape
+    torch.testing.assert_close(seen["x"], x.float())
+    torch.testing.assert_close(y, (x.float() + shift).to(dtype))
+    assert lane.run(x.float()) is None   # float32 x is another call
 
 
 def test_other_inputs_go_back_to_python(lane_module):
@@ -182,7 +201,7 @@ def test_construction_refuses_what_it_cannot_check(lane_module):
     with pytest.raises(ValueError):
         make_lane(lane_module, params=params)   # an inference tensor has no version counter
     with pytest.raises(ValueError):
-        lane_module.Lane(sizes=[B, S], params=[torch.randn(D)], weights=[], mask_mode=0, kept_mask=None, entry=1,
+        lane_module.Lane(sizes=[B, S], dtype=torch.float32, params=[torch.randn(D)], weights=[], mask_mode=0, kept_mask=None, entry=1,
                          form=3, entry_args=[0, 0, 0], buffers=1, num_buffers=2, keep_alive=None)
 
 

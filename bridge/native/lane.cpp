@@ -40,10 +40,11 @@ using WeakImpl = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorIm
 
 class Lane {
  public:
-  Lane(std::vector<int64_t> sizes, std::vector<at::Tensor> params, std::vector<at::Tensor> weights,
+  Lane(std::vector<int64_t> sizes, at::ScalarType dtype, std::vector<at::Tensor> params, std::vector<at::Tensor> weights,
        int mask_mode, std::optional<at::Tensor> kept_mask, uint64_t entry, int form,
        std::vector<uint64_t> entry_args, uint64_t buffers, int64_t num_buffers, py::object keep_alive)
       : sizes_(std::move(sizes)),
+        dtype_(dtype),
         params_(std::move(params)),
         weights_(std::move(weights)),
         mask_mode_(mask_mode),
@@ -78,7 +79,7 @@ class Lane {
 
   // The output of this call, or None where it is not the armed call on unchanged inputs.
   py::object run(const at::Tensor& x, const std::optional<at::Tensor>& mask) {
-    if (!x.defined() || x.device() != device_ || x.scalar_type() != at::kFloat || x.sizes() != at::IntArrayRef(sizes_) ||
+    if (!x.defined() || x.device() != device_ || x.scalar_type() != dtype_ || x.sizes() != at::IntArrayRef(sizes_) ||
         !x.is_contiguous())
       return py::none();
     if (c10::GradMode::is_enabled()) {  // a call that records for autograd takes the Python path
@@ -116,9 +117,12 @@ class Lane {
       const auto* guard = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
       if (guard->getDevice().index() != device_.index() || guard->getStream(device_).id() != 0) return py::none();
     }
-    at::Tensor y = at::empty(sizes_, x.options());
+    // The kernel reads and writes float32: another x dtype is cast in and the output cast back, as the
+    // Python path does (bridge/runtime.py, _Call.upcast_to).
+    const at::Tensor xf = dtype_ == at::kFloat ? x : x.to(at::kFloat);
+    at::Tensor y = at::empty(sizes_, xf.options());
     int64_t i = 0;
-    buffers_[i++] = const_cast<void*>(x.const_data_ptr());
+    buffers_[i++] = const_cast<void*>(xf.const_data_ptr());
     if (mask_pointer != nullptr) buffers_[i++] = const_cast<void*>(mask_pointer);
     for (const auto& w : weights_) buffers_[i++] = const_cast<void*>(w.const_data_ptr());
     buffers_[i++] = y.data_ptr();
@@ -129,13 +133,14 @@ class Lane {
     } else {
       reinterpret_cast<void (*)(void*)>(entry_)(reinterpret_cast<void*>(entry_args_[0]));
     }
-    return py::cast(y);
+    return py::cast(dtype_ == at::kFloat ? y : y.to(dtype_));
   }
 
   int mask_mode() const { return mask_mode_; }
 
  private:
   std::vector<int64_t> sizes_;
+  at::ScalarType dtype_;   // x's dtype: float32, or one the call casts to float32 and back
   std::vector<at::Tensor> params_;
   std::vector<at::Tensor> weights_;
   int mask_mode_;
@@ -157,9 +162,9 @@ class Lane {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Lane>(m, "Lane")
-      .def(py::init<std::vector<int64_t>, std::vector<at::Tensor>, std::vector<at::Tensor>, int,
+      .def(py::init<std::vector<int64_t>, at::ScalarType, std::vector<at::Tensor>, std::vector<at::Tensor>, int,
                     std::optional<at::Tensor>, uint64_t, int, std::vector<uint64_t>, uint64_t, int64_t, py::object>(),
-           py::arg("sizes"), py::arg("params"), py::arg("weights"), py::arg("mask_mode"), py::arg("kept_mask"),
+           py::arg("sizes"), py::arg("dtype"), py::arg("params"), py::arg("weights"), py::arg("mask_mode"), py::arg("kept_mask"),
            py::arg("entry"), py::arg("form"), py::arg("entry_args"), py::arg("buffers"), py::arg("num_buffers"),
            py::arg("keep_alive"))
       .def("run", &Lane::run, py::arg("x"), py::arg("mask") = py::none())
