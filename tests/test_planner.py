@@ -236,3 +236,19 @@ def test_the_masked_build_is_not_planned_in_a_build_that_has_not_run_on_a_gpu(mo
     shape_1 = T.OFFICIAL["1"].config   # shape 2's build at batch 64
     facts_1 = dataclasses.replace(facts_, batch_size=shape_1.batch_size, seq_len=shape_1.seq_len)
     assert T.plan(shape_1, facts_1, hopper).stack == "fused_mgpu"
+
+
+def test_every_official_shape_on_the_mosaic_kernel_has_its_masked_build_verified():
+    """As shipped: the official shapes the Mosaic kernel runs without a mask (1-5, 7, 9, 10, 12) run its
+    masked build for a torch call with a mask the device decides about (the harness's inference-tensor
+    masks), since each of their builds has run on a GPU with a mask with holes."""
+    hopper = T.DeviceFacts(platform="gpu", device_kind="NVIDIA H200", memory_bytes=100 * 2**30,
+                           compute_capability="9.0")
+    for sid in ("1", "2", "3", "4", "5", "7", "9", "10", "12"):
+        config = T.OFFICIAL[sid].config
+        mask_free = T.InputFacts(config.batch_size, config.seq_len, "float32", mask_kind=MaskKind.ALL_TRUE,
+                                 caller="torch")
+        assert T.plan(config, mask_free, hopper).stack == "fused_mgpu", sid
+        device_decides = dataclasses.replace(mask_free, mask_kind=MaskKind.UNKNOWN)
+        chosen = T.plan(config, device_decides, hopper)
+        assert chosen.stack == "fused_mgpu" and chosen.mask_mode in T.planner.KEY_MASK_MODES, (sid, chosen.explain())

@@ -104,9 +104,13 @@ MGPU_STACK_JAX_MIN_SEQ_LEN = 64
 # (d_model, num_heads, seq_len, causal) that have run on a GPU with a mask. On the H200 (bench/results/fused-stack-mgpu-2026-12-05-h200-
 # holes.json, mask-cost-2026-12-05-h200.json): 0 failed elements with a mask with holes at shapes 2 and 7;
 # at shape 7 with an all-True mask it is exact against the mask-free kernel and takes 45.2 us against
-# 38.4 (+18%), where the plan it replaces ("rows" through jax, the device deciding) took 126.6.
+# 38.4 (+18%), where the plan it replaces ("rows" through jax, the device deciding) took 126.6. Shapes 12,
+# 9 and 10 (S=32 at 4 heads, 1 and 2 heads at S=128; fused-stack-mgpu-2026-12-05-h200-holes-12-9-10.json):
+# 0 failed elements with holes, 81.4 / 50.8 / 62.4 us against 74.2 / 49.2 / 57.5 mask-free, where the
+# measured planner's device-deciding plan through jax took 71-102 us of GPU time plus jax's dispatch.
 MGPU_STACK_MASKED_PLANNED = True
-MGPU_STACK_MASKED_VERIFIED = ((128, 4, 128, True), (32, 4, 128, True))
+MGPU_STACK_MASKED_VERIFIED = ((128, 4, 128, True), (32, 4, 128, True), (128, 4, 32, True), (128, 1, 128, True),
+                              (128, 2, 128, True))
 MGPU_STACK_ROWS_MASK = ("measured 0.079 / 0.066 / 0.079 ms at shapes 2 / 7 / 12 with padding ratio 0.3, "
                         "against 0.074 / 0.051 / 0.073 without a mask")
 # GEMM-bound calls (the one-device XLA program at d_model >= this, S below CUDNN_MIN_SEQ_LEN, unchunked:
