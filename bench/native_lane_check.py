@@ -12,6 +12,8 @@ Per shape, two modules with the harness's weights (bench.baseline.harness_models
 - refusals, each followed by a check that the answer is right (against the baseline, or the Python path):
   a mask written in place (holes), a parameter written in place (the module's and the baseline's alike),
   a call on a side stream, a non-contiguous x;
+- a prefix mask (the harness's --padding-ratio 0.3, made outside inference mode): the lane where the plan
+  zeroes the invalid rows after the mask-free kernel (causal), bitwise equal to the Python path;
 - an inference-tensor mask (the harness's accuracy trials): the lane when the masked build is planned
   for the shape, else the Python path; bitwise equal to the Python path either way;
 - float16 (the harness's --dtype float16: model and x in fp16): the lane engaged, its output bitwise the
@@ -132,6 +134,16 @@ def check_shape(sid: str, calls: int, half: bool = True) -> dict:
         strided.copy_(x)
         expect("refused_non_contiguous", runtime.fast_forward(lane, strided, mask) is None)
         expect("bitwise_non_contiguous", torch.equal(lane(strided, mask), py(x, mask)))
+
+        # the harness's --padding-ratio 0.3 timing input: a kept prefix mask, invalid rows zeroed after the kernel
+        with torch.inference_mode(False):
+            x_pad, mask_pad = make_inputs(config, 4, device="cuda", padding_ratio=0.3)
+        first_pad = lane(x_pad, mask_pad)
+        fast_pad = runtime.fast_forward(lane, x_pad, mask_pad)
+        entry["lane_prefix_mask"] = fast_pad is not None
+        py_pad = py(x_pad, mask_pad)
+        expect("bitwise_prefix_mask", torch.equal(first_pad, py_pad) and (fast_pad is None or torch.equal(fast_pad, py_pad)))
+        rule(first_pad, baseline(x_pad, mask_pad), "prefix mask")
 
         # the harness's accuracy trials: an inference-tensor mask
         x_inf, mask_inf = make_inputs(config, 2, device="cuda")

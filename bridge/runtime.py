@@ -552,27 +552,28 @@ def fast_forward(module: torch.nn.Module, x: torch.Tensor, mask: torch.Tensor | 
 
 
 # The native lane's mask modes (bridge/native/lane.cpp, MaskMode).
-LANE_NO_MASK, LANE_KEPT_MASK, LANE_DEVICE_MASK, LANE_INFERENCE_MASK = 0, 1, 2, 3
+LANE_NO_MASK, LANE_KEPT_MASK, LANE_DEVICE_MASK, LANE_INFERENCE_MASK, LANE_KEPT_MASK_ROWS = 0, 1, 2, 3, 4
 
 
 def lane_mask_mode(state: _ModuleState, call: _Call, mask: torch.Tensor | None, kind: MaskKind) -> int | None:
     """How a lane repeats this launched call's mask handling, or None where it cannot:
     - no mask: LANE_NO_MASK;
     - a GPU mask classified on the host and kept (classify) for the mask-free kernel: LANE_KEPT_MASK,
-      the same tensor at the same version;
+      the same tensor at the same version; LANE_KEPT_MASK_ROWS where its invalid rows are zeroed after
+      the kernel (a prefix mask under causal attention, the "rows" run);
     - the kernel's masked build reading a mask the device decides about: LANE_DEVICE_MASK under
       TTJ_GPU_MASK=device (any mask), LANE_INFERENCE_MASK for an inference-tensor mask (no version counter:
       only inference-tensor masks repeat this call).
-    A host mask (read on every call), a kept mask the masked build reads, and the rows-zeroing run are
-    left to the Python path."""
+    A host mask (read on every call) and a kept mask the masked build reads are left to the Python path."""
     mode = getattr(call.direct, "mode", None)
     if mask is None:
         return LANE_NO_MASK if mode == "plain" and kind == MaskKind.NONE else None
     if mask.device.type != "cuda":
         return None
-    if mode == "plain" and not call.passes_mask:
-        kept = state.mask_ref is not None and state.mask_ref() is mask and state.mask_version == mask._version
-        return LANE_KEPT_MASK if kept and not state.mask_on_device and not mask.is_inference() else None
+    if mode == "rows" or (mode == "plain" and not call.passes_mask):
+        kept = (not mask.is_inference() and not state.mask_on_device and state.mask_ref is not None
+                and state.mask_ref() is mask and state.mask_version == mask._version)
+        return None if not kept else LANE_KEPT_MASK_ROWS if mode == "rows" else LANE_KEPT_MASK
     if mode == "masked" and kind == MaskKind.UNKNOWN:
         if state.mask_on_device:
             return LANE_DEVICE_MASK
@@ -602,7 +603,7 @@ def _arm_lane(state: _ModuleState, call: _Call, x: torch.Tensor, mask: torch.Ten
     entry, form, entry_args, buffers, num_buffers, keep_alive = native_call
     state.lane = native.lane_class()(
         sizes=list(x.shape), dtype=call.upcast_to or torch.float32, params=state.params, weights=tensors, mask_mode=mode,
-        kept_mask=mask if mode == LANE_KEPT_MASK else None, entry=entry, form=form, entry_args=entry_args,
+        kept_mask=mask if mode in (LANE_KEPT_MASK, LANE_KEPT_MASK_ROWS) else None, entry=entry, form=form, entry_args=entry_args,
         buffers=buffers, num_buffers=num_buffers, keep_alive=keep_alive)
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from bridge import native, runtime
-from bridge.runtime import LANE_DEVICE_MASK, LANE_INFERENCE_MASK, LANE_KEPT_MASK, LANE_NO_MASK
+from bridge.runtime import LANE_DEVICE_MASK, LANE_INFERENCE_MASK, LANE_KEPT_MASK, LANE_KEPT_MASK_ROWS, LANE_NO_MASK
 
 pytestmark = pytest.mark.slow   # the first test in a fresh cache builds the extension (~10-60 s)
 
@@ -171,6 +171,19 @@ def test_kept_mask_is_the_same_tensor_at_the_same_version(lane_module):
     assert lane.run(x, mask) is None
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_kept_prefix_mask_zeroes_the_invalid_rows_after_the_kernel(lane_module, dtype):
+    mask = torch.arange(S)[None, :] < torch.tensor([S, 2])[:, None]   # a prefix mask: lengths S and 2
+    lane, entry, _, _, shift = make_lane(lane_module, LANE_KEPT_MASK_ROWS, kept_mask=mask, dtype=dtype)
+    x = torch.randn(B, S, D).to(dtype)
+    y = lane.run(x, mask)
+    assert y is not None and y.dtype == dtype and len(entry.calls[-1]) == 4   # the kernel takes no mask
+    expected = torch.where(mask.unsqueeze(-1), x.float() + shift, 0.0).to(dtype)   # runtime.py's "rows" run
+    assert torch.equal(y, expected)
+    mask[1, 2] = True
+    assert lane.run(x, mask) is None
+
+
 def test_kept_mask_must_be_a_versioned_tensor(lane_module):
     with torch.inference_mode():
         mask = torch.ones(B, S, dtype=torch.bool)
@@ -223,6 +236,8 @@ def test_lane_mask_mode_follows_the_python_path():
     assert runtime.lane_mask_mode(state, call, mask, MaskKind.ALL_TRUE) is None   # a host mask: read every call
     Run.mode = "rows"
     assert runtime.lane_mask_mode(state, call, None, MaskKind.NONE) is None
+    Call.passes_mask = True
+    assert runtime.lane_mask_mode(state, call, mask, MaskKind.PREFIX) is None   # a host mask, again
 
 
 def test_switch_keeps_lanes_off(monkeypatch):

@@ -15,6 +15,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/where.h>
 #include <c10/core/GradMode.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/intrusive_ptr.h>
@@ -34,6 +35,7 @@ enum MaskMode : int {
   kKeptMask = 1,   // a GPU mask classified on the host, kept per tensor and version: the mask-free kernel
   kDeviceMask = 2, // the kernel's masked build reads any mask (TTJ_GPU_MASK=device)
   kInferenceMask = 3,  // the masked build for inference-tensor masks (no version counter to keep a kind by)
+  kKeptMaskRows = 4,   // a kept prefix mask under causal attention: the mask-free kernel, invalid rows zeroed after
 };
 
 using WeakImpl = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
@@ -55,7 +57,7 @@ class Lane {
         keep_alive_(std::move(keep_alive)) {
     if (sizes_.size() != 3) throw std::invalid_argument("x's sizes: [batch, seq_len, d_model]");
     if (params_.empty()) throw std::invalid_argument("no parameters");
-    if (mask_mode_ < kNoMask || mask_mode_ > kInferenceMask) throw std::invalid_argument("unknown mask mode");
+    if (mask_mode_ < kNoMask || mask_mode_ > kKeptMaskRows) throw std::invalid_argument("unknown mask mode");
     if (form_ == 3 ? entry_args_.size() != 3 : form_ == 1 ? entry_args_.size() != 1 : true)
       throw std::invalid_argument("entry form 3 takes 3 arguments, form 1 takes 1");
     const int64_t expected = 2 + static_cast<int64_t>(weights_.size()) +
@@ -67,7 +69,7 @@ class Lane {
       pointers_.push_back(p.data_ptr());
       versions_.push_back(p._version());
     }
-    if (mask_mode_ == kKeptMask) {
+    if (mask_mode_ == kKeptMask || mask_mode_ == kKeptMaskRows) {
       if (!kept_mask.has_value() || kept_mask->is_inference())
         throw std::invalid_argument("a kept mask needs the mask tensor (not an inference tensor)");
       kept_mask_.emplace(kept_mask->getIntrusivePtr());
@@ -92,7 +94,8 @@ class Lane {
       case kNoMask:
         if (mask.has_value()) return py::none();
         break;
-      case kKeptMask: {
+      case kKeptMask:
+      case kKeptMaskRows: {
         if (!mask.has_value() || kept_mask_->expired() || mask->unsafeGetTensorImpl() != kept_mask_->_unsafe_get_target() ||
             mask->is_inference() || mask->_version() != kept_version_ || mask->device() != device_ ||
             mask->sizes() != kept_sizes_ || mask->scalar_type() != kept_dtype_)
@@ -133,6 +136,7 @@ class Lane {
     } else {
       reinterpret_cast<void (*)(void*)>(entry_)(reinterpret_cast<void*>(entry_args_[0]));
     }
+    if (mask_mode_ == kKeptMaskRows) y = at::where(mask->unsqueeze(-1), y, 0.0);   // as runtime.py's "rows" run
     return py::cast(dtype_ == at::kFloat ? y : y.to(dtype_));
   }
 
