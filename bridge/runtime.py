@@ -160,6 +160,7 @@ class _ModuleState:
         if self.watch.changed():   # also after _collect made a new, unmarked watch
             self.prepared.clear()
             self.views = {}
+            self.lane = self.lane_key = None   # it holds the old kernel weights; the next launch arms a new one
             for call in self.calls.values():
                 call.weights = None
             self.watch.mark()
