@@ -21,6 +21,7 @@ Switch off with TTJ_MOSAIC_LAUNCH=0 (bridge/settings.py; the bridge then runs th
 from __future__ import annotations
 
 import ctypes
+import threading
 
 import numpy as np
 import torch
@@ -82,6 +83,7 @@ class MosaicLauncher:
             raise RuntimeError("MosaicLauncher needs a CUDA device (torch sees none)")
         self._launch, _ = compile_for_torch(module_asm)   # (launch, unload): loaded for the process's lifetime
         self.buffers = (ctypes.c_void_p * num_buffers)()
+        self._lock = threading.Lock()
         self._num_buffers = num_buffers
         self._device = torch.device("cuda", torch.cuda.current_device())
         self._entry, self._entry_args = self._direct_entry(self._launch, self.buffers, self._device)
@@ -132,29 +134,34 @@ class MosaicLauncher:
         return None, None
 
     def native_call(self):
-        """(entry address, form, entry arguments, buffer address, buffer count, owner) for a launch made
-        from C++ (bridge/native/lane.cpp): form 3 calls entry(function, stream, buffers) and form 1
-        entry(args), each argument a pointer-sized int; the caller writes the pointers into the buffer
-        first and keeps the owner (this launcher) alive. None where launches go through jax's `launch`."""
+        """(entry address, form, entry arguments, buffer count, owner) for a launch made from C++
+        (bridge/native/lane.cpp), with a pointer buffer of its own: form 3 calls entry(function, stream,
+        buffers), the arguments (function, stream); form 1 calls entry(args) with args = [context pointer,
+        stream pointer, pointer to the buffer's address], the arguments the first two. Each a pointer-sized
+        int; the caller keeps the owner (this launcher, which keeps them valid) alive. None where launches go
+        through jax's `launch`."""
         if self._entry is None:
             return None
         entry = ctypes.cast(self._entry, ctypes.c_void_p).value
         if len(self._entry_args) == 3:
-            function, stream, buffers = self._entry_args
-            args = [int(function), int(stream.value or 0), ctypes.addressof(buffers)]
-            form = 3
+            function, stream, _ = self._entry_args
+            args, form = [int(function), int(stream.value or 0)], 3
         else:
-            args, form = [ctypes.addressof(self._entry_args[0])], 1
-        return entry, form, args, ctypes.addressof(self.buffers), self._num_buffers, self
+            array = self._entry_args[0]
+            args, form = [ctypes.cast(array[0], ctypes.c_void_p).value, ctypes.cast(array[1], ctypes.c_void_p).value], 1
+        return entry, form, args, self._num_buffers, self
 
     def launch(self, pointers) -> None:
         if len(pointers) != self._num_buffers:
             raise ValueError(f"{len(pointers)} pointers, the kernel takes {self._num_buffers}")
-        self.buffers[:] = pointers
-        if self._entry is not None:
-            self._entry(*self._entry_args)
-        else:
-            self._launch(self.buffers, self._device)
+        # ctypes lets go of the GIL during the entry's call: the lock keeps another thread from writing
+        # the kept buffer before this launch has read it.
+        with self._lock:
+            self.buffers[:] = pointers
+            if self._entry is not None:
+                self._entry(*self._entry_args)
+            else:
+                self._launch(self.buffers, self._device)
 
 
 class MosaicStackLaunch:

@@ -601,11 +601,11 @@ def _arm_lane(state: _ModuleState, call: _Call, x: torch.Tensor, mask: torch.Ten
     native_call = kernel.native_call() if kernel is not None else None
     if mode is None or native_call is None or any(p.is_inference() for p in state.params) or not native.available():
         return
-    entry, form, entry_args, buffers, num_buffers, keep_alive = native_call
+    entry, form, entry_args, num_buffers, keep_alive = native_call
     state.lane = native.lane_class()(
         sizes=list(x.shape), dtype=call.upcast_to or torch.float32, params=state.params, weights=tensors, mask_mode=mode,
         kept_mask=mask if mode in (LANE_KEPT_MASK, LANE_KEPT_MASK_ROWS) else None, entry=entry, form=form, entry_args=entry_args,
-        buffers=buffers, num_buffers=num_buffers, keep_alive=keep_alive)
+        num_buffers=num_buffers, keep_alive=keep_alive)
 
 
 def _jax_inputs(call: _Call, x: torch.Tensor, mask: torch.Tensor | None):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -276,13 +277,17 @@ def test_the_kept_launch_arguments_read_as_jax_builds_them(monkeypatch, form):
     """MosaicLauncher's launch with its arguments built once hands the host entry what jax's own launch
     hands it on every call: the module (context or function), the default stream, the buffer pointers
     as written for this call."""
+    _kept_launcher(monkeypatch, form)
+
+
+def _kept_launcher(monkeypatch, form):
     seen = []
     entry = (_entry_010 if form == "jax-0.10" else _entry_011)(seen)
     jax_launch = (_jax010_launcher if form == "jax-0.10" else _jax011_launcher)(entry)
     monkeypatch.setattr(torch.cuda, "default_stream", lambda device: type("S", (), {"cuda_stream": 0})())
     launcher = MosaicLauncher.__new__(MosaicLauncher)
     launcher._launch, launcher._num_buffers, launcher._device = jax_launch, 3, torch.device("cpu")
-    launcher.buffers = (ctypes.c_void_p * 3)()
+    launcher.buffers, launcher._lock = (ctypes.c_void_p * 3)(), threading.Lock()
     launcher._entry, launcher._entry_args = MosaicLauncher._direct_entry(jax_launch, launcher.buffers, None)
     assert launcher._entry is entry
     for pointers in ((0x1000, 0x2000, 0x3000), (0x1100, 0x2000, 0x3300)):
@@ -290,6 +295,27 @@ def test_the_kept_launch_arguments_read_as_jax_builds_them(monkeypatch, form):
         jax_launch((ctypes.c_void_p * 3)(*pointers), None)   # jax's, built for this call
     assert seen[0] == seen[1] == (0xC0FFEE, None, [0x1000, 0x2000, 0x3000])
     assert seen[2] == seen[3] == (0xC0FFEE, None, [0x1100, 0x2000, 0x3300])
+    return launcher, seen
+
+
+@pytest.mark.slow   # builds the native lane (bridge/native) in a fresh cache
+@pytest.mark.parametrize("form", ["jax-0.10", "jax-0.11"])
+def test_the_native_lane_hands_the_entry_what_jax_launch_does(monkeypatch, tmp_path, form):
+    """A lane made from the launcher's native_call calls the same entry with the same module and stream,
+    from a pointer buffer of its own: x's pointer, the weights', then the output's."""
+    from bridge import native
+    launcher, seen = _kept_launcher(monkeypatch, form)
+    monkeypatch.setenv("TTJ_CACHE_DIR", str(tmp_path))
+    entry, entry_form, args, num_buffers, owner = launcher.native_call()
+    assert owner is launcher and num_buffers == 3 and entry_form == (1 if form == "jax-0.10" else 3)
+    params, weights = [torch.zeros(4)], [torch.zeros(2)]
+    lane = native.build().Lane(sizes=[1, 2, 4], dtype=torch.float32, params=params, weights=weights, mask_mode=0,
+                               kept_mask=None, entry=entry, form=entry_form, entry_args=args, num_buffers=num_buffers,
+                               keep_alive=owner)
+    x = torch.zeros(1, 2, 4)
+    y = lane.run(x)
+    assert seen[-1] == (0xC0FFEE, None, [x.data_ptr(), weights[0].data_ptr(), y.data_ptr()])
+    assert list(launcher.buffers) == [0x1100, 0x2000, 0x3300]   # the launcher's own buffer is left as it was
 
 
 def test_a_launcher_without_a_known_closure_runs_jax_launch_as_it_is(monkeypatch):

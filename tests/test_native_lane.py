@@ -34,34 +34,33 @@ def lane_module(tmp_path_factory):
 
 class StandIn:
     """jax's host entry, form 3 (entry(function, stream, buffers)) or form 1 (entry(args), args pointing
-    at the function, the stream and the buffer): records each call's buffer and writes y = x + 1 +
-    sum of the weights' first elements into the output."""
+    at the context, the stream and the buffer's address), reading the kernel's pointers from what it is
+    handed as the real entry does: records each call's pointers and writes y = x + 1 + the sum of the
+    weights' first elements into the output."""
 
     def __init__(self, num_buffers: int, form: int = 3):
         self.num_buffers, self.form, self.calls = num_buffers, form, []
-        self.buffers = (ctypes.c_void_p * num_buffers)()
         if form == 3:
             self._fn = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)(self._entry3)
-            self.args = [77, 0, ctypes.addressof(self.buffers)]
+            self.args = [77, 0]
         else:
             self._fn = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(self._entry1)
-            self._function, self._stream = ctypes.c_void_p(77), ctypes.c_void_p(0)
-            self._buffers_ptr = ctypes.pointer(self.buffers)
-            self._array = (ctypes.c_void_p * 3)(ctypes.addressof(self._function), ctypes.addressof(self._stream),
-                                                ctypes.addressof(self._buffers_ptr))
-            self.args = [ctypes.addressof(self._array)]
+            self._context, self._stream = ctypes.c_void_p(77), ctypes.c_void_p(0)
+            self.args = [ctypes.addressof(self._context), ctypes.addressof(self._stream)]
         self.entry = ctypes.cast(self._fn, ctypes.c_void_p).value
 
     def _entry3(self, function, stream, buffers):
-        assert function == 77 and not stream and buffers == ctypes.addressof(self.buffers)
-        self._record()
+        assert function == 77 and not stream
+        self._record(buffers)
 
     def _entry1(self, args):
-        assert args == ctypes.addressof(self._array)
-        self._record()
+        array = (ctypes.c_void_p * 3).from_address(args)
+        assert array[0] == self.args[0] and array[1] == self.args[1]
+        self._record(ctypes.c_void_p.from_address(array[2]).value)
 
-    def _record(self):
-        pointers = [self.buffers[i] for i in range(self.num_buffers)]
+    def _record(self, buffers):
+        array = (ctypes.c_void_p * self.num_buffers).from_address(buffers)
+        pointers = [array[i] for i in range(self.num_buffers)]
         self.calls.append(pointers)
         self.on_call(pointers)
 
@@ -88,7 +87,7 @@ def make_lane(lane_module, mask_mode=LANE_NO_MASK, kept_mask=None, form=3, param
     entry.on_call = write
     lane = lane_module.Lane(sizes=[B, S, D], dtype=dtype, params=params, weights=weights, mask_mode=mask_mode,
                             kept_mask=kept_mask, entry=entry.entry, form=form, entry_args=entry.args,
-                            buffers=ctypes.addressof(entry.buffers), num_buffers=entry.num_buffers, keep_alive=entry)
+                            num_buffers=entry.num_buffers, keep_alive=entry)
     return lane, entry, params, weights, shift
 
 
@@ -215,7 +214,7 @@ def test_construction_refuses_what_it_cannot_check(lane_module):
         make_lane(lane_module, params=params)   # an inference tensor has no version counter
     with pytest.raises(ValueError):
         lane_module.Lane(sizes=[B, S], dtype=torch.float32, params=[torch.randn(D)], weights=[], mask_mode=0, kept_mask=None, entry=1,
-                         form=3, entry_args=[0, 0, 0], buffers=1, num_buffers=2, keep_alive=None)
+                         form=3, entry_args=[0, 0], num_buffers=2, keep_alive=None)
 
 
 def test_lane_mask_mode_follows_the_python_path():

@@ -3,7 +3,8 @@
 // bridge/native/__init__.py builds this file with torch's extension builder and bridge/runtime.py arms
 // one Lane per module after a call it launched itself (bridge/mosaic_launch.py). A Lane holds what that
 // call was: x's sizes and device, how the mask was used, the parameters' data pointers and versions,
-// the kernel's weight tensors, and jax's compiled host entry with its argument buffer. `run(x, mask)`
+// the kernel's weight tensors, and jax's compiled host entry with the arguments it takes besides the
+// kernel's pointers. `run(x, mask)`
 // returns the new output when this call is the same call on unchanged inputs, and None otherwise: the
 // Python path then runs, decides again and re-arms. Every check the Python path makes for a launched
 // call is made here or by the caller (bridge/runtime.py, fast_forward); none is skipped.
@@ -44,7 +45,7 @@ class Lane {
  public:
   Lane(std::vector<int64_t> sizes, at::ScalarType dtype, std::vector<at::Tensor> params, std::vector<at::Tensor> weights,
        int mask_mode, std::optional<at::Tensor> kept_mask, uint64_t entry, int form,
-       std::vector<uint64_t> entry_args, uint64_t buffers, int64_t num_buffers, py::object keep_alive)
+       std::vector<uint64_t> entry_args, int64_t num_buffers, py::object keep_alive)
       : sizes_(std::move(sizes)),
         dtype_(dtype),
         params_(std::move(params)),
@@ -53,13 +54,16 @@ class Lane {
         entry_(entry),
         form_(form),
         entry_args_(std::move(entry_args)),
-        buffers_(reinterpret_cast<void**>(buffers)),
+        buffers_(num_buffers > 0 ? num_buffers : 0, nullptr),
         keep_alive_(std::move(keep_alive)) {
     if (sizes_.size() != 3) throw std::invalid_argument("x's sizes: [batch, seq_len, d_model]");
     if (params_.empty()) throw std::invalid_argument("no parameters");
     if (mask_mode_ < kNoMask || mask_mode_ > kKeptMaskRows) throw std::invalid_argument("unknown mask mode");
-    if (form_ == 3 ? entry_args_.size() != 3 : form_ == 1 ? entry_args_.size() != 1 : true)
-      throw std::invalid_argument("entry form 3 takes 3 arguments, form 1 takes 1");
+    if ((form_ != 3 && form_ != 1) || entry_args_.size() != 2)
+      throw std::invalid_argument("entry forms: 3 (function, stream) or 1 (context pointer, stream pointer)");
+    buffers_pointer_ = buffers_.data();
+    form1_args_ = {reinterpret_cast<void*>(entry_args_[0]), reinterpret_cast<void*>(entry_args_[1]),
+                   static_cast<void*>(&buffers_pointer_)};
     const int64_t expected = 2 + static_cast<int64_t>(weights_.size()) +
                              (mask_mode_ == kDeviceMask || mask_mode_ == kInferenceMask ? 1 : 0);
     if (num_buffers != expected) throw std::invalid_argument("the buffer count does not fit the call");
@@ -131,10 +135,9 @@ class Lane {
     buffers_[i++] = y.data_ptr();
     if (form_ == 3) {
       reinterpret_cast<void (*)(void*, void*, void*)>(entry_)(reinterpret_cast<void*>(entry_args_[0]),
-                                                             reinterpret_cast<void*>(entry_args_[1]),
-                                                             reinterpret_cast<void*>(entry_args_[2]));
+                                                             reinterpret_cast<void*>(entry_args_[1]), buffers_.data());
     } else {
-      reinterpret_cast<void (*)(void*)>(entry_)(reinterpret_cast<void*>(entry_args_[0]));
+      reinterpret_cast<void (*)(void*)>(entry_)(form1_args_.data());
     }
     if (mask_mode_ == kKeptMaskRows) y = at::where(mask->unsqueeze(-1), y, 0.0);   // as runtime.py's "rows" run
     return py::cast(dtype_ == at::kFloat ? y : y.to(dtype_));
@@ -155,7 +158,11 @@ class Lane {
   uint64_t entry_;
   int form_;
   std::vector<uint64_t> entry_args_;
-  void** buffers_;
+  // The kernel's pointers, this lane's own (the Python path's launcher has its buffer: neither can
+  // overwrite the other's between writing and launching), and form 1's argument array pointing at them.
+  std::vector<void*> buffers_;
+  void* buffers_pointer_ = nullptr;
+  std::vector<void*> form1_args_;
   py::object keep_alive_;  // what owns the entry and the buffer memory (the MosaicLauncher)
   at::Device device_{at::kCPU};
   std::vector<const void*> pointers_;
@@ -167,9 +174,9 @@ class Lane {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Lane>(m, "Lane")
       .def(py::init<std::vector<int64_t>, at::ScalarType, std::vector<at::Tensor>, std::vector<at::Tensor>, int,
-                    std::optional<at::Tensor>, uint64_t, int, std::vector<uint64_t>, uint64_t, int64_t, py::object>(),
+                    std::optional<at::Tensor>, uint64_t, int, std::vector<uint64_t>, int64_t, py::object>(),
            py::arg("sizes"), py::arg("dtype"), py::arg("params"), py::arg("weights"), py::arg("mask_mode"), py::arg("kept_mask"),
-           py::arg("entry"), py::arg("form"), py::arg("entry_args"), py::arg("buffers"), py::arg("num_buffers"),
+           py::arg("entry"), py::arg("form"), py::arg("entry_args"), py::arg("num_buffers"),
            py::arg("keep_alive"))
       .def("run", &Lane::run, py::arg("x"), py::arg("mask") = py::none())
       .def_property_readonly("mask_mode", &Lane::mask_mode);
