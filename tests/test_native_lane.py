@@ -255,3 +255,47 @@ def test_failed_build_warns_once_and_keeps_python(monkeypatch, tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert native.available() is False
+
+
+class StubLane:
+    """Stands in for an armed lane in a module's state: answers every call with one tensor."""
+
+    def __init__(self, answer):
+        self.answer, self.calls = answer, 0
+
+    def run(self, x, mask=None):
+        self.calls += 1
+        return self.answer
+
+
+@pytest.mark.parametrize("plug_in", ["class", "drop-in"])
+def test_the_bridge_asks_the_lane_first_except_where_python_must_decide(plug_in):
+    """bridge.ops.forward (both plug-in ways) returns the armed lane's answer; it does not ask the lane
+    when options or a config are given, after a parameter or submodule was registered anywhere (the
+    structure check runs in Python first), or under torch's overwrite-on-conversion flag."""
+    import bridge
+    from bench.baseline import TransformerConfig
+    from bench.compile_check import DropIn
+
+    config = TransformerConfig(batch_size=2, seq_len=8, d_model=32, num_heads=2, ffn_dim=32, num_layers=1, causal=True)
+    module = (bridge.TTJTransformer if plug_in == "class" else DropIn)(config).eval()
+    x = torch.randn(2, 8, 32)
+    with torch.no_grad():
+        real = module(x)
+        state = runtime.module_state(module)
+        stub = StubLane(torch.full_like(x, 7.0))
+        state.lane = stub
+        assert module(x) is stub.answer
+        assert bridge.forward(module, x) is stub.answer
+        assert torch.equal(bridge.forward(module, x, stack="layers"), real)    # options: Python
+        assert torch.equal(bridge.forward(module, x, config=config), real)     # a config: Python
+        torch.nn.Linear(2, 2)                                                  # a registration anywhere
+        assert torch.equal(module(x), real)                                    # Python checks the structure
+        assert module(x) is stub.answer                                        # and the lane answers again
+        torch.__future__.set_overwrite_module_params_on_conversion(True)
+        try:
+            assert torch.equal(module(x), real)
+        finally:
+            torch.__future__.set_overwrite_module_params_on_conversion(False)
+        bridge.refresh(module)                                                 # a new state: no lane
+        assert torch.equal(module(x), real)
