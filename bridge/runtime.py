@@ -814,6 +814,8 @@ def explain(module: torch.nn.Module, x: torch.Tensor, valid_token_mask=None, *, 
                  "(no JAX dispatch)")
     elif call.direct is not None:
         text += "; launched directly on torch's current stream (no JAX dispatch)"
+        if getattr(call.direct, "kernel", None) is not None and x.device.type == "cuda":
+            text += "; " + native.describe()
     elif stack.bridge_launch is not None or (stack.kernels_only and settings.triton_launch()):
         text += f"; run through jax: {call.direct_note}"
     return text

@@ -299,3 +299,14 @@ def test_the_bridge_asks_the_lane_first_except_where_python_must_decide(plug_in)
             torch.__future__.set_overwrite_module_params_on_conversion(False)
         bridge.refresh(module)                                                 # a new state: no lane
         assert torch.equal(module(x), real)
+
+
+def test_describe_says_how_repeats_run_without_building(monkeypatch):
+    monkeypatch.setattr(native, "_STATE", {})
+    monkeypatch.setenv("TTJ_NATIVE_LANE", "0")
+    assert "off" in native.describe()
+    monkeypatch.setenv("TTJ_NATIVE_LANE", "1")
+    assert "runs through the native lane" in native.describe()
+    native._STATE["error"] = "RuntimeError: no compiler"
+    assert "unavailable (RuntimeError: no compiler)" in native.describe()
+    assert "module" not in native._STATE   # nothing was built

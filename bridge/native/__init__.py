@@ -102,6 +102,15 @@ def available() -> bool:
     return True
 
 
+def describe() -> str:
+    """How a repeat of a launched call runs, for explain(): without building anything."""
+    if not settings.native_lane():
+        return f"the native lane is off ({settings.NATIVE_LANE_ENV}=0): every call takes the Python path"
+    if "error" in _STATE:
+        return f"the native lane is unavailable ({_STATE['error']}): every call takes the Python path"
+    return "a repeat of the same call (same input layout, mask use and weights) runs through the native lane (C++)"
+
+
 def lane_class():
     """lane.cpp's Lane (after available() answered True)."""
     return build().Lane
