@@ -83,6 +83,9 @@ class Lane {
     }
   }
 
+  Lane(const Lane&) = delete;  // form1_args_ points into this object
+  Lane& operator=(const Lane&) = delete;
+
   // The output of this call, or None where it is not the armed call on unchanged inputs.
   py::object run(const at::Tensor& x, const std::optional<at::Tensor>& mask) {
     if (!x.defined() || x.device() != device_ || x.scalar_type() != dtype_ || x.sizes() != at::IntArrayRef(sizes_) ||
