@@ -67,7 +67,7 @@ def parts(ours, x: torch.Tensor, mask: torch.Tensor) -> dict:
         contenders["direct"] = lambda: call.direct(x, mask, tensors)
         kernel = getattr(call.direct, "kernel", None)
         if kernel is not None:   # the Mosaic kernel: its own call, and its host entry with fixed pointers
-            arrays = ((mask,) if getattr(call.direct, "masked", False) else ()) + tuple(tensors)
+            arrays = ((mask,) if getattr(call.direct, "mode", None) == "masked" else ()) + tuple(tensors)
             kept = kernel(x, *arrays)
             pointers = (x.data_ptr(), *(a.data_ptr() for a in arrays), kept.data_ptr())
             contenders["kernel_call"] = lambda: kernel(x, *arrays)

@@ -184,13 +184,13 @@ class MosaicStackLaunch:
         with torch.cuda.device(device):   # the module loads into this device's CUDA context
             self.launcher = MosaicLauncher(mosaic_gpu_module(spec.function, *spec.arg_structs), num_buffers=num_buffers)
         self._launch = self.launcher.launch
-        self._stream = current_stream_getter(device)
+        self.current_stream = current_stream_getter(device)   # the raw handle of torch's current stream
         self._default = torch.cuda.default_stream(device)
         self._ready, self._done = torch.cuda.Event(), torch.cuda.Event()
 
     def native_call(self):
         """MosaicLauncher.native_call, for a launch on the default stream of this kernel's device."""
-        if torch.cuda.default_stream(self.device).cuda_stream != 0:   # the lane's stream test reads stream id 0
+        if self._default.cuda_stream != 0:   # the lane's stream test reads stream id 0
             return None
         return self.launcher.native_call()
 
@@ -198,7 +198,7 @@ class MosaicStackLaunch:
         """arrays: (mats, vecs), or (mask, mats, vecs) for a masked launch."""
         y = torch.empty(self.shape, dtype=torch.float32, device=self.device)
         pointers = (x.data_ptr(), *(a.data_ptr() for a in arrays), y.data_ptr())
-        if self._stream() == 0:   # the caller is on the default stream: the launch's own stream
+        if self.current_stream() == 0:   # the caller is on the default stream: the launch's own stream
             self._launch(pointers)
             return y
         # Another stream: the default stream waits for the caller's queued work (x's producers), the

@@ -348,7 +348,7 @@ class _ModuleState:
                 return kernel(x, *tensors)
             mode = "plain"
         # for the native lane (lane_mask_mode) and diagnostic tools (bench/host_parts.py)
-        run.kernel, run.masked, run.mode = kernel, masked, mode
+        run.kernel, run.mode = kernel, mode
         disagreement = self._compare_with_jax(run, call, shape, "float32", device)
         return (None, disagreement) if disagreement is not None else (run, "")
 
@@ -589,7 +589,8 @@ def _arm_lane(state: _ModuleState, call: _Call, x: torch.Tensor, mask: torch.Ten
     repeats it (fast_forward), unless
     the one armed already does. Nothing where the lane cannot repeat it (lane_mask_mode, inference-tensor
     parameters, a launcher of unknown form) or native lanes are unavailable (bridge/native)."""
-    if x.device.type != "cuda" or torch.cuda.current_stream(x.device).cuda_stream:
+    kernel = getattr(call.direct, "kernel", None)
+    if x.device.type != "cuda" or kernel is None or kernel.current_stream():
         return   # the lane launches on the default stream only (as MosaicStackLaunch does without events)
     mask_key = None if mask is None else (id(mask), None if mask.is_inference() else mask._version)
     key = (id(call), id(state.watch), state.generation, id(tensors), mask_key)
@@ -597,8 +598,7 @@ def _arm_lane(state: _ModuleState, call: _Call, x: torch.Tensor, mask: torch.Ten
         return
     state.lane_key, state.lane = key, None
     mode = lane_mask_mode(state, call, mask, kind)
-    kernel = getattr(call.direct, "kernel", None)
-    native_call = kernel.native_call() if kernel is not None else None
+    native_call = kernel.native_call()
     if mode is None or native_call is None or any(p.is_inference() for p in state.params) or not native.available():
         return
     entry, form, entry_args, num_buffers, keep_alive = native_call

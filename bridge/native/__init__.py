@@ -115,10 +115,3 @@ def lane_class():
     """lane.cpp's Lane (after available() answered True)."""
     return build().Lane
 
-
-def reset_for_tests() -> None:
-    """Forgets a failed build (tests)."""
-    with _LOCK:
-        _STATE.pop("error", None)
-        _STATE.pop("warned", None)
-

@@ -146,8 +146,6 @@ class Lane {
     return py::cast(dtype_ == at::kFloat ? y : y.to(dtype_));
   }
 
-  int mask_mode() const { return mask_mode_; }
-
  private:
   std::vector<int64_t> sizes_;
   at::ScalarType dtype_;   // x's dtype: float32, or one the call casts to float32 and back
@@ -181,6 +179,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("sizes"), py::arg("dtype"), py::arg("params"), py::arg("weights"), py::arg("mask_mode"), py::arg("kept_mask"),
            py::arg("entry"), py::arg("form"), py::arg("entry_args"), py::arg("num_buffers"),
            py::arg("keep_alive"))
-      .def("run", &Lane::run, py::arg("x"), py::arg("mask") = py::none())
-      .def_property_readonly("mask_mode", &Lane::mask_mode);
+      .def("run", &Lane::run, py::arg("x"), py::arg("mask") = py::none());
 }
