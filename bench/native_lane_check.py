@@ -56,6 +56,19 @@ def _python_module(baseline, config):
     return module
 
 
+def _without_lane(module, *args):
+    """module(*args) with TTJ_NATIVE_LANE=0, so the call arms no lane (the variable is read when arming)."""
+    old = os.environ.get(NATIVE_LANE_ENV)
+    os.environ[NATIVE_LANE_ENV] = "0"
+    try:
+        return module(*args)
+    finally:
+        if old is None:
+            os.environ.pop(NATIVE_LANE_ENV)
+        else:
+            os.environ[NATIVE_LANE_ENV] = old
+
+
 def check_shape(sid: str, calls: int, half: bool = True) -> dict:
     shape = shape_by_id(sid)
     config = TransformerConfig(**{k: getattr(shape.config, k) for k in TransformerConfig.__dataclass_fields__})
@@ -79,15 +92,7 @@ def check_shape(sid: str, calls: int, half: bool = True) -> dict:
             entry["failures"].append(f"{name}: {failed} failed")
 
     def py(*args):   # the python module's call, its lane switched off whenever it would arm one
-        old = os.environ.get(NATIVE_LANE_ENV)
-        os.environ[NATIVE_LANE_ENV] = "0"
-        try:
-            return python(*args)
-        finally:
-            if old is None:
-                os.environ.pop(NATIVE_LANE_ENV)
-            else:
-                os.environ[NATIVE_LANE_ENV] = old
+        return _without_lane(python, *args)
 
     with torch.inference_mode():
         py(x, mask)
@@ -163,15 +168,7 @@ def check_shape(sid: str, calls: int, half: bool = True) -> dict:
             first16 = lane16(x16, mask16)
             fast16 = runtime.fast_forward(lane16, x16, mask16)
             entry["lane_float16"] = fast16 is not None
-            old = os.environ.get(NATIVE_LANE_ENV)
-            os.environ[NATIVE_LANE_ENV] = "0"
-            try:
-                py16 = python16(x16, mask16)
-            finally:
-                if old is None:
-                    os.environ.pop(NATIVE_LANE_ENV)
-                else:
-                    os.environ[NATIVE_LANE_ENV] = old
+            py16 = _without_lane(python16, x16, mask16)
             expect("bitwise_float16", torch.equal(first16, py16) and (fast16 is None or torch.equal(fast16, py16)))
             entry["float16_vs_fp16_baseline"] = dict(zip(("failed_elements", "worst_err_over_tol"),
                                                          check_close(py16, base16(x16, mask16))))
