@@ -134,12 +134,12 @@ class MosaicLauncher:
         return None, None
 
     def native_call(self):
-        """(entry address, form, entry arguments, buffer count, owner) for a launch made from C++
-        (bridge/native/lane.cpp), with a pointer buffer of its own: form 3 calls entry(function, stream,
-        buffers), the arguments (function, stream); form 1 calls entry(args) with args = [context pointer,
-        stream pointer, pointer to the buffer's address], the arguments the first two. Each a pointer-sized
-        int; the caller keeps the owner (this launcher, which keeps them valid) alive. None where launches go
-        through jax's `launch`."""
+        """A launch made from C++ (bridge/native/lane.cpp), with a pointer buffer of its own, as keyword
+        arguments of its Lane: `entry` (the address), `form`, `entry_args`, `num_buffers` and `keep_alive`.
+        Form 3 calls entry(function, stream, buffers), the arguments (function, stream); form 1 calls
+        entry(args) with args = [context pointer, stream pointer, pointer to the buffer's address], the
+        arguments the first two. Each a pointer-sized int; the lane keeps the owner (this launcher, which
+        keeps them valid) alive. None where launches go through jax's `launch`."""
         if self._entry is None:
             return None
         entry = ctypes.cast(self._entry, ctypes.c_void_p).value
@@ -149,7 +149,7 @@ class MosaicLauncher:
         else:
             array = self._entry_args[0]
             args, form = [ctypes.cast(array[0], ctypes.c_void_p).value, ctypes.cast(array[1], ctypes.c_void_p).value], 1
-        return entry, form, args, self._num_buffers, self
+        return {"entry": entry, "form": form, "entry_args": args, "num_buffers": self._num_buffers, "keep_alive": self}
 
     def launch(self, pointers) -> None:
         if len(pointers) != self._num_buffers:

@@ -8,9 +8,9 @@ Environment switches (read when a device's first call sets up its transfers or l
   torch's stream.
 - `TTJ_NATIVE_LANE=0`: never repeat a launched call through the native lane (bridge/native); read when
   a lane would be armed, after a launched call with new inputs or weights.
-- `TTJ_TRITON_LAUNCH=1`: launch the kernels of plans made only of Triton kernels (the "rows" and "fused"
-  stacks) on torch's stream instead of calling jax (bridge/triton_launch.py). Off by default: an
-  experiment whose GPU checks have not passed yet (see that module).
+- `TTJ_TRITON_LAUNCH`: which plans made only of Triton kernels the bridge launches itself on torch's
+  stream instead of calling jax (bridge/triton_launch.py): `rows` (the default: the "rows" stack), `all`
+  (also the "fused" whole-stack kernel, an experiment: see that module) or `0` (none).
 - `TTJ_GPU_MASK=device`: a mask on the GPU is never classified on the host; every call's program (or
   the Mosaic kernel's masked build) decides on the device, so a mask written behind torch's version
   counter (`.data`, a DLPack consumer, a kernel) can never give a stale answer. `host` (the default): a
@@ -59,8 +59,19 @@ def mosaic_launch() -> bool:
     return os.environ.get(MOSAIC_LAUNCH_ENV, "1") not in _OFF
 
 
-def triton_launch() -> bool:
-    return os.environ.get(TRITON_LAUNCH_ENV, "0") not in _OFF
+TRITON_LAUNCH_CHOICES = {"rows": ("rows",), "all": ("rows", "fused"), "1": ("rows", "fused")}
+TRITON_LAUNCH_DEFAULT = "rows"
+
+
+def triton_launch_stacks() -> tuple[str, ...]:
+    """The stacks whose Triton kernels the bridge launches itself (TTJ_TRITON_LAUNCH). ValueError for a
+    value that is not one of TRITON_LAUNCH_CHOICES or off."""
+    value = os.environ.get(TRITON_LAUNCH_ENV, TRITON_LAUNCH_DEFAULT).strip()
+    if value in _OFF or value in ("off", "none"):
+        return ()
+    if value not in TRITON_LAUNCH_CHOICES:
+        raise ValueError(f"{TRITON_LAUNCH_ENV}={value!r}: choose one of {sorted(TRITON_LAUNCH_CHOICES)} or 0")
+    return TRITON_LAUNCH_CHOICES[value]
 
 
 def requested_policy() -> str | None:

@@ -385,11 +385,13 @@ def _compiled(eqn) -> KernelBinary:
     return binary
 
 
-def unavailable_reason(device: torch.device) -> str | None:
-    """Why the bridge cannot launch a program's Triton kernels itself on `device`, or None."""
+def unavailable_reason(device: torch.device, stack: str = "rows") -> str | None:
+    """Why the bridge cannot launch the Triton kernels of a `stack` plan's program itself on `device`,
+    or None."""
     from bridge import settings
-    if not settings.triton_launch():
-        return f"the bridge's own launch of Triton kernels is off (an experiment: {settings.TRITON_LAUNCH_ENV}=1)"
+    if stack not in settings.triton_launch_stacks():
+        return (f"the bridge's own launch of the {stack} stack's Triton kernels is off "
+                f"({settings.TRITON_LAUNCH_ENV}={'all' if stack == 'rows' else 'all, an experiment'} turns it on)")
     if device.type != "cuda":
         return f"x is on {device}, not a CUDA device"
     if torch.version.cuda is None:
@@ -457,6 +459,19 @@ def _driver() -> _Driver:
 
 # --- The launch --------------------------------------------------------------------------------------
 
+def launch_specs(program: Program, binaries: Sequence[KernelBinary], functions: Sequence[int]) -> list[tuple]:
+    """Per kernel, how the native lane (bridge/native/lane.cpp, form 4) launches it: (function handle, grid
+    x, y, z, block x, dynamic shared bytes, per parameter the slot of its array among all kernels' arrays
+    in order (the steps' inputs then outputs), or -1 for Triton's scratch parameters, passed null)."""
+    specs, first = [], 0
+    for step, binary, function in zip(program.steps, binaries, functions):
+        arrays = len(step.inputs) + len(step.outputs)
+        slots = list(range(first, first + arrays)) + [-1] * (binary.num_params - arrays)
+        specs.append((function, *binary.grid, 32 * binary.num_warps, binary.shared_bytes, slots))
+        first += arrays
+    return specs
+
+
 class CudaKernels:
     """Launches a Program's kernels on raw pointers: one kept array of the arrays' pointer values for all
     kernels (written per call in one slice assignment), and per kernel its cuLaunchKernel arguments built
@@ -492,6 +507,19 @@ class CudaKernels:
         self._check = driver.check
         self._launch = driver.launch
         self.num_kernels = len(binaries)
+        self.kernel_specs = launch_specs(program, binaries, functions)
+
+    @property
+    def refs(self) -> list[Ref]:
+        return self._refs
+
+    @property
+    def launch_address(self) -> int:
+        """cuLaunchKernel's address (the native lane calls it)."""
+        return ctypes.cast(self._launch, ctypes.c_void_p).value
+
+    def current_stream(self) -> int:
+        return self._stream()
 
     def __call__(self, pointers: Sequence[int]) -> None:
         self._values[:len(self._refs)] = [pointers[r.base] + r.offset for r in self._refs]
@@ -525,12 +553,41 @@ class TritonProgramLaunch:
         self._kernels = kernels(self.program) if kernels is not None else CudaKernels(self.program, device)
         self._takes_pointers = isinstance(self._kernels, CudaKernels)
         self.num_kernels = len(self.program.steps)
+        self.mode = "masked" if mask_struct is not None else "plain"   # how the call uses the mask (runtime.lane_mask_mode)
+        self.kernel = self   # what the native lane asks for the stream and the launch (as MosaicStackLaunch)
+
+    def current_stream(self) -> int:
+        """The raw handle of torch's current stream on this device (0: the default stream)."""
+        return self._kernels.current_stream() if self._takes_pointers else 0
+
+    def native_call(self) -> dict | None:
+        """The native lane's launch of this program (bridge/native/lane.cpp, form 4), as keyword arguments
+        of its Lane: cuLaunchKernel's address, the kernels, each kernel array's (buffer, byte offset) in the
+        lane's buffer order (x, the mask where the program takes one, the weights, the output, the
+        workspace), the workspace's size. None where the kernels are not launched through the driver."""
+        if not self._takes_pointers:
+            return None
+        program, masked = self.program, self.mode == "masked"
+        weights = self.num_weights
+        lane_index = {weights: 0, program.workspace_base: 2 + masked + weights, program.output_base: 1 + masked + weights}
+        if masked:
+            lane_index[weights + 1] = 1
+        lane_index.update({b: 1 + masked + b for b in range(weights)})
+        return {"entry": self._kernels.launch_address, "form": 4, "entry_args": [],
+                "num_buffers": 3 + masked + weights, "keep_alive": self,
+                "kernels": self._kernels.kernel_specs,
+                "refs": [(lane_index[r.base], r.offset) for r in self._kernels.refs],
+                "workspace_bytes": program.workspace_bytes}
 
     def __call__(self, x: torch.Tensor, mask: torch.Tensor | None, weights: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The program's output. `mask` is read only where the program takes one (mode "masked"): a call
+        whose plan needs no mask (the harness's all-True mask, say) may pass it and it is ignored."""
         program = self.program
+        if self.mode == "masked" and mask is None:
+            raise ValueError("this program takes a mask")
         workspace = torch.empty(max(program.workspace_bytes, 1), dtype=torch.uint8, device=self.device)
         out = torch.empty(program.out_shape, dtype=self.out_dtype, device=self.device)
-        tensors = [*weights, x] + ([mask] if mask is not None else []) + [workspace, out]
+        tensors = [*weights, x] + ([mask] if self.mode == "masked" else []) + [workspace, out]
         if self._takes_pointers:
             self._kernels([t.data_ptr() for t in tensors])
         else:

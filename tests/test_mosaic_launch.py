@@ -306,12 +306,12 @@ def test_the_native_lane_hands_the_entry_what_jax_launch_does(monkeypatch, tmp_p
     from bridge import native
     launcher, seen = _kept_launcher(monkeypatch, form)
     monkeypatch.setenv("TTJ_CACHE_DIR", str(tmp_path))
-    entry, entry_form, args, num_buffers, owner = launcher.native_call()
-    assert owner is launcher and num_buffers == 3 and entry_form == (1 if form == "jax-0.10" else 3)
+    spec = launcher.native_call()
+    assert spec["keep_alive"] is launcher and spec["num_buffers"] == 3
+    assert spec["form"] == (1 if form == "jax-0.10" else 3)
     params, weights = [torch.zeros(4)], [torch.zeros(2)]
     lane = native.build().Lane(sizes=[1, 2, 4], dtype=torch.float32, params=params, weights=weights, mask_mode=0,
-                               kept_mask=None, entry=entry, form=entry_form, entry_args=args, num_buffers=num_buffers,
-                               keep_alive=owner)
+                               kept_mask=None, **spec)
     x = torch.zeros(1, 2, 4)
     y = lane.run(x)
     assert seen[-1] == (0xC0FFEE, None, [x.data_ptr(), weights[0].data_ptr(), y.data_ptr()])

@@ -9,6 +9,7 @@ CPU twin), and the bridge's use of it (off by default; on, it agrees with the ja
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 
 import jax
@@ -120,12 +121,21 @@ def test_ptx_entry_reads_the_kernel_name_and_its_parameters():
         tl.ptx_entry(ptx + ptx)
 
 
-def test_the_launch_is_off_by_default_and_says_so(monkeypatch):
+def test_the_rows_stack_is_launched_by_default_the_fused_kernel_on_request(monkeypatch):
     monkeypatch.delenv(settings.TRITON_LAUNCH_ENV, raising=False)
-    assert not settings.triton_launch()
-    assert settings.TRITON_LAUNCH_ENV in tl.unavailable_reason(torch.device("cuda", 0))
-    monkeypatch.setenv(settings.TRITON_LAUNCH_ENV, "1")
-    assert "not a CUDA device" in tl.unavailable_reason(torch.device("cpu"))
+    assert settings.triton_launch_stacks() == ("rows",)
+    assert tl.unavailable_reason(torch.device("cuda", 0), "fused") is not None
+    assert settings.TRITON_LAUNCH_ENV in tl.unavailable_reason(torch.device("cuda", 0), "fused")
+    assert "not a CUDA device" in tl.unavailable_reason(torch.device("cpu"), "rows")
+    for value, stacks_on in (("0", ()), ("off", ()), ("all", ("rows", "fused")), ("1", ("rows", "fused")),
+                             ("rows", ("rows",))):
+        monkeypatch.setenv(settings.TRITON_LAUNCH_ENV, value)
+        assert settings.triton_launch_stacks() == stacks_on
+    monkeypatch.setenv(settings.TRITON_LAUNCH_ENV, "0")
+    assert settings.TRITON_LAUNCH_ENV in tl.unavailable_reason(torch.device("cuda", 0), "rows")
+    monkeypatch.setenv(settings.TRITON_LAUNCH_ENV, "everything")
+    with pytest.raises(ValueError, match="TTJ_TRITON_LAUNCH"):
+        settings.triton_launch_stacks()
 
 
 @pytest.mark.slow
@@ -136,15 +146,16 @@ def test_bridge_runs_the_rows_program_kernels_itself_when_on_and_matches_the_jax
     ours = bridge.TTJTransformer(CONFIG)
     ours.load_state_dict(baseline.state_dict())
     x = random_input(CONFIG, 6)
-    with torch.inference_mode():   # off (the default): through jax, and the note says why
+    monkeypatch.setenv(settings.TRITON_LAUNCH_ENV, "0")
+    with torch.inference_mode():   # off: through jax, and the note says why
         through_jax = runtime.forward(ours, x, stack="rows")
     [call] = [c for k, c in runtime._STATES[ours].calls.items() if k[-1] == "rows"]
     assert call.direct is None and settings.TRITON_LAUNCH_ENV in call.direct_note
 
     ours = bridge.TTJTransformer(CONFIG)
     ours.load_state_dict(baseline.state_dict())
-    monkeypatch.setenv(settings.TRITON_LAUNCH_ENV, "1")
-    monkeypatch.setattr(tl, "unavailable_reason", lambda device: None)
+    monkeypatch.setenv(settings.TRITON_LAUNCH_ENV, "rows")
+    monkeypatch.setattr(tl, "unavailable_reason", lambda device, stack: None)
     monkeypatch.setattr(tl, "kernels_for", lambda device: tl.InterpretedKernels)
     x_before = x.clone()
     with torch.inference_mode():
@@ -153,3 +164,109 @@ def test_bridge_runs_the_rows_program_kernels_itself_when_on_and_matches_the_jax
     [call] = [c for k, c in runtime._STATES[ours].calls.items() if k[-1] == "rows"]
     assert call.direct is not None, call.direct_note
     assert torch.equal(x, x_before) and torch.equal(y, again) and torch.equal(y, through_jax)
+    with torch.inference_mode():   # the harness's all-True mask: the plan takes none, the launch ignores it
+        assert torch.equal(runtime.forward(ours, x, torch.ones(x.shape[:2], dtype=torch.bool), stack="rows"), y)
+
+    class Off(tl.InterpretedKernels):   # a launch whose output is off by 1% of the tolerance's scale
+        def __call__(self, tensors):
+            super().__call__(tensors)
+            tensors[-1].add_(0.03 * tensors[-1].abs().max())
+    ours = bridge.TTJTransformer(CONFIG)
+    ours.load_state_dict(baseline.state_dict())
+    monkeypatch.setattr(tl, "kernels_for", lambda device: Off)
+    with torch.inference_mode():
+        assert torch.equal(runtime.forward(ours, x, stack="rows"), through_jax)
+    [call] = [c for k, c in runtime._STATES[ours].calls.items() if k[-1] == "rows"]
+    assert call.direct is None and "exact fp32 program" in call.direct_note
+
+
+# --- the native lane's launch of the kernels (bridge/native/lane.cpp, form 4) ---------------------------
+
+class DriverStandIn:
+    """cuLaunchKernel as the native lane calls it, on CPU memory: the launch of function handle k + 1
+    evaluates step k's pallas_call with jax on the arrays at the addresses its parameters point to, and
+    writes its outputs there; records each launch's configuration and its scratch parameters' values."""
+
+    def __init__(self, program: tl.Program):
+        self.program, self.calls = program, []
+        u, vp = ctypes.c_uint, ctypes.c_void_p
+        self._fn = ctypes.CFUNCTYPE(ctypes.c_int, vp, u, u, u, u, u, u, u, vp, vp, vp)(self._launch)
+        self.address = ctypes.cast(self._fn, ctypes.c_void_p).value
+
+    def _launch(self, function, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+        from jax._src.pallas.pallas_call import pallas_call_p
+        step = self.program.steps[function - 1]
+        avals = [v.aval for v in step.eqn.invars] + [v.aval for v in step.eqn.outvars]
+        slots = (ctypes.c_void_p * (len(avals) + 2)).from_address(params)
+        addresses = [ctypes.c_uint64.from_address(slots[i]).value for i in range(len(avals) + 2)]
+        arrays = [np.frombuffer((ctypes.c_char * tl._nbytes(a)).from_address(p), dtype=np.dtype(a.dtype)).reshape(a.shape)
+                  for p, a in zip(addresses, avals)]
+        inputs = [jnp.asarray(a.copy()) for a in arrays[:len(step.eqn.invars)]]
+        for out, value in zip(arrays[len(step.eqn.invars):], pallas_call_p.bind(*inputs, **step.eqn.params)):
+            out[...] = np.asarray(value)
+        self.calls.append((function, (gx, gy, gz), (bx, by, bz), shared, stream, extra, addresses[len(avals):]))
+        return 0
+
+
+class StandInKernels(tl.CudaKernels):
+    """CudaKernels' launch specs for the native lane, with the stand-in driver (no CUDA)."""
+
+    def __init__(self, program: tl.Program):
+        self.driver = DriverStandIn(program)
+        binaries = [tl.KernelBinary(f"k{i}", b"", (i + 1, 1, 1), 4, 1024 * i, len(s.inputs) + len(s.outputs) + 2)
+                    for i, s in enumerate(program.steps)]
+        self._refs = [ref for step in program.steps for ref in step.inputs + step.outputs]
+        self.kernel_specs = tl.launch_specs(program, binaries, range(1, len(binaries) + 1))
+        self._launch = self.driver._fn
+        self._stream = lambda: 0
+
+
+@pytest.mark.slow   # builds the native lane (bridge/native) in a fresh cache
+@pytest.mark.parametrize("masked", [False, True])
+def test_the_native_lane_launches_the_program_kernels_as_the_jax_program_runs(monkeypatch, tmp_path, masked):
+    """The lane's form 4 with the launch's native_call: every kernel launched in order with its grid,
+    warps and shared memory, its arrays at the right addresses (weights, x, the mask, the workspace, the
+    output), null scratch pointers, on the default stream; the output equals the jax program's."""
+    from bridge import native
+    from bridge.runtime import LANE_DEVICE_MASK, LANE_NO_MASK
+    monkeypatch.setenv("TTJ_CACHE_DIR", str(tmp_path))
+    plan, run, weights = _program("rows", mask_kind=MaskKind.PREFIX if masked else MaskKind.NONE)
+    assert (plan.mask_mode != "none") == masked
+    shape = (CONFIG.batch_size, CONFIG.seq_len, CONFIG.d_model)
+    mask_struct = jax.ShapeDtypeStruct(shape[:2], jnp.bool_) if masked else None
+    launch = tl.TritonProgramLaunch(run, weights, jax.ShapeDtypeStruct(shape, jnp.float32), mask_struct,
+                                    torch.device("cpu"), kernels=StandInKernels)
+    spec = launch.native_call()
+    assert spec["form"] == 4 and spec["keep_alive"] is launch and spec["entry"] == launch._kernels.driver.address
+    tensors = [torch.from_numpy(np.array(a)) for a in jax.tree_util.tree_leaves(weights)]
+    lane = native.build().Lane(sizes=list(shape), dtype=torch.float32, params=[torch.zeros(3)], weights=tensors,
+                               mask_mode=LANE_DEVICE_MASK if masked else LANE_NO_MASK, kept_mask=None, **spec)
+    x = torch.randn(shape)
+    mask = torch.ones(shape[:2], dtype=torch.bool)   # a prefix mask (the plan the program was made for)
+    mask[0, 5:] = False
+    mask[1] = False
+    x_before, mask_before = x.clone(), mask.clone()
+    y = lane.run(x, mask) if masked else lane.run(x)
+    calls = launch._kernels.driver.calls
+    assert [c[0] for c in calls] == list(range(1, launch.num_kernels + 1))
+    assert all(c[1] == (c[0], 1, 1) and c[2] == (128, 1, 1) and c[3] == 1024 * (c[0] - 1) for c in calls)
+    assert all(c[4] is None and c[5] is None and c[6] == [0, 0] for c in calls)   # default stream, null scratch
+    expected = run(weights, jnp.asarray(x.numpy()), jnp.asarray(mask.numpy()) if masked else None)
+    np.testing.assert_array_equal(y.numpy(), np.asarray(expected))
+    assert torch.equal(x, x_before) and torch.equal(mask, mask_before)
+    y2 = lane.run(x, mask) if masked else lane.run(x)
+    assert y2.data_ptr() != y.data_ptr() and torch.equal(y, y2)
+
+
+def test_a_call_whose_plan_takes_no_mask_ignores_the_mask_given():
+    """The harness passes its all-True mask to a plan that needs none: the launch must not read it as one
+    of the program's arrays (it once took the mask's place for the workspace's, and the workspace's for
+    the output's)."""
+    plan, run, weights = _program("rows")
+    shape = (CONFIG.batch_size, CONFIG.seq_len, CONFIG.d_model)
+    launch = tl.TritonProgramLaunch(run, weights, jax.ShapeDtypeStruct(shape, jnp.float32), None,
+                                    torch.device("cpu"), kernels=tl.InterpretedKernels)
+    tensors = [torch.from_numpy(np.array(a)) for a in jax.tree_util.tree_leaves(weights)]
+    x = torch.randn(shape)
+    y = launch(x, torch.ones(shape[:2], dtype=torch.bool), tensors)
+    np.testing.assert_array_equal(y.numpy(), np.asarray(run(weights, jnp.asarray(x.numpy()), None)))

@@ -452,6 +452,15 @@ def _reference(config, inputs, rules: Plan, params, x, mask, stage: _Stage | Non
     return jax.block_until_ready(_compiled(run, *args, stage)(*args))
 
 
+def exact_output(config: Config, plan: Plan, params, x, mask):
+    """The exact fp32 program's output on the first REFERENCE_SEQUENCES sequences of x (params: the raw
+    parameter tree), or None where its explicit scores would not fit. What a plan's output is checked
+    against; the bridge checks its own launches of a plan's kernels with it too."""
+    inputs = InputFacts(batch_size=x.shape[0], seq_len=x.shape[1], dtype=str(x.dtype),
+                        mask_kind=MaskKind.NONE if mask is None else MaskKind.UNKNOWN, caller="jax")
+    return _reference(config, inputs, plan, params, x, mask)
+
+
 def warm(calls, *, caller: str = "torch", cache: PlanCache | None = None, jax_device=None) -> list[Plan]:
     """Decides ahead of time: `calls` is an iterable of (config, batch_size, seq_len, dtype, mask_kind)
     (config a Config or anything Config.from_object takes); returns the plans chosen, one per call."""

@@ -1,10 +1,12 @@
-// The bridge's native lane: a repeat of the last Mosaic-launched call, checked and launched in C++.
+// The bridge's native lane: a repeat of the last call the bridge launched itself, checked and launched in C++.
 //
 // bridge/native/__init__.py builds this file with torch's extension builder and bridge/runtime.py arms
-// one Lane per module after a call it launched itself (bridge/mosaic_launch.py). A Lane holds what that
-// call was: x's sizes and device, how the mask was used, the parameters' data pointers and versions,
-// the kernel's weight tensors, and jax's compiled host entry with the arguments it takes besides the
-// kernel's pointers. `run(x, mask)`
+// one Lane per module after a call it launched itself: the Mosaic GPU kernel (bridge/mosaic_launch.py)
+// or a program of Triton kernels (bridge/triton_launch.py). A Lane holds what that call was: x's sizes
+// and device, how the mask was used, the parameters' data pointers and versions, the kernel's weight
+// tensors, and how to launch: jax's compiled host entry with the arguments it takes besides the
+// kernel's pointers (forms 3 and 1), or the CUDA driver's cuLaunchKernel with each kernel's function,
+// grid, block, shared memory and parameters (form 4, a workspace allocated per call). `run(x, mask)`
 // returns the new output when this call is the same call on unchanged inputs, and None otherwise: the
 // Python path then runs, decides again and re-arms. Every check the Python path makes for a launched
 // call is made here or by the caller (bridge/runtime.py, fast_forward); none is skipped.
@@ -21,7 +23,11 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/intrusive_ptr.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <string>
+#include <tuple>
+#include <utility>
 #include <optional>
 #include <stdexcept>
 #include <vector>
@@ -41,11 +47,16 @@ enum MaskMode : int {
 
 using WeakImpl = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
 
+// One kernel of form 4: (CUfunction, grid x, y, z, block x, dynamic shared bytes, per parameter the slot
+// of its array in `refs`, or -1 for a null pointer).
+using KernelLaunch = std::tuple<uint64_t, unsigned, unsigned, unsigned, unsigned, unsigned, std::vector<int64_t>>;
+
 class Lane {
  public:
   Lane(std::vector<int64_t> sizes, at::ScalarType dtype, std::vector<at::Tensor> params, std::vector<at::Tensor> weights,
        int mask_mode, std::optional<at::Tensor> kept_mask, uint64_t entry, int form,
-       std::vector<uint64_t> entry_args, int64_t num_buffers, py::object keep_alive)
+       std::vector<uint64_t> entry_args, int64_t num_buffers, py::object keep_alive,
+       std::vector<KernelLaunch> kernels, std::vector<std::pair<int64_t, int64_t>> refs, int64_t workspace_bytes)
       : sizes_(std::move(sizes)),
         dtype_(dtype),
         params_(std::move(params)),
@@ -59,14 +70,20 @@ class Lane {
     if (sizes_.size() != 3) throw std::invalid_argument("x's sizes: [batch, seq_len, d_model]");
     if (params_.empty()) throw std::invalid_argument("no parameters");
     if (mask_mode_ < kNoMask || mask_mode_ > kKeptMaskRows) throw std::invalid_argument("unknown mask mode");
-    if ((form_ != 3 && form_ != 1) || entry_args_.size() != 2)
-      throw std::invalid_argument("entry forms: 3 (function, stream) or 1 (context pointer, stream pointer)");
+    if (form_ == 4) {
+      if (!entry_args_.empty()) throw std::invalid_argument("form 4 takes no entry arguments");
+    } else if ((form_ != 3 && form_ != 1) || entry_args_.size() != 2) {
+      throw std::invalid_argument("entry forms: 3 (function, stream), 1 (context pointer, stream pointer), 4 (kernels)");
+    }
     buffers_pointer_ = buffers_.data();
-    form1_args_ = {reinterpret_cast<void*>(entry_args_[0]), reinterpret_cast<void*>(entry_args_[1]),
-                   static_cast<void*>(&buffers_pointer_)};
+    if (form_ != 4)
+      form1_args_ = {reinterpret_cast<void*>(entry_args_[0]), reinterpret_cast<void*>(entry_args_[1]),
+                     static_cast<void*>(&buffers_pointer_)};
     const int64_t expected = 2 + static_cast<int64_t>(weights_.size()) +
-                             (mask_mode_ == kDeviceMask || mask_mode_ == kInferenceMask ? 1 : 0);
+                             (mask_mode_ == kDeviceMask || mask_mode_ == kInferenceMask ? 1 : 0) + (form_ == 4 ? 1 : 0);
     if (num_buffers != expected) throw std::invalid_argument("the buffer count does not fit the call");
+    if (form_ == 4) set_kernels(std::move(kernels), std::move(refs), workspace_bytes);
+    else if (!kernels.empty() || !refs.empty()) throw std::invalid_argument("kernels are form 4's");
     device_ = params_[0].device();
     for (const auto& p : params_) {
       if (p.is_inference()) throw std::invalid_argument("an inference-tensor parameter has no version counter");
@@ -136,7 +153,12 @@ class Lane {
     if (mask_pointer != nullptr) buffers_[i++] = const_cast<void*>(mask_pointer);
     for (const auto& w : weights_) buffers_[i++] = const_cast<void*>(w.const_data_ptr());
     buffers_[i++] = y.data_ptr();
-    if (form_ == 3) {
+    if (form_ == 4) {
+      // The workspace: allocated per call on the current (default) stream, as the Python path's is.
+      const at::Tensor workspace = at::empty({std::max<int64_t>(workspace_bytes_, 1)}, xf.options().dtype(at::kByte));
+      buffers_[i++] = workspace.data_ptr();
+      launch_kernels();
+    } else if (form_ == 3) {
       reinterpret_cast<void (*)(void*, void*, void*)>(entry_)(reinterpret_cast<void*>(entry_args_[0]),
                                                              reinterpret_cast<void*>(entry_args_[1]), buffers_.data());
     } else {
@@ -147,6 +169,50 @@ class Lane {
   }
 
  private:
+  void set_kernels(std::vector<KernelLaunch> kernels, std::vector<std::pair<int64_t, int64_t>> refs,
+                   int64_t workspace_bytes) {
+    if (kernels.empty()) throw std::invalid_argument("form 4 needs kernels");
+    if (workspace_bytes < 0) throw std::invalid_argument("a negative workspace");
+    workspace_bytes_ = workspace_bytes;
+    for (const auto& ref : refs)
+      if (ref.first < 0 || ref.first >= static_cast<int64_t>(buffers_.size()) || ref.second < 0)
+        throw std::invalid_argument("a kernel array outside the call's buffers");
+    refs_ = std::move(refs);
+    values_.assign(refs_.size() + 1, 0);  // the last slot stays 0: the null of Triton's scratch parameters
+    for (const auto& k : kernels) {
+      std::vector<void*> params;
+      for (int64_t slot : std::get<6>(k)) {
+        if (slot < -1 || slot >= static_cast<int64_t>(refs_.size()))
+          throw std::invalid_argument("a kernel parameter outside the call's arrays");
+        params.push_back(static_cast<void*>(&values_[slot < 0 ? refs_.size() : static_cast<size_t>(slot)]));
+      }
+      launches_.push_back({std::get<0>(k), std::get<1>(k), std::get<2>(k), std::get<3>(k), std::get<4>(k),
+                           std::get<5>(k), std::move(params)});
+    }
+  }
+
+  // Triton's kernels on the default stream through cuLaunchKernel (entry_), each reading its arrays'
+  // addresses from values_ (a buffer plus an offset into it).
+  void launch_kernels() {
+    for (size_t k = 0; k < refs_.size(); ++k)
+      values_[k] = reinterpret_cast<uint64_t>(buffers_[static_cast<size_t>(refs_[k].first)]) +
+                   static_cast<uint64_t>(refs_[k].second);
+    using LaunchFn = int (*)(void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void*, void**,
+                             void**);
+    const auto launch = reinterpret_cast<LaunchFn>(entry_);
+    for (auto& l : launches_) {
+      const int status = launch(reinterpret_cast<void*>(l.function), l.grid_x, l.grid_y, l.grid_z, l.block_x, 1, 1,
+                                l.shared_bytes, nullptr, l.params.data(), nullptr);
+      if (status != 0) throw std::runtime_error("cuLaunchKernel failed with CUDA error " + std::to_string(status));
+    }
+  }
+
+  struct Launch {
+    uint64_t function;
+    unsigned grid_x, grid_y, grid_z, block_x, shared_bytes;
+    std::vector<void*> params;  // pointers into values_
+  };
+
   std::vector<int64_t> sizes_;
   at::ScalarType dtype_;   // x's dtype: float32, or one the call casts to float32 and back
   std::vector<at::Tensor> params_;
@@ -164,7 +230,12 @@ class Lane {
   std::vector<void*> buffers_;
   void* buffers_pointer_ = nullptr;
   std::vector<void*> form1_args_;
-  py::object keep_alive_;  // what owns the entry and the buffer memory (the MosaicLauncher)
+  // Form 4: the kernels, their arrays ((buffer index, byte offset) per parameter slot), the workspace size.
+  std::vector<Launch> launches_;
+  std::vector<std::pair<int64_t, int64_t>> refs_;
+  std::vector<uint64_t> values_;
+  int64_t workspace_bytes_ = 0;
+  py::object keep_alive_;  // what owns the entry and the buffer memory (the MosaicLauncher; the loaded kernels)
   at::Device device_{at::kCPU};
   std::vector<const void*> pointers_;
   std::vector<int64_t> versions_;
@@ -175,9 +246,11 @@ class Lane {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Lane>(m, "Lane")
       .def(py::init<std::vector<int64_t>, at::ScalarType, std::vector<at::Tensor>, std::vector<at::Tensor>, int,
-                    std::optional<at::Tensor>, uint64_t, int, std::vector<uint64_t>, int64_t, py::object>(),
+                    std::optional<at::Tensor>, uint64_t, int, std::vector<uint64_t>, int64_t, py::object,
+                    std::vector<KernelLaunch>, std::vector<std::pair<int64_t, int64_t>>, int64_t>(),
            py::arg("sizes"), py::arg("dtype"), py::arg("params"), py::arg("weights"), py::arg("mask_mode"), py::arg("kept_mask"),
            py::arg("entry"), py::arg("form"), py::arg("entry_args"), py::arg("num_buffers"),
-           py::arg("keep_alive"))
+           py::arg("keep_alive"), py::arg("kernels") = std::vector<KernelLaunch>(),
+           py::arg("refs") = std::vector<std::pair<int64_t, int64_t>>(), py::arg("workspace_bytes") = 0)
       .def("run", &Lane::run, py::arg("x"), py::arg("mask") = py::none());
 }
