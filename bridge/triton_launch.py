@@ -24,20 +24,19 @@ than the GPU needs at shapes 2, 7 and 11). Here the bridge runs the same kernels
 - Per call: one workspace and one output allocation, the pointers written into one kept argument
   array, and one driver call per kernel.
 
-Two Triton builds compile the same IR, so the outputs may differ by rounding (accumulation order): before
-first use the bridge compares one launch with the jax path's output under the harness rule at a quarter
-of its tolerance (runtime.py), and runs through jax where they differ more or where torch's Triton
-cannot read this jax's IR (the note says why). Needs CUDA and torch's `triton`.
+Two Triton builds compile the same IR, so the outputs may differ by rounding (fp16 roundings that cascade
+over the layers): before first use the bridge checks one launch and the jax path against the exact fp32
+program (runtime.py, _check_against_exact), and runs through jax where the launch is less accurate or
+where torch's Triton cannot read this jax's IR (the note says why). Needs CUDA and torch's `triton`.
 
-Status: OFF unless TTJ_TRITON_LAUNCH=1 (bridge/settings.py). On the H200 (jax 0.11.2, torch 2.11's
-Triton 3.6; `bench/mosaic_launch_check.py --stack rows|fused --against jax`,
-bench/results/triton-launch-2026-12-04-h200-*.json) torch's Triton reads and compiles every kernel's IR,
-but: the whole-stack kernel at d_model 128 (shape 2; 98 KB of shared memory) computed values far off the
-jax path's (the check refused it) and a later launch of it faulted with an illegal address; the rows
-program at shape 2 passed the harness check on 5 seeds, yet its output on a side stream was not bitwise
-the default stream's; at shapes 7 and 11 the rows outputs differed from XLA's compile of the same IR by
-0.30-0.33 of the tolerance (above the check's 0.25). None of these is explained yet, so nothing runs it
-by default.
+Status: ON for the "rows" stack (TTJ_TRITON_LAUNCH=rows, the default; bridge/settings.py), with repeats
+through the native lane (bridge/native/lane.cpp, form 4: the kernels launched from C++). On an H100
+(jax 0.11.2, torch 2.11's Triton 3.6; bench/triton_kernel_diff.py, bench/results/triton-kernel-diff-
+2026-12-05-h100.json) each rows kernel's outputs are within one fp16 ulp of XLA's compile, the launch is
+deterministic and stream-ordered, and the harness check passes on 5 seeds at shapes 11, 2 and 7. The
+fused whole-stack kernel stays behind TTJ_TRITON_LAUNCH=all: at d_model 128 (shape 2; 98 KB of shared
+memory) it computed values far off the jax path's on the H200 (the check refused it) and a later launch
+faulted with an illegal address; not explained yet (docs/decisions.md).
 """
 
 from __future__ import annotations
@@ -508,6 +507,7 @@ class CudaKernels:
         self._launch = driver.launch
         self.num_kernels = len(binaries)
         self.kernel_specs = launch_specs(program, binaries, functions)
+        self._lock = threading.Lock()
 
     @property
     def refs(self) -> list[Ref]:
@@ -522,13 +522,16 @@ class CudaKernels:
         return self._stream()
 
     def __call__(self, pointers: Sequence[int]) -> None:
-        self._values[:len(self._refs)] = [pointers[r.base] + r.offset for r in self._refs]
         stream = self._stream()
         launch = self._launch
-        for function, gx, gy, gz, bx, by, bz, shared, params in self._launches:
-            status = launch(function, gx, gy, gz, bx, by, bz, shared, stream, params, None)
-            if status:
-                self._check(status, "launching a Triton kernel")
+        # ctypes lets go of the GIL during each driver call: the lock keeps another thread from rewriting
+        # the kept pointer values between this call's launches.
+        with self._lock:
+            self._values[:len(self._refs)] = [pointers[r.base] + r.offset for r in self._refs]
+            for function, gx, gy, gz, bx, by, bz, shared, params in self._launches:
+                status = launch(function, gx, gy, gz, bx, by, bz, shared, stream, params, None)
+                if status:
+                    self._check(status, "launching a Triton kernel")
 
 
 class TritonProgramLaunch:

@@ -1,9 +1,10 @@
-"""The bridge's native lane (lane.cpp): a Mosaic-launched call repeated in C++, built on first use.
+"""The bridge's native lane (lane.cpp): a call the bridge launched itself repeated in C++, built on first use.
 
 Why: a Mosaic-launched bridge call is one kernel of ~40-75 us on the launch-bound shapes, and its
 Python path costs ~30-50 us of host time (`bench/host_parts.py`): nn.Module's call, the front of
 forward, the parameters' check, the output's allocation and the launch's ctypes call. A slow host then
-paces the GPU. The lane makes the same checks and the same launch from C++, one call from Python.
+paces the GPU. The lane makes the same checks and the same launch from C++, one call from Python. The
+rows stack's Triton kernels (bridge/triton_launch.py) repeat the same way, launched with cuLaunchKernel.
 
 Built with torch's extension builder (`torch.utils.cpp_extension.load`: a C++ compiler and ninja) into
 `<cache>/native/<torch version>-<python>` (<cache>: the plan cache's directory, TTJ_CACHE_DIR), once per
