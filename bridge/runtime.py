@@ -583,7 +583,8 @@ def fast_forward(module: torch.nn.Module, x: torch.Tensor, mask: torch.Tensor | 
 
 
 # The native lane's mask modes (bridge/native/lane.cpp, MaskMode).
-LANE_NO_MASK, LANE_KEPT_MASK, LANE_DEVICE_MASK, LANE_INFERENCE_MASK, LANE_KEPT_MASK_ROWS = 0, 1, 2, 3, 4
+LANE_NO_MASK, LANE_KEPT_MASK, LANE_DEVICE_MASK, LANE_INFERENCE_MASK, LANE_KEPT_MASK_ROWS, LANE_KEPT_MASK_PASSED = range(6)
+LANE_KEPT_MODES = (LANE_KEPT_MASK, LANE_KEPT_MASK_ROWS, LANE_KEPT_MASK_PASSED)
 
 
 def lane_mask_mode(state: _ModuleState, call: _Call, mask: torch.Tensor | None, kind: MaskKind) -> int | None:
@@ -594,21 +595,26 @@ def lane_mask_mode(state: _ModuleState, call: _Call, mask: torch.Tensor | None, 
       the kernel (a prefix mask under causal attention, the "rows" run);
     - the kernel's masked build reading a mask the device decides about: LANE_DEVICE_MASK under
       TTJ_GPU_MASK=device (any mask), LANE_INFERENCE_MASK for an inference-tensor mask (no version counter:
-      only inference-tensor masks repeat this call).
-    A host mask (read on every call) and a kept mask the masked build reads are left to the Python path."""
+      only inference-tensor masks repeat this call);
+    - a launch that reads a GPU mask classified on the host and kept (the masked build, or a Triton
+      program that takes the mask, such as the rows stack's for a prefix mask): LANE_KEPT_MASK_PASSED, the
+      same tensor at the same version, its bytes handed to the launch.
+    A host mask (read on every call) is left to the Python path."""
     mode = getattr(call.direct, "mode", None)
     if mask is None:
         return LANE_NO_MASK if mode == "plain" and kind == MaskKind.NONE else None
     if mask.device.type != "cuda":
         return None
+    kept = (not mask.is_inference() and not state.mask_on_device and state.mask_ref is not None
+            and state.mask_ref() is mask and state.mask_version == mask._version)
     if mode == "rows" or (mode == "plain" and not call.passes_mask):
-        kept = (not mask.is_inference() and not state.mask_on_device and state.mask_ref is not None
-                and state.mask_ref() is mask and state.mask_version == mask._version)
         return None if not kept else LANE_KEPT_MASK_ROWS if mode == "rows" else LANE_KEPT_MASK
     if mode == "masked" and kind == MaskKind.UNKNOWN:
         if state.mask_on_device:
             return LANE_DEVICE_MASK
         return LANE_INFERENCE_MASK if mask.is_inference() else None
+    if mode == "masked" and kept:
+        return LANE_KEPT_MASK_PASSED
     return None
 
 
@@ -635,7 +641,7 @@ def _arm_lane(state: _ModuleState, call: _Call, x: torch.Tensor, mask: torch.Ten
         return   # a Triton program takes x in its own dtype; the lane casts x to float32 for the Mosaic kernel only
     state.lane = native.lane_class()(
         sizes=list(x.shape), dtype=call.upcast_to or torch.float32, params=state.params, weights=tensors, mask_mode=mode,
-        kept_mask=mask if mode in (LANE_KEPT_MASK, LANE_KEPT_MASK_ROWS) else None, **launch)
+        kept_mask=mask if mode in LANE_KEPT_MODES else None, **launch)
 
 
 def _jax_inputs(call: _Call, x: torch.Tensor, mask: torch.Tensor | None):

@@ -11,7 +11,14 @@ import pytest
 import torch
 
 from bridge import native, runtime
-from bridge.runtime import LANE_DEVICE_MASK, LANE_INFERENCE_MASK, LANE_KEPT_MASK, LANE_KEPT_MASK_ROWS, LANE_NO_MASK
+from bridge.runtime import (
+    LANE_DEVICE_MASK,
+    LANE_INFERENCE_MASK,
+    LANE_KEPT_MASK,
+    LANE_KEPT_MASK_PASSED,
+    LANE_KEPT_MASK_ROWS,
+    LANE_NO_MASK,
+)
 
 pytestmark = pytest.mark.slow   # the first test in a fresh cache builds the extension (~10-60 s)
 
@@ -77,7 +84,7 @@ def make_lane(lane_module, mask_mode=LANE_NO_MASK, kept_mask=None, form=3, param
               dtype=torch.float32):
     params = params if params is not None else [torch.randn(D), torch.randn(D, D)]
     weights = weights if weights is not None else [torch.randn(3), torch.randn(5)]
-    masked = mask_mode in (LANE_DEVICE_MASK, LANE_INFERENCE_MASK)
+    masked = mask_mode in (LANE_DEVICE_MASK, LANE_INFERENCE_MASK, LANE_KEPT_MASK_PASSED)
     entry = StandIn(2 + len(weights) + masked, form)
     shift = 1.0 + sum(float(w[0]) for w in weights)
 
@@ -183,6 +190,22 @@ def test_kept_prefix_mask_zeroes_the_invalid_rows_after_the_kernel(lane_module, 
     assert lane.run(x, mask) is None
 
 
+def test_a_kept_mask_the_launch_reads_is_handed_over_while_it_is_the_same_tensor_at_the_same_version(lane_module):
+    mask = torch.ones(B, S, dtype=torch.bool)
+    mask[1, 2:] = False
+    lane, entry, _, weights, _ = make_lane(lane_module, LANE_KEPT_MASK_PASSED, kept_mask=mask)
+    x = torch.randn(B, S, D)
+    y = lane.run(x, mask)
+    assert y is not None
+    assert entry.calls[-1] == [x.data_ptr(), mask.data_ptr(), *(w.data_ptr() for w in weights), y.data_ptr()]
+    assert lane.run(x, mask.clone()) is None       # another tensor with the same contents
+    assert lane.run(x) is None
+    with torch.inference_mode():
+        assert lane.run(x, torch.ones(B, S, dtype=torch.bool)) is None
+    mask[0, 1] = False                             # a write torch sees
+    assert lane.run(x, mask) is None
+
+
 def test_kept_mask_must_be_a_versioned_tensor(lane_module):
     with torch.inference_mode():
         mask = torch.ones(B, S, dtype=torch.bool)
@@ -237,6 +260,30 @@ def test_lane_mask_mode_follows_the_python_path():
     assert runtime.lane_mask_mode(state, call, None, MaskKind.NONE) is None
     Call.passes_mask = True
     assert runtime.lane_mask_mode(state, call, mask, MaskKind.PREFIX) is None   # a host mask, again
+
+    class GpuMask:   # what lane_mask_mode reads of a CUDA tensor
+        device = torch.device("cuda", 0)
+
+        def __init__(self, version=0, inference=False):
+            self._version, self.inference = version, inference
+
+        def is_inference(self):
+            return self.inference
+    kept = GpuMask(version=3)
+    state.mask_ref, state.mask_version = (lambda: kept), 3
+    expected = {("plain", False, MaskKind.ALL_TRUE): LANE_KEPT_MASK,
+                ("rows", True, MaskKind.PREFIX): LANE_KEPT_MASK_ROWS,
+                ("masked", True, MaskKind.PREFIX): LANE_KEPT_MASK_PASSED,   # a Triton program that takes the mask
+                ("masked", True, MaskKind.GENERAL): LANE_KEPT_MASK_PASSED}  # the masked build
+    for (mode, passes, kind), lane_mode in expected.items():
+        Run.mode, Call.passes_mask = mode, passes
+        assert runtime.lane_mask_mode(state, call, kept, kind) == lane_mode
+        assert runtime.lane_mask_mode(state, call, GpuMask(version=4), kind) is None   # not the kept tensor
+    state.mask_version = 4   # the kept tensor was written since it was classified
+    assert runtime.lane_mask_mode(state, call, kept, MaskKind.GENERAL) is None
+    assert runtime.lane_mask_mode(state, call, GpuMask(inference=True), MaskKind.UNKNOWN) == LANE_INFERENCE_MASK
+    state.mask_on_device = True
+    assert runtime.lane_mask_mode(state, call, GpuMask(), MaskKind.UNKNOWN) == LANE_DEVICE_MASK
 
 
 def test_switch_keeps_lanes_off(monkeypatch):

@@ -7,7 +7,7 @@ paces the GPU. The lane makes the same checks and the same launch from C++, one 
 rows stack's Triton kernels (bridge/triton_launch.py) repeat the same way, launched with cuLaunchKernel.
 
 Built with torch's extension builder (`torch.utils.cpp_extension.load`: a C++ compiler and ninja) into
-`<cache>/native/<torch version>-<python>` (<cache>: the plan cache's directory, TTJ_CACHE_DIR), once per
+`<cache>/native/<torch version>-<python>-<source hash>` (<cache>: the plan cache's directory, TTJ_CACHE_DIR), once per
 torch version; a later process loads the built module. It needs no CUDA headers. Where the build fails
 (no compiler), the bridge warns once and keeps the Python path. `TTJ_NATIVE_LANE=0` keeps it off.
 `build()` builds ahead of the first call (`ttj-bench --warm` calls it).
@@ -15,6 +15,7 @@ torch version; a later process loads the built module. It needs no CUDA headers.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import sys
@@ -38,7 +39,8 @@ def build_dir() -> Path:
     import torch
 
     from ttj_jax.plan_cache import default_dir
-    tag = f"torch{torch.__version__.replace('+', '_')}-py{sys.version_info.major}{sys.version_info.minor}"
+    source = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:10]   # a changed lane.cpp builds afresh
+    tag = f"torch{torch.__version__.replace('+', '_')}-py{sys.version_info.major}{sys.version_info.minor}-{source}"
     return default_dir() / "native" / tag
 
 

@@ -43,7 +43,11 @@ enum MaskMode : int {
   kDeviceMask = 2, // the kernel's masked build reads any mask (TTJ_GPU_MASK=device)
   kInferenceMask = 3,  // the masked build for inference-tensor masks (no version counter to keep a kind by)
   kKeptMaskRows = 4,   // a kept prefix mask under causal attention: the mask-free kernel, invalid rows zeroed after
+  kKeptMaskPassed = 5, // a kept mask the launch reads (the masked build, or a Triton program that takes a mask)
 };
+
+bool passes_mask(int mode) { return mode == kDeviceMask || mode == kInferenceMask || mode == kKeptMaskPassed; }
+bool keeps_mask(int mode) { return mode == kKeptMask || mode == kKeptMaskRows || mode == kKeptMaskPassed; }
 
 using WeakImpl = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
 
@@ -69,7 +73,7 @@ class Lane {
         keep_alive_(std::move(keep_alive)) {
     if (sizes_.size() != 3) throw std::invalid_argument("x's sizes: [batch, seq_len, d_model]");
     if (params_.empty()) throw std::invalid_argument("no parameters");
-    if (mask_mode_ < kNoMask || mask_mode_ > kKeptMaskRows) throw std::invalid_argument("unknown mask mode");
+    if (mask_mode_ < kNoMask || mask_mode_ > kKeptMaskPassed) throw std::invalid_argument("unknown mask mode");
     if (form_ == 4) {
       if (!entry_args_.empty()) throw std::invalid_argument("form 4 takes no entry arguments");
     } else if ((form_ != 3 && form_ != 1) || entry_args_.size() != 2) {
@@ -80,7 +84,7 @@ class Lane {
       form1_args_ = {reinterpret_cast<void*>(entry_args_[0]), reinterpret_cast<void*>(entry_args_[1]),
                      static_cast<void*>(&buffers_pointer_)};
     const int64_t expected = 2 + static_cast<int64_t>(weights_.size()) +
-                             (mask_mode_ == kDeviceMask || mask_mode_ == kInferenceMask ? 1 : 0) + (form_ == 4 ? 1 : 0);
+                             (passes_mask(mask_mode_) ? 1 : 0) + (form_ == 4 ? 1 : 0);
     if (num_buffers != expected) throw std::invalid_argument("the buffer count does not fit the call");
     if (form_ == 4) set_kernels(std::move(kernels), std::move(refs), workspace_bytes);
     else if (!kernels.empty() || !refs.empty()) throw std::invalid_argument("kernels are form 4's");
@@ -90,7 +94,7 @@ class Lane {
       pointers_.push_back(p.data_ptr());
       versions_.push_back(p._version());
     }
-    if (mask_mode_ == kKeptMask || mask_mode_ == kKeptMaskRows) {
+    if (keeps_mask(mask_mode_)) {
       if (!kept_mask.has_value() || kept_mask->is_inference())
         throw std::invalid_argument("a kept mask needs the mask tensor (not an inference tensor)");
       kept_mask_.emplace(kept_mask->getIntrusivePtr());
@@ -119,14 +123,16 @@ class Lane {
         if (mask.has_value()) return py::none();
         break;
       case kKeptMask:
-      case kKeptMaskRows: {
+      case kKeptMaskRows:
+      case kKeptMaskPassed: {
         if (!mask.has_value() || kept_mask_->expired() || mask->unsafeGetTensorImpl() != kept_mask_->_unsafe_get_target() ||
             mask->is_inference() || mask->_version() != kept_version_ || mask->device() != device_ ||
             mask->sizes() != kept_sizes_ || mask->scalar_type() != kept_dtype_)
           return py::none();
-        break;
+        if (mask_mode_ != kKeptMaskPassed) break;
+        [[fallthrough]];  // the launch reads it too: the layout checks below
       }
-      default: {  // the masked build reads the mask's bytes: bool [batch, seq_len], contiguous, 16-byte aligned
+      default: {  // the launch reads the mask's bytes: bool [batch, seq_len], contiguous, 16-byte aligned
         if (!mask.has_value()) return py::none();
         const at::Tensor& m = *mask;
         if (m.device() != device_ || m.scalar_type() != at::kBool || m.dim() != 2 || m.size(0) != sizes_[0] ||
