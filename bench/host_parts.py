@@ -12,12 +12,14 @@ microseconds:
     noop            a Python lambda (the timer's own floor)
     empty           torch.empty of the output's shape on the GPU
     module          the module's __call__ (what the harness calls)
+    lane            bridge.runtime.fast_forward alone: the native lane's repeat (C++), where the module has one
     forward         bridge.runtime.forward (validation, mask kind, plan lookup, weights check, launch)
     state           runtime's per-module state lookup with its structure check
     classify        the mask's kind (a GPU mask: cached per tensor object and version)
     weights_check   the parameters' in-place-write check (bridge/versions.py ParameterWatch.changed)
     kernel_tensors  the kernel's weights for this call (the check above plus the cache lookup)
     direct          the direct launch alone (allocation, pointers, stream check, launch), where the call has one
+                    (the Mosaic kernel, or the rows stack's Triton kernels)
     kernel_call     MosaicStackLaunch.__call__ alone, where the direct launch is the Mosaic kernel
     raw_launch      the Mosaic kernel's host entry with fixed pointers (MosaicLauncher.launch)
 
@@ -45,6 +47,7 @@ from bench.paths import default_out_dir  # noqa: E402
 from bench.report import slug, write_json  # noqa: E402
 from bench.timing import interleaved_host_overhead_us, time_contenders  # noqa: E402
 from bridge import runtime  # noqa: E402
+from bridge.mosaic_launch import MosaicStackLaunch  # noqa: E402
 
 
 def parts(ours, x: torch.Tensor, mask: torch.Tensor) -> dict:
@@ -61,12 +64,14 @@ def parts(ours, x: torch.Tensor, mask: torch.Tensor) -> dict:
         "classify": lambda: state.classify(mask),
         "weights_check": lambda: state.watch.changed(),
     }
+    if state.lane is not None:
+        contenders["lane"] = lambda: runtime.fast_forward(ours, x, mask)
     if call.direct is not None:
         tensors = state.kernel_tensors(stack)
         contenders["kernel_tensors"] = lambda: state.kernel_tensors(stack)
         contenders["direct"] = lambda: call.direct(x, mask, tensors)
         kernel = getattr(call.direct, "kernel", None)
-        if kernel is not None:   # the Mosaic kernel: its own call, and its host entry with fixed pointers
+        if isinstance(kernel, MosaicStackLaunch):   # the Mosaic kernel: its own call, and its host entry with fixed pointers
             arrays = ((mask,) if getattr(call.direct, "mode", None) == "masked" else ()) + tuple(tensors)
             kept = kernel(x, *arrays)
             pointers = (x.data_ptr(), *(a.data_ptr() for a in arrays), kept.data_ptr())
