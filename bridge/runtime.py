@@ -310,15 +310,21 @@ class _ModuleState:
 
     def _half_runs_as_float32(self, x: torch.Tensor, kind: MaskKind, jax_device) -> bool:
         """Whether an fp16/bf16 x is computed as float32 (cast in, output cast back): where the rules give
-        float32 x a stack the bridge launches itself (the Mosaic GPU kernel takes float32 x only), the
-        two casts cost a few microseconds and the jax call they replace costs ~0.2 ms of host time."""
+        float32 x a stack the bridge launches itself (the Mosaic GPU kernel takes float32 x only; the rows
+        stack's Triton program casts x to float32 first thing, a cast the bridge's launch does not run),
+        the two casts cost a few microseconds and the jax call they replace costs ~0.1-0.2 ms of host time."""
         if x.dtype not in (torch.float16, torch.bfloat16) or x.device.type != "cuda" or jax_device is None:
             return False
         facts = InputFacts(batch_size=x.shape[0], seq_len=x.shape[1], dtype="float32", mask_kind=kind,
                            caller="torch")
         rules = make_plan(self.config, facts, device_facts(jax_device))
-        launch = stacks.get(rules.stack).bridge_launch
-        return (launch is not None and rules.data_parallel == 1 and launch(self.config, x.shape[0], x.shape[1]) is None
+        stack = stacks.get(rules.stack)
+        if rules.data_parallel != 1:
+            return False
+        if stack.kernels_only:
+            return triton_launch.unavailable_reason(x.device, rules.stack) is None
+        launch = stack.bridge_launch
+        return (launch is not None and launch(self.config, x.shape[0], x.shape[1]) is None
                 and mosaic_launch.unavailable_reason(x.device) is None)
 
     def _mosaic_kernel(self, call: _Call, shape, device: torch.device):
@@ -637,8 +643,8 @@ def _arm_lane(state: _ModuleState, call: _Call, x: torch.Tensor, mask: torch.Ten
     launch = kernel.native_call()
     if mode is None or launch is None or any(p.is_inference() for p in state.params) or not native.available():
         return
-    if launch["form"] == 4 and (x.dtype != torch.float32 or call.upcast_to is not None):
-        return   # a Triton program takes x in its own dtype; the lane casts x to float32 for the Mosaic kernel only
+    if launch["form"] == 4 and x.dtype != torch.float32:
+        return   # the lane casts x to float32 (and the output back): a Triton program for another x dtype cannot repeat
     state.lane = native.lane_class()(
         sizes=list(x.shape), dtype=call.upcast_to or torch.float32, params=state.params, weights=tensors, mask_mode=mode,
         kept_mask=mask if mode in LANE_KEPT_MODES else None, **launch)

@@ -270,3 +270,32 @@ def test_a_call_whose_plan_takes_no_mask_ignores_the_mask_given():
     x = torch.randn(shape)
     y = launch(x, torch.ones(shape[:2], dtype=torch.bool), tensors)
     np.testing.assert_array_equal(y.numpy(), np.asarray(run(weights, jnp.asarray(x.numpy()), None)))
+
+
+def test_half_x_runs_as_float32_where_the_rules_give_the_launched_rows_stack(monkeypatch):
+    """An fp16/bf16 x at a rows plan is cast to float32 around the bridge's launch (the program's own first
+    step is that cast, which the launch cannot run), so it keeps the launch and the lane; not where the
+    launch is off, or for a split plan."""
+    import types
+
+    import bridge
+    from bridge import runtime
+    state = runtime._state(bridge.TTJTransformer(CONFIG), None)
+    x = types.SimpleNamespace(dtype=torch.float16, device=torch.device("cuda", 0),
+                              shape=(CONFIG.batch_size, CONFIG.seq_len, CONFIG.d_model))
+    plan = types.SimpleNamespace(stack="rows", data_parallel=1)
+    monkeypatch.setattr(runtime, "make_plan", lambda config, facts, device: plan)
+    monkeypatch.setattr(runtime, "device_facts", lambda device: None)
+    monkeypatch.setattr(tl, "unavailable_reason", lambda device, stack: None if stack == "rows" else "off")
+    assert state._half_runs_as_float32(x, MaskKind.NONE, jax_device=object())
+    x.dtype = torch.bfloat16
+    assert state._half_runs_as_float32(x, MaskKind.NONE, jax_device=object())
+    plan.data_parallel = 2
+    assert not state._half_runs_as_float32(x, MaskKind.NONE, jax_device=object())
+    plan.data_parallel, plan.stack = 1, "fused"   # its launch is off
+    assert not state._half_runs_as_float32(x, MaskKind.NONE, jax_device=object())
+    plan.stack = "layers"                           # the XLA program takes fp16 x as it is
+    assert not state._half_runs_as_float32(x, MaskKind.NONE, jax_device=object())
+    x.dtype = torch.float32
+    plan.stack = "rows"
+    assert not state._half_runs_as_float32(x, MaskKind.NONE, jax_device=object())
