@@ -322,7 +322,8 @@ class _ModuleState:
         if rules.data_parallel != 1:
             return False
         if stack.kernels_only:
-            return triton_launch.unavailable_reason(x.device, rules.stack) is None
+            return (triton_launch.unavailable_reason(x.device, rules.stack) is None
+                    and triton_launch.config_reason(rules.stack, self.config.d_model) is None)
         launch = stack.bridge_launch
         return (launch is not None and launch(self.config, x.shape[0], x.shape[1]) is None
                 and mosaic_launch.unavailable_reason(x.device) is None)
@@ -361,7 +362,8 @@ class _ModuleState:
     def _triton_kernels(self, call: _Call, x: torch.Tensor):
         """(launch, "") running the plan's Triton kernels on torch's stream (bridge/triton_launch.py), or
         (None, why it runs through jax)."""
-        why = triton_launch.unavailable_reason(x.device, call.plan.stack)
+        why = (triton_launch.unavailable_reason(x.device, call.plan.stack)
+               or triton_launch.config_reason(call.plan.stack, self.config.d_model))
         if why is None and call.plan.policy != "mixed_fp16":
             why = f"policy {call.plan.policy}: the bridge keeps kernel weights of mixed_fp16 only"
         if why is not None:

@@ -44,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import os
 import re
 import threading
 from collections.abc import Callable, Sequence
@@ -324,7 +325,6 @@ def ptx_entry(ptx: str) -> tuple[str, int, str]:
 def compile_kernel(eqn) -> KernelBinary:
     """One pallas_call equation's Triton kernel, compiled by the Triton that torch ships (`triton`) from the
     Triton IR Pallas lowers it to (jaxlib's own Triton compile runs inside XLA, out of reach)."""
-    import os
     import tempfile
 
     try:
@@ -395,6 +395,23 @@ def unavailable_reason(device: torch.device, stack: str = "rows") -> str | None:
         return f"x is on {device}, not a CUDA device"
     if torch.version.cuda is None:
         return "this torch is not a CUDA build"
+    return None
+
+
+# The model widths at which the rows stack's kernels, compiled by torch's Triton, have run on a GPU
+# (bench/triton_kernel_diff.py and bench/mosaic_launch_check.py on an H100: shapes 2, 7, 11, 13). The
+# width sets the kernels' tiles and shared memory; the fused kernel's unexplained fault (module docstring)
+# is why a new width waits for a GPU run before the bridge launches it by default.
+ROWS_GPU_VERIFIED_D_MODELS = (32, 128)
+
+
+def config_reason(stack: str, d_model: int) -> str | None:
+    """Why the bridge does not launch this stack's kernels for this model width by default, or None."""
+    from bridge import settings
+    if (stack == "rows" and d_model not in ROWS_GPU_VERIFIED_D_MODELS
+            and os.environ.get(settings.TRITON_LAUNCH_ENV, "").strip() != "all"):
+        return (f"d_model {d_model}: the bridge launches the rows kernels at the widths they have run at on a GPU, "
+                f"{ROWS_GPU_VERIFIED_D_MODELS} ({settings.TRITON_LAUNCH_ENV}=all launches them at any width)")
     return None
 
 

@@ -138,6 +138,15 @@ def test_the_rows_stack_is_launched_by_default_the_fused_kernel_on_request(monke
         settings.triton_launch_stacks()
 
 
+def test_the_rows_launch_waits_for_a_gpu_run_at_a_new_width_unless_asked(monkeypatch):
+    monkeypatch.delenv(settings.TRITON_LAUNCH_ENV, raising=False)
+    assert all(tl.config_reason("rows", d) is None for d in tl.ROWS_GPU_VERIFIED_D_MODELS)
+    assert "d_model 256" in tl.config_reason("rows", 256)
+    assert tl.config_reason("fused", 256) is None   # the fused kernel is off by default anyway
+    monkeypatch.setenv(settings.TRITON_LAUNCH_ENV, "all")
+    assert tl.config_reason("rows", 256) is None
+
+
 @pytest.mark.slow
 def test_bridge_runs_the_rows_program_kernels_itself_when_on_and_matches_the_jax_path(monkeypatch):
     import bridge
