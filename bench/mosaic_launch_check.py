@@ -66,6 +66,23 @@ def with_holes(x: torch.Tensor, mask: torch.Tensor, seed: int) -> tuple[torch.Te
     return x * holes[..., None], holes
 
 
+def on_busy_side_stream(run, x: torch.Tensor) -> torch.Tensor:
+    """run(x_side) on a side stream, where x_side (equal to x) is written only after ~50 ms of matmuls
+    queued on that stream: a launch that does not follow the caller's stream reads it before it is
+    written. Returns run's output after the side stream finished."""
+    device = x.device
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        big = torch.randn(8192, 8192, device=device)
+        for _ in range(8):
+            big = torch.tanh(big @ big * 1e-4)
+        x_side = x + big[0, 0] * 0.0          # written only after the matmuls, on the side stream
+        y_side = run(x_side)
+    side.synchronize()
+    return y_side
+
+
 def check_shape(sid: str, device: torch.device, stack: str | None = None, against: str = "fused",
                 mask_kind: str = "all_true") -> dict:
     config = T.OFFICIAL[sid].config
@@ -97,15 +114,7 @@ def check_shape(sid: str, device: torch.device, stack: str | None = None, agains
             failed, worst = failed + f, max(worst, w)
         record["accuracy"] = {"seeds": len(HARNESS_SEEDS), "failed_elements": failed, "worst_err_over_tol": worst}
 
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            big = torch.randn(8192, 8192, device=device)
-            for _ in range(8):
-                big = torch.tanh(big @ big * 1e-4)
-            x_side = x + big[0, 0] * 0.0          # written only after the matmuls, on the side stream
-            y_side = ours(x_side, mask)
-        side.synchronize()
+        y_side = on_busy_side_stream(lambda x_side: ours(x_side, mask), x)
         record["side_stream_equal"] = bool(torch.equal(y_side, y))
 
         record["host_us_bridge"] = host_us(lambda: ours(x, mask))["median_us"]
