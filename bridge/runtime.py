@@ -407,8 +407,7 @@ class _ModuleState:
         rows = exact.shape[0]
         worst_direct = float(harness_check(call.transfer.to_jax(direct_out)[:rows], exact)[1])
         worst_jax = float(harness_check(jax_out[:rows], exact)[1])
-        from ttj_jax.autotune import ACCURACY_MARGIN
-        bound = min(1.0, max(ACCURACY_MARGIN, worst_jax + self.TRITON_CHECK_ALLOWANCE))
+        bound = min(1.0, max(autotune.ACCURACY_MARGIN, worst_jax + self.TRITON_CHECK_ALLOWANCE))
         if not worst_direct <= bound:   # also catches NaN
             return (f"the direct launch's error against the exact fp32 program was {worst_direct:.3g} of the harness "
                     f"tolerance on a test input, the jax path's {worst_jax:.3g} (allowed: {bound:.3g}): running through jax")
