@@ -1,7 +1,7 @@
 """The bridge's native lane (bridge/native) on a GPU, per official shape: does it engage, is its output
 the Python path's, does every change of input send the call back to Python, and what host time it saves.
 
-    PYTHONPATH=. python3 bench/native_lane_check.py [--shapes 7,9,10,12,1,2,3,4,5] [--calls 200] [--out DIR]
+    PYTHONPATH=. python3 bench/native_lane_check.py [--shapes 7,9,10,12,1,2,3,4,5,11] [--calls 200] [--out DIR]
 
 Per shape, two modules with the harness's weights (bench.baseline.harness_models): `lane` as shipped and
 `python` armed with TTJ_NATIVE_LANE=0 (its calls take the Python path). Under torch.inference_mode:
@@ -46,7 +46,7 @@ from bench.timing import interleaved_host_overhead_us, time_contenders  # noqa: 
 from bridge import native, runtime  # noqa: E402
 from bridge.settings import NATIVE_LANE_ENV  # noqa: E402
 
-LAUNCH_BOUND = "7,9,10,12,1,2,3,4,5"
+LAUNCH_BOUND = "7,9,10,12,1,2,3,4,5,11"   # the Mosaic kernel's shapes, and 11 (the rows stack's Triton launch)
 
 
 def _python_module(baseline, config):
