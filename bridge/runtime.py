@@ -14,6 +14,8 @@ the async jax dispatch, and one DLPack export. No host sync: torch's
 pending writes to x are ordered before jax reads it by one cached CUDA event (Transfer), and torch's
 stream waits on jax's result through the DLPack protocol on export; later torch writes to x are
 therefore ordered after jax's reads too.
+Calls the bridge launches itself (the Mosaic kernel, the rows stack's Triton kernels), their checks and
+the native lane that repeats them: bridge/direct.py.
 """
 
 from __future__ import annotations
@@ -30,17 +32,17 @@ import jax
 import numpy as np
 import torch
 
-from bridge import mosaic_launch, native, settings, triton_launch
-from bridge.transfer import Transfer, current_cuda_device, transfer_for
+from bridge import direct, native, settings
+from bridge.transfer import Transfer, current_cuda_device, torch_dtype_name, transfer_for
 from bridge.versions import ParameterWatch
 from ttj_jax import stacks
 from ttj_jax.config import Config
 from ttj_jax.device import device_facts
 from ttj_jax.masks import MaskKind, classify_mask
 from ttj_jax.model import executable, model_key, plan_for, validate_inputs
-from ttj_jax.numerics import get_policy, harness_check
+from ttj_jax.numerics import get_policy
 from ttj_jax.params import expected_shapes, params_from_state_dict, prepare_weights
-from ttj_jax.planner import KEY_MASK_MODES, InputFacts, Plan
+from ttj_jax.planner import InputFacts, Plan
 from ttj_jax.planner import plan as make_plan
 
 _STATES: weakref.WeakKeyDictionary[torch.nn.Module, _ModuleState] = weakref.WeakKeyDictionary()
@@ -68,10 +70,6 @@ _overwrites_on_conversion = torch.__future__.get_overwrite_module_params_on_conv
 
 # Whether torch's current CUDA stream is capturing a graph: the C getter torch.cuda wraps.
 _capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", torch.cuda.is_current_stream_capturing)
-
-
-def _torch_dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 @dataclasses.dataclass
@@ -290,8 +288,8 @@ class _ModuleState:
             raise ValueError(f"x is on {x.device} but the module's weights are on {self.params[0].device}")
         transfer = transfer_for(x.device)
         jax_device = transfer.importer.device
-        upcast = x.dtype if x.dtype == torch.float64 or self._half_runs_as_float32(x, kind, jax_device) else None
-        shape_probe = jax.ShapeDtypeStruct(tuple(x.shape), "float32" if upcast else _torch_dtype_name(x.dtype))
+        upcast = x.dtype if x.dtype == torch.float64 or direct.half_runs_as_float32(self, x, kind, jax_device) else None
+        shape_probe = jax.ShapeDtypeStruct(tuple(x.shape), "float32" if upcast else torch_dtype_name(x.dtype))
         plan = plan_for(self.config, shape_probe, kind, device=jax_device or jax.devices(
             "cpu" if x.device.type == "cpu" else None)[0], caller="torch", data_parallel=data_parallel,
             stack=stack, policy=settings.requested_policy())
@@ -301,153 +299,12 @@ class _ModuleState:
         if bridge_launch is not None and plan.data_parallel > 1:
             call.direct_note = f"the batch is split over {plan.data_parallel} devices, one kernel per device"
         elif bridge_launch is not None:
-            call.direct, call.direct_note = self._mosaic_kernel(call, x.shape, x.device)
+            call.direct, call.direct_note = direct.mosaic_kernel(self, call, x.shape, x.device)
         elif stacks.get(plan.stack).kernels_only and plan.data_parallel == 1:
-            call.direct, call.direct_note = self._triton_kernels(call, x)
+            call.direct, call.direct_note = direct.triton_kernels(self, call, x)
         if call.direct is not None and x.device.type == "cuda":
             call.direct_device = x.device.index   # a CUDA tensor's device always carries its index
         return call
-
-    def _half_runs_as_float32(self, x: torch.Tensor, kind: MaskKind, jax_device) -> bool:
-        """Whether an fp16/bf16 x is computed as float32 (cast in, output cast back): where the rules give
-        float32 x a stack the bridge launches itself (the Mosaic GPU kernel takes float32 x only; the rows
-        stack's Triton program casts x to float32 first thing, a cast the bridge's launch does not run),
-        the two casts cost a few microseconds and the jax call they replace costs ~0.1-0.2 ms of host time."""
-        if x.dtype not in (torch.float16, torch.bfloat16) or x.device.type != "cuda" or jax_device is None:
-            return False
-        facts = InputFacts(batch_size=x.shape[0], seq_len=x.shape[1], dtype="float32", mask_kind=kind,
-                           caller="torch")
-        rules = make_plan(self.config, facts, device_facts(jax_device))
-        stack = stacks.get(rules.stack)
-        if rules.data_parallel != 1:
-            return False
-        if stack.kernels_only:
-            return (triton_launch.unavailable_reason(x.device, rules.stack) is None
-                    and triton_launch.config_reason(rules.stack, self.config.d_model) is None)
-        launch = stack.bridge_launch
-        return (launch is not None and launch(self.config, x.shape[0], x.shape[1]) is None
-                and mosaic_launch.unavailable_reason(x.device) is None)
-
-    def _mosaic_kernel(self, call: _Call, shape, device: torch.device):
-        """(launch, "") for the Mosaic GPU stack on this input (bridge/mosaic_launch.py), or (None, why it
-        runs through jax)."""
-        why = mosaic_launch.unavailable_reason(device)
-        if why is None:
-            why = stacks.get(call.plan.stack).bridge_launch(self.config, shape[0], shape[1])
-        if why is not None:
-            return None, why
-        masked = call.plan.mask_mode in KEY_MASK_MODES   # any mask: the kernel's masked build
-        try:
-            kernel = mosaic_launch.MosaicStackLaunch(self.config, shape[0], shape[1], device,
-                                                     **({"masked": True} if masked else {}))
-        except (RuntimeError, ValueError, OSError) as e:
-            return None, f"the Mosaic GPU launch is unavailable: {type(e).__name__}: {e}"
-        if call.plan.mask_mode == "rows":   # a prefix mask under causal attention: rows zeroed after the kernel
-            def run(x, mask, tensors):
-                return torch.where(mask.unsqueeze(-1), kernel(x, *tensors), 0.0)
-            mode = "rows"
-        elif masked:   # the kernel reads the bool mask's bytes; its TMA copies want 16-byte aligned rows
-            def run(x, mask, tensors):
-                return kernel(x, mask if mask.data_ptr() % 16 == 0 else mask.clone(), *tensors)
-            mode = "masked"
-        else:
-            def run(x, mask, tensors):
-                return kernel(x, *tensors)
-            mode = "plain"
-        # for the native lane (lane_mask_mode) and diagnostic tools (bench/host_parts.py)
-        run.kernel, run.mode = kernel, mode
-        disagreement = self._compare_with_jax(run, call, shape, "float32", device)
-        return (None, disagreement) if disagreement is not None else (run, "")
-
-    def _triton_kernels(self, call: _Call, x: torch.Tensor):
-        """(launch, "") running the plan's Triton kernels on torch's stream (bridge/triton_launch.py), or
-        (None, why it runs through jax)."""
-        why = (triton_launch.unavailable_reason(x.device, call.plan.stack)
-               or triton_launch.config_reason(call.plan.stack, self.config.d_model))
-        if why is None and call.plan.policy != "mixed_fp16":
-            why = f"policy {call.plan.policy}: the bridge keeps kernel weights of mixed_fp16 only"
-        if why is not None:
-            return None, why
-        dtype = "float32" if call.upcast_to is not None else _torch_dtype_name(x.dtype)
-        x_struct = jax.ShapeDtypeStruct(tuple(x.shape), dtype)
-        mask_struct = jax.ShapeDtypeStruct(tuple(x.shape[:2]), "bool") if call.passes_mask else None
-        try:
-            launch = triton_launch.TritonProgramLaunch(
-                call.run, self.kernel_jax_weights(call.plan.stack), x_struct, mask_struct, x.device,
-                kernels=triton_launch.kernels_for(x.device))
-        except triton_launch.NotReplayable as e:
-            return None, f"the program is not only Triton kernels: {e}"
-        except (RuntimeError, OSError, ImportError, AttributeError) as e:
-            return None, f"the Triton launch is unavailable: {type(e).__name__}: {e}"
-        disagreement = self._check_against_exact(launch, call, x.shape, dtype, x.device)
-        return (None, disagreement) if disagreement is not None else (launch, "")
-
-    # Another Triton build compiles the same kernels: each kernel's outputs then differ from XLA's compile by
-    # fp16 roundings (measured within one fp16 ulp per kernel), which cascade over the layers. So the
-    # launch is checked against the exact fp32 program, beside the jax path: its worst error over the
-    # harness tolerance may exceed the jax path's by at most this much (and stays within the planner's
-    # margin for alternatives, autotune.ACCURACY_MARGIN, where the jax path is within it).
-    TRITON_CHECK_ALLOWANCE = 0.25
-
-    def _check_against_exact(self, run, call: _Call, shape, dtype, device) -> str | None:
-        """Runs `run(x, mask, weights)` (the bridge's launch of the plan's Triton kernels) once on a random
-        input, with the jax path and the exact fp32 program (autotune.exact_output) on its first sequences.
-        Returns why the launch cannot be used, or None. Once per input signature."""
-        from ttj_jax import autotune
-        x, mask = self._test_input(call, shape, dtype, device)
-        stack = call.plan.stack
-        direct_out = run(x, mask, self.kernel_tensors(stack))
-        call.transfer.order_before_jax()
-        jx, jmask = call.transfer.to_jax(x), None if mask is None else call.transfer.to_jax(mask)
-        jax_out = call.run(self.kernel_jax_weights(stack), jx, jmask)
-        self.weights("mixed_fp16")   # the parameters' jax views (self.views) are current
-        exact = autotune.exact_output(self.config, call.plan, params_from_state_dict(self.views, self.config), jx, jmask)
-        if exact is None:
-            return "no exact fp32 reference fits at this size to check the bridge's launch against: running through jax"
-        rows = exact.shape[0]
-        worst_direct = float(harness_check(call.transfer.to_jax(direct_out)[:rows], exact)[1])
-        worst_jax = float(harness_check(jax_out[:rows], exact)[1])
-        bound = min(1.0, max(autotune.ACCURACY_MARGIN, worst_jax + self.TRITON_CHECK_ALLOWANCE))
-        if not worst_direct <= bound:   # also catches NaN
-            return (f"the direct launch's error against the exact fp32 program was {worst_direct:.3g} of the harness "
-                    f"tolerance on a test input, the jax path's {worst_jax:.3g} (allowed: {bound:.3g}): running through jax")
-        return None
-
-    def _test_input(self, call: _Call, shape, dtype, device):
-        """A seeded random x and, where the plan takes one, a mask that exercises it (an all-invalid first
-        sequence included)."""
-        generator = torch.Generator(device=device).manual_seed(0)
-        x = torch.randn(tuple(shape), generator=generator, device=device).to(getattr(torch, str(dtype)))
-        mask = None
-        if call.passes_mask and call.plan.mask_mode == "rows":   # a prefix mask, an empty sequence included
-            lengths = torch.randint(0, shape[1] + 1, (shape[0],), generator=generator, device=device)
-            mask = torch.arange(shape[1], device=device)[None, :] < lengths[:, None]
-            mask[0] = False
-        elif call.passes_mask:   # a general mask (a fully invalid sequence included) exercises every path
-            mask = torch.rand(tuple(shape[:2]), generator=generator, device=device) < 0.7
-            mask[0] = False
-        return x, mask
-
-    # The direct launch runs the binary the jax path runs: its output must match to rounding noise.
-    DIRECT_CHECK_ATOL = 1e-4
-
-    def _compare_with_jax(self, run, call: _Call, shape, dtype, device) -> str | None:
-        """Runs `run(x, mask, weights)` (a direct launch of the binary the jax path runs) once on a random
-        input and compares it with the jax path (the same plan through jax): within DIRECT_CHECK_ATOL.
-        Returns why it cannot be used, or None. One host sync, once per input signature."""
-        x, mask = self._test_input(call, shape, dtype, device)
-        stack = call.plan.stack
-        direct_out = run(x, mask, self.kernel_tensors(stack))
-        call.transfer.order_before_jax()
-        jax_result = call.run(self.kernel_jax_weights(stack), call.transfer.to_jax(x),
-                              None if mask is None else call.transfer.to_jax(mask))
-        jax_out = call.transfer.to_torch(jax_result)
-        difference = float((direct_out.float() - jax_out.float()).abs().max())
-        if not difference <= self.DIRECT_CHECK_ATOL:   # also catches NaN
-            return (f"the direct launch differed from the jax path by {difference:.3g} (> "
-                    f"{self.DIRECT_CHECK_ATOL}) on a test input: running through jax")
-        return None
-
 
 def _state(module: torch.nn.Module, config) -> _ModuleState:
     state = _STATES.get(module)
@@ -530,8 +387,8 @@ def forward(module: torch.nn.Module, x: torch.Tensor, valid_token_mask: torch.Te
             raise ValueError(f"valid_token_mask is on {mask.device} but x is on {x.device}")
     signature = (x.shape, x.dtype, None if mask is None else (mask.shape, mask.dtype))
     if signature not in state.validated:   # the checks depend on shapes and dtypes only: once each
-        validate_inputs(x.shape, _torch_dtype_name(x.dtype), None if mask is None else mask.shape,
-                        None if mask is None else _torch_dtype_name(mask.dtype), state.config)
+        validate_inputs(x.shape, torch_dtype_name(x.dtype), None if mask is None else mask.shape,
+                        None if mask is None else torch_dtype_name(mask.dtype), state.config)
         state.validated.add(signature)
 
     kind = MaskKind.NONE if mask is None else state.classify(mask)
@@ -561,7 +418,7 @@ def forward(module: torch.nn.Module, x: torch.Tensor, valid_token_mask: torch.Te
         else:
             out = call.direct(x, mask, tensors)
             if contiguous and lane_options:
-                _arm_lane(state, call, x, mask, kind, tensors)
+                direct.arm_lane(state, call, x, mask, kind, tensors)
         return out if call.upcast_to is None else out.to(call.upcast_to)
 
     weights = state.call_weights(call)
@@ -587,68 +444,6 @@ def fast_forward(module: torch.nn.Module, x: torch.Tensor, mask: torch.Tensor | 
     if lane is None or state.registrations != _REGISTRATIONS[0] or _overwrites_on_conversion():
         return None
     return lane.run(x, mask)
-
-
-# The native lane's mask modes (bridge/native/lane.cpp, MaskMode).
-LANE_NO_MASK, LANE_KEPT_MASK, LANE_DEVICE_MASK, LANE_INFERENCE_MASK, LANE_KEPT_MASK_ROWS, LANE_KEPT_MASK_PASSED = range(6)
-LANE_KEPT_MODES = (LANE_KEPT_MASK, LANE_KEPT_MASK_ROWS, LANE_KEPT_MASK_PASSED)
-
-
-def lane_mask_mode(state: _ModuleState, call: _Call, mask: torch.Tensor | None, kind: MaskKind) -> int | None:
-    """How a lane repeats this launched call's mask handling, or None where it cannot:
-    - no mask: LANE_NO_MASK;
-    - a GPU mask classified on the host and kept (classify) for the mask-free kernel: LANE_KEPT_MASK,
-      the same tensor at the same version; LANE_KEPT_MASK_ROWS where its invalid rows are zeroed after
-      the kernel (a prefix mask under causal attention, the "rows" run);
-    - the kernel's masked build reading a mask the device decides about: LANE_DEVICE_MASK under
-      TTJ_GPU_MASK=device (any mask), LANE_INFERENCE_MASK for an inference-tensor mask (no version counter:
-      only inference-tensor masks repeat this call);
-    - a launch that reads a GPU mask classified on the host and kept (the masked build, or a Triton
-      program that takes the mask, such as the rows stack's for a prefix mask): LANE_KEPT_MASK_PASSED, the
-      same tensor at the same version, its bytes handed to the launch.
-    A host mask (read on every call) is left to the Python path."""
-    mode = getattr(call.direct, "mode", None)
-    if mask is None:
-        return LANE_NO_MASK if mode == "plain" and kind == MaskKind.NONE else None
-    if mask.device.type != "cuda":
-        return None
-    kept = (not mask.is_inference() and not state.mask_on_device and state.mask_ref is not None
-            and state.mask_ref() is mask and state.mask_version == mask._version)
-    if mode == "rows" or (mode == "plain" and not call.passes_mask):
-        return None if not kept else LANE_KEPT_MASK_ROWS if mode == "rows" else LANE_KEPT_MASK
-    if mode == "masked" and kind == MaskKind.UNKNOWN:
-        if state.mask_on_device:
-            return LANE_DEVICE_MASK
-        return LANE_INFERENCE_MASK if mask.is_inference() else None
-    if mode == "masked" and kept:
-        return LANE_KEPT_MASK_PASSED
-    return None
-
-
-def _arm_lane(state: _ModuleState, call: _Call, x: torch.Tensor, mask: torch.Tensor | None, kind: MaskKind,
-              tensors: list[torch.Tensor]) -> None:
-    """After a launched call on the default stream (x: the float32 x it launched with, contiguous as given;
-    an x of another dtype, `call.upcast_to`, is cast in and out by the lane as here): a native lane that
-    repeats it (fast_forward), unless
-    the one armed already does. Nothing where the lane cannot repeat it (lane_mask_mode, inference-tensor
-    parameters, a launcher of unknown form) or native lanes are unavailable (bridge/native)."""
-    kernel = getattr(call.direct, "kernel", None)
-    if x.device.type != "cuda" or kernel is None or kernel.current_stream():
-        return   # the lane launches on the default stream only (as MosaicStackLaunch does without events)
-    mask_key = None if mask is None else (id(mask), None if mask.is_inference() else mask._version)
-    key = (id(call), id(state.watch), state.generation, id(tensors), mask_key)
-    if state.lane_key == key:
-        return
-    state.lane_key, state.lane = key, None
-    mode = lane_mask_mode(state, call, mask, kind)
-    launch = kernel.native_call()
-    if mode is None or launch is None or any(p.is_inference() for p in state.params) or not native.available():
-        return
-    if launch["form"] == 4 and x.dtype != torch.float32:
-        return   # the lane casts x to float32 (and the output back): a Triton program for another x dtype cannot repeat
-    state.lane = native.lane_class()(
-        sizes=list(x.shape), dtype=call.upcast_to or torch.float32, params=state.params, weights=tensors, mask_mode=mode,
-        kept_mask=mask if mode in LANE_KEPT_MODES else None, **launch)
 
 
 def _jax_inputs(call: _Call, x: torch.Tensor, mask: torch.Tensor | None):
@@ -915,8 +710,8 @@ def stream_forward(module: torch.nn.Module, x: torch.Tensor, valid_token_mask: t
     mask = valid_token_mask
     if mask is not None and (not isinstance(mask, torch.Tensor) or mask.device.type != "cpu"):
         raise ValueError("valid_token_mask must be a CPU torch.Tensor like x, or None")
-    validate_inputs(x.shape, _torch_dtype_name(x.dtype), None if mask is None else mask.shape,
-                    None if mask is None else _torch_dtype_name(mask.dtype), state.config)
+    validate_inputs(x.shape, torch_dtype_name(x.dtype), None if mask is None else mask.shape,
+                    None if mask is None else torch_dtype_name(mask.dtype), state.config)
     jax_device = transfer_for(state.params[0].device).importer.device or jax.devices()[0]
     x_np = _host_numpy(x)
     mask_np = None if mask is None else mask.numpy()

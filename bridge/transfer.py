@@ -193,6 +193,11 @@ def _start_jax_keeping_torch_device() -> None:
         torch.cuda.set_device(current)
 
 
+def torch_dtype_name(dtype: torch.dtype) -> str:
+    """A torch dtype's numpy name ("float32", "bool"), as jax and the planner name dtypes."""
+    return str(dtype).removeprefix("torch.")
+
+
 def transfer_for(device: torch.device) -> Transfer:
     key = (device.type, device.index)
     transfer = _TRANSFERS.get(key)

@@ -26,7 +26,7 @@ than the GPU needs at shapes 2, 7 and 11). Here the bridge runs the same kernels
 
 Two Triton builds compile the same IR, so the outputs may differ by rounding (fp16 roundings that cascade
 over the layers): before first use the bridge checks one launch and the jax path against the exact fp32
-program (runtime.py, _check_against_exact), and runs through jax where the launch is less accurate or
+program (bridge/direct.py, check_against_exact), and runs through jax where the launch is less accurate or
 where torch's Triton cannot read this jax's IR (the note says why). Needs CUDA and torch's `triton`.
 
 Status: ON for the "rows" stack (TTJ_TRITON_LAUNCH=rows, the default; bridge/settings.py), with repeats
@@ -573,7 +573,7 @@ class TritonProgramLaunch:
         self._kernels = kernels(self.program) if kernels is not None else CudaKernels(self.program, device)
         self._takes_pointers = isinstance(self._kernels, CudaKernels)
         self.num_kernels = len(self.program.steps)
-        self.mode = "masked" if mask_struct is not None else "plain"   # how the call uses the mask (runtime.lane_mask_mode)
+        self.mode = "masked" if mask_struct is not None else "plain"   # how the call uses the mask (direct.lane_mask_mode)
         self.kernel = self   # what the native lane asks for the stream and the launch (as MosaicStackLaunch)
 
     def current_stream(self) -> int:

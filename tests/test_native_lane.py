@@ -10,8 +10,8 @@ import ctypes
 import pytest
 import torch
 
-from bridge import native, runtime
-from bridge.runtime import (
+from bridge import direct, native, runtime
+from bridge.direct import (
     LANE_DEVICE_MASK,
     LANE_INFERENCE_MASK,
     LANE_KEPT_MASK,
@@ -253,13 +253,13 @@ def test_lane_mask_mode_follows_the_python_path():
 
     from ttj_jax.masks import MaskKind
     state, call = State(), Call()
-    assert runtime.lane_mask_mode(state, call, None, MaskKind.NONE) == LANE_NO_MASK
+    assert direct.lane_mask_mode(state, call, None, MaskKind.NONE) == LANE_NO_MASK
     mask = torch.ones(B, S, dtype=torch.bool)
-    assert runtime.lane_mask_mode(state, call, mask, MaskKind.ALL_TRUE) is None   # a host mask: read every call
+    assert direct.lane_mask_mode(state, call, mask, MaskKind.ALL_TRUE) is None   # a host mask: read every call
     Run.mode = "rows"
-    assert runtime.lane_mask_mode(state, call, None, MaskKind.NONE) is None
+    assert direct.lane_mask_mode(state, call, None, MaskKind.NONE) is None
     Call.passes_mask = True
-    assert runtime.lane_mask_mode(state, call, mask, MaskKind.PREFIX) is None   # a host mask, again
+    assert direct.lane_mask_mode(state, call, mask, MaskKind.PREFIX) is None   # a host mask, again
 
     class GpuMask:   # what lane_mask_mode reads of a CUDA tensor
         device = torch.device("cuda", 0)
@@ -277,13 +277,13 @@ def test_lane_mask_mode_follows_the_python_path():
                 ("masked", True, MaskKind.GENERAL): LANE_KEPT_MASK_PASSED}  # the masked build
     for (mode, passes, kind), lane_mode in expected.items():
         Run.mode, Call.passes_mask = mode, passes
-        assert runtime.lane_mask_mode(state, call, kept, kind) == lane_mode
-        assert runtime.lane_mask_mode(state, call, GpuMask(version=4), kind) is None   # not the kept tensor
+        assert direct.lane_mask_mode(state, call, kept, kind) == lane_mode
+        assert direct.lane_mask_mode(state, call, GpuMask(version=4), kind) is None   # not the kept tensor
     state.mask_version = 4   # the kept tensor was written since it was classified
-    assert runtime.lane_mask_mode(state, call, kept, MaskKind.GENERAL) is None
-    assert runtime.lane_mask_mode(state, call, GpuMask(inference=True), MaskKind.UNKNOWN) == LANE_INFERENCE_MASK
+    assert direct.lane_mask_mode(state, call, kept, MaskKind.GENERAL) is None
+    assert direct.lane_mask_mode(state, call, GpuMask(inference=True), MaskKind.UNKNOWN) == LANE_INFERENCE_MASK
     state.mask_on_device = True
-    assert runtime.lane_mask_mode(state, call, GpuMask(), MaskKind.UNKNOWN) == LANE_DEVICE_MASK
+    assert direct.lane_mask_mode(state, call, GpuMask(), MaskKind.UNKNOWN) == LANE_DEVICE_MASK
 
 
 def test_switch_keeps_lanes_off(monkeypatch):

@@ -237,7 +237,7 @@ def test_the_native_lane_launches_the_program_kernels_as_the_jax_program_runs(mo
     warps and shared memory, its arrays at the right addresses (weights, x, the mask, the workspace, the
     output), null scratch pointers, on the default stream; the output equals the jax program's."""
     from bridge import native
-    from bridge.runtime import LANE_DEVICE_MASK, LANE_NO_MASK
+    from bridge.direct import LANE_DEVICE_MASK, LANE_NO_MASK
     monkeypatch.setenv("TTJ_CACHE_DIR", str(tmp_path))
     plan, run, weights = _program("rows", mask_kind=MaskKind.PREFIX if masked else MaskKind.NONE)
     assert (plan.mask_mode != "none") == masked
@@ -288,23 +288,23 @@ def test_half_x_runs_as_float32_where_the_rules_give_the_launched_rows_stack(mon
     import types
 
     import bridge
-    from bridge import runtime
+    from bridge import direct, runtime
     state = runtime._state(bridge.TTJTransformer(CONFIG), None)
     x = types.SimpleNamespace(dtype=torch.float16, device=torch.device("cuda", 0),
                               shape=(CONFIG.batch_size, CONFIG.seq_len, CONFIG.d_model))
     plan = types.SimpleNamespace(stack="rows", data_parallel=1)
-    monkeypatch.setattr(runtime, "make_plan", lambda config, facts, device: plan)
-    monkeypatch.setattr(runtime, "device_facts", lambda device: None)
+    monkeypatch.setattr(direct, "make_plan", lambda config, facts, device: plan)
+    monkeypatch.setattr(direct, "device_facts", lambda device: None)
     monkeypatch.setattr(tl, "unavailable_reason", lambda device, stack: None if stack == "rows" else "off")
-    assert state._half_runs_as_float32(x, MaskKind.NONE, jax_device=object())
+    assert direct.half_runs_as_float32(state, x, MaskKind.NONE, jax_device=object())
     x.dtype = torch.bfloat16
-    assert state._half_runs_as_float32(x, MaskKind.NONE, jax_device=object())
+    assert direct.half_runs_as_float32(state, x, MaskKind.NONE, jax_device=object())
     plan.data_parallel = 2
-    assert not state._half_runs_as_float32(x, MaskKind.NONE, jax_device=object())
+    assert not direct.half_runs_as_float32(state, x, MaskKind.NONE, jax_device=object())
     plan.data_parallel, plan.stack = 1, "fused"   # its launch is off
-    assert not state._half_runs_as_float32(x, MaskKind.NONE, jax_device=object())
+    assert not direct.half_runs_as_float32(state, x, MaskKind.NONE, jax_device=object())
     plan.stack = "layers"                           # the XLA program takes fp16 x as it is
-    assert not state._half_runs_as_float32(x, MaskKind.NONE, jax_device=object())
+    assert not direct.half_runs_as_float32(state, x, MaskKind.NONE, jax_device=object())
     x.dtype = torch.float32
     plan.stack = "rows"
-    assert not state._half_runs_as_float32(x, MaskKind.NONE, jax_device=object())
+    assert not direct.half_runs_as_float32(state, x, MaskKind.NONE, jax_device=object())

@@ -36,7 +36,7 @@ namespace py = pybind11;
 
 namespace {
 
-// How the armed call used the mask (bridge/runtime.py, _lane_mask_mode).
+// How the armed call used the mask (bridge/direct.py, lane_mask_mode).
 enum MaskMode : int {
   kNoMask = 0,     // called with no mask
   kKeptMask = 1,   // a GPU mask classified on the host, kept per tensor and version: the mask-free kernel
