@@ -9,31 +9,52 @@ the native lane that repeats them.
 - The native lane (bridge/native): after a launched call on the default stream, a C++ object that
   repeats it while its inputs, mask use and weights are unchanged (runtime.fast_forward asks it first).
 
-Functions of the module's state (runtime._ModuleState) and call (runtime._Call); runtime.py calls them.
+Functions of the module's state (runtime._ModuleState) and call (runtime.Call); runtime.py calls them.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import dataclasses
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import torch
 
 from bridge import mosaic_launch, native, triton_launch
-from bridge.transfer import torch_dtype_name
+from bridge.transfer import Transfer, torch_dtype_name
 from ttj_jax import stacks
 from ttj_jax.device import device_facts
 from ttj_jax.masks import MaskKind
 from ttj_jax.numerics import harness_check
 from ttj_jax.params import params_from_state_dict
-from ttj_jax.planner import KEY_MASK_MODES, InputFacts
+from ttj_jax.planner import KEY_MASK_MODES, InputFacts, Plan
 from ttj_jax.planner import plan as make_plan
 
-if TYPE_CHECKING:
-    from bridge.runtime import _Call, _ModuleState
+
+@dataclasses.dataclass
+class Call:
+    """What the bridge keeps per call signature (runtime.py): the plan, its program, how x crosses to
+    jax, and the bridge's own launch of it where it has one."""
+    plan: Plan
+    run: Callable
+    transfer: Transfer
+    passes_mask: bool
+    upcast_to: torch.dtype | None   # float64 (and, for the bridge's own launches, fp16/bf16) x computes in
+    #                                 float32 and the output is cast back
+    # The plan's whole-stack kernel launched on torch tensors, no JAX dispatch: direct(x, mask, weights)
+    # -> y, weights the kernel's layout as torch tensors (_ModuleState.kernel_tensors), through
+    # bridge/mosaic_launch.py.
+    direct: Callable | None = None
+    direct_note: str = ""           # why a whole-stack plan runs through jax instead, when it does
+    direct_device: int | None = None   # the CUDA device index a direct launch needs current
+    # The weights this call's program takes, and the _ModuleState.generation they were built in: one
+    # integer comparison per call instead of the per-weight-version cache lookups.
+    weights_generation: int = -1
+    weights: Any = None
 
 
-def half_runs_as_float32(state: _ModuleState, x: torch.Tensor, kind: MaskKind, jax_device) -> bool:
+def half_runs_as_float32(state, x: torch.Tensor, kind: MaskKind, jax_device) -> bool:
     """Whether an fp16/bf16 x is computed as float32 (cast in, output cast back): where the rules give
     float32 x a stack the bridge launches itself (the Mosaic GPU kernel takes float32 x only; the rows
     stack's Triton program casts x to float32 first thing, a cast the bridge's launch does not run),
@@ -54,7 +75,7 @@ def half_runs_as_float32(state: _ModuleState, x: torch.Tensor, kind: MaskKind, j
             and mosaic_launch.unavailable_reason(x.device) is None)
 
 
-def mosaic_kernel(state: _ModuleState, call: _Call, shape, device: torch.device):
+def mosaic_kernel(state, call: Call, shape, device: torch.device):
     """(launch, "") for the Mosaic GPU stack on this input (bridge/mosaic_launch.py), or (None, why it
     runs through jax)."""
     why = mosaic_launch.unavailable_reason(device)
@@ -86,7 +107,7 @@ def mosaic_kernel(state: _ModuleState, call: _Call, shape, device: torch.device)
     return (None, disagreement) if disagreement is not None else (run, "")
 
 
-def triton_kernels(state: _ModuleState, call: _Call, x: torch.Tensor):
+def triton_kernels(state, call: Call, x: torch.Tensor):
     """(launch, "") running the plan's Triton kernels on torch's stream (bridge/triton_launch.py), or
     (None, why it runs through jax)."""
     why = (triton_launch.unavailable_reason(x.device, call.plan.stack)
@@ -118,7 +139,7 @@ def triton_kernels(state: _ModuleState, call: _Call, x: torch.Tensor):
 TRITON_CHECK_ALLOWANCE = 0.25
 
 
-def check_against_exact(state: _ModuleState, run, call: _Call, shape, dtype, device) -> str | None:
+def check_against_exact(state, run, call: Call, shape, dtype, device) -> str | None:
     """Runs `run(x, mask, weights)` (the bridge's launch of the plan's Triton kernels) once on a random
     input, with the jax path and the exact fp32 program (autotune.exact_output) on its first sequences.
     Returns why the launch cannot be used, or None. Once per input signature."""
@@ -143,7 +164,7 @@ def check_against_exact(state: _ModuleState, run, call: _Call, shape, dtype, dev
     return None
 
 
-def probe_input(call: _Call, shape, dtype, device):
+def probe_input(call: Call, shape, dtype, device):
     """A seeded random x and, where the plan takes one, a mask that exercises it (an all-invalid first
     sequence included)."""
     generator = torch.Generator(device=device).manual_seed(0)
@@ -163,7 +184,7 @@ def probe_input(call: _Call, shape, dtype, device):
 DIRECT_CHECK_ATOL = 1e-4
 
 
-def compare_with_jax(state: _ModuleState, run, call: _Call, shape, dtype, device) -> str | None:
+def compare_with_jax(state, run, call: Call, shape, dtype, device) -> str | None:
     """Runs `run(x, mask, weights)` (a direct launch of the binary the jax path runs) once on a random
     input and compares it with the jax path (the same plan through jax): within DIRECT_CHECK_ATOL.
     Returns why it cannot be used, or None. One host sync, once per input signature."""
@@ -186,7 +207,7 @@ LANE_NO_MASK, LANE_KEPT_MASK, LANE_DEVICE_MASK, LANE_INFERENCE_MASK, LANE_KEPT_M
 LANE_KEPT_MODES = (LANE_KEPT_MASK, LANE_KEPT_MASK_ROWS, LANE_KEPT_MASK_PASSED)
 
 
-def lane_mask_mode(state: _ModuleState, call: _Call, mask: torch.Tensor | None, kind: MaskKind) -> int | None:
+def lane_mask_mode(state, call: Call, mask: torch.Tensor | None, kind: MaskKind) -> int | None:
     """How a lane repeats this launched call's mask handling, or None where it cannot:
     - no mask: LANE_NO_MASK;
     - a GPU mask classified on the host and kept (classify) for the mask-free kernel: LANE_KEPT_MASK,
@@ -217,7 +238,7 @@ def lane_mask_mode(state: _ModuleState, call: _Call, mask: torch.Tensor | None, 
     return None
 
 
-def arm_lane(state: _ModuleState, call: _Call, x: torch.Tensor, mask: torch.Tensor | None, kind: MaskKind,
+def arm_lane(state, call: Call, x: torch.Tensor, mask: torch.Tensor | None, kind: MaskKind,
               tensors: list[torch.Tensor]) -> None:
     """After a launched call on the default stream (x: the float32 x it launched with, contiguous as given;
     an x of another dtype, `call.upcast_to`, is cast in and out by the lane as here): a native lane that

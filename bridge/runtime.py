@@ -21,7 +21,6 @@ the native lane that repeats them: bridge/direct.py.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import weakref
 from collections.abc import Callable
 from itertools import chain
@@ -33,6 +32,7 @@ import numpy as np
 import torch
 
 from bridge import direct, native, settings
+from bridge.direct import Call
 from bridge.transfer import Transfer, current_cuda_device, torch_dtype_name, transfer_for
 from bridge.versions import ParameterWatch
 from ttj_jax import stacks
@@ -42,7 +42,7 @@ from ttj_jax.masks import MaskKind, classify_mask
 from ttj_jax.model import executable, model_key, plan_for, validate_inputs
 from ttj_jax.numerics import get_policy
 from ttj_jax.params import expected_shapes, params_from_state_dict, prepare_weights
-from ttj_jax.planner import InputFacts, Plan
+from ttj_jax.planner import InputFacts
 from ttj_jax.planner import plan as make_plan
 
 _STATES: weakref.WeakKeyDictionary[torch.nn.Module, _ModuleState] = weakref.WeakKeyDictionary()
@@ -72,26 +72,6 @@ _overwrites_on_conversion = torch.__future__.get_overwrite_module_params_on_conv
 _capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", torch.cuda.is_current_stream_capturing)
 
 
-@dataclasses.dataclass
-class _Call:
-    plan: Plan
-    run: Callable
-    transfer: Transfer
-    passes_mask: bool
-    upcast_to: torch.dtype | None   # float64 (and, for the bridge's own launches, fp16/bf16) x computes in
-    #                                 float32 and the output is cast back
-    # The plan's whole-stack kernel launched on torch tensors, no JAX dispatch: direct(x, mask, weights)
-    # -> y, weights the kernel's layout as torch tensors (_ModuleState.kernel_tensors), through
-    # bridge/mosaic_launch.py.
-    direct: Callable | None = None
-    direct_note: str = ""           # why a whole-stack plan runs through jax instead, when it does
-    direct_device: int | None = None   # the CUDA device index a direct launch needs current
-    # The weights this call's program takes, and the _ModuleState.generation they were built in: one
-    # integer comparison per call instead of the per-weight-version cache lookups.
-    weights_generation: int = -1
-    weights: Any = None
-
-
 class _ModuleState:
     def __init__(self, module: torch.nn.Module, config: Config):
         self.config = config
@@ -101,7 +81,7 @@ class _ModuleState:
         self._collect(module)
         self.views: dict[str, Any] = {}          # name -> zero-copy jax view of the parameter
         self.prepared: dict[str, Any] = {}
-        self.calls: dict[tuple, _Call] = {}
+        self.calls: dict[tuple, Call] = {}
         self.validated: set[tuple] = set()       # input signatures validate_inputs has passed
         self.mask_on_device = settings.gpu_mask_on_device()   # TTJ_GPU_MASK
         self.mask_ref = None
@@ -270,7 +250,7 @@ class _ModuleState:
         self.mask_ref, self.mask_version, self.mask_kind = weakref.ref(mask), version, kind
         return kind
 
-    def call_weights(self, call: _Call):
+    def call_weights(self, call: Call):
         """The weights `call`'s jax program takes: kept on the call with the generation they were built
         in, rebuilt through the caches when a parameter changed."""
         generation = self.weights_generation()
@@ -283,7 +263,7 @@ class _ModuleState:
         return call.weights
 
     def build_call(self, x: torch.Tensor, kind: MaskKind, data_parallel: int | None = None,
-                   stack: str | None = None) -> _Call:
+                   stack: str | None = None) -> Call:
         if x.device != self.params[0].device:
             raise ValueError(f"x is on {x.device} but the module's weights are on {self.params[0].device}")
         transfer = transfer_for(x.device)
@@ -293,7 +273,7 @@ class _ModuleState:
         plan = plan_for(self.config, shape_probe, kind, device=jax_device or jax.devices(
             "cpu" if x.device.type == "cpu" else None)[0], caller="torch", data_parallel=data_parallel,
             stack=stack, policy=settings.requested_policy())
-        call = _Call(plan=plan, run=executable(plan, self.model_key), transfer=transfer,
+        call = Call(plan=plan, run=executable(plan, self.model_key), transfer=transfer,
                      passes_mask=plan.mask_mode != "none", upcast_to=upcast)
         bridge_launch = stacks.get(plan.stack).bridge_launch
         if bridge_launch is not None and plan.data_parallel > 1:
@@ -446,7 +426,7 @@ def fast_forward(module: torch.nn.Module, x: torch.Tensor, mask: torch.Tensor | 
     return lane.run(x, mask)
 
 
-def _jax_inputs(call: _Call, x: torch.Tensor, mask: torch.Tensor | None):
+def _jax_inputs(call: Call, x: torch.Tensor, mask: torch.Tensor | None):
     """x and the mask as the call's jax program takes them: detached, upcast where the plan says,
     contiguous (copies only where needed)."""
     if x.requires_grad:
@@ -473,7 +453,7 @@ def _current_device_kept(device: torch.device):
             torch.cuda.set_device(entry)
 
 
-def _forward_split(state: _ModuleState, call: _Call, x: torch.Tensor, mask: torch.Tensor | None, kind: MaskKind,
+def _forward_split(state: _ModuleState, call: Call, x: torch.Tensor, mask: torch.Tensor | None, kind: MaskKind,
                    split_chunks, split_home_rows: int) -> torch.Tensor:
     """forward's path for a plan split over several devices (see _run_split)."""
     weights = state.call_weights(call)
@@ -512,8 +492,8 @@ def _side_streams(devices: list[torch.device]):
         yield
 
 
-def _run_split(call: _Call, weights, x: torch.Tensor, mask: torch.Tensor | None, chunks: int | tuple | None = None,
-               home_part: tuple[int, _Call, Any] | None = None) -> torch.Tensor:
+def _run_split(call: Call, weights, x: torch.Tensor, mask: torch.Tensor | None, chunks: int | tuple | None = None,
+               home_part: tuple[int, Call, Any] | None = None) -> torch.Tensor:
     """The batch split over the plan's devices, in `chunks` consecutive SPMD calls (each one split over
     the devices like the whole; chunks=1: one call). Each device's slice of a chunk is moved by torch
     (a peer-to-peer copy between GPUs) and imported on its device; the slices form one batch-sharded
