@@ -144,12 +144,7 @@ def check_against_exact(state, run, call: Call, shape, dtype, device) -> str | N
     input, with the jax path and the exact fp32 program (autotune.exact_output) on its first sequences.
     Returns why the launch cannot be used, or None. Once per input signature."""
     from ttj_jax import autotune
-    x, mask = probe_input(call, shape, dtype, device)
-    stack = call.plan.stack
-    direct_out = run(x, mask, state.kernel_tensors(stack))
-    call.transfer.order_before_jax()
-    jx, jmask = call.transfer.to_jax(x), None if mask is None else call.transfer.to_jax(mask)
-    jax_out = call.run(state.kernel_jax_weights(stack), jx, jmask)
+    jx, jmask, direct_out, jax_out = both_paths(state, run, call, shape, dtype, device)
     state.weights("mixed_fp16")   # the parameters' jax views (state.views) are current
     exact = autotune.exact_output(state.config, call.plan, params_from_state_dict(state.views, state.config), jx, jmask)
     if exact is None:
@@ -162,6 +157,17 @@ def check_against_exact(state, run, call: Call, shape, dtype, device) -> str | N
         return (f"the direct launch's error against the exact fp32 program was {worst_direct:.3g} of the harness "
                 f"tolerance on a test input, the jax path's {worst_jax:.3g} (allowed: {bound:.3g}): running through jax")
     return None
+
+
+def both_paths(state, run, call: Call, shape, dtype, device):
+    """The probe input (probe_input) through the direct launch `run(x, mask, weights)` and through the jax
+    path: (x and the mask as jax arrays, the launch's torch output, the jax path's output)."""
+    x, mask = probe_input(call, shape, dtype, device)
+    stack = call.plan.stack
+    direct_out = run(x, mask, state.kernel_tensors(stack))
+    call.transfer.order_before_jax()
+    jx, jmask = call.transfer.to_jax(x), None if mask is None else call.transfer.to_jax(mask)
+    return jx, jmask, direct_out, call.run(state.kernel_jax_weights(stack), jx, jmask)
 
 
 def probe_input(call: Call, shape, dtype, device):
@@ -188,12 +194,7 @@ def compare_with_jax(state, run, call: Call, shape, dtype, device) -> str | None
     """Runs `run(x, mask, weights)` (a direct launch of the binary the jax path runs) once on a random
     input and compares it with the jax path (the same plan through jax): within DIRECT_CHECK_ATOL.
     Returns why it cannot be used, or None. One host sync, once per input signature."""
-    x, mask = probe_input(call, shape, dtype, device)
-    stack = call.plan.stack
-    direct_out = run(x, mask, state.kernel_tensors(stack))
-    call.transfer.order_before_jax()
-    jax_result = call.run(state.kernel_jax_weights(stack), call.transfer.to_jax(x),
-                          None if mask is None else call.transfer.to_jax(mask))
+    _, _, direct_out, jax_result = both_paths(state, run, call, shape, dtype, device)
     jax_out = call.transfer.to_torch(jax_result)
     difference = float((direct_out.float() - jax_out.float()).abs().max())
     if not difference <= DIRECT_CHECK_ATOL:   # also catches NaN

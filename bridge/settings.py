@@ -74,6 +74,12 @@ def triton_launch_stacks() -> tuple[str, ...]:
     return TRITON_LAUNCH_CHOICES[value]
 
 
+def triton_launch_any_width() -> bool:
+    """Whether TTJ_TRITON_LAUNCH=all lifts the rows launch's limit to GPU-checked model widths
+    (triton_launch.ROWS_GPU_VERIFIED_D_MODELS)."""
+    return os.environ.get(TRITON_LAUNCH_ENV, TRITON_LAUNCH_DEFAULT).strip() == "all"
+
+
 def requested_policy() -> str | None:
     """The numerics policy TTJ_POLICY names, or None (unset or empty: the planner's). ValueError for a
     name that is not a policy."""

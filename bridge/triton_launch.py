@@ -408,8 +408,7 @@ ROWS_GPU_VERIFIED_D_MODELS = (32, 128)
 def config_reason(stack: str, d_model: int) -> str | None:
     """Why the bridge does not launch this stack's kernels for this model width by default, or None."""
     from bridge import settings
-    if (stack == "rows" and d_model not in ROWS_GPU_VERIFIED_D_MODELS
-            and os.environ.get(settings.TRITON_LAUNCH_ENV, "").strip() != "all"):
+    if stack == "rows" and d_model not in ROWS_GPU_VERIFIED_D_MODELS and not settings.triton_launch_any_width():
         return (f"d_model {d_model}: the bridge launches the rows kernels at the widths they have run at on a GPU, "
                 f"{ROWS_GPU_VERIFIED_D_MODELS} ({settings.TRITON_LAUNCH_ENV}=all launches them at any width)")
     return None
@@ -511,19 +510,17 @@ class CudaKernels:
         self._values = (ctypes.c_uint64 * (len(self._refs) + 1))()
         base = ctypes.addressof(self._values)
         null = base + 8 * len(self._refs)
+        # The native lane's specs (launch_specs), and from them each kernel's cuLaunchKernel arguments here:
+        # its parameters point at its arrays' slots in self._values (a scratch parameter at the null slot).
+        self.kernel_specs = launch_specs(program, binaries, functions)
         self._launches = []
-        first = 0
-        for step, binary, function in zip(program.steps, binaries, functions):
-            arrays = len(step.inputs) + len(step.outputs)
-            slots = [base + 8 * (first + i) for i in range(arrays)] + [null] * (binary.num_params - arrays)
-            params = (ctypes.c_void_p * binary.num_params)(*slots)
-            self._launches.append((function, *binary.grid, 32 * binary.num_warps, 1, 1, binary.shared_bytes, params))
-            first += arrays
+        for function, gx, gy, gz, bx, shared, slots in self.kernel_specs:
+            params = (ctypes.c_void_p * len(slots))(*[null if slot < 0 else base + 8 * slot for slot in slots])
+            self._launches.append((function, gx, gy, gz, bx, 1, 1, shared, params))
         self._stream = current_stream_getter(device)
         self._check = driver.check
         self._launch = driver.launch
         self.num_kernels = len(binaries)
-        self.kernel_specs = launch_specs(program, binaries, functions)
         self._lock = threading.Lock()
 
     @property

@@ -1,6 +1,6 @@
 // The bridge's native lane: a repeat of the last call the bridge launched itself, checked and launched in C++.
 //
-// bridge/native/__init__.py builds this file with torch's extension builder and bridge/runtime.py arms
+// bridge/native/__init__.py builds this file with torch's extension builder and bridge/direct.py arms
 // one Lane per module after a call it launched itself: the Mosaic GPU kernel (bridge/mosaic_launch.py)
 // or a program of Triton kernels (bridge/triton_launch.py). A Lane holds what that call was: x's sizes
 // and device, how the mask was used, the parameters' data pointers and versions, the kernel's weight
@@ -151,7 +151,7 @@ class Lane {
       if (guard->getDevice().index() != device_.index() || guard->getStream(device_).id() != 0) return py::none();
     }
     // The kernel reads and writes float32: another x dtype is cast in and the output cast back, as the
-    // Python path does (bridge/runtime.py, _Call.upcast_to).
+    // Python path does (bridge/direct.py, Call.upcast_to).
     const at::Tensor xf = dtype_ == at::kFloat ? x : x.to(at::kFloat);
     at::Tensor y = at::empty(sizes_, xf.options());
     int64_t i = 0;
@@ -170,7 +170,7 @@ class Lane {
     } else {
       reinterpret_cast<void (*)(void*)>(entry_)(form1_args_.data());
     }
-    if (mask_mode_ == kKeptMaskRows) y = at::where(mask->unsqueeze(-1), y, 0.0);   // as runtime.py's "rows" run
+    if (mask_mode_ == kKeptMaskRows) y = at::where(mask->unsqueeze(-1), y, 0.0);   // as direct.py's "rows" run
     return py::cast(dtype_ == at::kFloat ? y : y.to(dtype_));
   }
 
