@@ -118,14 +118,14 @@ def main(argv=None) -> int:
            "torch": torch.__version__, "jax": __import__("jax").__version__,
            "command": "python -m bench.compile_check " + " ".join(sys.argv[1:] if argv is None else argv),
            "shapes": {}}
-    for sid in args.shapes.split(","):
-        print(f"shape {sid} ...", flush=True)
-        out["shapes"][sid] = run_shape(T.OFFICIAL[sid], modes, device, peer=not args.no_peer)
     os.makedirs(args.out, exist_ok=True)
     slug = out["gpu"].lower().replace(" ", "-")
     path = os.path.join(args.out, f"compile-{out['date']}-{slug}.json")
-    with open(path, "w") as f:
-        json.dump(out, f, indent=1)
+    for sid in args.shapes.split(","):
+        print(f"shape {sid} ...", flush=True)
+        out["shapes"][sid] = run_shape(T.OFFICIAL[sid], modes, device, peer=not args.no_peer)
+        with open(path, "w") as f:   # after every shape, so a run cut short keeps what it measured
+            json.dump(out, f, indent=1)
     for sid, r in out["shapes"].items():
         print(f"shape {sid}: " + ", ".join(f"{name} {ms:.4f}" for name, ms in r["ms"].items()))
     print(f"\n{'shape':>5} {'mode':>16} {'ok':>3} {'fail':>5} {'worst':>6} {'recomp':>6} {'ms':>8} {'eager':>8} "
