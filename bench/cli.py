@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import platform
@@ -416,11 +417,17 @@ def warm(args) -> int:
             native.build()
         except RuntimeError as e:
             print(f"the bridge's native lane cannot be built here ({e}); the bridge keeps its Python path", flush=True)
+    launched = None
+    if jax.default_backend() == "gpu":   # decided as the bridge's calls on this GPU look them up
+        import torch
+
+        from bridge import direct
+        launched = functools.partial(direct.self_launched_stacks, device=torch.device("cuda"))
     for sid in ids:
         shape = suite[sid]
         kind = T.MaskKind.PREFIX if shape.padding else T.MaskKind.ALL_TRUE
         c = shape.config
-        [chosen] = autotune.warm([(c, c.batch_size, c.seq_len, shape.dtype, kind)])
+        [chosen] = autotune.warm([(c, c.batch_size, c.seq_len, shape.dtype, kind)], self_launched=launched)
         print(f"{sid}: {chosen.explain()}", flush=True)
     return 0
 

@@ -21,7 +21,7 @@ from typing import Any
 import jax
 import torch
 
-from bridge import mosaic_launch, native, triton_launch
+from bridge import mosaic_launch, native, settings, triton_launch
 from bridge.transfer import Transfer, torch_dtype_name
 from ttj_jax import stacks
 from ttj_jax.device import device_facts
@@ -52,6 +52,23 @@ class Call:
     # integer comparison per call instead of the per-weight-version cache lookups.
     weights_generation: int = -1
     weights: Any = None
+
+
+def self_launched_stacks(config, batch_size: int, seq_len: int, device: torch.device) -> tuple[str, ...]:
+    """The stacks whose kernels the bridge would launch itself for a call of this shape on `device`, as
+    its settings and the device stand (the measured planner charges no bridge host time to those plans:
+    planner.InputFacts.self_launched). What a launch's one-time check may still refuse is not known here."""
+    if device.type != "cuda":
+        return ()
+    found = []
+    launch = stacks.get("fused_mgpu").bridge_launch
+    if mosaic_launch.unavailable_reason(device) is None and launch(config, batch_size, seq_len) is None:
+        found.append("fused_mgpu")
+    for stack in settings.triton_launch_stacks():
+        if (triton_launch.unavailable_reason(device, stack) is None
+                and triton_launch.config_reason(stack, config.d_model) is None):
+            found.append(stack)
+    return tuple(found)
 
 
 def half_runs_as_float32(state, x: torch.Tensor, kind: MaskKind, jax_device) -> bool:

@@ -272,7 +272,8 @@ class _ModuleState:
         shape_probe = jax.ShapeDtypeStruct(tuple(x.shape), "float32" if upcast else torch_dtype_name(x.dtype))
         plan = plan_for(self.config, shape_probe, kind, device=jax_device or jax.devices(
             "cpu" if x.device.type == "cpu" else None)[0], caller="torch", data_parallel=data_parallel,
-            stack=stack, policy=settings.requested_policy())
+            stack=stack, policy=settings.requested_policy(),
+            self_launched=direct.self_launched_stacks(self.config, x.shape[0], x.shape[1], x.device))
         call = Call(plan=plan, run=executable(plan, self.model_key), transfer=transfer,
                      passes_mask=plan.mask_mode != "none", upcast_to=upcast)
         bridge_launch = stacks.get(plan.stack).bridge_launch

@@ -491,7 +491,8 @@ def test_the_cache_key_names_device_software_model_and_inputs():
     assert none == key   # no mask and an all-True mask plan the same
     assert autotune.cache_key(SMALL, _facts(SMALL, dtype="float16"), H200, jax.devices()[0]) != key
     assert autotune.cache_key(SMALL, _facts(SMALL), A100, jax.devices()[0]) != key
-    assert autotune.cache_key(SMALL, _facts(SMALL, caller="torch"), H200, jax.devices()[0]) == key
+    # a torch caller's plans through jax are charged the bridge's host time: its decisions are its own
+    assert autotune.cache_key(SMALL, _facts(SMALL, caller="torch"), H200, jax.devices()[0]) != key
     found = planner.candidates(SMALL, _facts(SMALL), H200)
     assert autotune.cache_key(SMALL, _facts(SMALL), H200, jax.devices()[0], found) != key   # the candidates count
 
@@ -558,3 +559,69 @@ def test_the_compile_threads_setting_is_checked(monkeypatch):
     assert autotune.compile_threads() == 1
     monkeypatch.delenv(autotune.THREADS_ENV)
     assert 1 <= autotune.compile_threads() <= 8
+
+
+# ---- a torch caller's charges: the bridge's host time on plans through jax ----
+
+def test_which_plans_a_torch_caller_launches_itself():
+    rows = T.Plan(policy="mixed_fp16", attention="pallas", mask_mode="none", stack="rows")
+    mosaic = dataclasses.replace(rows, stack="fused_mgpu", attention="xla")
+    layers = dataclasses.replace(rows, stack="layers")
+    facts = T.InputFacts(64, 128, "float32", caller="torch", self_launched=("rows", "fused_mgpu"))
+    assert planner.launched_by_caller(rows, facts) and planner.launched_by_caller(mosaic, facts)
+    assert not planner.launched_by_caller(layers, facts)
+    # the rows program with a mask decided on the device has steps outside its kernels: through jax
+    assert not planner.launched_by_caller(dataclasses.replace(rows, mask_mode="device"), facts)
+    assert planner.launched_by_caller(dataclasses.replace(mosaic, mask_mode="device"), facts)
+    assert not planner.launched_by_caller(rows, T.InputFacts(64, 128, "float32", caller="torch"))
+    with pytest.raises(ValueError, match="not stacks"):
+        T.InputFacts(64, 128, "float32", caller="torch", self_launched=("cublas",))
+    with pytest.raises(ValueError, match="torch caller"):
+        T.InputFacts(64, 128, "float32", self_launched=("rows",))
+
+
+def test_a_torch_caller_is_charged_the_bridges_host_time_on_plans_through_jax(measuring_on_cpu, monkeypatch):
+    """Where issuing a plan through jax takes longer on the host than its measured time, a torch caller is
+    charged that host time plus the bridge's own (BRIDGE_HOST_MS): the plan it launches itself then wins
+    though it measured slower. A jax caller is charged the measured times; the two decisions are kept
+    apart in the cache."""
+    found = _cpu_candidates(SMALL, _facts(SMALL), None)
+    rules, launched = found
+    monkeypatch.setattr(planner, "launched_by_caller", lambda plan, inputs: inputs.caller == "torch" and plan == launched)
+    monkeypatch.setattr(autotune, "_time", lambda fns: {label: (0.1 if label == autotune._label(rules) else 0.2)
+                                                        for label in fns})
+    issued = {}
+
+    def issue_ms(fns):
+        issued.update(fns)
+        return {label: 0.5 for label in fns}
+    monkeypatch.setattr(autotune, "_issue_ms", issue_ms)
+    torch_facts = _facts(SMALL, caller="torch")
+    chosen, why, times = autotune.measure(SMALL, torch_facts, found, jax.devices()[0])
+    assert chosen == launched and set(issued) == {autotune._label(rules)}
+    assert times[autotune._label(rules)] == pytest.approx(0.5 + autotune.BRIDGE_HOST_MS)
+    assert times[autotune._label(launched)] == pytest.approx(0.2)
+    assert "for a torch caller" in why and f"{autotune._label(rules)} 0.100 to 0.540 ms" in why
+    # a plan through jax whose host time is below its measured time keeps its measured time
+    monkeypatch.setattr(autotune, "_issue_ms", lambda fns: {label: 0.01 for label in fns})
+    chosen, why, _ = autotune.measure(SMALL, torch_facts, found, jax.devices()[0])
+    assert chosen == rules and "none did" in why
+    # a jax caller: the measured times, no host charge
+    chosen, why, times = autotune.measure(SMALL, _facts(SMALL), found, jax.devices()[0])
+    assert chosen == rules and "torch caller" not in why and times[autotune._label(rules)] == pytest.approx(0.1)
+    key = autotune.cache_key(SMALL, torch_facts, H200, jax.devices()[0], found)
+    assert key["charged_as"] == {"caller": "torch", "self_launched": [], "bridge_host_ms": autotune.BRIDGE_HOST_MS}
+    launching = dataclasses.replace(torch_facts, self_launched=("rows",))
+    assert autotune.cache_key(SMALL, launching, H200, jax.devices()[0], found) != key
+    assert "charged_as" not in autotune.cache_key(SMALL, _facts(SMALL), H200, jax.devices()[0], found)
+
+
+def test_the_host_time_of_a_plan_is_the_median_issue_of_single_calls(monkeypatch):
+    waits = []
+
+    def fn():
+        time.sleep(0.002)
+        return jax.numpy.zeros(())
+    monkeypatch.setattr(jax, "block_until_ready", lambda out: waits.append(out) or out)
+    issued = autotune._issue_ms({"a": fn})
+    assert 2.0 <= issued["a"] < 50.0 and len(waits) == autotune.ISSUE_SAMPLES   # each call waited for

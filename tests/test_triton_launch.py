@@ -308,3 +308,45 @@ def test_half_x_runs_as_float32_where_the_rules_give_the_launched_rows_stack(mon
     x.dtype = torch.float32
     plan.stack = "rows"
     assert not direct.half_runs_as_float32(state, x, MaskKind.NONE, jax_device=object())
+
+
+def test_the_bridge_tells_the_planner_which_stacks_it_launches_itself(monkeypatch):
+    """direct.self_launched_stacks, which the measured planner charges no bridge host time: the Mosaic
+    stack where its launch takes the call, the Triton stacks the setting turns on at GPU-checked widths;
+    nothing on the CPU. build_call hands it to the planner."""
+    import types
+
+    import bridge
+    from bridge import direct, mosaic_launch, runtime
+    cuda = torch.device("cuda", 0)
+    wide = T.Config(batch_size=2, seq_len=16, d_model=256, num_heads=2, ffn_dim=64, num_layers=2, causal=True)
+    monkeypatch.delenv(settings.TRITON_LAUNCH_ENV, raising=False)
+    monkeypatch.setattr(mosaic_launch, "unavailable_reason", lambda device: "not Hopper")
+    monkeypatch.setattr(tl, "unavailable_reason", lambda device, stack: None
+                        if stack in settings.triton_launch_stacks() else "off")
+    assert direct.self_launched_stacks(CONFIG, 2, 16, torch.device("cpu")) == ()
+    assert direct.self_launched_stacks(CONFIG, 2, 16, cuda) == ("rows",)
+    assert direct.self_launched_stacks(wide, 2, 16, cuda) == ()      # a width the rows launch has not run at
+    monkeypatch.setenv(settings.TRITON_LAUNCH_ENV, "all")
+    assert direct.self_launched_stacks(wide, 2, 16, cuda) == ("rows", "fused")
+    monkeypatch.setenv(settings.TRITON_LAUNCH_ENV, "0")
+    assert direct.self_launched_stacks(CONFIG, 2, 16, cuda) == ()
+    monkeypatch.setattr(mosaic_launch, "unavailable_reason", lambda device: None)
+    takes = {"fused_mgpu": lambda config, batch, seq_len: None if seq_len <= 128 else "too long"}
+    monkeypatch.setattr(stacks, "get", lambda name: types.SimpleNamespace(bridge_launch=takes.get(name)))
+    assert direct.self_launched_stacks(CONFIG, 2, 16, cuda) == ("fused_mgpu",)
+    assert direct.self_launched_stacks(CONFIG, 2, 256, cuda) == ()
+    monkeypatch.undo()
+
+    seen = {}
+    real_plan_for = runtime.plan_for
+
+    def plan_for(*args, **kwargs):
+        seen.update(kwargs)
+        return real_plan_for(*args, **kwargs)
+    monkeypatch.setattr(runtime, "plan_for", plan_for)
+    monkeypatch.setattr(direct, "self_launched_stacks", lambda config, batch, seq_len, device: ("rows",))
+    ours = bridge.TTJTransformer(CONFIG)
+    with torch.inference_mode():
+        ours(random_input(CONFIG, 1))
+    assert seen["self_launched"] == ("rows",) and seen["caller"] == "torch"

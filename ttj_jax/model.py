@@ -25,15 +25,17 @@ __all__ = ["clear_forward_cache", "executable", "forward", "forward_cache_plans"
 
 
 def plan_for(config: Config, x, mask_kind: MaskKind, device=None, caller: str = "jax", autotune: bool | None = None,
-             **overrides) -> Plan:
+             self_launched: tuple[str, ...] = (), **overrides) -> Plan:
     """The plan for x: forced choices in `overrides` (policy=..., stack=...) go to the rules; otherwise on a
-    GPU the measured planner decides (autotune.choose: `autotune=False` or TTJ_AUTOTUNE=0 keeps the rules)."""
+    GPU the measured planner decides (autotune.choose: `autotune=False` or TTJ_AUTOTUNE=0 keeps the rules).
+    self_launched: the stacks a torch caller launches itself for this call (planner.InputFacts)."""
     # a traced x (forward inside a caller's jit) has no devices yet: planned for the default device
     placed = hasattr(x, "devices") and callable(x.devices) and not isinstance(x, jax.core.Tracer)
     devices = x.devices() if placed else ()
     device = device if device is not None else next(iter(devices)) if devices else jax.devices()[0]
     facts = InputFacts(batch_size=int(x.shape[0]), seq_len=int(x.shape[1]), dtype=str(jnp.dtype(x.dtype)),
-                       mask_kind=mask_kind, input_devices=max(1, len(devices)), caller=caller)
+                       mask_kind=mask_kind, input_devices=max(1, len(devices)), caller=caller,
+                       self_launched=tuple(self_launched))
     if not any(value is not None for value in overrides.values()):
         return _autotune.choose(config, facts, device, autotune=autotune)
     return make_plan(config, facts, device_facts(device), **overrides)

@@ -130,12 +130,19 @@ class InputFacts:
     mask_kind: MaskKind = MaskKind.NONE
     input_devices: int = 1         # devices x is spread over (a sharded jax array); 1 for a torch tensor
     caller: str = "jax"            # "torch": the bridge, which launches Mosaic GPU kernels itself
+    # The stacks whose kernels the caller launches itself for this call, without jax's dispatch per call
+    # (the bridge: "fused_mgpu" where it launches the Mosaic kernel, "rows" under its Triton launch). The
+    # measured planner charges a torch caller's plans through jax the bridge's host time, not these.
+    self_launched: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.caller not in CALLERS:
             raise ValueError(f"InputFacts.caller={self.caller!r} is not one of {CALLERS}")
-
-
+        unknown = set(self.self_launched) - set(STACKS)
+        if unknown:
+            raise ValueError(f"InputFacts.self_launched names {sorted(unknown)}, not stacks of {STACKS}")
+        if self.self_launched and self.caller != "torch":
+            raise ValueError("InputFacts.self_launched is for a torch caller (the bridge); a jax caller has none")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,6 +204,16 @@ class Plan:
 
     def explain(self) -> str:
         return f"{self.name}: {self.reason}"
+
+
+def launched_by_caller(plan: Plan, inputs: InputFacts) -> bool:
+    """Whether the caller runs `plan` by launching its kernels itself, without jax's dispatch per call: its
+    stack is one the caller launches (InputFacts.self_launched) on one device, and for a stack of Triton
+    kernels no mask is decided on the device (that program slices and casts outside its kernels, which
+    the bridge's launch does not replay: bridge/triton_launch.py)."""
+    if plan.stack not in inputs.self_launched or plan.data_parallel != 1:
+        return False
+    return plan.stack not in ("rows", "fused") or plan.mask_mode != "device"
 
 
 def plan(config: Config, inputs: InputFacts, device: DeviceFacts = CPU, *,
