@@ -35,14 +35,14 @@ from bridge import direct, native, settings
 from bridge.direct import Call
 from bridge.transfer import Transfer, current_cuda_device, torch_dtype_name, transfer_for
 from bridge.versions import ParameterWatch
-from ttj_jax import stacks
+from ttj_jax import planner, stacks
 from ttj_jax.config import Config
 from ttj_jax.device import device_facts
 from ttj_jax.masks import MaskKind, classify_mask
 from ttj_jax.model import executable, model_key, plan_for, validate_inputs
 from ttj_jax.numerics import get_policy
 from ttj_jax.params import expected_shapes, params_from_state_dict, prepare_weights
-from ttj_jax.planner import InputFacts
+from ttj_jax.planner import InputFacts, Plan
 from ttj_jax.planner import plan as make_plan
 
 _STATES: weakref.WeakKeyDictionary[torch.nn.Module, _ModuleState] = weakref.WeakKeyDictionary()
@@ -270,12 +270,33 @@ class _ModuleState:
         jax_device = transfer.importer.device
         upcast = x.dtype if x.dtype == torch.float64 or direct.half_runs_as_float32(self, x, kind, jax_device) else None
         shape_probe = jax.ShapeDtypeStruct(tuple(x.shape), "float32" if upcast else torch_dtype_name(x.dtype))
-        plan = plan_for(self.config, shape_probe, kind, device=jax_device or jax.devices(
-            "cpu" if x.device.type == "cpu" else None)[0], caller="torch", data_parallel=data_parallel,
-            stack=stack, policy=settings.requested_policy(),
-            self_launched=direct.self_launched_stacks(self.config, x.shape[0], x.shape[1], x.device))
+        launched = direct.self_launched_stacks(self.config, x.shape[0], x.shape[1], x.device)
+        policy = settings.requested_policy()
+        forced = any(value is not None for value in (data_parallel, stack, policy))   # the rules' plan, as asked
+        replanned = ""
+        while True:
+            plan = plan_for(self.config, shape_probe, kind, device=jax_device or jax.devices(
+                "cpu" if x.device.type == "cpu" else None)[0], caller="torch", data_parallel=data_parallel,
+                stack=stack, policy=policy, self_launched=launched)
+            call = self._call_for(plan, x, transfer, upcast)
+            if forced or call.direct is not None or not planner.launched_by_caller(plan, InputFacts(
+                    x.shape[0], x.shape[1], shape_probe.dtype.name, kind, caller="torch", self_launched=launched)):
+                break
+            # The planner counted on the bridge launching this plan's kernels (no jax dispatch), and the
+            # launch was refused: plan again as a caller that does not launch that stack, so the plans
+            # through jax are compared with it on equal terms (one more measurement, once per signature).
+            replanned = f"{plan.name} planned first, its launch refused ({call.direct_note}); planned again without it"
+            launched = tuple(s for s in launched if s != plan.stack)
+        if replanned:
+            call.direct_note = f"{call.direct_note}; {replanned}" if call.direct_note else replanned
+        if call.direct is not None and x.device.type == "cuda":
+            call.direct_device = x.device.index   # a CUDA tensor's device always carries its index
+        return call
+
+    def _call_for(self, plan: Plan, x: torch.Tensor, transfer, upcast) -> Call:
+        """The call record of `plan` for x, with the bridge's own launch of its kernels where it has one."""
         call = Call(plan=plan, run=executable(plan, self.model_key), transfer=transfer,
-                     passes_mask=plan.mask_mode != "none", upcast_to=upcast)
+                    passes_mask=plan.mask_mode != "none", upcast_to=upcast)
         bridge_launch = stacks.get(plan.stack).bridge_launch
         if bridge_launch is not None and plan.data_parallel > 1:
             call.direct_note = f"the batch is split over {plan.data_parallel} devices, one kernel per device"
@@ -283,9 +304,8 @@ class _ModuleState:
             call.direct, call.direct_note = direct.mosaic_kernel(self, call, x.shape, x.device)
         elif stacks.get(plan.stack).kernels_only and plan.data_parallel == 1:
             call.direct, call.direct_note = direct.triton_kernels(self, call, x)
-        if call.direct is not None and x.device.type == "cuda":
-            call.direct_device = x.device.index   # a CUDA tensor's device always carries its index
         return call
+
 
 def _state(module: torch.nn.Module, config) -> _ModuleState:
     state = _STATES.get(module)
@@ -637,7 +657,8 @@ def explain(module: torch.nn.Module, x: torch.Tensor, valid_token_mask=None, *, 
         text += "; launched directly on torch's current stream (no JAX dispatch)"
         if getattr(call.direct, "kernel", None) is not None and x.device.type == "cuda":
             text += "; " + native.describe()
-    elif stack.bridge_launch is not None or (stack.kernels_only and stack.name in settings.triton_launch_stacks()):
+    elif (stack.bridge_launch is not None or (stack.kernels_only and stack.name in settings.triton_launch_stacks())
+          or call.direct_note):
         text += f"; run through jax: {call.direct_note}"
     return text
 

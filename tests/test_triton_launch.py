@@ -350,3 +350,39 @@ def test_the_bridge_tells_the_planner_which_stacks_it_launches_itself(monkeypatc
     with torch.inference_mode():
         ours(random_input(CONFIG, 1))
     assert seen["self_launched"] == ("rows",) and seen["caller"] == "torch"
+
+
+def test_a_refused_launch_the_planner_counted_on_is_planned_again_without_it(monkeypatch):
+    """The planner chose the rows plan because the bridge launches it; the launch is refused (here: its
+    one-time check): the call is planned again with the rows stack charged as a plan through jax, and
+    explain() says so. Where the second planning gives the same plan, it runs through jax."""
+    import bridge
+    from bridge import direct, runtime
+    rows = T.Plan(policy="mixed_fp16", attention="pallas", mask_mode="none", stack="rows", reason="rows")
+    layers = T.Plan(policy="mixed_fp16", attention="pallas", mask_mode="none", reason="layers")
+    asked = []
+
+    def plan_for(config, probe, kind, **kwargs):
+        asked.append(kwargs["self_launched"])
+        return rows if "rows" in kwargs["self_launched"] else layers
+    monkeypatch.setattr(runtime, "plan_for", plan_for)
+    monkeypatch.setattr(direct, "self_launched_stacks", lambda config, batch, seq_len, device: ("rows",))
+    monkeypatch.setattr(direct, "triton_kernels", lambda state, call, x: (None, "refused by its check"))
+    ours = bridge.TTJTransformer(CONFIG)
+    x = random_input(CONFIG, 2)
+    with torch.inference_mode():
+        y = ours(x)
+    [call] = runtime._STATES[ours].calls.values()
+    assert asked == [("rows",), ()] and call.plan == layers
+    assert "refused by its check" in call.direct_note and "planned again" in call.direct_note
+    assert "planned again" in bridge.explain(ours, x)
+    with torch.inference_mode():
+        assert torch.equal(ours(x), y) and len(asked) == 2   # planned once per signature
+
+    asked.clear()
+    monkeypatch.setattr(runtime, "plan_for", lambda config, probe, kind, **kwargs: asked.append(1) or rows)
+    ours = bridge.TTJTransformer(CONFIG)
+    with torch.inference_mode():
+        ours(x)
+    [call] = runtime._STATES[ours].calls.values()
+    assert len(asked) == 2 and call.plan == rows and call.direct is None   # the same plan: through jax
