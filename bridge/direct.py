@@ -54,21 +54,27 @@ class Call:
     weights: Any = None
 
 
+def launch_reason(stack_name: str, config, batch_size: int, seq_len: int, device: torch.device) -> str | None:
+    """Why the bridge does not launch the kernels of a `stack_name` plan itself for a call of this shape on
+    `device`, or None where it does (as its settings and the device stand; what the launch's one-time
+    check may still refuse is not known here)."""
+    stack = stacks.get(stack_name)
+    if stack.bridge_launch is not None:   # the Mosaic GPU stack
+        return mosaic_launch.unavailable_reason(device) or stack.bridge_launch(config, batch_size, seq_len)
+    if stack.kernels_only:                # a program of Triton kernels
+        return (triton_launch.unavailable_reason(device, stack_name)
+                or triton_launch.config_reason(stack_name, config.d_model))
+    return f"the {stack_name} stack runs through jax"
+
+
 def self_launched_stacks(config, batch_size: int, seq_len: int, device: torch.device) -> tuple[str, ...]:
-    """The stacks whose kernels the bridge would launch itself for a call of this shape on `device`, as
-    its settings and the device stand (the measured planner charges no bridge host time to those plans:
-    planner.InputFacts.self_launched). What a launch's one-time check may still refuse is not known here."""
+    """The stacks whose kernels the bridge would launch itself for a call of this shape on `device`
+    (launch_reason): the measured planner charges no bridge host time to those plans
+    (planner.InputFacts.self_launched)."""
     if device.type != "cuda":
         return ()
-    found = []
-    launch = stacks.get("fused_mgpu").bridge_launch
-    if mosaic_launch.unavailable_reason(device) is None and launch(config, batch_size, seq_len) is None:
-        found.append("fused_mgpu")
-    for stack in settings.triton_launch_stacks():
-        if (triton_launch.unavailable_reason(device, stack) is None
-                and triton_launch.config_reason(stack, config.d_model) is None):
-            found.append(stack)
-    return tuple(found)
+    return tuple(name for name in ("fused_mgpu", *settings.triton_launch_stacks())
+                 if launch_reason(name, config, batch_size, seq_len, device) is None)
 
 
 def half_runs_as_float32(state, x: torch.Tensor, kind: MaskKind, jax_device) -> bool:
@@ -81,23 +87,13 @@ def half_runs_as_float32(state, x: torch.Tensor, kind: MaskKind, jax_device) -> 
     facts = InputFacts(batch_size=x.shape[0], seq_len=x.shape[1], dtype="float32", mask_kind=kind,
                        caller="torch")
     rules = make_plan(state.config, facts, device_facts(jax_device))
-    stack = stacks.get(rules.stack)
-    if rules.data_parallel != 1:
-        return False
-    if stack.kernels_only:
-        return (triton_launch.unavailable_reason(x.device, rules.stack) is None
-                and triton_launch.config_reason(rules.stack, state.config.d_model) is None)
-    launch = stack.bridge_launch
-    return (launch is not None and launch(state.config, x.shape[0], x.shape[1]) is None
-            and mosaic_launch.unavailable_reason(x.device) is None)
+    return rules.data_parallel == 1 and launch_reason(rules.stack, state.config, x.shape[0], x.shape[1], x.device) is None
 
 
 def mosaic_kernel(state, call: Call, shape, device: torch.device):
     """(launch, "") for the Mosaic GPU stack on this input (bridge/mosaic_launch.py), or (None, why it
     runs through jax)."""
-    why = mosaic_launch.unavailable_reason(device)
-    if why is None:
-        why = stacks.get(call.plan.stack).bridge_launch(state.config, shape[0], shape[1])
+    why = launch_reason(call.plan.stack, state.config, shape[0], shape[1], device)
     if why is not None:
         return None, why
     masked = call.plan.mask_mode in KEY_MASK_MODES   # any mask: the kernel's masked build
@@ -127,8 +123,7 @@ def mosaic_kernel(state, call: Call, shape, device: torch.device):
 def triton_kernels(state, call: Call, x: torch.Tensor):
     """(launch, "") running the plan's Triton kernels on torch's stream (bridge/triton_launch.py), or
     (None, why it runs through jax)."""
-    why = (triton_launch.unavailable_reason(x.device, call.plan.stack)
-           or triton_launch.config_reason(call.plan.stack, state.config.d_model))
+    why = launch_reason(call.plan.stack, state.config, x.shape[0], x.shape[1], x.device)
     if why is None and call.plan.policy != "mixed_fp16":
         why = f"policy {call.plan.policy}: the bridge keeps kernel weights of mixed_fp16 only"
     if why is not None:
