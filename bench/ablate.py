@@ -111,7 +111,7 @@ def run_shape(sid: str, variants: list[str], seeds: int, device: str, kernels: b
             # per layer: twelve arguments a layer, each a buffer of its own; stacked (the stack's own layout):
             # fourteen, each layer's slices cut inside the program
             program_weights = (prepared if layout == "per-layer"
-                               else kernel_weights(prepared, T.model_key(config), chosen.stack))
+                               else kernel_weights(prepared, T.model_key(config), chosen))
             if options or layout is not None:   # forward() takes neither: the program compiled with them
                 step = lambda w, a: program(program_weights, a, None)   # noqa: E731
             else:

@@ -169,7 +169,7 @@ def ttj_jax_contender(module, config: T.Config, x: torch.Tensor, mask: torch.Ten
         jmask = jax.device_put(host_mask, next(iter(jx.devices())))
     prepared = jax.block_until_ready(T.prepare_weights(params, T.get_policy(plan.policy)))
     # a whole-stack kernel's own weight layout, built once (as T.forward does)
-    prepared = jax.block_until_ready(T.model.kernel_weights(prepared, T.model_key(config), plan.stack))
+    prepared = jax.block_until_ready(T.model.kernel_weights(prepared, T.model_key(config), plan))
     run = T.executable(plan, T.model_key(config))
     return (lambda: run(prepared, jx, jmask)), plan
 

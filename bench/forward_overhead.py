@@ -39,7 +39,7 @@ def measure(shape: T.Shape, calls: int) -> dict:
     x = jax.random.normal(jax.random.key(1), (config.batch_size, config.seq_len, config.d_model), jnp.float32)
     plan = plan_for(config, x, T.MaskKind.NONE)
     run = executable(plan, model_key(config))
-    weights = kernel_weights(prepared, model_key(config), plan.stack)
+    weights = kernel_weights(prepared, model_key(config), plan)
     def forward_replanning():   # forward with its per-signature cache emptied: planned on every call
         model.clear_forward_cache()
         return T.forward(prepared, x, config=config)

@@ -151,8 +151,9 @@ class _ModuleState:
 
     def kernel_jax_weights(self, stack: str, data_parallel: int = 1, policy_name: str = "mixed_fp16"):
         """A stack's own weight layout as jax arrays ("layers": StackedWeights, "fused": FusedWeights,
-        "fused_mgpu": MgpuStackWeights, "rows": RowsWeights), from the weights prepared for `policy_name`,
-        built once per weight version (and replicated once over the mesh of a split plan)."""
+        "fused_mgpu": MgpuStackWeights, "rows": RowsWeights; or another layout a plan names,
+        stacks.weights_layout), from the weights prepared for `policy_name`, built once per weight version
+        (and replicated once over the mesh of a split plan)."""
         prepared = self.weights(policy_name)
         return self._derived(f"{stack}-{policy_name}-jax", data_parallel,
                              lambda: stacks.kernel_weights(prepared, self.model_key, stack))
@@ -255,8 +256,9 @@ class _ModuleState:
         in, rebuilt through the caches when a parameter changed."""
         generation = self.weights_generation()
         if generation != call.weights_generation:   # first call, or a parameter changed: the caches decide
-            if stacks.get(call.plan.stack).build_weights is not None:   # the stack's own layout
-                call.weights = self.kernel_jax_weights(call.plan.stack, call.plan.data_parallel, call.plan.policy)
+            if stacks.layout_builder(call.plan) is not None:   # the plan's own layout
+                call.weights = self.kernel_jax_weights(stacks.weights_layout(call.plan), call.plan.data_parallel,
+                                                       call.plan.policy)
             else:
                 call.weights = self.weights(call.plan.policy, call.plan.data_parallel)
             call.weights_generation = generation

@@ -222,8 +222,17 @@ def test_candidates_start_with_the_rules_plan_and_are_bounded():
 
 def test_candidates_include_the_gemm_bound_numerics_and_cudnn_for_a_bert_like_model():
     bert = T.Config(batch_size=32, seq_len=512, d_model=768, num_heads=12, ffn_dim=3072, num_layers=2, causal=False)
-    names = {(p.attention, p.policy) for p in planner.candidates(bert, _facts(bert), H200)}
+    found = planner.candidates(bert, _facts(bert), H200)
+    names = {(p.attention, p.policy) for p in found}
     assert {("pallas", "mixed_fp16"), ("pallas", planner.GEMM_BOUND_POLICY), ("cudnn", "mixed_fp16")} <= names
+    # beside cuDNN's GEMM-bound plan, its twin with q, k and v by three GEMMs, kept apart from XLA's merger
+    [three] = [p for p in found if p.qkv_gemms == 3]
+    assert (three.attention, three.policy, three.xla_options) == ("cudnn", planner.GEMM_BOUND_POLICY,
+                                                                  planner.QKV_SPLIT_XLA_OPTIONS)
+    assert autotune._plan_from_record(json.loads(json.dumps(autotune._plan_record(three)))) == three
+    # no cuDNN plan (a key mask), no twin
+    masked = planner.candidates(bert, _facts(bert, kind=T.MaskKind.GENERAL), H200)
+    assert all(p.qkv_gemms == 1 for p in masked)
 
 
 # ---- measuring (CPU: two XLA plans stand in for a GPU's candidates) ----

@@ -129,6 +129,46 @@ def test_the_layer_program_takes_its_weights_stacked_fourteen_arrays_at_any_dept
     np.testing.assert_array_equal(np.asarray(run(stacked, x, None)), np.asarray(run(prepared, x, None)))
 
 
+def test_the_three_gemm_qkv_projection_gives_the_fused_programs_output(monkeypatch):
+    """Plan.qkv_gemms = 3 (q, k and v by three GEMMs, each output dense, for cuDNN's attention): its weights
+    split to [L, 3, d, d] once (its own layout, kept apart from the fused one), and the program's output
+    the fused projection's, from the split layout, from per-layer weights (sliced in the program) and
+    scanned over the layers. A CPU stand-in takes cuDNN's place (the XLA attention on the same q, k, v)."""
+    import functools
+
+    from ttj_jax import layers, planner, stacks
+
+    def stand_in(qkv, key_valid, *, causal, policy):
+        qkv = jnp.stack(qkv, axis=2) if isinstance(qkv, tuple) else qkv
+        return layers.xla_attention(qkv, key_valid, causal=causal, policy=policy)
+    monkeypatch.setitem(layers.ATTENTION, "cudnn", stand_in)
+    config = dataclasses.replace(CONFIGS["hd16-S7"], num_layers=3)
+    _, params = baseline_and_params(config)
+    x = to_jax(random_input(config, seed=4))
+    key = T.model_key(config)
+    prepared = T.prepare_weights(params, T.MIXED_FP16)
+    fused = T.Plan(policy=planner.GEMM_BOUND_POLICY, attention="cudnn", mask_mode="none")
+    three = dataclasses.replace(fused, qkv_gemms=3, xla_options=planner.QKV_SPLIT_XLA_OPTIONS)
+    assert "/qkv3" in three.name and stacks.weights_layout(three) == "layers-qkv3"
+    split = stacks.kernel_weights(prepared, key, three)
+    d = config.d_model
+    assert split.layers["qkv_weight"].shape == (3, 3, d, d) and split.layers["qkv_bias"].shape == (3, 3, d)
+    assert stacks.kernel_weights(prepared, key, three) is split                  # built once
+    assert stacks.kernel_weights(prepared, key, fused).layers["qkv_weight"].shape == (3, d, 3 * d)
+    np.testing.assert_array_equal(np.asarray(split.layers["qkv_weight"][1, 2]),
+                                  np.asarray(prepared.layers[1]["qkv_weight"][:, 2 * d:]))
+
+    def run(plan, weights):   # not model.executable: its cache would keep the stand-in's program
+        return np.asarray(jax.jit(functools.partial(layers.run_layers, config=key, plan=plan))(weights, x, None))
+    y = run(fused, stacks.kernel_weights(prepared, key, fused))
+    np.testing.assert_allclose(run(three, split), y, atol=1e-6)
+    np.testing.assert_allclose(run(three, prepared), y, atol=1e-6)
+    np.testing.assert_allclose(run(dataclasses.replace(three, scan_layers=True), split), y, atol=1e-6)
+    np.testing.assert_allclose(run(fused, split), y, atol=1e-6)   # split weights joined again for one GEMM
+    with pytest.raises(ValueError, match="qkv_gemms=3"):
+        dataclasses.replace(three, attention="pallas")
+
+
 def test_layer_norm_reduces_over_two_dimensional_rows_and_keeps_the_shape():
     """numerics.layer_norm of a [B, S, d] input computes on the [B*S, d] rows: XLA's GPU fusion of the
     3-D form tiled rows a sequence apart (10% of vit-s197's program, docs/decisions.md). Its values

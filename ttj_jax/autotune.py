@@ -208,7 +208,7 @@ def _runner(candidate: Plan, config: Config, params, prepared_by_dtype: dict):
     if dtype not in prepared_by_dtype:
         prepared_by_dtype[dtype] = prepare_weights(params, policy)
     key_config = model_key(config)
-    weights = stacks.kernel_weights(prepared_by_dtype[dtype], key_config, candidate.stack)
+    weights = stacks.kernel_weights(prepared_by_dtype[dtype], key_config, candidate)
     return executable(candidate, key_config), weights
 
 

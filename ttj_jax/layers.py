@@ -52,10 +52,16 @@ def pallas_attention(qkv, key_valid, *, causal, policy, implementation="auto"):
 
 
 def cudnn_attention(qkv, key_valid, *, causal, policy):
+    """cuDNN's fused attention through jax. qkv: (B, S, 3, H, hd), or a tuple (q, k, v) of (B, S, H, hd)
+    each (the three-GEMM projection, `project_qkv`): cuDNN takes dense q, k and v, so from the fused
+    layout XLA first copies each out."""
     if key_valid is not None:
         raise ValueError("the cudnn attention plan takes no key mask; the planner must choose another")
-    qkv = qkv.astype(policy.gemm_dtype)
-    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    if isinstance(qkv, tuple):
+        q, k, v = (t.astype(policy.gemm_dtype) for t in qkv)
+    else:
+        qkv = qkv.astype(policy.gemm_dtype)
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
     return jax.nn.dot_product_attention(q, k, v, is_causal=causal,
                                         implementation="cudnn").astype(jnp.float32)
 
@@ -68,14 +74,38 @@ def attention_for(plan: Plan):
     return ATTENTION[plan.attention]
 
 
+def project_qkv(h, w: Mapping[str, jax.Array], *, config: Config, plan: Plan, policy: NumericsPolicy):
+    """The q/k/v projection of h (B, S, d). One GEMM (plan.qkv_gemms == 1): (B, S, 3, H, hd), the fused
+    layout our flash kernel reads. Three (cuDNN's attention): a tuple (q, k, v), each (B, S, H, hd) and
+    dense, from weights split as [3, d, d] (`split_qkv_weights`; an unsplit [d, 3d] is sliced here, at
+    the cost of a copy per call)."""
+    B, S, _ = h.shape
+    heads = (config.num_heads, config.head_dim)
+    weight, bias = w["qkv_weight"], w["qkv_bias"]
+    if plan.qkv_gemms == 1:
+        if weight.ndim == 3:   # split weights: joined again (a copy per call)
+            weight, bias = jnp.concatenate(list(weight), axis=1), bias.reshape(-1)
+        return policy.project_qkv(h, weight, bias).reshape(B, S, 3, *heads)              # free reshape
+    if weight.ndim == 2:
+        weight, bias = split_qkv(weight, bias)
+    return tuple(policy.project_qkv(h, weight[t], bias[t]).reshape(B, S, *heads) for t in range(3))
+
+
+def split_qkv(weight, bias):
+    """A fused q/k/v projection's [..., d, 3d] weight and [..., 3d] bias as [..., 3, d, d] and [..., 3, d]:
+    q's, k's and v's, each contiguous."""
+    d = weight.shape[-2]
+    weight = jnp.moveaxis(weight.reshape(*weight.shape[:-1], 3, d), -2, -3)
+    return weight, bias.reshape(*bias.shape[:-1], 3, d)
+
+
 def layer(w: Mapping[str, jax.Array], x, row_valid, key_valid, *, config: Config, plan: Plan,
            policy: NumericsPolicy, attention=None):
     """One pre-LN block on the fp32 residual x (B, S, d). attention: the plan's (attention_for) unless
     given (ring_attention.py runs this on a slice of the sequence with a ring in its place)."""
     B, S, d = x.shape
     h = layer_norm(x, w["norm1_weight"], w["norm1_bias"])
-    qkv = policy.project_qkv(h, w["qkv_weight"], w["qkv_bias"])                         # (B, S, 3d)
-    qkv = qkv.reshape(B, S, 3, config.num_heads, config.head_dim)                        # free reshape
+    qkv = project_qkv(h, w, config=config, plan=plan, policy=policy)
     context = (attention or attention_for(plan))(qkv, key_valid, causal=config.causal, policy=policy)
     a = policy.matmul(context.reshape(B, S, d), w["out_weight"]) + w["out_bias"]
     if row_valid is not None:

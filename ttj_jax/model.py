@@ -76,12 +76,12 @@ def forward(params: Any, x, valid_token_mask=None, *, config, mask_kind: MaskKin
     mask = mask if chosen.mask_mode != "none" else None
     if training.is_differentiated(params, x):   # jax.grad and friends (training.py)
         def primal(p, h, m):
-            build = stacks.get(chosen.stack).build_weights
+            build = stacks.layout_builder(chosen)
             return run(build(p, key_config) if prepared and build is not None else p, h, m)
         on_gpu = jax.default_backend() == "gpu"
         return training.differentiable(primal, key_config, on_gpu)(params, x, mask)
     if prepared:
-        params = kernel_weights(params, key_config, chosen.stack)
+        params = kernel_weights(params, key_config, chosen)
     return run(params, x, mask)
 
 

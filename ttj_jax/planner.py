@@ -120,6 +120,12 @@ MGPU_STACK_ROWS_MASK = ("measured 0.079 / 0.066 / 0.079 ms at shapes 2 / 7 / 12 
 GEMM_BOUND_MIN_D_MODEL = 1024
 GEMM_BOUND_POLICY = "mixed_fp16_gemm16_tanh"
 GEMM_BOUND_XLA_OPTIONS = (("xla_gpu_enable_triton_gemm", False),)
+# The three-GEMM q/k/v projection (Plan.qkv_gemms = 3) keeps its three GEMMs apart: XLA's dot merger
+# would join GEMMs that share an operand into one and copy the three outputs out of it again. A measured
+# candidate beside each cuDNN plan of the GEMM-bound policy: on one H100, 0.402 against 0.425 ms at
+# vit-s197, 1.286 against 1.363 at bert-base, 0.272 against 0.278 at clip-text-s77, 0.510 against 0.470
+# at dec-l8-d256-hd128, where three small GEMMs lose to one (bench/results/qkv-gemms-2026-12-05-h100.json).
+QKV_SPLIT_XLA_OPTIONS = GEMM_BOUND_XLA_OPTIONS + (("xla_disable_hlo_passes", "dot-merger"),)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,6 +164,10 @@ class Plan:
     stack: str = "layers"          # one of STACKS
     xla_options: tuple = ()        # ((name, value), ...): XLA compile options for this plan's program
     scan_layers: bool = False      # the layer-by-layer program as one lax.scan over the stacked weights
+    # The q/k/v projection in the XLA program: 1, one [d, 3d] GEMM (the fused layout our flash kernel
+    # reads); 3, three [d, d] GEMMs, each output dense, for cuDNN's attention, which otherwise gets q, k
+    # and v copied out of the fused output (layers.project_qkv, QKV_SPLIT_XLA_OPTIONS).
+    qkv_gemms: int = 1
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -183,6 +193,11 @@ class Plan:
                              "mask-free, without a batch split or batch chunks")
         if self.xla_options and (self.stack != "layers" or self.data_parallel > 1 or self.sequence_parallel > 1):
             raise ValueError("Plan.xla_options apply to the one-device layer-by-layer XLA program only")
+        if self.qkv_gemms not in (1, 3):
+            raise ValueError(f"Plan.qkv_gemms={self.qkv_gemms!r} must be 1 or 3")
+        if self.qkv_gemms == 3 and (self.stack != "layers" or self.attention != "cudnn"):
+            raise ValueError("Plan.qkv_gemms=3 is for the layer-by-layer XLA program with cuDNN's attention "
+                             "(the other attentions read the fused q/k/v layout)")
         if self.scan_layers and (self.stack != "layers" or self.sequence_parallel > 1):
             raise ValueError("Plan.scan_layers applies to the layer-by-layer XLA program on one sequence per device")
 
@@ -200,7 +215,8 @@ class Plan:
             devices = f"/ring-x{self.sequence_parallel}-devices"
         options = "/xla-options" if self.xla_options else ""
         scan = "/scan" if self.scan_layers else ""
-        return f"{self.attention}-attention/{self.policy}/mask-{self.mask_mode}{chunk}{devices}{scan}{options}"
+        qkv = "/qkv3" if self.qkv_gemms == 3 else ""
+        return f"{self.attention}-attention/{self.policy}/mask-{self.mask_mode}{chunk}{devices}{scan}{qkv}{options}"
 
     def explain(self) -> str:
         return f"{self.name}: {self.reason}"
@@ -417,6 +433,9 @@ def candidates(config: Config, inputs: InputFacts, device: DeviceFacts = CPU) ->
                                          reason=f"{base.reason}; numerics {GEMM_BOUND_POLICY} with cuBLAS GEMMs")
         for candidate in ((gemm_bound, default) if base.policy == GEMM_BOUND_POLICY else (default, gemm_bound)):
             add(candidate)   # (a plan equal to one found, its reason aside, is not added twice)
+        if attention == "cudnn" and gemm_bound.stack == "layers" and gemm_bound.sequence_parallel == 1:
+            add(dataclasses.replace(gemm_bound, qkv_gemms=3, xla_options=QKV_SPLIT_XLA_OPTIONS,
+                                    reason=f"{gemm_bound.reason}; q, k and v by three GEMMs"))
     return found
 
 

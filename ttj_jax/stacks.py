@@ -19,9 +19,9 @@ from collections.abc import Callable
 import jax
 
 from ttj_jax.config import Config
-from ttj_jax.layers import key_mask_for, run_layers
+from ttj_jax.layers import key_mask_for, run_layers, split_qkv
 from ttj_jax.numerics import get_policy
-from ttj_jax.params import PreparedWeights, prepare_weights, stack_layer_weights
+from ttj_jax.params import PreparedWeights, StackedWeights, prepare_weights, stack_layer_weights
 from ttj_jax.planner import KEY_MASK_MODES, ROWS_BLOCK, Plan
 from ttj_jax.planner import STACKS as PLANNED_STACKS
 
@@ -104,6 +104,20 @@ def _layers_weights(prepared, config: Config):
 _stack_jitted = jax.jit(stack_layer_weights)
 
 
+@jax.jit
+def _stack_split_qkv(prepared):
+    stacked = stack_layer_weights(prepared)
+    weight, bias = split_qkv(stacked.layers["qkv_weight"], stacked.layers["qkv_bias"])
+    return StackedWeights({**stacked.layers, "qkv_weight": weight, "qkv_bias": bias}, stacked.final_norm,
+                          stacked.policy_name)
+
+
+def _layers_qkv3_weights(prepared, config: Config):
+    """The XLA program's stacked weights with q/k/v's split apart ([L, 3, d, d], [L, 3, d]): each of the
+    three GEMMs (Plan.qkv_gemms = 3) reads a contiguous slice, no copy."""
+    return _stack_split_qkv(prepared)
+
+
 def _rows_weights(prepared, config: Config):
     from ttj_jax.kernels.row_block import rows_weights
     return jax.jit(functools.partial(rows_weights, num_heads=config.num_heads))(prepared)
@@ -141,14 +155,31 @@ def get(name: str) -> Stack:
 _KERNEL_WEIGHTS: weakref.WeakKeyDictionary[PreparedWeights, dict] = weakref.WeakKeyDictionary()
 
 
-def kernel_weights(prepared: PreparedWeights, config: Config, stack: str):
-    """What the plan's executable takes for `prepared`: the stack's own weight layout, built once per
-    PreparedWeights object (they are immutable) and kept as long as it lives; `prepared` itself for
-    stacks without one."""
-    build = get(stack).build_weights
+# Weight layouts beyond the stacks' own, by name (`weights_layout`).
+_LAYOUTS: dict[str, Callable] = {"layers-qkv3": _layers_qkv3_weights}
+
+
+def weights_layout(plan: Plan) -> str:
+    """The name of the weight layout `plan`'s executable takes: its stack's, or the XLA program's with the
+    q/k/v weight split for three GEMMs (Plan.qkv_gemms)."""
+    return "layers-qkv3" if plan.qkv_gemms == 3 else plan.stack
+
+
+def layout_builder(layout: str | Plan) -> Callable | None:
+    """(prepared, config) -> the layout's weights, or None where the executable takes PreparedWeights."""
+    layout = weights_layout(layout) if isinstance(layout, Plan) else layout
+    return _LAYOUTS[layout] if layout in _LAYOUTS else get(layout).build_weights
+
+
+def kernel_weights(prepared: PreparedWeights, config: Config, layout: str | Plan):
+    """What a plan's executable takes for `prepared`: its weight layout (a plan, or a layout's name: a
+    stack's, see `weights_layout`), built once per PreparedWeights object (they are immutable) and kept
+    as long as it lives; `prepared` itself for stacks without one."""
+    layout = weights_layout(layout) if isinstance(layout, Plan) else layout
+    build = layout_builder(layout)
     if build is None:
         return prepared
     cached = _KERNEL_WEIGHTS.setdefault(prepared, {})
-    if stack not in cached:
-        cached[stack] = build(prepared, config)
-    return cached[stack]
+    if layout not in cached:
+        cached[layout] = build(prepared, config)
+    return cached[layout]
