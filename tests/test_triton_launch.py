@@ -337,6 +337,18 @@ def test_the_bridge_tells_the_planner_which_stacks_it_launches_itself(monkeypatc
     assert direct.self_launched_stacks(CONFIG, 2, 16, cuda) == ("fused_mgpu",)
     assert direct.self_launched_stacks(CONFIG, 2, 256, cuda) == ()
     monkeypatch.undo()
+    # the Mosaic stack's own answer, for any length and model a call may bring (S above the kernel's
+    # 128-row tile, odd S, a width it does not take): a reason, never an exception
+    monkeypatch.setattr(mosaic_launch, "unavailable_reason", lambda device: None)
+    monkeypatch.setenv(settings.TRITON_LAUNCH_ENV, "0")
+    mosaic = T.Config(batch_size=2, seq_len=128, d_model=128, num_heads=4, ffn_dim=128, num_layers=2, causal=True)
+    assert direct.self_launched_stacks(mosaic, 2, 128, cuda) == ("fused_mgpu",)
+    assert direct.self_launched_stacks(mosaic, 3, 64, cuda) == ()          # half a tile: the jax path pads
+    for seq_len in (197, 256, 512, 100):
+        assert direct.self_launched_stacks(mosaic, 2, seq_len, cuda) == ()
+        assert "does not take" in direct.launch_reason("fused_mgpu", mosaic, 2, seq_len, cuda)
+    assert direct.self_launched_stacks(wide, 2, 128, cuda) == ()
+    monkeypatch.undo()
 
     seen = {}
     real_plan_for = runtime.plan_for

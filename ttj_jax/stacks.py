@@ -90,7 +90,9 @@ def _run_rows(weights, x, mask, *, config: Config, plan: Plan):
 
 
 def _mgpu_bridge_launch(config: Config, batch: int, seq_len: int) -> str | None:
-    from ttj_jax.kernels.fused_stack_mgpu import TILE_ROWS
+    from ttj_jax.kernels.fused_stack_mgpu import TILE_ROWS, supports
+    if not supports(config, seq_len):
+        return f"the Mosaic GPU stack kernel does not take this model at S={seq_len}"
     if batch % (TILE_ROWS // seq_len):
         return (f"batch {batch} at S={seq_len} needs padding to fill the kernel's {TILE_ROWS}-row tiles "
                 "(the jax path pads)")
