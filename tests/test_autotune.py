@@ -335,6 +335,32 @@ def test_the_rules_scanned_twin_is_held_to_the_rule_itself(measuring_on_cpu, mon
     assert autotune.ACCURACY_MARGIN < float(rejected.split()[3]) < 1.0
 
 
+def test_an_alternative_as_accurate_as_the_rules_plan_is_not_rejected(measuring_on_cpu, monkeypatch):
+    """Where the rules' plan itself is off by more than the 0.5 margin (deep models), an alternative within
+    ACCURACY_SLACK of its worst error is timed (the old fixed margin rejected it), and nothing past
+    ACCURACY_CEILING is allowed whatever the rules' plan shows."""
+    rules = T.plan(SMALL, _facts(SMALL), planner.CPU)
+    near = dataclasses.replace(rules, policy="exact_fp32", reason="exact")
+    far = dataclasses.replace(rules, policy="tf32", reason="tf32")
+    assert autotune._accuracy_bound(near, rules, 0.6) == pytest.approx(0.6 * autotune.ACCURACY_SLACK)
+    assert autotune._accuracy_bound(near, rules, 0.2) == autotune.ACCURACY_MARGIN
+    assert autotune._accuracy_bound(near, rules, 0.95) == autotune.ACCURACY_CEILING
+    assert autotune._accuracy_bound(near, rules, None) == autotune.ACCURACY_MARGIN
+    assert autotune._accuracy_bound(rules, rules, 0.2) == 1.0
+    offsets = {rules: 0.6, near: 0.6, far: 0.9}   # near: exact arithmetic, off as much as the rules' plan
+    real_runner = autotune._runner
+
+    def runner(candidate, config, params, prepared):
+        run, weights = real_runner(candidate, config, params, prepared)
+        return (lambda w, x, m: run(w, x, m) + offsets[candidate] * T.numerics.HARNESS_ATOL), weights
+    monkeypatch.setattr(autotune, "_runner", runner)
+    _, _, times = autotune.measure(SMALL, _facts(SMALL), [rules, near, far], jax.devices()[0])
+    assert isinstance(times[autotune._label(rules)], float)
+    assert isinstance(times[autotune._label(near)], float), times
+    assert times[autotune._label(far)].startswith("rejected: worst error "), times
+    assert "(allowed " in times[autotune._label(far)]
+
+
 def test_candidates_are_timed_in_turn_within_each_round(monkeypatch):
     """Each round times every candidate once, one after another, so a load that comes and goes while
     timing (a compile past the budget) reaches all of them, not only the first ones."""

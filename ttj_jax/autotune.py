@@ -65,8 +65,14 @@ MAX_CALLS_PER_ROUND = 200
 # by ~1-2% between runs on the H200).
 MIN_GAIN = 0.03
 # A candidate is chosen only with every element within this share of the harness tolerance of the
-# reference on the synthetic input.
+# reference on the synthetic input, or within ACCURACY_SLACK times the rules' plan's own worst error on
+# that input where that is larger (never beyond ACCURACY_CEILING): an alternative as accurate as the plan
+# the rules would run anyway adds no risk the rules do not take. Deep models need it: at
+# dec-l8-d256-hd128 (8 layers) the rules' plan measured 0.54 of the tolerance on one H100 and four
+# alternatives of the same numerics were rejected at 0.53-0.56 (general-2026-12-05-h100-qkv3.json).
 ACCURACY_MARGIN = 0.5
+ACCURACY_SLACK = 1.1
+ACCURACY_CEILING = 0.8
 # The accuracy check compares the first REFERENCE_SEQUENCES sequences with an exact fp32 program while
 # its explicit [B, H, S, S] scores take at most this much memory. (With a whole-batch exact program, the
 # first signature of a model took 30-45 s to measure on the H200, the next ones of the same model 4-15 s.)
@@ -86,7 +92,7 @@ TRACING_GRACE_S = 5.0
 BRIDGE_HOST_MS = 0.040
 ISSUE_SAMPLES = 11   # single calls whose host time (median) is a plan's host time per call
 # Bumped when the candidates or the timing change: older decisions then read as misses.
-VERSION = 5
+VERSION = 6
 
 
 def enabled(device: DeviceFacts, autotune: bool | None = None) -> bool:
@@ -272,12 +278,17 @@ def _charged(measured: dict[str, float], accepted: dict, inputs: InputFacts) -> 
     return charged, note
 
 
-def _accuracy_bound(candidate: Plan, rules: Plan) -> float:
+def _accuracy_bound(candidate: Plan, rules: Plan, rules_worst: float | None = None) -> float:
     """The worst error (share of the harness tolerance) a candidate may show on the synthetic input: the
     rules' plan, and its scanned twin (the same products in the same order, one layer's body looped), are
     held to the harness rule itself, as the rules alone would run them; every other candidate to
-    ACCURACY_MARGIN."""
-    return 1.0 if dataclasses.replace(candidate, scan_layers=False) == rules else ACCURACY_MARGIN
+    ACCURACY_MARGIN, or to ACCURACY_SLACK times the rules' plan's worst error against the same exact
+    reference (`rules_worst`, None where it has none) where that is larger, at most ACCURACY_CEILING."""
+    if dataclasses.replace(candidate, scan_layers=False) == rules:
+        return 1.0
+    if rules_worst is None:
+        return ACCURACY_MARGIN
+    return max(ACCURACY_MARGIN, min(ACCURACY_CEILING, rules_worst * ACCURACY_SLACK))
 
 
 def measure(config: Config, inputs: InputFacts, found: list[Plan], jax_device, *,
@@ -354,6 +365,7 @@ def measure(config: Config, inputs: InputFacts, found: list[Plan], jax_device, *
         reference, exact = _bounded_reference(reference_job, rules_output)
         referenced_at = time.perf_counter()
         accepted: dict[str, tuple[Plan, object]] = {}
+        rules_worst = None   # the rules' plan's worst error against the exact reference (checked first)
         for candidate in found:
             label = _label(candidate)
             if label in times:
@@ -377,8 +389,11 @@ def measure(config: Config, inputs: InputFacts, found: list[Plan], jax_device, *
                 times[label] = _failed(e)
                 continue
             worst = float(harness_check(out[:reference.shape[0]], reference)[1])
-            if worst > _accuracy_bound(candidate, found[0]):
-                times[label] = f"rejected: worst error {worst:.2f} of the tolerance"
+            if candidate is found[0] and exact:
+                rules_worst = worst
+            bound = _accuracy_bound(candidate, found[0], rules_worst)
+            if worst > bound:
+                times[label] = f"rejected: worst error {worst:.2f} of the tolerance (allowed {bound:.2f})"
                 continue
             accepted[label] = (candidate, lambda run=run, weights=weights, passed=passed: run(weights, x, passed))
         measured, charge_note = _charged(_time({label: fn for label, (_, fn) in accepted.items()}), accepted, inputs)
