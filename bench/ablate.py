@@ -8,7 +8,8 @@ the planner's choice; weights: the XLA program's, `stacked` over the layers as t
 `per-layer`), e.g. `mixed_fp16_qkv16/layers` (the q/k/v projection written in fp16),
 `mixed_fp16/rows` (per layer our flash kernel and one row-tile kernel), `mixed_fp16/layers/cudnn`,
 `mixed_fp16@xla_gpu_enable_triton_gemm=false` (XLA options for that program alone; values true/false,
-integers or text). Per shape and variant: accuracy
+integers or text; `qkv_gemms=3` among them sets the plan's q/k/v projection to three GEMMs instead,
+`mixed_fp16_gemm16_tanh/layers/cudnn@qkv_gemms=3+xla_disable_hlo_passes=dot-merger`). Per shape and variant: accuracy
 against the harness's baseline (TF32, as the harness runs it) on the harness seeds, harness rule, worst
 err/tol; then the time per call of the variant's compiled program alone (many back-to-back calls:
 its GPU time wherever the host keeps ahead). A variant the planner or a kernel refuses is
@@ -25,6 +26,7 @@ that a second pass rounds, is faster with cuBLAS and slower with XLA's Triton GE
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -67,7 +69,8 @@ WEIGHT_LAYOUTS = ("stacked", "per-layer")
 def parse_variant(text: str) -> dict:
     """"policy[/stack[/attention[/weights]]][@name=value+...]" -> forward() keyword arguments ("-" or
     missing: the planner's choice), "weights" (the XLA program's weights: None, the stack's own layout,
-    "stacked" or "per-layer") and "compiler_options", a tuple of (name, value) XLA options."""
+    "stacked" or "per-layer"), "qkv_gemms" (the plan's, from an option of that name; None: the plan's
+    own) and "compiler_options", a tuple of the other (name, value) pairs, XLA options."""
     spec, _, options = text.partition("@")
     parts = (spec.split("/") + ["-", "-", "-"])[:4]
     if len(spec.split("/")) > 4 or not parts[0] or parts[0] == "-":
@@ -82,7 +85,9 @@ def parse_variant(text: str) -> dict:
         if not equals or not name:
             raise ValueError(f"variant {text!r}: XLA option {item!r} is not name=value")
         pairs.append((name, _option_value(value)))
-    parsed["compiler_options"] = tuple(pairs)
+    qkv = [value for name, value in pairs if name == "qkv_gemms"]
+    parsed["qkv_gemms"] = qkv[-1] if qkv else None
+    parsed["compiler_options"] = tuple((name, value) for name, value in pairs if name != "qkv_gemms")
     return parsed
 
 
@@ -99,12 +104,15 @@ def run_shape(sid: str, variants: list[str], seeds: int, device: str, kernels: b
             kwargs = parse_variant(variant)
             options = kwargs.pop("compiler_options")
             layout = kwargs.pop("weights")
+            qkv_gemms = kwargs.pop("qkv_gemms")
             prepared = T.prepare_weights(params, T.get_policy(kwargs["policy"]))
             timing_x = jax.random.normal(jax.random.key(7),
                                          (config.batch_size, config.seq_len, config.d_model))
             # the variant's compiled program alone (what the bridge calls): timed below, not forward()'s
             # planning and checks, whose host time would hide the GPU time of the small shapes
             chosen = plan_for(config, timing_x, T.MaskKind.NONE, **kwargs)
+            if qkv_gemms is not None:   # forward() takes no such option: the program compiled with it
+                chosen = dataclasses.replace(chosen, qkv_gemms=qkv_gemms)
             if layout is not None and chosen.stack != "layers":
                 raise ValueError(f"weights {layout!r}: only the XLA program ('layers') takes either layout")
             program = T.executable(chosen, T.model_key(config), options)
@@ -112,7 +120,7 @@ def run_shape(sid: str, variants: list[str], seeds: int, device: str, kernels: b
             # fourteen, each layer's slices cut inside the program
             program_weights = (prepared if layout == "per-layer"
                                else kernel_weights(prepared, T.model_key(config), chosen))
-            if options or layout is not None:   # forward() takes neither: the program compiled with them
+            if options or layout is not None or qkv_gemms is not None:   # forward() takes none of them
                 step = lambda w, a: program(program_weights, a, None)   # noqa: E731
             else:
                 # ttj_jax.forward plans once per input signature and runs its cached executable

@@ -207,10 +207,12 @@ def test_ablate_variants_end_to_end(tmp_path):
     optimized HLO is written."""
     from bench import ablate
     assert ablate.parse_variant("mixed_fp16") == {"policy": "mixed_fp16", "stack": None, "attention": None,
-                                                  "weights": None, "compiler_options": ()}
+                                                  "weights": None, "qkv_gemms": None, "compiler_options": ()}
     assert ablate.parse_variant("mixed_fp16/-/xla@a=false+b=3+c=x") == {
-        "policy": "mixed_fp16", "stack": None, "attention": "xla", "weights": None,
+        "policy": "mixed_fp16", "stack": None, "attention": "xla", "weights": None, "qkv_gemms": None,
         "compiler_options": (("a", False), ("b", 3), ("c", "x"))}
+    split = ablate.parse_variant("mixed_fp16/layers/cudnn@qkv_gemms=3+xla_disable_hlo_passes=dot-merger")
+    assert split["qkv_gemms"] == 3 and split["compiler_options"] == (("xla_disable_hlo_passes", "dot-merger"),)
     assert ablate.parse_variant("mixed_fp16/layers/-/per-layer")["weights"] == "per-layer"
     with pytest.raises(ValueError, match="weights"):
         ablate.parse_variant("a/b/c/d")
@@ -223,7 +225,8 @@ def test_ablate_variants_end_to_end(tmp_path):
     optioned = "mixed_fp16/layers/xla@xla_cpu_enable_fast_math=false"
     per_layer = "mixed_fp16/layers/xla/per-layer"   # the XLA program on unstacked weights
     status = ablate.main(["--shapes", "cpu-1", "--variants",
-                          f"mixed_fp16/layers/xla,mixed_fp16/fused,{optioned},{per_layer},mixed_fp16/fused/-/stacked",
+                          f"mixed_fp16/layers/xla,mixed_fp16/fused,{optioned},{per_layer},mixed_fp16/fused/-/stacked,"
+                          "mixed_fp16/layers/xla@qkv_gemms=3",
                           "--seeds", "1", "--device", "cpu", "--out", str(tmp_path), "--tag", "t", "--hlo"])
     document = json.loads((tmp_path / "t.json").read_text())
     assert document["torch"] == torch.__version__ and document["jax"] == jax.__version__
@@ -236,6 +239,7 @@ def test_ablate_variants_end_to_end(tmp_path):
     assert "mixed_fp16/fused" in shape["errors"] or "mixed_fp16/fused" in shape["jax_ms"]
     assert shape["accuracy"][per_layer] == shape["accuracy"]["mixed_fp16/layers/xla"]   # the same program's output
     assert "only the XLA program" in shape["errors"]["mixed_fp16/fused/-/stacked"]
+    assert "qkv_gemms=3" in shape["errors"]["mixed_fp16/layers/xla@qkv_gemms=3"]   # the plan's own check
 
 
 def test_split_timeline_summary():
