@@ -79,3 +79,40 @@ def monkeypatch_module():
     mp.setenv(settings.TRITON_LAUNCH_ENV, "all")
     yield types.SimpleNamespace()
     mp.undo()
+
+
+@st.composite
+def small_calls(draw):
+    num_heads = draw(st.sampled_from([1, 2, 4]))
+    head_dim = draw(st.sampled_from([8, 16, 32]))
+    config = T.Config(batch_size=draw(st.integers(1, 3)), seq_len=draw(st.integers(1, 40)),
+                      d_model=num_heads * head_dim, num_heads=num_heads,
+                      ffn_dim=draw(st.sampled_from([16, 64])), num_layers=draw(st.integers(1, 2)),
+                      causal=draw(st.booleans()))
+    return config, draw(st.sampled_from(["none", "all_true", "prefix", "random"])), draw(st.integers(0, 2**16))
+
+
+@pytest.mark.slow
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+@given(small_calls())
+def test_the_pytorch_module_takes_any_small_call(call):
+    """The bridge's module end to end on the CPU for drawn models and masks (the harness flow: the
+    reference's weights copied in, its own inputs): its first call plans, builds and runs, and the output
+    meets the harness rule against the reference."""
+    from conftest import make_mask, random_input, torch_reference
+
+    import bridge
+    from bench.baseline import BaselineTransformer, TransformerConfig, check_close, copy_model_weights
+    config, kind, seed = call
+    torch.manual_seed(seed)
+    base = BaselineTransformer(TransformerConfig(**vars(config))).eval()
+    ours = bridge.TTJTransformer(TransformerConfig(**vars(config))).eval()
+    copy_model_weights(base, ours, strict=True)
+    x = random_input(config, seed)
+    mask = make_mask(kind, config.batch_size, config.seq_len, seed)
+    if mask is not None:
+        x = x.masked_fill(~mask[:, :, None], 0.0)
+    with torch.no_grad():
+        y = ours(x, mask)
+    failed, worst = check_close(y, torch_reference(base, x, mask))
+    assert failed == 0, f"{failed} elements fail the harness rule (worst {worst:.2f}) for {config}, mask {kind}"
