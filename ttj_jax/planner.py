@@ -370,6 +370,12 @@ MAX_CANDIDATES = 6
 # scanned twin is timed beside it; with the cheaper compiles, up to MAX_SCANNED_CANDIDATES in all.
 SCAN_MIN_LAYERS = 6
 MAX_SCANNED_CANDIDATES = 8
+# A scanned program runs slower than its unrolled twin (dec-l8-d256-hd128 on one H100: the rules' plan
+# 0.688 ms scanned against 0.538 unrolled, general-2026-12-05-h100-qkv3.json), so at depth the unrolled
+# twins of the cuDNN plans of the GEMM-bound policy (cuBLAS GEMMs and cuDNN: the cheapest unrolled
+# compiles, and the alternatives that win on GPU-bound models) are timed too, queued last: where they
+# compile within the budget, the program a call would run is the one measured.
+UNROLLED_TWINS_AT_DEPTH = 2
 # XLA's explicit-softmax attention is a candidate only while its [B, H, S, S] fp32 scores stay this small.
 XLA_ATTENTION_MAX_SCORE_BYTES = 256 * 2**20
 
@@ -381,7 +387,8 @@ def candidates(config: Config, inputs: InputFacts, device: DeviceFacts = CPU) ->
     and in the GEMM-bound variant (fp16 q/k/v and MLP pre-activation, tanh GELU in cuBLAS's epilogue).
     Only one-device, unchunked calls on a GPU have alternatives; elsewhere the rules' plan is the only one.
     At most MAX_CANDIDATES; from SCAN_MIN_LAYERS layers on, the XLA-program alternatives scanned over the
-    layers, the rules' plan's scanned twin among them, and at most MAX_SCANNED_CANDIDATES."""
+    layers, the rules' plan's scanned twin among them, at most MAX_SCANNED_CANDIDATES, then the unrolled
+    twins of the scanned cuDNN plans of the GEMM-bound policy (UNROLLED_TWINS_AT_DEPTH)."""
     prior = plan(config, inputs, device)
     if not device.is_gpu or prior.data_parallel > 1 or prior.sequence_parallel > 1 or prior.batch_chunk:
         return [prior]
@@ -436,6 +443,10 @@ def candidates(config: Config, inputs: InputFacts, device: DeviceFacts = CPU) ->
         if attention == "cudnn" and gemm_bound.stack == "layers" and gemm_bound.sequence_parallel == 1:
             add(dataclasses.replace(gemm_bound, qkv_gemms=3, xla_options=QKV_SPLIT_XLA_OPTIONS,
                                     reason=f"{gemm_bound.reason}; q, k and v by three GEMMs"))
+    if scanned:
+        twins = [dataclasses.replace(p, scan_layers=False, reason=p.reason.replace("; the layers as one lax.scan", ""))
+                 for p in found if p.scan_layers and p.attention == "cudnn" and p.policy == GEMM_BOUND_POLICY]
+        found += [p for p in twins if p not in found][:UNROLLED_TWINS_AT_DEPTH]
     return found
 
 
