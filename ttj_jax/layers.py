@@ -77,8 +77,8 @@ def attention_for(plan: Plan):
 def project_qkv(h, w: Mapping[str, jax.Array], *, config: Config, plan: Plan, policy: NumericsPolicy):
     """The q/k/v projection of h (B, S, d). One GEMM (plan.qkv_gemms == 1): (B, S, 3, H, hd), the fused
     layout our flash kernel reads. Three (cuDNN's attention): a tuple (q, k, v), each (B, S, H, hd) and
-    dense, from weights split as [3, d, d] (`split_qkv`, `stacks.weights_layout`; an unsplit [d, 3d] is sliced here, at
-    the cost of a copy per call)."""
+    dense, from weights split as [3, d, d] (`split_qkv`, `stacks.weights_layout`; an unsplit [d, 3d] is
+    sliced here, at the cost of a copy per call)."""
     B, S, _ = h.shape
     heads = (config.num_heads, config.head_dim)
     weight, bias = w["qkv_weight"], w["qkv_bias"]

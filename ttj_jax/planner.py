@@ -395,11 +395,14 @@ def candidates(config: Config, inputs: InputFacts, device: DeviceFacts = CPU) ->
     found = [prior]
     scanned = config.num_layers >= SCAN_MIN_LAYERS
     limit = MAX_SCANNED_CANDIDATES if scanned else MAX_CANDIDATES
+    unrolled: dict[Plan, Plan] = {}   # each scanned candidate found -> the unrolled plan it was made from
 
     def add(candidate: Plan | None) -> None:
         if candidate is not None and scanned and candidate.stack == "layers":
+            given = candidate
             candidate = dataclasses.replace(candidate, scan_layers=True,
                                             reason=f"{candidate.reason}; the layers as one lax.scan")
+            unrolled[candidate] = given
         if candidate is not None and candidate not in found and len(found) < limit:
             found.append(candidate)
 
@@ -444,8 +447,8 @@ def candidates(config: Config, inputs: InputFacts, device: DeviceFacts = CPU) ->
             add(dataclasses.replace(gemm_bound, qkv_gemms=3, xla_options=QKV_SPLIT_XLA_OPTIONS,
                                     reason=f"{gemm_bound.reason}; q, k and v by three GEMMs"))
     if scanned:
-        twins = [dataclasses.replace(p, scan_layers=False, reason=p.reason.replace("; the layers as one lax.scan", ""))
-                 for p in found if p.scan_layers and p.attention == "cudnn" and p.policy == GEMM_BOUND_POLICY]
+        twins = [unrolled[p] for p in found
+                 if p in unrolled and p.attention == "cudnn" and p.policy == GEMM_BOUND_POLICY]
         found += [p for p in twins if p not in found][:UNROLLED_TWINS_AT_DEPTH]
     return found
 
