@@ -1,7 +1,7 @@
 """GPU check of the Mosaic GPU whole-stack kernel (`ttj_jax/kernels/fused_stack_mgpu.py`) on an H200.
 
     PYTHONPATH=. python3 bench/fused_stack_mgpu_check.py --out bench/results [--shapes 2,1,9,10,12,5]
-        [--mask all_true|prefix|holes]
+        [--mask all_true|prefix|holes] [--dtype float16|bfloat16]
     PYTHONPATH=. python3 bench/fused_stack_mgpu_check.py --out /tmp/x --smoke     # CPU: no GPU work
 
 A new build's first launch may fail to compile (ptxas), produce wrong numbers, or deadlock. So:
@@ -22,6 +22,9 @@ With --mask, the kernel's masked build is probed, checked (against the reference
 same mask) and timed too ("mgpu_masked"), beside the mask-free build on the same x: all_true prices the
 masked build where the mask-free one serves, prefix is a harness --padding-ratio 0.3 mask, holes a
 random mask (position 0 valid).
+With --dtype, the build that reads and writes that dtype is probed, run on x rounded to it, checked
+against the reference on that x and against the fp32 build's output on the same x cast to the dtype
+(the same computation: expected equal), and timed ("mgpu_io").
 The bridge's own launch of the kernel on torch tensors is checked by bench/mosaic_launch_check.py.
 Writes <out>/fused-stack-mgpu-<date>-<gpu>.json after every shape and prints a table last. Budget:
 about 6 minutes on an H200 (a deadline skips what is left after DEADLINE_S).
@@ -113,7 +116,7 @@ def _setup(sid: str):
 
 # --- 1. Probe (child processes) -----------------------------------------------------------------------
 
-def _probe_child(shape_ids, mask_kind: str = "none") -> None:
+def _probe_child(shape_ids, mask_kind: str = "none", io_dtype: str = "float32") -> None:
     """Runs each shape's kernel once (and its masked build, with a mask); prints 'START sid', then
     'DONE sid seconds' or 'ERROR sid msg'."""
     import jax
@@ -128,12 +131,15 @@ def _probe_child(shape_ids, mask_kind: str = "none") -> None:
             mask = make_mask(mask_kind, x.shape[0], x.shape[1])
             if mask is not None:
                 jax.block_until_ready(fsm.fused_stack_mgpu_forward(weights, x, mask, num_heads=config.num_heads))
+            if io_dtype != "float32":
+                jax.block_until_ready(fsm.fused_stack_mgpu_forward(weights, x.astype(io_dtype),
+                                                                   num_heads=config.num_heads))
             print(f"DONE {sid} {time.perf_counter() - start:.1f}", flush=True)
         except Exception as e:   # recorded by the parent; the next shape still runs
             print(f"ERROR {sid} {_error(e)}".replace("\n", " "), flush=True)
 
 
-def probe(shape_ids, budget_s: float = PROBE_BUDGET_S, mask_kind: str = "none") -> dict:
+def probe(shape_ids, budget_s: float = PROBE_BUDGET_S, mask_kind: str = "none", io_dtype: str = "float32") -> dict:
     """{sid: {"status": "ok"|"error"|"hung"|"crashed"|"not probed", ...}} from child processes (module
     docstring). A child gets PROBE_FIRST_SHAPE_S for its first shape (jax start-up, compile) and
     PROBE_PER_SHAPE_S for each later one; a shape that overruns is "hung", its child is killed, and a
@@ -144,7 +150,7 @@ def probe(shape_ids, budget_s: float = PROBE_BUDGET_S, mask_kind: str = "none") 
     probe_end = time.perf_counter() + budget_s
     while remaining and time.perf_counter() < probe_end:
         command = [sys.executable, os.path.abspath(__file__), "--probe-child", ",".join(remaining),
-                   "--mask", mask_kind]
+                   "--mask", mask_kind, "--dtype", io_dtype]
         child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                  cwd=_REPO_ROOT)
         lines: queue.Queue = queue.Queue()
@@ -198,7 +204,8 @@ def _time_jax(fn, args) -> dict:
     return {"ms_per_call": ms, "calls_per_timing": calls}
 
 
-def run_shape(sid: str, probe_status: dict, deadline: float, mask_kind: str = "none") -> dict:
+def run_shape(sid: str, probe_status: dict, deadline: float, mask_kind: str = "none",
+              io_dtype: str = "float32") -> dict:
     import jax
     import numpy as np
 
@@ -252,6 +259,17 @@ def run_shape(sid: str, probe_status: dict, deadline: float, mask_kind: str = "n
                         weights, np.asarray(x[:n]), mask[:n], fast_erf=default_erf))})
                 record["timing"]["mgpu_masked"] = step("mgpu_masked_timing",
                                                        lambda: _time_jax(masked, (weights, x, jmask)))
+        if io_dtype != "float32":
+            x_io = x.astype(io_dtype)
+            y_io = step("mgpu_io_run", lambda: np.asarray(jax.block_until_ready(mgpu(weights, x_io)), np.float32))
+            if y_io is not None:
+                x_exact = x_io.astype(jax.numpy.float32)   # the same values in fp32
+                y_cast = np.asarray(mgpu(weights, x_exact).astype(io_dtype), np.float32)
+                record["accuracy"]["mgpu_io"] = {
+                    "dtype": io_dtype, **harness_stats(y_io, np.asarray(T.reference(params, x_exact, config=config))),
+                    "equal_to_fp32_build_cast": bool(np.array_equal(y_io, y_cast)),
+                    "max_abs_diff_from_fp32_build_cast": float(np.abs(y_io - y_cast).max())}
+                record["timing"]["mgpu_io"] = step("mgpu_io_timing", lambda: _time_jax(mgpu, (weights, x_io)))
     else:
         record["mgpu_skipped"] = f"probe status {probe_status.get('status')}"
 
@@ -287,8 +305,8 @@ def _row(sid, rec) -> str:
         return ("ok" if a["failed_elements"] == 0 else f"FAIL{a['failed_elements']}") if a else "-"
 
     probe_status = (rec.get("probe") or {}).get("status", "-")
-    return (f"{sid:>3} {probe_status:>7} {acc('mgpu'):>9} {acc('mgpu_masked'):>9} {acc('triton'):>7} {acc('xla'):>7} "
-            f"{ms('mgpu')} {ms('mgpu_masked')} {ms('triton')} {ms('xla')}")
+    return (f"{sid:>3} {probe_status:>7} {acc('mgpu'):>9} {acc('mgpu_masked'):>9} {acc('mgpu_io'):>9} {acc('triton'):>7} "
+            f"{acc('xla'):>7} {ms('mgpu')} {ms('mgpu_masked')} {ms('mgpu_io')} {ms('triton')} {ms('xla')}")
 
 
 def main(argv=None) -> int:
@@ -299,10 +317,12 @@ def main(argv=None) -> int:
     parser.add_argument("--no-probe", action="store_true", help="skip the child-process probe (trust the kernel)")
     parser.add_argument("--mask", default="none", choices=MASK_KINDS,
                         help="also check and time the masked build with this mask (module docstring)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"),
+                        help="also check and time the build reading and writing this dtype (module docstring)")
     parser.add_argument("--probe-child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.probe_child is not None:
-        _probe_child(args.probe_child.split(","), args.mask)
+        _probe_child(args.probe_child.split(","), args.mask, args.dtype)
         return 0
     if not args.out:
         parser.error("--out is required")
@@ -315,7 +335,7 @@ def main(argv=None) -> int:
     result: dict = {"script": "bench/fused_stack_mgpu_check.py", "smoke": args.smoke,
                     "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                     "shapes_requested": shape_ids, "harness_rule": {"atol": ATOL, "rtol": RTOL},
-                    "mask": args.mask, "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+                    "mask": args.mask, "io_dtype": args.dtype, "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
                     "shapes": {}}
     try:
         import jax
@@ -353,7 +373,8 @@ def main(argv=None) -> int:
         probes = {s: {"status": "ok", "note": "probe skipped"} for s in shape_ids}
     else:
         try:
-            probes = probe([s for s in shape_ids if result.get("supported", {}).get(s)], mask_kind=args.mask)
+            probes = probe([s for s in shape_ids if result.get("supported", {}).get(s)], mask_kind=args.mask,
+                           io_dtype=args.dtype)
         except Exception as e:
             result["probe_error"] = _error(e)
     result["probe"] = probes
@@ -361,7 +382,7 @@ def main(argv=None) -> int:
     for sid in shape_ids:
         t0 = time.perf_counter()
         try:
-            record = run_shape(sid, probes.get(sid, {"status": "not probed"}), deadline, args.mask)
+            record = run_shape(sid, probes.get(sid, {"status": "not probed"}), deadline, args.mask, args.dtype)
         except Exception as e:
             record = {"error": _error(e)}
         record["wall_s"] = round(time.perf_counter() - t0, 1)
@@ -372,8 +393,8 @@ def main(argv=None) -> int:
 
     print(f"\nwrote {path}  ({result['total_wall_s']} s)")
     print("times: us per call (stream of back-to-back jax calls)")
-    print(f"{'id':>3} {'probe':>7} {'mgpu':>9} {'masked':>9} {'triton':>7} {'xla':>7} {'mgpu':>8} {'masked':>8} "
-          f"{'triton':>8} {'xla':>8}")
+    print(f"{'id':>3} {'probe':>7} {'mgpu':>9} {'masked':>9} {'io':>9} {'triton':>7} {'xla':>7} {'mgpu':>8} "
+          f"{'masked':>8} {'io':>8} {'triton':>8} {'xla':>8}")
     for sid, rec in result["shapes"].items():
         try:
             print(_row(sid, rec))

@@ -23,7 +23,7 @@ import torch
 
 from bridge import mosaic_launch, native, settings, triton_launch
 from bridge.transfer import Transfer, torch_dtype_name
-from ttj_jax import stacks
+from ttj_jax import planner, stacks
 from ttj_jax.device import device_facts
 from ttj_jax.masks import MaskKind
 from ttj_jax.numerics import harness_check
@@ -79,27 +79,31 @@ def self_launched_stacks(config, batch_size: int, seq_len: int, device: torch.de
 
 def half_runs_as_float32(state, x: torch.Tensor, kind: MaskKind, jax_device) -> bool:
     """Whether an fp16/bf16 x is computed as float32 (cast in, output cast back): where the rules give
-    float32 x a stack the bridge launches itself (the Mosaic GPU kernel takes float32 x only; the rows
-    stack's Triton program casts x to float32 first thing, a cast the bridge's launch does not run),
-    the two casts cost a few microseconds and the jax call they replace costs ~0.1-0.2 ms of host time."""
+    float32 x a stack the bridge launches itself that does not take x's dtype as it is (the rows stack's
+    Triton program casts x to float32 first thing, a cast the bridge's launch does not run; the Mosaic
+    GPU kernel reads and writes the dtypes in planner.MGPU_STACK_IO_DTYPES itself), the two casts cost
+    a few microseconds and the jax call they replace costs ~0.1-0.2 ms of host time."""
     if x.dtype not in (torch.float16, torch.bfloat16) or x.device.type != "cuda" or jax_device is None:
         return False
     facts = InputFacts(batch_size=x.shape[0], seq_len=x.shape[1], dtype="float32", mask_kind=kind,
                        caller="torch")
     rules = make_plan(state.config, facts, device_facts(jax_device))
+    if rules.stack == "fused_mgpu" and torch_dtype_name(x.dtype) in planner.MGPU_STACK_IO_DTYPES:
+        return False
     return rules.data_parallel == 1 and launch_reason(rules.stack, state.config, x.shape[0], x.shape[1], x.device) is None
 
 
-def mosaic_kernel(state, call: Call, shape, device: torch.device):
-    """(launch, "") for the Mosaic GPU stack on this input (bridge/mosaic_launch.py), or (None, why it
-    runs through jax)."""
+def mosaic_kernel(state, call: Call, shape, device: torch.device, dtype: torch.dtype = torch.float32):
+    """(launch, "") for the Mosaic GPU stack on this input (bridge/mosaic_launch.py), x of `dtype` as the
+    kernel takes it (after any upcast), or (None, why it runs through jax)."""
     why = launch_reason(call.plan.stack, state.config, shape[0], shape[1], device)
     if why is not None:
         return None, why
     masked = call.plan.mask_mode in KEY_MASK_MODES   # any mask: the kernel's masked build
     try:
         kernel = mosaic_launch.MosaicStackLaunch(state.config, shape[0], shape[1], device,
-                                                 **({"masked": True} if masked else {}))
+                                                 **({"masked": True} if masked else {}),
+                                                 **({"dtype": dtype} if dtype != torch.float32 else {}))
     except (RuntimeError, ValueError, OSError) as e:
         return None, f"the Mosaic GPU launch is unavailable: {type(e).__name__}: {e}"
     if call.plan.mask_mode == "rows":   # a prefix mask under causal attention: rows zeroed after the kernel
@@ -116,7 +120,7 @@ def mosaic_kernel(state, call: Call, shape, device: torch.device):
         mode = "plain"
     # for the native lane (lane_mask_mode) and diagnostic tools (bench/host_parts.py)
     run.kernel, run.mode = kernel, mode
-    disagreement = compare_with_jax(state, run, call, shape, "float32", device)
+    disagreement = compare_with_jax(state, run, call, shape, torch_dtype_name(dtype), device)
     return (None, disagreement) if disagreement is not None else (run, "")
 
 
@@ -253,9 +257,9 @@ def lane_mask_mode(state, call: Call, mask: torch.Tensor | None, kind: MaskKind)
 
 def arm_lane(state, call: Call, x: torch.Tensor, mask: torch.Tensor | None, kind: MaskKind,
               tensors: list[torch.Tensor]) -> None:
-    """After a launched call on the default stream (x: the float32 x it launched with, contiguous as given;
-    an x of another dtype, `call.upcast_to`, is cast in and out by the lane as here): a native lane that
-    repeats it (fast_forward), unless
+    """After a launched call on the default stream (x: the x it launched with, contiguous as given: float32,
+    or a half dtype the Mosaic kernel reads as it is; an x of another dtype, `call.upcast_to`, is cast in
+    and out by the lane as here): a native lane that repeats it (fast_forward), unless
     the one armed already does. Nothing where the lane cannot repeat it (lane_mask_mode, inference-tensor
     parameters, a launcher of unknown form) or native lanes are unavailable (bridge/native)."""
     kernel = getattr(call.direct, "kernel", None)
@@ -273,5 +277,6 @@ def arm_lane(state, call: Call, x: torch.Tensor, mask: torch.Tensor | None, kind
     if launch["form"] == 4 and x.dtype != torch.float32:
         return   # the lane casts x to float32 (and the output back): a Triton program for another x dtype cannot repeat
     state.lane = native.lane_class()(
-        sizes=list(x.shape), dtype=call.upcast_to or torch.float32, params=state.params, weights=tensors, mask_mode=mode,
-        kept_mask=mask if mode in LANE_KEPT_MODES else None, **launch)
+        sizes=list(x.shape), dtype=call.upcast_to or x.dtype, params=state.params, weights=tensors, mask_mode=mode,
+        kept_mask=mask if mode in LANE_KEPT_MODES else None, **launch,
+        **({"kernel_dtype": x.dtype} if x.dtype != torch.float32 else {}))

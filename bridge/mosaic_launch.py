@@ -23,7 +23,6 @@ from __future__ import annotations
 import ctypes
 import threading
 
-import numpy as np
 import torch
 
 from bridge import settings
@@ -165,20 +164,25 @@ class MosaicLauncher:
 
 
 class MosaicStackLaunch:
-    """The Mosaic GPU whole-stack kernel for x [batch, seq_len, d_model] fp32 on one CUDA device:
+    """The Mosaic GPU whole-stack kernel for x [batch, seq_len, d_model] of `dtype` (float32, float16 or
+    bfloat16; y the same) on one CUDA device:
     `launch(x, mats, vecs)` returns a new y; masked, `launch(x, mask, mats, vecs)` with the token mask a
     contiguous [batch, seq_len] bool tensor, whose bytes the kernel reads as uint8. x must be contiguous
-    fp32 on the device; mats and vecs are the MgpuStackWeights arrays as torch tensors (contiguous, on
+    and of `dtype` on the device; mats and vecs are the MgpuStackWeights arrays as torch tensors (contiguous, on
     the device). Compiles on construction (seconds); raises RuntimeError / ValueError when this jax cannot
     build it."""
 
-    def __init__(self, config: Config, batch: int, seq_len: int, device: torch.device, masked: bool = False):
+    def __init__(self, config: Config, batch: int, seq_len: int, device: torch.device, masked: bool = False,
+                 dtype: torch.dtype = torch.float32):
         from ttj_jax.compat import mosaic_gpu_module
         from ttj_jax.kernels import fused_stack_mgpu
-        spec = fused_stack_mgpu.launch_spec(config, batch, seq_len, masked=masked)
-        if spec.out_dtype != np.float32:
-            raise ValueError(f"the kernel writes {spec.out_dtype}; this launch allocates float32")
-        self.shape = spec.out_shape
+        name = str(dtype).removeprefix("torch.")
+        if name not in fused_stack_mgpu.IO_DTYPES:
+            raise ValueError(f"{dtype=}: the kernel reads and writes one of {fused_stack_mgpu.IO_DTYPES}")
+        spec = fused_stack_mgpu.launch_spec(config, batch, seq_len, masked=masked, dtype=name)
+        if spec.out_dtype.name != name:
+            raise ValueError(f"the kernel writes {spec.out_dtype}; this launch allocates {name}")
+        self.shape, self.dtype = spec.out_shape, dtype
         self.device = device
         num_buffers = len(spec.arg_structs) + 1   # the inputs, then the one output
         with torch.cuda.device(device):   # the module loads into this device's CUDA context
@@ -196,7 +200,7 @@ class MosaicStackLaunch:
 
     def __call__(self, x: torch.Tensor, *arrays: torch.Tensor) -> torch.Tensor:
         """arrays: (mats, vecs), or (mask, mats, vecs) for a masked launch."""
-        y = torch.empty(self.shape, dtype=torch.float32, device=self.device)
+        y = torch.empty(self.shape, dtype=self.dtype, device=self.device)
         pointers = (x.data_ptr(), *(a.data_ptr() for a in arrays), y.data_ptr())
         if self.current_stream() == 0:   # the caller is on the default stream: the launch's own stream
             self._launch(pointers)

@@ -303,7 +303,8 @@ class _ModuleState:
         if bridge_launch is not None and plan.data_parallel > 1:
             call.direct_note = f"the batch is split over {plan.data_parallel} devices, one kernel per device"
         elif bridge_launch is not None:
-            call.direct, call.direct_note = direct.mosaic_kernel(self, call, x.shape, x.device)
+            call.direct, call.direct_note = direct.mosaic_kernel(self, call, x.shape, x.device,
+                                                                 torch.float32 if upcast else x.dtype)
         elif stacks.get(plan.stack).kernels_only and plan.data_parallel == 1:
             call.direct, call.direct_note = direct.triton_kernels(self, call, x)
         return call

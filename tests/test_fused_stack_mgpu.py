@@ -172,7 +172,7 @@ def test_argument_errors():
     with pytest.raises(ValueError, match="num_heads"):
         fsm.fused_stack_mgpu_forward(real, x, num_heads=2)
     with pytest.raises(ValueError, match="float32"):
-        fsm.fused_stack_mgpu_forward(real, x.astype(jnp.float16), num_heads=4)
+        fsm.fused_stack_mgpu_forward(real, x.astype(jnp.int32), num_heads=4)
     with pytest.raises(ValueError, match="seq_len"):
         fsm.fused_stack_mgpu_forward(real, jnp.zeros((2, 100, 128), jnp.float32), num_heads=4)
     with pytest.raises(ValueError, match="d_model"):
@@ -221,6 +221,42 @@ def test_masked_build_lowers_to_one_mosaic_gpu_kernel(case):
     text = masked.trace(weights, x, mask).lower(lowering_platforms=("cuda",)).as_text()
     assert _custom_calls(text) == ["mosaic_gpu_v2"]
     assert text != _lower(num_heads, batch, seq_len, causal=causal, d_model=d_model)
+
+
+# Half-dtype builds: d_model 128 and 32, S < 128 (several copies a consumer), two heads, masked.
+HALF_IO_LOWERING_CASES = {"fp16": (4, 64, 128, "float16"), "fp16-d32": (4, 64, 128, "float16", 32),
+                          "fp16-S32": (4, 8, 32, "float16"), "bf16-S64-2heads": (2, 4, 64, "bfloat16"),
+                          "fp16-masked": (4, 2, 128, "float16", 128, True)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(HALF_IO_LOWERING_CASES))
+def test_half_io_builds_lower_to_one_mosaic_gpu_kernel(case):
+    """A build reading and writing a half dtype (x staged through the residual's own shared memory, y
+    through it too) passes layout inference and lowering for CUDA as one kernel, y in x's dtype, and is
+    another kernel than the fp32 build."""
+    num_heads, batch, seq_len, dtype, d_model, masked = (HALF_IO_LOWERING_CASES[case] + (128, False))[:6]
+    weights, x32 = _structs(num_heads, batch, seq_len, d_model=d_model)
+    x = jax.ShapeDtypeStruct(x32.shape, jnp.dtype(dtype))
+    args = (weights, x) + ((jax.ShapeDtypeStruct((batch, seq_len), jnp.bool_),) if masked else ())
+    call = jax.jit(lambda w, x, *m: fsm.fused_stack_mgpu_forward(w, x, *m, num_heads=num_heads))
+    traced = call.trace(*args)
+    assert traced.out_info.dtype == jnp.dtype(dtype)
+    text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    assert _custom_calls(text) == ["mosaic_gpu_v2"]
+    if not masked:
+        assert text != _lower(num_heads, batch, seq_len, d_model=d_model)
+
+
+def test_half_io_launch_spec_reads_and_writes_the_dtype():
+    config = T.Config(2, 64, 128, 2, 128, 2, True)
+    plain, half = fsm.launch_spec(config, 2, 64), fsm.launch_spec(config, 2, 64, dtype="float16")
+    assert half.arg_structs[0].dtype == jnp.float16 and half.out_dtype == np.dtype(np.float16)
+    assert [s.shape for s in half.arg_structs] == [s.shape for s in plain.arg_structs]
+    assert [s.dtype for s in half.arg_structs[1:]] == [s.dtype for s in plain.arg_structs[1:]]
+    assert fsm.launch_spec(config, 2, 64, dtype="bfloat16").out_dtype == jnp.dtype(jnp.bfloat16)
+    with pytest.raises(ValueError, match="io_dtype"):
+        fsm.launch_spec(config, 2, 64, dtype="float64")
 
 
 def test_masked_launch_spec_takes_the_mask_second_as_bytes():

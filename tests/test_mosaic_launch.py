@@ -67,8 +67,9 @@ def test_the_mosaic_stack_rule_keeps_to_what_it_measured():
     shape_2 = T.OFFICIAL["2"].config
     for kind in (MaskKind.PREFIX, MaskKind.GENERAL, MaskKind.UNKNOWN):   # masked calls: the Triton kernel
         assert T.plan(shape_2, _facts(shape_2, kind), HOPPER).stack == "fused"
-    for dtype in ("float16", "bfloat16"):                                  # the kernel takes fp32 x
-        assert T.plan(shape_2, _facts(shape_2, dtype=dtype), HOPPER).stack == "fused"
+    for dtype in ("float16", "bfloat16"):   # half x as it is, where that build has run on a GPU
+        expected = "fused_mgpu" if dtype in T.planner.MGPU_STACK_IO_DTYPES else "fused"
+        assert T.plan(shape_2, _facts(shape_2, dtype=dtype), HOPPER).stack == expected
     assert T.plan(shape_2, _facts(shape_2), AMPERE).stack == "fused"       # Hopper only
     assert T.plan(shape_2, _facts(shape_2), T.planner.CPU).stack == "layers"
     for other in ("8", "11", "13"):                                       # dims or S it does not take
@@ -213,6 +214,13 @@ def test_module_is_what_jax_as_torch_kernel_would_compile():
 
 
 @pytest.mark.slow
+def test_launch_refuses_a_dtype_the_kernel_does_not_read():
+    """Checked before anything compiles: the kernel reads and writes float32, float16 or bfloat16 only."""
+    from bridge.mosaic_launch import MosaicStackLaunch
+    with pytest.raises(ValueError, match="float64"):
+        MosaicStackLaunch(T.OFFICIAL["2"].config, 1, 128, torch.device("cpu"), dtype=torch.float64)
+
+
 def test_module_refuses_more_than_the_kernel():
     function = fsm.kernel_function(1, 128, 4, 2, True)
     structs = _structs(1, 128, 4, 2)
@@ -546,3 +554,13 @@ def test_launch_check_masks_with_holes_leave_their_inputs_alone():
     assert (~holes[:, :-1] & holes[:, 1:]).any() and torch.equal(x, x_before) and mask.all()
     assert (x2[~holes] == 0).all() and torch.equal(x2[holes], x[holes])
     assert torch.equal(with_holes(x, mask, 5)[1], holes)
+
+
+def test_half_x_gets_the_mosaic_stack_once_its_build_is_planned(monkeypatch):
+    """MGPU_STACK_IO_DTYPES gates the half builds: with float16 in it, an fp16 x gets the Mosaic stack
+    (no cast around it); bfloat16 left out keeps its plan."""
+    shape_2 = T.OFFICIAL["2"].config
+    monkeypatch.setattr(T.planner, "MGPU_STACK_IO_DTYPES", ("float32", "float16"))
+    assert T.plan(shape_2, _facts(shape_2, dtype="float16"), HOPPER).stack == "fused_mgpu"
+    assert T.plan(shape_2, _facts(shape_2, dtype="float16", caller="torch"), HOPPER).stack == "fused_mgpu"
+    assert T.plan(shape_2, _facts(shape_2, dtype="bfloat16"), HOPPER).stack == "fused"

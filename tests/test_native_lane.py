@@ -129,6 +129,29 @@ def test_another_dtype_is_cast_in_and_out(lane_module, dtype):
     assert lane.run(x.float()) is None   # float32 x is another call
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_kernel_of_the_calls_dtype_gets_x_as_it_is(lane_module, dtype):
+    """kernel_dtype: the launch reads and writes x's own dtype (the Mosaic kernel's half builds): the
+    entry sees x's own memory and writes the output the call returns, no cast either way."""
+    params, weights = [torch.randn(D), torch.randn(D, D)], [torch.randn(3), torch.randn(5)]
+    entry = StandIn(2 + len(weights), 3)
+    lane = lane_module.Lane(sizes=[B, S, D], dtype=dtype, params=params, weights=weights, mask_mode=LANE_NO_MASK,
+                            kept_mask=None, entry=entry.entry, form=3, entry_args=entry.args,
+                            num_buffers=entry.num_buffers, keep_alive=entry, kernel_dtype=dtype)
+    x = torch.randn(B, S, D).to(dtype)
+
+    def write(pointers):   # y = 2 x, in x's dtype (2-byte elements)
+        source = (ctypes.c_uint16 * x.numel()).from_address(pointers[0])
+        target = (ctypes.c_uint16 * x.numel()).from_address(pointers[-1])
+        torch.frombuffer(target, dtype=dtype).copy_(torch.frombuffer(source, dtype=dtype) * 2)
+    entry.on_call = write
+    y = lane.run(x)
+    assert y is not None and y.dtype == dtype and y.shape == x.shape
+    assert entry.calls[0][0] == x.data_ptr() and entry.calls[0][-1] == y.data_ptr()
+    torch.testing.assert_close(y, x * 2)
+    assert lane.run(x.float()) is None   # float32 x is another call
+
+
 def test_other_inputs_go_back_to_python(lane_module):
     lane, entry, params, _, _ = make_lane(lane_module)
     x = torch.randn(B, S, D)

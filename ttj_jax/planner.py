@@ -111,6 +111,10 @@ MGPU_STACK_JAX_MIN_SEQ_LEN = 64
 MGPU_STACK_MASKED_PLANNED = True
 MGPU_STACK_MASKED_VERIFIED = ((128, 4, 128, True), (32, 4, 128, True), (128, 4, 32, True), (128, 1, 128, True),
                               (128, 2, 128, True))
+# x's dtypes the Mosaic stack kernel is planned for: float32, and the half dtypes its builds read and
+# write as they are (fused_stack_mgpu.IO_DTYPES) where those builds have run on a GPU (none yet). Others
+# are cast to float32 by the bridge (bridge/direct.py, half_runs_as_float32).
+MGPU_STACK_IO_DTYPES = ("float32",)
 MGPU_STACK_ROWS_MASK = ("measured 0.079 / 0.066 / 0.079 ms at shapes 2 / 7 / 12 with padding ratio 0.3, "
                         "against 0.074 / 0.051 / 0.073 without a mask")
 # GEMM-bound calls (the one-device XLA program at d_model >= this, S below CUDNN_MIN_SEQ_LEN, unchunked:
@@ -341,11 +345,11 @@ def plan(config: Config, inputs: InputFacts, device: DeviceFacts = CPU, *,
     if stack == "fused_mgpu":
         from ttj_jax.kernels import fused_stack_mgpu
         if not fused_stack_mgpu.supports(config, inputs.seq_len, masked=mask_mode in KEY_MASK_MODES) \
-                or inputs.dtype != "float32":
+                or inputs.dtype not in MGPU_STACK_IO_DTYPES:
             model = fused_stack_mgpu.model_error(config.d_model, config.num_heads, config.ffn_dim)
             raise ValueError(f"stack 'fused_mgpu' needs a model it builds ({model or 'this one is'}), seq_len in "
-                             f"{fused_stack_mgpu.SUPPORTED_SEQ_LENS}, shared memory for its layers and float32 x; "
-                             f"got {config}, S={inputs.seq_len}, {inputs.dtype}")
+                             f"{fused_stack_mgpu.SUPPORTED_SEQ_LENS}, shared memory for its layers and x in "
+                             f"{MGPU_STACK_IO_DTYPES}; got {config}, S={inputs.seq_len}, {inputs.dtype}")
     if stack in ("fused", "fused_mgpu"):   # the kernel computes attention itself
         attention = "pallas"
     xla_options = ()
@@ -420,7 +424,7 @@ def candidates(config: Config, inputs: InputFacts, device: DeviceFacts = CPU) ->
     # (the Mosaic kernel's masked build, for key masking, only in the builds that have run on a GPU: a
     # first launch of a new build can deadlock or fault, which no timing budget catches in process;
     # bench/fused_stack_mgpu_check.py --mask probes it in a child process first)
-    if (not device.is_hopper or inputs.dtype != "float32"
+    if (not device.is_hopper or inputs.dtype not in MGPU_STACK_IO_DTYPES
             or (prior.mask_mode in KEY_MASK_MODES and not _masked_build_planned(config, inputs))):
         stacks.remove("fused_mgpu")
     from ttj_jax.kernels import fused_stack
@@ -485,7 +489,7 @@ def _stack(config: Config, inputs: InputFacts, device: DeviceFacts, policy: str,
     masked = mask_mode in KEY_MASK_MODES
     mask_ok = (mask_mode == "none" or (mask_mode == "rows" and launched)
                or (masked and launched and _masked_build_planned(config, inputs)))
-    if (device.is_hopper and mask_ok and inputs.dtype == "float32" and rows <= FUSED_STACK_MAX_ROWS
+    if (device.is_hopper and mask_ok and inputs.dtype in MGPU_STACK_IO_DTYPES and rows <= FUSED_STACK_MAX_ROWS
             and config.d_model in MGPU_STACK_GPU_VERIFIED_D_MODELS and config.num_heads in MGPU_STACK_PLANNED_NUM_HEADS
             and fused_stack_mgpu.supports(config, inputs.seq_len, masked=masked)):
         if masked:

@@ -60,9 +60,11 @@ class Lane {
   Lane(std::vector<int64_t> sizes, at::ScalarType dtype, std::vector<at::Tensor> params, std::vector<at::Tensor> weights,
        int mask_mode, std::optional<at::Tensor> kept_mask, uint64_t entry, int form,
        std::vector<uint64_t> entry_args, int64_t num_buffers, py::object keep_alive,
-       std::vector<KernelLaunch> kernels, std::vector<std::pair<int64_t, int64_t>> refs, int64_t workspace_bytes)
+       std::vector<KernelLaunch> kernels, std::vector<std::pair<int64_t, int64_t>> refs, int64_t workspace_bytes,
+       std::optional<at::ScalarType> kernel_dtype)
       : sizes_(std::move(sizes)),
         dtype_(dtype),
+        kernel_dtype_(kernel_dtype.value_or(at::kFloat)),
         params_(std::move(params)),
         weights_(std::move(weights)),
         mask_mode_(mask_mode),
@@ -150,9 +152,9 @@ class Lane {
       const auto* guard = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
       if (guard->getDevice().index() != device_.index() || guard->getStream(device_).id() != 0) return py::none();
     }
-    // The kernel reads and writes float32: another x dtype is cast in and the output cast back, as the
-    // Python path does (bridge/direct.py, Call.upcast_to).
-    const at::Tensor xf = dtype_ == at::kFloat ? x : x.to(at::kFloat);
+    // The kernel reads and writes kernel_dtype_: another x dtype is cast in and the output cast back, as
+    // the Python path does (bridge/direct.py, Call.upcast_to).
+    const at::Tensor xf = dtype_ == kernel_dtype_ ? x : x.to(kernel_dtype_);
     at::Tensor y = at::empty(sizes_, xf.options());
     int64_t i = 0;
     buffers_[i++] = const_cast<void*>(xf.const_data_ptr());
@@ -171,7 +173,7 @@ class Lane {
       reinterpret_cast<void (*)(void*)>(entry_)(form1_args_.data());
     }
     if (mask_mode_ == kKeptMaskRows) y = at::where(mask->unsqueeze(-1), y, 0.0);   // as direct.py's "rows" run
-    return py::cast(dtype_ == at::kFloat ? y : y.to(dtype_));
+    return py::cast(dtype_ == kernel_dtype_ ? y : y.to(dtype_));
   }
 
  private:
@@ -220,7 +222,8 @@ class Lane {
   };
 
   std::vector<int64_t> sizes_;
-  at::ScalarType dtype_;   // x's dtype: float32, or one the call casts to float32 and back
+  at::ScalarType dtype_;         // x's dtype: kernel_dtype_, or one the call casts to it and back
+  at::ScalarType kernel_dtype_;  // the dtype the launch reads and writes (float32 unless given)
   std::vector<at::Tensor> params_;
   std::vector<at::Tensor> weights_;
   int mask_mode_;
@@ -253,10 +256,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Lane>(m, "Lane")
       .def(py::init<std::vector<int64_t>, at::ScalarType, std::vector<at::Tensor>, std::vector<at::Tensor>, int,
                     std::optional<at::Tensor>, uint64_t, int, std::vector<uint64_t>, int64_t, py::object,
-                    std::vector<KernelLaunch>, std::vector<std::pair<int64_t, int64_t>>, int64_t>(),
+                    std::vector<KernelLaunch>, std::vector<std::pair<int64_t, int64_t>>, int64_t,
+                    std::optional<at::ScalarType>>(),
            py::arg("sizes"), py::arg("dtype"), py::arg("params"), py::arg("weights"), py::arg("mask_mode"), py::arg("kept_mask"),
            py::arg("entry"), py::arg("form"), py::arg("entry_args"), py::arg("num_buffers"),
            py::arg("keep_alive"), py::arg("kernels") = std::vector<KernelLaunch>(),
-           py::arg("refs") = std::vector<std::pair<int64_t, int64_t>>(), py::arg("workspace_bytes") = 0)
+           py::arg("refs") = std::vector<std::pair<int64_t, int64_t>>(), py::arg("workspace_bytes") = 0,
+           py::arg("kernel_dtype") = py::none())
       .def("run", &Lane::run, py::arg("x"), py::arg("mask") = py::none());
 }

@@ -9,7 +9,8 @@ kernel body and build; `fused_stack_mgpu_reference.py` `emulate`, its algorithm 
 
 Scope: d_model = ffn_dim = 128 (or 32: shape 7), num_heads in {1, 2, 4} (and 8 or 16 at d_model 128,
 packed: see the layout module), seq_len in {32, 64, 128}, 1 to 5 layers (all layers' vectors sit in
-shared memory), causal or not, fp32 x in and fp32 y out, any batch. A token mask (any: prefix or with
+shared memory), causal or not, any batch; x and y fp32, or both fp16 or bf16 (computed as for fp32 x: x
+converted exactly, y rounded once, each staged through its consumer's own residual rows). A token mask (any: prefix or with
 holes) takes the masked build: the producer copies the tile's mask bytes to shared memory, every score
 block adds MASKED_SCORE at invalid keys, and the epilogue zeroes invalid rows. Everything else belongs to
 `fused_stack.py` (see `supports`).
@@ -63,7 +64,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ttj_jax.kernels.fused_stack_mgpu_kernel import kernel_function
+from ttj_jax.kernels.fused_stack_mgpu_kernel import IO_DTYPES, kernel_function
 from ttj_jax.kernels.fused_stack_mgpu_layout import (
     B1,
     B2,
@@ -106,7 +107,7 @@ from ttj_jax.kernels.fused_stack_mgpu_reference import emulate
 from ttj_jax.kernels.pallas_common import GEMM_DTYPE
 
 __all__ = [
-    "B1", "B2", "BK", "BOUT", "BQ", "BV", "CHUNKS_PER_LAYER", "D_MODEL", "LN1_B", "LN1_W", "LN2_B", "LN2_W",
+    "IO_DTYPES", "B1", "B2", "BK", "BOUT", "BQ", "BV", "CHUNKS_PER_LAYER", "D_MODEL", "LN1_B", "LN1_W", "LN2_B", "LN2_W",
     "MIN_BLOCK", "NUM_CONSUMERS", "NUM_SLOTS", "NUM_VECS", "PACKED_BLOCK", "PACKED_NUM_HEADS", "SMEM_BUDGET_BYTES",
     "SPLIT_MAX_TILES", "SUPPORTED_D_MODELS", "SUPPORTED_NUM_HEADS", "SUPPORTED_SEQ_LENS", "TILE_ROWS", "WG_ROWS",
     "LaunchSpec", "MgpuStackWeights", "blocks", "default_fast_erf", "emulate", "fused_stack_mgpu_forward",
@@ -132,8 +133,8 @@ def _check_call(weights, x, num_heads, causal):
     if weights.num_blocks != blocks(d_model, num_heads)[0]:   # e.g. 16 heads' weights built one chunk per head
         raise ValueError(f"weights.mats.shape={weights.mats.shape}: {num_heads} heads at d_model={d_model} "
                          f"need {blocks(d_model, num_heads)[0]} head blocks (see stack_weights_mgpu)")
-    if jnp.dtype(x.dtype) != jnp.dtype(jnp.float32):
-        raise ValueError(f"x.dtype={jnp.dtype(x.dtype)} must be float32")
+    if jnp.dtype(x.dtype).name not in IO_DTYPES:
+        raise ValueError(f"x.dtype={jnp.dtype(x.dtype)} must be one of {IO_DTYPES}")
     if seq_len not in SUPPORTED_SEQ_LENS:
         raise ValueError(f"{seq_len=} must be one of {SUPPORTED_SEQ_LENS}")
     if batch < 1:
@@ -143,7 +144,8 @@ def _check_call(weights, x, num_heads, causal):
 @functools.partial(jax.jit, static_argnames=("num_heads", "causal", "interpret"))
 def fused_stack_mgpu_forward(weights: MgpuStackWeights, x: jax.Array, valid_token_mask: jax.Array | None = None,
                              *, num_heads: int, causal: bool = True, interpret: bool = False) -> jax.Array:
-    """y = LN_final(layers(x)) (docs/spec.md) in one Mosaic GPU kernel; fp32 [B, S, d].
+    """y = LN_final(layers(x)) (docs/spec.md) in one Mosaic GPU kernel; [B, S, d] in x's dtype (float32,
+    or float16 / bfloat16 read and written as they are, computed as the float32 build computes).
 
     valid_token_mask: None, or [B, S] bool, int8 or uint8 (nonzero = valid): invalid keys are left out
     of every softmax and invalid rows of y are zeros, for any mask (the masked build).
@@ -166,7 +168,8 @@ def fused_stack_mgpu_forward(weights: MgpuStackWeights, x: jax.Array, valid_toke
     if len(inputs) == 2:   # the kernel reads the mask as one 128-byte row per tile (the same bytes)
         inputs[1] = inputs[1].reshape(-1, TILE_ROWS)
     y = kernel_function(batch + batch_pad, seq_len, num_heads, weights.num_layers, causal, interpret,
-                        d_model=weights.d_model, masked=len(inputs) == 2)(*inputs, weights.mats, weights.vecs)
+                        d_model=weights.d_model, masked=len(inputs) == 2,
+                        **_io_option(x.dtype))(*inputs, weights.mats, weights.vecs)
     return y[:batch] if batch_pad else y
 
 
@@ -182,16 +185,22 @@ class LaunchSpec:
     out_dtype: np.dtype
 
 
-def launch_spec(config: Any, batch: int, seq_len: int, masked: bool = False) -> LaunchSpec:
+def _io_option(dtype) -> dict:
+    """kernel_function's io_dtype option for x of `dtype`; none for float32 (its build's trace is pinned)."""
+    name = jnp.dtype(dtype).name
+    return {} if name == "float32" else {"io_dtype": name}
+
+
+def launch_spec(config: Any, batch: int, seq_len: int, masked: bool = False, dtype: str = "float32") -> LaunchSpec:
     """The LaunchSpec of the kernel for `config` (d_model, num_heads, num_layers, causal) on x
-    [batch, seq_len, d_model] fp32 (and, masked, the [batch, seq_len] uint8 mask's bytes as
+    [batch, seq_len, d_model] of `dtype` (IO_DTYPES; y the same) (and, masked, the [batch, seq_len] uint8 mask's bytes as
     [batch * seq_len // 128, 128]: a contiguous torch bool mask as it is). Raises ValueError for
     what the kernel does not run, including a batch that is not a multiple of 128 // seq_len (callers pad
     or go through fused_stack_mgpu_forward)."""
     function = kernel_function(batch, seq_len, config.num_heads, config.num_layers, config.causal,
-                               d_model=config.d_model, masked=masked)
+                               d_model=config.d_model, masked=masked, **_io_option(dtype))
     mats, vecs = weight_shapes(config.num_layers, config.d_model, config.num_heads)
-    x = jax.ShapeDtypeStruct((batch, seq_len, config.d_model), jnp.float32)
+    x = jax.ShapeDtypeStruct((batch, seq_len, config.d_model), jnp.dtype(dtype))
     mask = (jax.ShapeDtypeStruct((batch * seq_len // TILE_ROWS, TILE_ROWS), jnp.uint8),) if masked else ()
     return LaunchSpec(function, (x, *mask, jax.ShapeDtypeStruct(mats, GEMM_DTYPE),
-                                 jax.ShapeDtypeStruct(vecs, jnp.float32)), x.shape, np.dtype(np.float32))
+                                 jax.ShapeDtypeStruct(vecs, jnp.float32)), x.shape, np.dtype(x.dtype))

@@ -60,6 +60,8 @@ LOG2_E = math.log2(math.e)
 # few hundredths of its exact value: with -1e30 that rounding difference alone overflowed exp2 to inf
 # and the row turned NaN (seen in GPU interpret mode), which reached the valid rows through P v.
 MASKED_SCORE = -1e6
+# x's and y's dtypes a build reads and writes (kernel_function's io_dtype).
+IO_DTYPES = ("float32", "float16", "bfloat16")
 # Grid axis names share a namespace with enclosing mesh axes (see flash_attention_mgpu.py): never "batch".
 GRID_AXIS = "ttj_fsm_sequence"
 # Profiler regions per warpgroup (profile_dir builds): 16 bytes each in shared memory, of the ~8 KB the
@@ -117,6 +119,7 @@ class _Build:
     interpret: bool | str  # False, True or "detect_races"
     profile: bool
     masked: bool = False   # a token mask: invalid keys left out of every softmax, invalid rows of y zeroed
+    io_dtype: str = "float32"   # x's and y's dtype: "float32", or a half dtype staged through the residual
 
     def phase(self, name):
         """A named region for Mosaic GPU's profiler; nothing at all otherwise (the lowering is pinned)."""
@@ -126,6 +129,9 @@ class _Build:
 def _stack_kernel(x_ref, mask_ref, mats_ref, vecs_ref, y_ref, scoped, *, build: _Build):
     """mask_ref: None, or (masked builds) the token mask [batch, seq_len] uint8, nonzero = valid."""
     (x_smem, k_smem, v_smem, w_smem, vec_smem, *stages), barriers = scoped
+    io_smem = None
+    if build.io_dtype != "float32":   # the residual's union: (fp32 residual, half x / y staging over it)
+        x_smem, io_smem = x_smem
     mask_smem = mask_ready = None
     if build.masked:   # kernel_function adds the mask's buffer before the staging ones, its barrier last
         mask_smem, mask_ready, barriers = stages.pop(0), barriers[-1], barriers[:-1]
@@ -135,7 +141,7 @@ def _stack_kernel(x_ref, mask_ref, mats_ref, vecs_ref, y_ref, scoped, *, build: 
     @pl.when(wg < NUM_CONSUMERS)
     def _consumer():
         _Consumer(build, wg, tile, (x_ref, y_ref), (x_smem, k_smem, v_smem, w_smem, vec_smem), stages,
-                  barriers, (mask_smem, mask_ready)).run()
+                  barriers, (mask_smem, mask_ready), io_smem).run()
 
     @pl.when(wg == NUM_CONSUMERS)
     def _producer():
@@ -184,7 +190,7 @@ class _Consumer:
     """One consumer warpgroup's 64 rows through every layer. Its residual lives in shared memory (leaving
     registers for the attention); h, q and the contexts are fp16 registers (wgmma A operands)."""
 
-    def __init__(self, build: _Build, wg, tile, gmem, smem, stages, barriers, mask=(None, None)):
+    def __init__(self, build: _Build, wg, tile, gmem, smem, stages, barriers, mask=(None, None), io_smem=None):
         self.plgpu = _plgpu()
         self.b = build
         self.wg, self.tile = wg, tile
@@ -194,6 +200,10 @@ class _Consumer:
         (self.x_ready, self.vec_ready, self.w_ready, self.w_consumed, self.kv_written,
          self.kv_free) = barriers
         self.mask_smem, self.mask_ready = mask   # masked builds: the tile's token mask, uint8 per row
+        # Half-dtype builds: this consumer's x and y in their own dtype, [64, d], over the first half of
+        # its own fp32 residual rows (the union's [consumer, 2, 64, d] view), which the residual takes
+        # over once x is read and gives back once the final LayerNorm has read it.
+        self.io_smem = None if io_smem is None else io_smem.at[wg, 0]
         self.hd, self.width, _ = widths(build.d_model, build.num_heads)
         self.num_blocks, self.heads_per_block = blocks(build.d_model, build.num_heads)
         self.seqs_per_tile = TILE_ROWS // build.seq_len
@@ -212,13 +222,18 @@ class _Consumer:
         plgpu, b = self.plgpu, self.b
         plgpu.set_max_registers(_REGISTERS[0], action="increase")
         self.rows_smem = self.x_smem.at[self.wg]
-        for src, dst in self.x_copies(self.rows_smem):
+        io_smem = self.rows_smem if self.io_smem is None else self.io_smem
+        for src, dst in self.row_copies(self.x_ref, io_smem):
             plgpu.copy_gmem_to_smem(src, dst, self.x_ready.at[self.wg])
         with b.phase("wait_inputs"):
             plgpu.barrier_wait(self.vec_ready.at[0])
             plgpu.barrier_wait(self.x_ready.at[self.wg])
             if b.masked:
                 plgpu.barrier_wait(self.mask_ready.at[0])
+        if self.io_smem is not None:   # x to fp32, in place: every thread's loads before any store over them
+            x = self.cast(self.io_smem[...], self.wgmma_layout).astype(jnp.float32)
+            plgpu.commit_smem()
+            self.rows_smem[...] = x
         assert CHUNKS_PER_LAYER % NUM_SLOTS == 0
         # Both consumers arrive once before the loop, so that every layer can start with a wait for
         # the other consumer to be done reading the previous layer's k and v.
@@ -309,16 +324,16 @@ class _Consumer:
                 valid = self.cast(self.mask_smem[pl.ds(self.wg * WG_ROWS, WG_ROWS)], self.row_layout)
                 keep = jnp.where(valid != 0, 1.0, 0.0).astype(jnp.float32)
                 y = jnp.where(self.col_bcast(keep, y.shape) != 0.0, y, 0.0)
-            self.rows_smem[...] = y
+            if self.io_smem is None:
+                out_smem = self.rows_smem
+            else:   # every thread's residual loads (the LayerNorm's) before any half store over them
+                out_smem = self.io_smem
+                plgpu.commit_smem()
+                y = y.astype(jnp.dtype(b.io_dtype))
+            out_smem[...] = y
         plgpu.commit_smem()
-        seq_len, wg, tile = b.seq_len, self.wg, self.tile
-        if seq_len == TILE_ROWS:
-            plgpu.copy_smem_to_gmem(self.rows_smem, self.y_ref.at[tile, pl.ds(wg * WG_ROWS, WG_ROWS)])
-        else:
-            per_wg = WG_ROWS // seq_len
-            for j in range(per_wg):
-                plgpu.copy_smem_to_gmem(self.rows_smem.at[pl.ds(j * seq_len, seq_len)],
-                                        self.y_ref.at[tile * self.seqs_per_tile + wg * per_wg + j])
+        for dst, src in self.row_copies(self.y_ref, out_smem):
+            plgpu.copy_smem_to_gmem(src, dst)
         plgpu.wait_smem_to_gmem(0)
 
     # --- attention ---
@@ -424,13 +439,13 @@ class _Consumer:
 
     # --- primitives ---
 
-    def x_copies(self, rows_smem):
-        """(gmem, smem) pairs of this consumer's 64 rows: one sequence half, or 64 // S sequences."""
+    def row_copies(self, gmem_ref, rows_smem):
+        """(gmem, smem) pairs of this consumer's 64 rows of x or y: one sequence half, or 64 // S sequences."""
         seq_len, wg, tile = self.b.seq_len, self.wg, self.tile
         if seq_len == TILE_ROWS:
-            return [(self.x_ref.at[tile, pl.ds(wg * WG_ROWS, WG_ROWS)], rows_smem)]
+            return [(gmem_ref.at[tile, pl.ds(wg * WG_ROWS, WG_ROWS)], rows_smem)]
         per_wg = WG_ROWS // seq_len
-        return [(self.x_ref.at[tile * self.seqs_per_tile + wg * per_wg + j], rows_smem.at[pl.ds(j * seq_len, seq_len)])
+        return [(gmem_ref.at[tile * self.seqs_per_tile + wg * per_wg + j], rows_smem.at[pl.ds(j * seq_len, seq_len)])
                 for j in range(per_wg)]
 
     def cast(self, value, layout):   # layout hints for Mosaic GPU; GPU interpret mode has no layout_cast
@@ -573,7 +588,7 @@ def _interpret_params(detect_races: bool = False):
 
 def kernel_function(batch: int, seq_len: int, num_heads: int, num_layers: int, causal: bool,
                     interpret: bool | str = False, *, d_model: int = D_MODEL, profile_dir: str | None = None,
-                    masked: bool = False):
+                    masked: bool = False, io_dtype: str = "float32"):
     """The bare kernel for x [batch, seq_len, d_model] fp32: f(x, mats, vecs) -> y, nothing but the Mosaic
     GPU call (what a launcher outside jax compiles); batch must be a multiple of 128 // seq_len.
     interpret: False (the GPU kernel), True or "detect_races" (Mosaic GPU's interpret mode on a CPU, the
@@ -581,12 +596,17 @@ def kernel_function(batch: int, seq_len: int, num_heads: int, num_layers: int, c
     every call writes a Perfetto trace there (GPU only; bench/fused_stack_mgpu_profile.py reads it).
     masked: f(x, mask, mats, vecs) -> y with mask [batch * seq_len // 128, 128] uint8, the [batch, seq_len]
     token mask's bytes as one 128-byte row per tile (nonzero = valid; a torch bool tensor's bytes, as they
-    are): any mask, prefix or not, causal or not (docs/spec.md)."""
+    are): any mask, prefix or not, causal or not (docs/spec.md).
+    io_dtype: x's and y's dtype (IO_DTYPES). A half dtype is read and written as it is: the layers compute
+    as for fp32 x (x converted exactly, y rounded once at the end, as a cast of the fp32 build's y), with
+    x and y staged through the residual's own shared memory."""
     if seq_len not in SUPPORTED_SEQ_LENS:
         raise ValueError(f"{seq_len=} must be one of {SUPPORTED_SEQ_LENS}")
     error = model_error(d_model, num_heads, d_model)
     if error:
         raise ValueError(error)
+    if io_dtype not in IO_DTYPES:
+        raise ValueError(f"{io_dtype=} must be one of {IO_DTYPES}")
     seqs_per_tile = TILE_ROWS // seq_len
     if batch < 1 or batch % seqs_per_tile:
         raise ValueError(f"{batch=} must be a positive multiple of {seqs_per_tile} at {seq_len=}")
@@ -607,7 +627,12 @@ def kernel_function(batch: int, seq_len: int, num_heads: int, num_layers: int, c
     layout = key_blocks(seq_len, causal, num_tiles)
     keys = TILE_ROWS if layout == "all" else WG_ROWS   # k, v: [N, 128, w] or [N, 2, 64, w]
     kv_shape = (num_blocks, TILE_ROWS, width) if keys == TILE_ROWS else (num_blocks, NUM_CONSUMERS, keys, width)
-    smem = (plgpu.SMEM((NUM_CONSUMERS, WG_ROWS, d_model), jnp.float32),                     # residual
+    residual = plgpu.SMEM((NUM_CONSUMERS, WG_ROWS, d_model), jnp.float32)
+    if io_dtype != "float32":   # consumer c's half x / y at [c, 0]: the first half of its residual rows
+        staging = plgpu.SMEM((NUM_CONSUMERS, 2, WG_ROWS, d_model), jnp.dtype(io_dtype))
+        # (GPU interpret mode takes no aliased refs: there the staging buffer is a buffer of its own.)
+        residual = (residual, staging) if interpret else plgpu.RefUnion(residual, staging)
+    smem = (residual,                                                                       # residual
             plgpu.SMEM(kv_shape, GEMM_DTYPE, transforms=kv_transforms),   # k
             plgpu.SMEM(kv_shape, GEMM_DTYPE, transforms=kv_transforms),   # v
             plgpu.SMEM((NUM_SLOTS, num_blocks, d_model, width), GEMM_DTYPE, transforms=kv_transforms),  # ring
@@ -628,7 +653,7 @@ def kernel_function(batch: int, seq_len: int, num_heads: int, num_layers: int, c
         barriers += (plgpu.Barrier(num_arrivals=1, num_barriers=1),)                    # mask_ready
     build = _Build(num_layers=num_layers, num_heads=num_heads, seq_len=seq_len, causal=causal, d_model=d_model,
                    fast_erf=default_fast_erf(batch, seq_len, causal), key_blocks=layout, interpret=interpret,
-                   profile=bool(profile_dir), masked=masked)
+                   profile=bool(profile_dir), masked=masked, io_dtype=io_dtype)
     body = functools.partial(_stack_kernel, build=build)
 
     if masked:
@@ -642,7 +667,7 @@ def kernel_function(batch: int, seq_len: int, num_heads: int, num_layers: int, c
 
     return plgpu.kernel(
         entry,
-        out_type=jax.ShapeDtypeStruct((batch, seq_len, d_model), jnp.float32),
+        out_type=jax.ShapeDtypeStruct((batch, seq_len, d_model), jnp.dtype(io_dtype)),
         grid=(num_tiles,),
         grid_names=(GRID_AXIS,),
         num_threads=NUM_CONSUMERS + 1,
