@@ -23,7 +23,7 @@ import torch
 
 from bridge import mosaic_launch, native, settings, triton_launch
 from bridge.transfer import Transfer, torch_dtype_name
-from ttj_jax import planner, stacks
+from ttj_jax import stacks
 from ttj_jax.device import device_facts
 from ttj_jax.masks import MaskKind
 from ttj_jax.numerics import harness_check
@@ -79,17 +79,18 @@ def self_launched_stacks(config, batch_size: int, seq_len: int, device: torch.de
 
 def half_runs_as_float32(state, x: torch.Tensor, kind: MaskKind, jax_device) -> bool:
     """Whether an fp16/bf16 x is computed as float32 (cast in, output cast back): where the rules give
-    float32 x a stack the bridge launches itself that does not take x's dtype as it is (the rows stack's
-    Triton program casts x to float32 first thing, a cast the bridge's launch does not run; the Mosaic
-    GPU kernel reads and writes the dtypes in planner.MGPU_STACK_IO_DTYPES itself), the two casts cost
-    a few microseconds and the jax call they replace costs ~0.1-0.2 ms of host time."""
+    float32 x a stack the bridge launches itself and give x's own dtype none (the rows stack's Triton
+    program casts x to float32 first thing, a cast the bridge's launch does not run; the Mosaic GPU
+    kernel reads and writes the half dtypes in planner.MGPU_STACK_IO_DTYPES itself, where planned), the
+    two casts cost a few microseconds and the jax call they replace costs ~0.1-0.2 ms of host time."""
     if x.dtype not in (torch.float16, torch.bfloat16) or x.device.type != "cuda" or jax_device is None:
         return False
     facts = InputFacts(batch_size=x.shape[0], seq_len=x.shape[1], dtype="float32", mask_kind=kind,
                        caller="torch")
-    rules = make_plan(state.config, facts, device_facts(jax_device))
-    if rules.stack == "fused_mgpu" and torch_dtype_name(x.dtype) in planner.MGPU_STACK_IO_DTYPES:
-        return False
+    device = device_facts(jax_device)
+    if make_plan(state.config, dataclasses.replace(facts, dtype=torch_dtype_name(x.dtype)), device).stack == "fused_mgpu":
+        return False   # the kernel takes x as it is
+    rules = make_plan(state.config, facts, device)
     return rules.data_parallel == 1 and launch_reason(rules.stack, state.config, x.shape[0], x.shape[1], x.device) is None
 
 

@@ -67,9 +67,8 @@ def test_the_mosaic_stack_rule_keeps_to_what_it_measured():
     shape_2 = T.OFFICIAL["2"].config
     for kind in (MaskKind.PREFIX, MaskKind.GENERAL, MaskKind.UNKNOWN):   # masked calls: the Triton kernel
         assert T.plan(shape_2, _facts(shape_2, kind), HOPPER).stack == "fused"
-    for dtype in ("float16", "bfloat16"):   # half x as it is, where that build has run on a GPU
-        expected = "fused_mgpu" if dtype in T.planner.MGPU_STACK_IO_DTYPES else "fused"
-        assert T.plan(shape_2, _facts(shape_2, dtype=dtype), HOPPER).stack == expected
+    for dtype in ("float16", "bfloat16"):   # the kernel reads and writes half x as it is
+        assert T.plan(shape_2, _facts(shape_2, dtype=dtype), HOPPER).stack == "fused_mgpu"
     assert T.plan(shape_2, _facts(shape_2), AMPERE).stack == "fused"       # Hopper only
     assert T.plan(shape_2, _facts(shape_2), T.planner.CPU).stack == "layers"
     for other in ("8", "11", "13"):                                       # dims or S it does not take
@@ -556,11 +555,15 @@ def test_launch_check_masks_with_holes_leave_their_inputs_alone():
     assert torch.equal(with_holes(x, mask, 5)[1], holes)
 
 
-def test_half_x_gets_the_mosaic_stack_once_its_build_is_planned(monkeypatch):
-    """MGPU_STACK_IO_DTYPES gates the half builds: with float16 in it, an fp16 x gets the Mosaic stack
-    (no cast around it); bfloat16 left out keeps its plan."""
+def test_half_x_gets_the_mosaic_stack_where_its_build_has_run_on_a_gpu(monkeypatch):
+    """MGPU_STACK_IO_DTYPES gates the half builds (mask-free: the half masked builds have not run on a
+    GPU, so a key mask keeps an fp16 x off the masked build); a dtype left out keeps its old plan."""
     shape_2 = T.OFFICIAL["2"].config
+    for caller in ("jax", "torch"):
+        assert T.plan(shape_2, _facts(shape_2, dtype="float16", caller=caller), HOPPER).stack == "fused_mgpu"
+    assert T.plan(shape_2, _facts(shape_2, MaskKind.PREFIX, dtype="float16", caller="torch"), HOPPER).mask_mode == "rows"
+    for kind in (MaskKind.GENERAL, MaskKind.UNKNOWN):
+        assert T.plan(shape_2, _facts(shape_2, kind, caller="torch"), HOPPER).stack == "fused_mgpu"   # float32
+        assert T.plan(shape_2, _facts(shape_2, kind, dtype="float16", caller="torch"), HOPPER).stack != "fused_mgpu"
     monkeypatch.setattr(T.planner, "MGPU_STACK_IO_DTYPES", ("float32", "float16"))
-    assert T.plan(shape_2, _facts(shape_2, dtype="float16"), HOPPER).stack == "fused_mgpu"
-    assert T.plan(shape_2, _facts(shape_2, dtype="float16", caller="torch"), HOPPER).stack == "fused_mgpu"
     assert T.plan(shape_2, _facts(shape_2, dtype="bfloat16"), HOPPER).stack == "fused"

@@ -305,8 +305,7 @@ def test_half_x_runs_as_float32_where_the_rules_give_the_launched_rows_stack(mon
     assert not direct.half_runs_as_float32(state, x, MaskKind.NONE, jax_device=object())
     plan.stack = "layers"                           # the XLA program takes fp16 x as it is
     assert not direct.half_runs_as_float32(state, x, MaskKind.NONE, jax_device=object())
-    plan.stack = "fused_mgpu"   # the Mosaic kernel reads and writes fp16 / bf16 as they are, where planned
-    monkeypatch.setattr(T.planner, "MGPU_STACK_IO_DTYPES", ("float32", "float16", "bfloat16"))
+    plan.stack = "fused_mgpu"   # planned for x's own dtype: the Mosaic kernel reads and writes it as it is
     for dtype in (torch.float16, torch.bfloat16):
         x.dtype = dtype
         assert not direct.half_runs_as_float32(state, x, MaskKind.NONE, jax_device=object())
