@@ -9,11 +9,11 @@ kernel body and build; `fused_stack_mgpu_reference.py` `emulate`, its algorithm 
 
 Scope: d_model = ffn_dim = 128 (or 32: shape 7), num_heads in {1, 2, 4} (and 8 or 16 at d_model 128,
 packed: see the layout module), seq_len in {32, 64, 128}, 1 to 5 layers (all layers' vectors sit in
-shared memory), causal or not, any batch; x and y fp32, or both fp16 or bf16 (computed as for fp32 x: x
-converted exactly, y rounded once, each staged through its consumer's own residual rows). A token mask (any: prefix or with
-holes) takes the masked build: the producer copies the tile's mask bytes to shared memory, every score
-block adds MASKED_SCORE at invalid keys, and the epilogue zeroes invalid rows. Everything else belongs to
-`fused_stack.py` (see `supports`).
+shared memory), causal or not, any batch; x and y fp32, or both fp16 or bf16 (computed as for fp32 x:
+x converted exactly, y rounded once). A token mask (any: prefix or with holes) takes the masked build:
+the producer copies the tile's mask bytes to shared memory, every score block adds MASKED_SCORE at
+invalid keys, and the epilogue zeroes invalid rows. Everything else belongs to `fused_stack.py` (see
+`supports`).
 
 Design (one CUDA block per 128-row tile; three warpgroups):
 - Tile. 128 rows: one sequence (S=128) or 128 // S whole sequences (S=32: 4, S=64: 2), with a
@@ -27,7 +27,8 @@ Design (one CUDA block per 128-row tile; three warpgroups):
   blocks of its hidden layer, which is why ffn_dim must equal d_model. All vectors are one fp32 array
   copied to shared memory once.
 - Residual. fp32 in shared memory (the TMA target for x and source for y), which leaves registers for
-  the attention.
+  the attention. Half builds copy x in, and y out, in their dtype over the first half of each
+  consumer's own residual rows (a RefUnion: no shared memory added), converted in registers.
 - Per layer and consumer: h = LN1(x) (fp16 registers, the wgmma A operand); q per block in registers;
   k and v to shared memory for both consumers (a barrier pair orders writes against the other
   consumer's reads). Per head: scores over the keys it may see (`layout.key_blocks`: at S < 128 its
@@ -193,8 +194,8 @@ def _io_option(dtype) -> dict:
 
 def launch_spec(config: Any, batch: int, seq_len: int, masked: bool = False, dtype: str = "float32") -> LaunchSpec:
     """The LaunchSpec of the kernel for `config` (d_model, num_heads, num_layers, causal) on x
-    [batch, seq_len, d_model] of `dtype` (IO_DTYPES; y the same) (and, masked, the [batch, seq_len] uint8 mask's bytes as
-    [batch * seq_len // 128, 128]: a contiguous torch bool mask as it is). Raises ValueError for
+    [batch, seq_len, d_model] of `dtype` (IO_DTYPES; y the same) (and, masked, the [batch, seq_len]
+    uint8 mask's bytes as [batch * seq_len // 128, 128]: a contiguous torch bool mask as it is). Raises ValueError for
     what the kernel does not run, including a batch that is not a multiple of 128 // seq_len (callers pad
     or go through fused_stack_mgpu_forward)."""
     function = kernel_function(batch, seq_len, config.num_heads, config.num_layers, config.causal,
