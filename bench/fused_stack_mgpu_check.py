@@ -24,7 +24,8 @@ masked build where the mask-free one serves, prefix is a harness --padding-ratio
 random mask (position 0 valid).
 With --dtype, the build that reads and writes that dtype is probed, run on x rounded to it, checked
 against the reference on that x and against the fp32 build's output on the same x cast to the dtype
-(the same computation: expected equal), and timed ("mgpu_io").
+(the same computation: expected equal), and timed ("mgpu_io"); with --mask too, its masked build the
+same way ("mgpu_io_masked").
 The bridge's own launch of the kernel on torch tensors is checked by bench/mosaic_launch_check.py.
 Writes <out>/fused-stack-mgpu-<date>-<gpu>.json after every shape and prints a table last. Budget:
 about 6 minutes on an H200 (a deadline skips what is left after DEADLINE_S).
@@ -134,6 +135,9 @@ def _probe_child(shape_ids, mask_kind: str = "none", io_dtype: str = "float32") 
             if io_dtype != "float32":
                 jax.block_until_ready(fsm.fused_stack_mgpu_forward(weights, x.astype(io_dtype),
                                                                    num_heads=config.num_heads))
+                if mask is not None:
+                    jax.block_until_ready(fsm.fused_stack_mgpu_forward(weights, x.astype(io_dtype), mask,
+                                                                       num_heads=config.num_heads))
             print(f"DONE {sid} {time.perf_counter() - start:.1f}", flush=True)
         except Exception as e:   # recorded by the parent; the next shape still runs
             print(f"ERROR {sid} {_error(e)}".replace("\n", " "), flush=True)
@@ -270,6 +274,17 @@ def run_shape(sid: str, probe_status: dict, deadline: float, mask_kind: str = "n
                     "equal_to_fp32_build_cast": bool(np.array_equal(y_io, y_cast)),
                     "max_abs_diff_from_fp32_build_cast": float(np.abs(y_io - y_cast).max())}
                 record["timing"]["mgpu_io"] = step("mgpu_io_timing", lambda: _time_jax(mgpu, (weights, x_io)))
+            if y_io is not None and mask is not None:   # the masked build in the dtype, same checks
+                y_io_masked = step("mgpu_io_masked_run", lambda: np.asarray(
+                    jax.block_until_ready(masked(weights, x_io, jmask)), np.float32))
+                if y_io_masked is not None:
+                    y_cast = np.asarray(masked(weights, x_exact, jmask).astype(io_dtype), np.float32)
+                    record["accuracy"]["mgpu_io_masked"] = {
+                        "dtype": io_dtype, **harness_stats(y_io_masked, np.asarray(
+                            T.reference(params, x_exact, jmask, config=config))),
+                        "equal_to_fp32_build_cast": bool(np.array_equal(y_io_masked, y_cast))}
+                    record["timing"]["mgpu_io_masked"] = step(
+                        "mgpu_io_masked_timing", lambda: _time_jax(masked, (weights, x_io, jmask)))
     else:
         record["mgpu_skipped"] = f"probe status {probe_status.get('status')}"
 
@@ -401,7 +416,8 @@ def main(argv=None) -> int:
         except Exception as e:
             print(f"{sid:>3} (row failed: {e})")
     bad = any("error" in r or r.get("errors") or (r.get("probe") or {}).get("status") != "ok"
-              or any((a or {}).get("failed_elements") for a in (r.get("accuracy") or {}).values())
+              or any((a or {}).get("failed_elements") or (a or {}).get("equal_to_fp32_build_cast") is False
+                     for a in (r.get("accuracy") or {}).values())
               for r in result["shapes"].values())
     return 1 if bad else 0
 
