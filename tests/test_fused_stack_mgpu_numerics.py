@@ -387,21 +387,23 @@ import json, sys
 sys.path.insert(0, "tests")
 import jax.numpy as jnp, numpy as np
 import ttj_jax as T
-from conftest import baseline_and_params, random_input
+from conftest import baseline_and_params, make_mask, random_input
 from ttj_jax.kernels import fused_stack_mgpu as fsm
-num_heads, seq_len, batch, num_layers, dtype, d_model = json.loads(sys.argv[1])
+num_heads, seq_len, batch, num_layers, dtype, d_model, kind = json.loads(sys.argv[1])
 config = T.Config(batch, seq_len, d_model, num_heads, d_model, num_layers, True)
 _, params = baseline_and_params(config, 0)
 x = jnp.asarray(random_input(config, 1).numpy()).astype(dtype)
+mask = () if kind == "none" else (jnp.asarray(make_mask(kind, batch, seq_len, 3).numpy()),)
 weights = fsm.stack_weights_mgpu(params, num_heads)
-y = fsm.fused_stack_mgpu_forward(weights, x, num_heads=num_heads, interpret=True)
-y32 = fsm.fused_stack_mgpu_forward(weights, x.astype(jnp.float32), num_heads=num_heads, interpret=True)
+y = fsm.fused_stack_mgpu_forward(weights, x, *mask, num_heads=num_heads, interpret=True)
+y32 = fsm.fused_stack_mgpu_forward(weights, x.astype(jnp.float32), *mask, num_heads=num_heads, interpret=True)
 print(json.dumps({"dtype": str(y.dtype), "shape_ok": y.shape == x.shape,
                   "equal": bool(np.array_equal(np.asarray(y, np.float32), np.asarray(y32.astype(dtype), np.float32)))}))
 """
-HALF_IO_INTERPRET_CASES = {   # (num_heads, seq_len, batch, num_layers, dtype, d_model)
-    "fp16-S64-H1-B2-L1": (1, 64, 2, 1, "float16", 128),      # one copy a consumer
-    "bf16-S32-H2-B6-L1-padded": (2, 32, 6, 1, "bfloat16", 128),   # two copies a consumer, batch padded
+HALF_IO_INTERPRET_CASES = {   # (num_heads, seq_len, batch, num_layers, dtype, d_model, mask kind)
+    "fp16-S64-H1-B2-L1": (1, 64, 2, 1, "float16", 128, "none"),      # one copy a consumer
+    "bf16-S32-H2-B6-L1-padded": (2, 32, 6, 1, "bfloat16", 128, "none"),   # two copies a consumer, padded
+    "fp16-S128-H2-B1-L1-random-mask": (2, 128, 1, 1, "float16", 128, "random"),   # the masked build
 }
 
 
@@ -409,8 +411,9 @@ HALF_IO_INTERPRET_CASES = {   # (num_heads, seq_len, batch, num_layers, dtype, d
 @pytest.mark.interpret
 @pytest.mark.parametrize("case", sorted(HALF_IO_INTERPRET_CASES))
 def test_half_io_kernel_is_the_fp32_kernel_cast_in_gpu_interpret_mode(case):
-    """A build reading and writing fp16 / bf16 computes exactly what the fp32 build computes on the same
-    values: its output equals the fp32 build's output rounded to the dtype, element for element."""
+    """A build reading and writing fp16 / bf16 (mask-free or masked) computes exactly what the fp32 build
+    computes on the same values: its output equals the fp32 build's output rounded to the dtype, element
+    for element."""
     import json
 
     from conftest import last_json_line, run_on_host_devices
