@@ -560,7 +560,8 @@ def test_half_x_gets_the_mosaic_stack_where_its_build_has_run_on_a_gpu(monkeypat
     GPU, so a key mask keeps an fp16 x off the masked build); a dtype left out keeps its old plan."""
     shape_2 = T.OFFICIAL["2"].config
     for caller in ("jax", "torch"):
-        assert T.plan(shape_2, _facts(shape_2, dtype="float16", caller=caller), HOPPER).stack == "fused_mgpu"
+        plan = T.plan(shape_2, _facts(shape_2, dtype="float16", caller=caller), HOPPER)
+        assert plan.stack == "fused_mgpu" and "read and written in float16 by the kernel" in plan.explain()
     assert T.plan(shape_2, _facts(shape_2, MaskKind.PREFIX, dtype="float16", caller="torch"), HOPPER).mask_mode == "rows"
     for kind in (MaskKind.GENERAL, MaskKind.UNKNOWN):
         assert T.plan(shape_2, _facts(shape_2, kind, caller="torch"), HOPPER).stack == "fused_mgpu"   # float32
