@@ -170,7 +170,7 @@ def fused_stack_mgpu_forward(weights: MgpuStackWeights, x: jax.Array, valid_toke
         inputs[1] = inputs[1].reshape(-1, TILE_ROWS)
     y = kernel_function(batch + batch_pad, seq_len, num_heads, weights.num_layers, causal, interpret,
                         d_model=weights.d_model, masked=len(inputs) == 2,
-                        **_io_option(x.dtype))(*inputs, weights.mats, weights.vecs)
+                        io_dtype=jnp.dtype(x.dtype).name)(*inputs, weights.mats, weights.vecs)
     return y[:batch] if batch_pad else y
 
 
@@ -186,12 +186,6 @@ class LaunchSpec:
     out_dtype: np.dtype
 
 
-def _io_option(dtype) -> dict:
-    """kernel_function's io_dtype option for x of `dtype`; none for float32 (its build's trace is pinned)."""
-    name = jnp.dtype(dtype).name
-    return {} if name == "float32" else {"io_dtype": name}
-
-
 def launch_spec(config: Any, batch: int, seq_len: int, masked: bool = False, dtype: str = "float32") -> LaunchSpec:
     """The LaunchSpec of the kernel for `config` (d_model, num_heads, num_layers, causal) on x
     [batch, seq_len, d_model] of `dtype` (IO_DTYPES; y the same) (and, masked, the [batch, seq_len]
@@ -199,7 +193,7 @@ def launch_spec(config: Any, batch: int, seq_len: int, masked: bool = False, dty
     what the kernel does not run, including a batch that is not a multiple of 128 // seq_len (callers pad
     or go through fused_stack_mgpu_forward)."""
     function = kernel_function(batch, seq_len, config.num_heads, config.num_layers, config.causal,
-                               d_model=config.d_model, masked=masked, **_io_option(dtype))
+                               d_model=config.d_model, masked=masked, io_dtype=jnp.dtype(dtype).name)
     mats, vecs = weight_shapes(config.num_layers, config.d_model, config.num_heads)
     x = jax.ShapeDtypeStruct((batch, seq_len, config.d_model), jnp.dtype(dtype))
     mask = (jax.ShapeDtypeStruct((batch * seq_len // TILE_ROWS, TILE_ROWS), jnp.uint8),) if masked else ()
