@@ -174,10 +174,9 @@ class MosaicStackLaunch:
 
     def __init__(self, config: Config, batch: int, seq_len: int, device: torch.device, masked: bool = False,
                  dtype: torch.dtype = torch.float32):
-        from bridge.transfer import torch_dtype_name  # (transfer imports this module)
         from ttj_jax.compat import mosaic_gpu_module
         from ttj_jax.kernels import fused_stack_mgpu
-        name = torch_dtype_name(dtype)
+        name = str(dtype).removeprefix("torch.")   # (bridge.transfer.torch_dtype_name: transfer imports this module)
         if name not in fused_stack_mgpu.IO_DTYPES:
             raise ValueError(f"{dtype=}: the kernel reads and writes one of {fused_stack_mgpu.IO_DTYPES}")
         spec = fused_stack_mgpu.launch_spec(config, batch, seq_len, masked=masked, dtype=name)
