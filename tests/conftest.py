@@ -47,6 +47,9 @@ def make_mask(kind: str, batch: int, seq_len: int, seed: int):
         mask = np.arange(seq_len)[None, :] < lengths[:, None]
     elif kind == "random":
         mask = rng.random((batch, seq_len)) > 0.35
+    elif kind == "first_tile_valid":   # a Mosaic stack tile (128 tokens) all valid, then random tokens
+        mask = rng.random((batch, seq_len)) > 0.35
+        mask.reshape(-1)[:128] = True
     elif kind == "all_invalid":
         mask = rng.random((batch, seq_len)) > 0.35
         mask[0] = False          # one sequence with no valid token at all: zeros, never NaN

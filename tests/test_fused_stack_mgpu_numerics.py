@@ -326,6 +326,8 @@ MASKED_INTERPRET_CASES = {   # (num_heads, seq_len, batch, num_layers, causal, m
     "S128-H2-B1-L1-noncausal-prefix": (2, 128, 1, 1, False, "prefix", True),         # all 128 keys
     "S32-H2-B6-L1-all-invalid-padded": (2, 32, 6, 1, True, "all_invalid", "forward"),   # own keys, padded
     "d32-S128-H4-B1-L1-random": (4, 128, 1, 1, True, "random", "forward", 32),      # shape 7's build
+    # a tile whose tokens are all valid (the mask-free attention's branch) beside one that is not
+    "S32-H2-B8-L2-first-tile-valid": (2, 32, 8, 2, True, "first_tile_valid", "forward"),
 }
 
 
@@ -333,8 +335,8 @@ MASKED_INTERPRET_CASES = {   # (num_heads, seq_len, batch, num_layers, causal, m
 @pytest.mark.interpret
 @pytest.mark.parametrize("case", sorted(MASKED_INTERPRET_CASES))
 def test_masked_kernel_in_gpu_interpret_mode(case):
-    """The masked build's body (the producer's mask copies, the key bias on every score block, the
-    epilogue's zeroed rows) in GPU interpret mode: `emulate`'s output, the harness rule against the fp32
+    """The masked build's body (the producer's mask copies, the key bias on every score block or, in a
+    tile whose tokens are all valid, the mask-free attention, the epilogue's zeroed rows) in GPU interpret mode: `emulate`'s output, the harness rule against the fp32
     reference with the mask, invalid rows exactly zero, no races."""
     import json
 

@@ -556,8 +556,9 @@ def test_launch_check_masks_with_holes_leave_their_inputs_alone():
 
 
 def test_half_x_gets_the_mosaic_stack_where_its_build_has_run_on_a_gpu(monkeypatch):
-    """MGPU_STACK_IO_DTYPES gates the half builds (mask-free: the half masked builds have not run on a
-    GPU, so a key mask keeps an fp16 x off the masked build); a dtype left out keeps its old plan."""
+    """MGPU_STACK_IO_DTYPES gates the half builds; MGPU_STACK_MASKED_HALF_VERIFIED the half masked builds
+    (fp16 at shapes 2, 7 and 12's builds; a bf16 x with a key mask keeps off the masked build, as does an
+    fp16 x at a build whose half masked build has not run); a dtype left out keeps its old plan."""
     shape_2 = T.OFFICIAL["2"].config
     for caller in ("jax", "torch"):
         plan = T.plan(shape_2, _facts(shape_2, dtype="float16", caller=caller), HOPPER)
@@ -565,6 +566,10 @@ def test_half_x_gets_the_mosaic_stack_where_its_build_has_run_on_a_gpu(monkeypat
     assert T.plan(shape_2, _facts(shape_2, MaskKind.PREFIX, dtype="float16", caller="torch"), HOPPER).mask_mode == "rows"
     for kind in (MaskKind.GENERAL, MaskKind.UNKNOWN):
         assert T.plan(shape_2, _facts(shape_2, kind, caller="torch"), HOPPER).stack == "fused_mgpu"   # float32
-        assert T.plan(shape_2, _facts(shape_2, kind, dtype="float16", caller="torch"), HOPPER).stack != "fused_mgpu"
+        assert T.plan(shape_2, _facts(shape_2, kind, dtype="float16", caller="torch"), HOPPER).stack == "fused_mgpu"
+        assert T.plan(shape_2, _facts(shape_2, kind, dtype="bfloat16", caller="torch"), HOPPER).stack != "fused_mgpu"
+        shape_9 = T.OFFICIAL["9"].config   # one head: its fp32 masked build has run, its fp16 one not
+        assert T.plan(shape_9, _facts(shape_9, kind, caller="torch"), HOPPER).stack == "fused_mgpu"
+        assert T.plan(shape_9, _facts(shape_9, kind, dtype="float16", caller="torch"), HOPPER).stack != "fused_mgpu"
     monkeypatch.setattr(T.planner, "MGPU_STACK_IO_DTYPES", ("float32", "float16"))
     assert T.plan(shape_2, _facts(shape_2, dtype="bfloat16"), HOPPER).stack == "fused"

@@ -114,10 +114,15 @@ MGPU_STACK_MASKED_VERIFIED = ((128, 4, 128, True), (32, 4, 128, True), (128, 4, 
 # x's dtypes the Mosaic stack kernel is planned for: float32, and the half dtypes its builds read and
 # write as they are (fused_stack_mgpu.IO_DTYPES), mask-free: on an H100 (2026-12-06) the fp16 builds of
 # shapes 1, 7, 9 and 12 and the bf16 builds of 2 and 7 wrote the fp32 build's output rounded to the
-# dtype, bit for bit (`fused-stack-mgpu-2026-12-06-h100-*-io-*.json`). The masked builds of the half
-# dtypes have not run on a GPU: _masked_build_planned leaves them out. Other dtypes are cast to float32
+# dtype, bit for bit (`fused-stack-mgpu-2026-12-06-h100-*-io-*.json`). Other dtypes are cast to float32
 # by the bridge (bridge/direct.py, half_runs_as_float32).
 MGPU_STACK_IO_DTYPES = ("float32", "float16", "bfloat16")
+# The masked builds reading and writing fp16 x that have run on a GPU (keys as MGPU_STACK_MASKED_VERIFIED):
+# on the H200 (2026-12-06, `fused-stack-mgpu-2026-12-06-h200-fp16-holes.json`) shapes 2, 7 and 12 with a
+# mask with holes, 0 failed elements, each the fp32 masked build's output rounded. Other half masked
+# builds are left to the plans that cast (_masked_build_planned).
+MGPU_STACK_MASKED_HALF_VERIFIED = (("float16", 128, 4, 128, True), ("float16", 32, 4, 128, True),
+                                   ("float16", 128, 4, 32, True))
 MGPU_STACK_ROWS_MASK = ("measured 0.079 / 0.066 / 0.079 ms at shapes 2 / 7 / 12 with padding ratio 0.3, "
                         "against 0.074 / 0.051 / 0.073 without a mask")
 # GEMM-bound calls (the one-device XLA program at d_model >= this, S below CUDNN_MIN_SEQ_LEN, unchunked:
@@ -462,9 +467,12 @@ def candidates(config: Config, inputs: InputFacts, device: DeviceFacts = CPU) ->
 
 def _masked_build_planned(config: Config, inputs: InputFacts) -> bool:
     """Whether the Mosaic kernel's masked build may be planned for this model and length: switched on, and
-    a build that has run on a GPU with a mask (MGPU_STACK_MASKED_VERIFIED), reading float32 x."""
-    return MGPU_STACK_MASKED_PLANNED and inputs.dtype == "float32" and (
-        config.d_model, config.num_heads, inputs.seq_len, bool(config.causal)) in MGPU_STACK_MASKED_VERIFIED
+    a build that has run on a GPU with a mask: MGPU_STACK_MASKED_VERIFIED for float32 x,
+    MGPU_STACK_MASKED_HALF_VERIFIED for a half x the kernel reads as it is."""
+    build = (config.d_model, config.num_heads, inputs.seq_len, bool(config.causal))
+    if not MGPU_STACK_MASKED_PLANNED or build not in MGPU_STACK_MASKED_VERIFIED:
+        return False
+    return inputs.dtype == "float32" or (inputs.dtype, *build) in MGPU_STACK_MASKED_HALF_VERIFIED
 
 
 def _rows_stack_fits(config: Config, inputs: InputFacts) -> bool:

@@ -60,6 +60,10 @@ LOG2_E = math.log2(math.e)
 # few hundredths of its exact value: with -1e30 that rounding difference alone overflowed exp2 to inf
 # and the row turned NaN (seen in GPU interpret mode), which reached the valid rows through P v.
 MASKED_SCORE = -1e6
+# Masked builds with at most this many heads branch once per tile on whether its tokens are all valid
+# (_Consumer.run). With both attentions in one kernel, 16 packed heads' layout inference recursed past
+# Python's limit while lowering; more heads than 4 take the rows stack anyway (planner).
+ALL_VALID_BRANCH_MAX_HEADS = 4
 # x's and y's dtypes a build reads and writes (kernel_function's io_dtype).
 IO_DTYPES = ("float32", "float16", "bfloat16")
 # Grid axis names share a namespace with enclosing mesh axes (see flash_attention_mgpu.py): never "batch".
@@ -239,18 +243,29 @@ class _Consumer:
         # the other consumer to be done reading the previous layer's k and v.
         plgpu.barrier_arrive(self.kv_free.at[0])
 
+        if b.masked and b.num_heads <= ALL_VALID_BRANCH_MAX_HEADS:
+            # One branch per tile around the whole layer loop: a tile whose tokens are all valid (the
+            # harness's mask at padding 0) runs the mask-free build's layers, with no key bias.
+            all_valid = self.tile_all_valid()
+            pl.when(all_valid)(lambda: self.layers(masked=False))
+            pl.when(jnp.logical_not(all_valid))(lambda: self.layers(masked=True))
+        else:
+            self.layers(masked=b.masked)
+        self.epilogue()
+
+    def layers(self, masked: bool):
+        b = self.b
+
         @pl.loop(0, b.num_layers)
         def _layer(layer):
             with b.phase("ln1"):
                 h = self.layer_norm(self.load_x(), layer, LN1_W, LN1_B).astype(GEMM_DTYPE)
-            self.layer(layer, h)
+            self.layer(layer, h, masked)
 
-        self.epilogue()
-
-    def layer(self, layer, h):
+    def layer(self, layer, h, masked: bool):
         q = self.qkv_projection(layer, h)
         with self.b.phase("attention"):
-            ctx = self.attention(q)
+            ctx = self.attention(q, masked)
         self.plgpu.barrier_arrive(self.kv_free.at[0])
         x = self.out_projection(layer, ctx)
         self.mlp(layer, x)
@@ -338,14 +353,26 @@ class _Consumer:
 
     # --- attention ---
 
-    def attention(self, q):
-        """Per block, its context (fp16 [64, width]) over the keys this consumer scores."""
+    def attention(self, q, masked: bool):
+        """Per block, its context (fp16 [64, width]) over the keys this consumer scores; masked: each
+        score block takes the tile's key bias."""
         if self.b.key_blocks == "split":   # consumer 0: its diagonal block; consumer 1: block 0, then its own
-            return lax.cond(self.wg == 0, lambda: self.attention_blocks(q, (0,)),
-                            lambda: self.attention_blocks(q, (0, 1)))
-        return self.attention_blocks(q, (self.wg,) if self.b.key_blocks == "own" else (None,))
+            return lax.cond(self.wg == 0, lambda: self.attention_blocks(q, (0,), masked),
+                            lambda: self.attention_blocks(q, (0, 1), masked))
+        return self.attention_blocks(q, (self.wg,) if self.b.key_blocks == "own" else (None,), masked)
 
-    def attention_blocks(self, q, key_ids):
+    def tile_all_valid(self):
+        """Whether every one of the tile's 128 tokens is valid (masked builds): a uniform scalar, the AND of
+        its mask bytes (a tree of 128 scalar loads), bit 0 set in every one. A torch bool is 0 or 1; another
+        nonzero byte with bit 0 clear only sends the tile to the masked attention, which reads nonzero as
+        valid. (A 32-word read would need the buffer bitcast, which Pallas refuses for a 1-D ref.)"""
+        level = [self.mask_smem[i] for i in range(TILE_ROWS)]
+        while len(level) > 1:
+            level = [lax.bitwise_and(a, b) for a, b in zip(level[::2], level[1::2])]
+        one = jnp.array(1, level[0].dtype)
+        return lax.bitwise_and(level[0], one) == one
+
+    def attention_blocks(self, q, key_ids, masked: bool):
         """Key blocks named by key_ids (None: all 128 keys). One head per block: softmax(q k^T) v. Packed
         heads: per sub-head s of the block, q_s = q with the other heads' columns zeroed (they add exact
         zeros to q_s k^T), the softmax with the real head_dim's scale, and of P_s v only s's columns kept
@@ -355,7 +382,7 @@ class _Consumer:
             def kv(ref, key_id, block=block):
                 return ref.at[block] if key_id is None else ref.at[block, key_id]
             if self.heads_per_block == 1:
-                ctx.append(self.head_context(q[block], kv, key_ids).astype(GEMM_DTYPE))
+                ctx.append(self.head_context(q[block], kv, key_ids, masked).astype(GEMM_DTYPE))
                 continue
             out = None
             for sub in range(self.heads_per_block):
@@ -363,15 +390,15 @@ class _Consumer:
                 column = self.iota((WG_ROWS, self.width), 1)
                 mine = lax.shift_right_logical(column, jnp.int32(self.hd.bit_length() - 1)) == sub
                 q_sub = jnp.where(mine, q[block], 0.0)
-                out = jnp.where(mine, self.head_context(q_sub, kv, key_ids), 0.0 if out is None else out)
+                out = jnp.where(mine, self.head_context(q_sub, kv, key_ids, masked), 0.0 if out is None else out)
             ctx.append(out.astype(GEMM_DTYPE))
         return ctx
 
-    def head_context(self, q_head, kv, key_ids):
+    def head_context(self, q_head, kv, key_ids, masked: bool):
         """softmax(q_head k^T) v (fp32 [64, width]) over the key blocks named; the last key block is the
         diagonal one (masked by allowed_keys), any before it are wholly in the past (no mask)."""
         scores = self.block_scores(q_head, [kv(self.k_smem, key_id) for key_id in key_ids])
-        if self.b.masked:
+        if masked:
             scores = [s + self.row_bcast(self.key_bias(key_id), s.shape) for s, key_id in zip(scores, key_ids)]
         return self.block_context(self.softmax_probabilities(scores),
                                   [kv(self.v_smem, key_id) for key_id in key_ids])
