@@ -336,7 +336,8 @@ MASKED_INTERPRET_CASES = {   # (num_heads, seq_len, batch, num_layers, causal, m
 @pytest.mark.parametrize("case", sorted(MASKED_INTERPRET_CASES))
 def test_masked_kernel_in_gpu_interpret_mode(case):
     """The masked build's body (the producer's mask copies, the key bias on every score block or, in a
-    tile whose tokens are all valid, the mask-free attention, the epilogue's zeroed rows) in GPU interpret mode: `emulate`'s output, the harness rule against the fp32
+    tile whose tokens are all valid, the mask-free layers, the epilogue's zeroed rows) in GPU interpret
+    mode: `emulate`'s output, the harness rule against the fp32
     reference with the mask, invalid rows exactly zero, no races."""
     import json
 
