@@ -104,7 +104,9 @@ MGPU_STACK_JAX_MIN_SEQ_LEN = 64
 # (d_model, num_heads, seq_len, causal) that have run on a GPU with a mask. On the H200 (bench/results/fused-stack-mgpu-2026-12-05-h200-
 # holes.json, mask-cost-2026-12-05-h200.json): 0 failed elements with a mask with holes at shapes 2 and 7;
 # at shape 7 with an all-True mask it is exact against the mask-free kernel and takes 45.2 us against
-# 38.4 (+18%), where the plan it replaces ("rows" through jax, the device deciding) took 126.6. Shapes 12,
+# 38.4 (+18%), where the plan it replaces ("rows" through jax, the device deciding) took 126.6; since a
+# tile whose tokens are all valid runs the mask-free layers, 41.6 against 38.1 on an H100 (+9%; shape 2
+# +4.5%: mask-cost-2026-12-06-h100.json). Shapes 12,
 # 9 and 10 (S=32 at 4 heads, 1 and 2 heads at S=128; fused-stack-mgpu-2026-12-05-h200-holes-12-9-10.json):
 # 0 failed elements with holes, 81.4 / 50.8 / 62.4 us against 74.2 / 49.2 / 57.5 mask-free, where the
 # measured planner's device-deciding plan through jax took 71-102 us of GPU time plus jax's dispatch.
