@@ -448,6 +448,7 @@ import ttj_jax as T
 from bridge import mosaic_launch, runtime
 from conftest import baseline_and_params, random_input
 from ttj_jax.kernels import fused_stack_mgpu as fsm
+dtype = getattr(torch, sys.argv[1])
 config = T.Config(2, 64, 128, 2, 128, 2, False)
 baseline, _ = baseline_and_params(config, 19)
 ours = bridge.TTJTransformer(config)
@@ -455,39 +456,43 @@ ours.load_state_dict(baseline.state_dict())
 launches = []
 
 class Launch:   # MosaicStackLaunch on the CPU: the masked build in interpret mode on the tensors handed over
-    def __init__(self, config, batch, seq_len, device, masked=False):
-        self.config, self.masked = config, masked
+    def __init__(self, config, batch, seq_len, device, masked=False, dtype=torch.float32):
+        self.config, self.masked, self.dtype = config, masked, dtype
     def __call__(self, x, mask, mats, vecs):
-        launches.append(self.masked and mask.dtype == torch.bool)
+        launches.append(self.masked and mask.dtype == torch.bool and x.dtype == self.dtype == dtype)
         weights = fsm.MgpuStackWeights(jnp.asarray(mats.numpy()), jnp.asarray(vecs.numpy()), num_heads=2)
         return torch.from_numpy(np.array(fsm.fused_stack_mgpu_forward(
             weights, jnp.asarray(x.numpy()), jnp.asarray(mask.numpy()), num_heads=2, causal=False, interpret=True)))
 
 mosaic_launch.unavailable_reason = lambda device: None
 mosaic_launch.MosaicStackLaunch = Launch
-x = random_input(config, 20)
+x = random_input(config, 20).to(dtype)
 mask = torch.from_numpy(np.random.default_rng(21).random((2, 64)) < 0.6)
 mask[1] = False   # a sequence with no valid token
 x_before, mask_before = x.clone(), mask.clone()
 with torch.inference_mode():
     y = runtime.forward(ours, x, mask, stack="fused_mgpu")
-    ref = baseline(x, mask)
+    ref = baseline(x.float(), mask)
 [call] = [c for k, c in runtime._STATES[ours].calls.items() if k[-1] == "fused_mgpu"]
 print(json.dumps({"mask_mode": call.plan.mask_mode, "direct": call.direct is not None, "note": call.direct_note,
+                  "dtype": str(y.dtype), "cast": call.upcast_to is not None,
                   "launches": launches, "inputs_unchanged": bool(torch.equal(x, x_before) and torch.equal(mask, mask_before)),
-                  "failed": int((~((y - ref).abs() <= torch.clamp(0.02 * ref.abs(), min=0.002))).sum()),
+                  "failed": int((~((y.float() - ref).abs() <= torch.clamp(0.02 * ref.abs(), min=0.002))).sum()),
                   "invalid_rows_zero": bool((y[~mask] == 0).all()), "finite": bool(torch.isfinite(y).all())}))
 """
 
 
 @pytest.mark.slow
-def test_bridge_launches_the_masked_kernel_for_a_mask_with_key_masking():
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_bridge_launches_the_masked_kernel_for_a_mask_with_key_masking(dtype):
     """A non-causal model with a mask that needs key masking, on the Mosaic stack: the bridge builds the
     masked launch, checks it against the jax path (both the masked build), launches it with the bool
-    mask's bytes, and the output meets the harness rule with invalid rows zero and inputs untouched."""
+    mask's bytes, and the output meets the harness rule with invalid rows zero and inputs untouched. An
+    fp16 x goes to the fp16 masked build as it is (no cast either way) and comes back fp16."""
     from conftest import last_json_line, run_on_host_devices
-    result = last_json_line(run_on_host_devices(["-c", BRIDGE_MASKED_SCRIPT], 4, timeout=600))
+    result = last_json_line(run_on_host_devices(["-c", BRIDGE_MASKED_SCRIPT, dtype], 4, timeout=600))
     assert result["mask_mode"] == "keys" and result["direct"], result
+    assert result["dtype"] == f"torch.{dtype}" and not result["cast"], result
     assert len(result["launches"]) == 2 and all(result["launches"]), result   # the check's, then the call's
     assert result["failed"] == 0 and result["invalid_rows_zero"] and result["finite"], result
     assert result["inputs_unchanged"], result
