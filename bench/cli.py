@@ -493,7 +493,11 @@ def main(argv=None) -> int:
     command = "ttj-bench " + " ".join(sys.argv[1:] if argv is None else argv)
     document = {"gpu": device_name if on_cuda else None, "device": device_name, "jax": jax.__version__,
                 "torch": torch.__version__, "date": date, "suite": suite_name, "command": command,
-                "bridge_keep_x_import": settings.keep_x_import(), "shapes": {}}
+                "bridge_keep_x_import": settings.keep_x_import(),
+                # the TTJ_* switches in effect (bridge/settings.py, ttj_jax's autotune and cache): the
+                # command line does not show them
+                "environment": {k: v for k, v in sorted(os.environ.items()) if k.startswith("TTJ_") and v},
+                "shapes": {}}
     previous = _load(json_path) if (args.merge or forced) else None
     if forced:
         # a forced-device run adds its records to the file's "forced_device" section; the rest is kept

@@ -102,11 +102,14 @@ def test_general_run_then_forced_device_merged_into_one_file(tmp_path, monkeypat
     monkeypatch.setitem(T.SUITES, "general", TINY_GENERAL)
     # recorded so that the test's end restores it (delenv of an absent name records nothing): "" is unset
     monkeypatch.setenv(cli.FORCE_DEVICE_ENV, "")
+    monkeypatch.setenv("TTJ_GPU_MASK", "host")
     out = ["--out", str(tmp_path)]
 
     assert cli.main(["--suite", "general", "--peer", *FAST, *out]) == 0
     path = _only_file(tmp_path)
     document = json.loads(path.read_text())
+    assert document["environment"]["TTJ_GPU_MASK"] == "host"   # switches the command line does not show
+    assert cli.FORCE_DEVICE_ENV not in document["environment"]   # set but empty: not in effect
     assert list(document["shapes"]) == list(TINY_GENERAL) and "forced_device" not in document
     for sid, shape in TINY_GENERAL.items():
         record = document["shapes"][sid]
