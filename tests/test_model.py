@@ -86,6 +86,43 @@ def test_mask_modes_agree(mask_kind):
     np.testing.assert_allclose(outs[None], outs["general"], atol=1e-6)
 
 
+def test_invalid_rows_of_the_attention_never_reach_valid_rows_or_gradients():
+    """layers.layer zeroes invalid queries' context rows before the out-projection (so nothing sits between
+    that GEMM and the residual add). Whatever attention gives an invalid row, NaN included, the layer's
+    output and its gradients (weights and x) equal those with that row zeroed first, and stay finite."""
+    from ttj_jax import layers
+    from ttj_jax.numerics import get_policy
+    from ttj_jax.params import prepare_weights
+    config = CONFIGS["hd16-S7"]
+    _, params = baseline_and_params(config)
+    policy = get_policy("exact_fp32")
+    w = prepare_weights(params, policy).layer(0)
+    x = to_jax(random_input(config, seed=3))
+    mask = to_jax(make_mask("prefix", config.batch_size, config.seq_len, seed=4))
+    assert not bool(mask.all())
+    plan = T.Plan(policy="exact_fp32", attention="xla", mask_mode="keys")
+
+    def run(poison):
+        def attention(qkv, key_valid, *, causal, policy):
+            context = layers.xla_attention(qkv, key_valid, causal=causal, policy=policy)
+            return jnp.where(mask[:, :, None, None], context, jnp.nan if poison else 0.0)
+
+        def loss(w, x):
+            y = layers.layer(w, x, mask[:, :, None], mask, config=config, plan=plan, policy=policy,
+                             attention=attention)
+            return jnp.sum(y * jnp.cos(jnp.arange(y.size, dtype=y.dtype).reshape(y.shape))), y
+        (_, y), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(w, x)
+        return y, grads
+
+    y, grads = run(poison=True)
+    y_zero, grads_zero = run(poison=False)
+    assert np.isfinite(np.asarray(y)).all() and (np.asarray(y)[~np.asarray(mask)] == 0).all()
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(y_zero))
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_zero)):
+        assert np.isfinite(np.asarray(got)).all()
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_half_precision_inputs(dtype, harness_rule):
     """fp16/bf16 x: output in x's dtype, matching the fp32 reference run on the same (rounded) input."""

@@ -107,9 +107,15 @@ def layer(w: Mapping[str, jax.Array], x, row_valid, key_valid, *, config: Config
     h = layer_norm(x, w["norm1_weight"], w["norm1_bias"])
     qkv = project_qkv(h, w, config=config, plan=plan, policy=policy)
     context = (attention or attention_for(plan))(qkv, key_valid, causal=config.causal, policy=policy)
-    a = policy.matmul(context.reshape(B, S, d), w["out_weight"]) + w["out_bias"]
+    context = context.reshape(B, S, d)
     if row_valid is not None:
-        a = jnp.where(row_valid, a, 0.0)
+        # Invalid queries' rows zeroed on the projection's input, not its output: their output rows are
+        # then the bias alone (finite, whatever attention gave them), and the end of the layer zeroes the
+        # whole row anyway (docs/spec.md), so every row comes out as with the output zeroed. Valid rows
+        # never read invalid ones. Nothing then sits between the GEMM and the residual add, which cuBLAS
+        # can fuse into its epilogue as in the mask-free program.
+        context = jnp.where(row_valid, context, 0.0)
+    a = policy.matmul(context, w["out_weight"]) + w["out_bias"]
     x = x + a
     h = layer_norm(x, w["norm2_weight"], w["norm2_bias"])
     h = policy.mlp_hidden(h, w["ffn_in_weight"], w["ffn_in_bias"])
