@@ -88,8 +88,9 @@ def test_mask_modes_agree(mask_kind):
 
 def test_invalid_rows_of_the_attention_never_reach_valid_rows_or_gradients():
     """layers.layer zeroes invalid queries' context rows before the out-projection (so nothing sits between
-    that GEMM and the residual add). Whatever attention gives an invalid row, NaN included, the layer's
-    output and its gradients (weights and x) equal those with that row zeroed first, and stay finite."""
+    that GEMM and the residual add) and leaves invalid rows to the stack's end. Whatever attention gives an
+    invalid row, NaN included, the layer's valid rows and the gradients (weights and x) through the
+    stack's final zeroing equal those with that row zeroed first, and stay finite."""
     from ttj_jax import layers
     from ttj_jax.numerics import get_policy
     from ttj_jax.params import prepare_weights
@@ -110,6 +111,7 @@ def test_invalid_rows_of_the_attention_never_reach_valid_rows_or_gradients():
         def loss(w, x):
             y = layers.layer(w, x, mask[:, :, None], mask, config=config, plan=plan, policy=policy,
                              attention=attention)
+            y = jnp.where(mask[:, :, None], y, 0.0)   # as layer_stack zeroes y
             return jnp.sum(y * jnp.cos(jnp.arange(y.size, dtype=y.dtype).reshape(y.shape))), y
         (_, y), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(w, x)
         return y, grads

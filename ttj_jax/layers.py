@@ -109,20 +109,20 @@ def layer(w: Mapping[str, jax.Array], x, row_valid, key_valid, *, config: Config
     context = (attention or attention_for(plan))(qkv, key_valid, causal=config.causal, policy=policy)
     context = context.reshape(B, S, d)
     if row_valid is not None:
-        # Invalid queries' rows zeroed on the projection's input, not its output: their output rows are
-        # then the bias alone (finite, whatever attention gave them), and the end of the layer zeroes the
-        # whole row anyway (docs/spec.md), so every row comes out as with the output zeroed. Valid rows
-        # never read invalid ones. Nothing then sits between the GEMM and the residual add, which cuBLAS
-        # can fuse into its epilogue as in the mask-free program.
+        # Invalid rows are left to the stack's end (layer_stack zeroes them in y), not zeroed per layer as
+        # docs/spec.md writes the model: no valid row ever reads an invalid one (invalid keys are masked,
+        # or, for a prefix mask under causal attention, come after every valid query), and the rows'
+        # GEMMs are row by row, so valid rows come out the same. Only the context of invalid queries is
+        # zeroed, on the out-projection's input: whatever attention gave them (a NaN from a softmax over
+        # no key), their rows then stay finite from finite inputs, so their zero cotangents give zero
+        # weight gradients. Nothing sits between a GEMM and its residual add, which cuBLAS fuses into its
+        # epilogue as in the mask-free program.
         context = jnp.where(row_valid, context, 0.0)
     a = policy.matmul(context, w["out_weight"]) + w["out_bias"]
     x = x + a
     h = layer_norm(x, w["norm2_weight"], w["norm2_bias"])
     h = policy.mlp_hidden(h, w["ffn_in_weight"], w["ffn_in_bias"])
-    x = x + policy.matmul(h, w["ffn_out_weight"]) + w["ffn_out_bias"]
-    if row_valid is not None:
-        x = jnp.where(row_valid, x, 0.0)
-    return x
+    return x + policy.matmul(h, w["ffn_out_weight"]) + w["ffn_out_bias"]
 
 
 def key_mask_for(mask, *, mode: str, causal: bool):
