@@ -61,8 +61,9 @@ LOG2_E = math.log2(math.e)
 # and the row turned NaN (seen in GPU interpret mode), which reached the valid rows through P v.
 MASKED_SCORE = -1e6
 # Masked builds with at most this many heads branch once per tile on whether its tokens are all valid
-# (_Consumer.run). With both attentions in one kernel, 16 packed heads' layout inference recursed past
-# Python's limit while lowering; more heads than 4 take the rows stack anyway (planner).
+# (_Consumer.run). With both layer loops in it, the 16-head packed build's layout inference recursed past
+# Python's limit while lowering (Mosaic GPU, jax 0.10.2); more heads than 4 take the rows stack anyway
+# (planner), so those builds keep the single masked loop.
 ALL_VALID_BRANCH_MAX_HEADS = 4
 # x's and y's dtypes a build reads and writes (kernel_function's io_dtype).
 IO_DTYPES = ("float32", "float16", "bfloat16")
