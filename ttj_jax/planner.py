@@ -510,7 +510,8 @@ def _stack(config: Config, inputs: InputFacts, device: DeviceFacts, policy: str,
             why = (f"S={inputs.seq_len}, a mask that needs its keys masked"
                    + (" (decided in the kernel)" if mask_mode == "device" else "")
                    + ", on sm_90, called from torch: the Mosaic GPU kernel's masked build, "
-                   "launched by the bridge without JAX dispatch")
+                   "launched by the bridge without JAX dispatch (a tile whose tokens are all valid runs "
+                   "the mask-free layers)")
         elif mask_mode == "rows":
             why = (f"S={inputs.seq_len}, a prefix mask (its invalid rows zeroed after the kernel), "
                    "on sm_90, called from torch: the Mosaic GPU whole-stack kernel launched by "
