@@ -265,26 +265,27 @@ def run_shape(sid: str, probe_status: dict, deadline: float, mask_kind: str = "n
                                                        lambda: _time_jax(masked, (weights, x, jmask)))
         if io_dtype != "float32":
             x_io = x.astype(io_dtype)
-            y_io = step("mgpu_io_run", lambda: np.asarray(jax.block_until_ready(mgpu(weights, x_io)), np.float32))
-            if y_io is not None:
-                x_exact = x_io.astype(jax.numpy.float32)   # the same values in fp32
-                y_cast = np.asarray(mgpu(weights, x_exact).astype(io_dtype), np.float32)
-                record["accuracy"]["mgpu_io"] = {
-                    "dtype": io_dtype, **harness_stats(y_io, np.asarray(T.reference(params, x_exact, config=config))),
-                    "equal_to_fp32_build_cast": bool(np.array_equal(y_io, y_cast)),
-                    "max_abs_diff_from_fp32_build_cast": float(np.abs(y_io - y_cast).max())}
-                record["timing"]["mgpu_io"] = step("mgpu_io_timing", lambda: _time_jax(mgpu, (weights, x_io)))
-            if y_io is not None and mask is not None:   # the masked build in the dtype, same checks
-                y_io_masked = step("mgpu_io_masked_run", lambda: np.asarray(
-                    jax.block_until_ready(masked(weights, x_io, jmask)), np.float32))
-                if y_io_masked is not None:
-                    y_cast = np.asarray(masked(weights, x_exact, jmask).astype(io_dtype), np.float32)
-                    record["accuracy"]["mgpu_io_masked"] = {
-                        "dtype": io_dtype, **harness_stats(y_io_masked, np.asarray(
-                            T.reference(params, x_exact, jmask, config=config))),
-                        "equal_to_fp32_build_cast": bool(np.array_equal(y_io_masked, y_cast))}
-                    record["timing"]["mgpu_io_masked"] = step(
-                        "mgpu_io_masked_timing", lambda: _time_jax(masked, (weights, x_io, jmask)))
+            x_exact = x_io.astype(jax.numpy.float32)   # the same values in fp32
+
+            def io_check(name, build, *mask_args):
+                """The build reading and writing io_dtype: run, checked against the reference on x_exact
+                and against the fp32 build's output on x_exact cast (expected equal), timed. Its output, or
+                None where it did not run."""
+                y = step(f"{name}_run", lambda: np.asarray(
+                    jax.block_until_ready(build(weights, x_io, *mask_args)), np.float32))
+                if y is not None:
+                    y_cast = np.asarray(build(weights, x_exact, *mask_args).astype(io_dtype), np.float32)
+                    record["accuracy"][name] = {
+                        "dtype": io_dtype,
+                        **harness_stats(y, np.asarray(T.reference(params, x_exact, *mask_args, config=config))),
+                        "equal_to_fp32_build_cast": bool(np.array_equal(y, y_cast)),
+                        "max_abs_diff_from_fp32_build_cast": float(np.abs(y - y_cast).max())}
+                    record["timing"][name] = step(f"{name}_timing",
+                                                  lambda: _time_jax(build, (weights, x_io, *mask_args)))
+                return y
+
+            if io_check("mgpu_io", mgpu) is not None and mask is not None:   # then its masked build
+                io_check("mgpu_io_masked", masked, jmask)
     else:
         record["mgpu_skipped"] = f"probe status {probe_status.get('status')}"
 
