@@ -326,7 +326,7 @@ MASKED_INTERPRET_CASES = {   # (num_heads, seq_len, batch, num_layers, causal, m
     "S128-H2-B1-L1-noncausal-prefix": (2, 128, 1, 1, False, "prefix", True),         # all 128 keys
     "S32-H2-B6-L1-all-invalid-padded": (2, 32, 6, 1, True, "all_invalid", "forward"),   # own keys, padded
     "d32-S128-H4-B1-L1-random": (4, 128, 1, 1, True, "random", "forward", 32),      # shape 7's build
-    # a tile whose tokens are all valid (the mask-free attention's branch) beside one that is not
+    # a tile whose tokens are all valid (the branch to the mask-free layers) beside one that is not
     "S32-H2-B8-L2-first-tile-valid": (2, 32, 8, 2, True, "first_tile_valid", "forward"),
 }
 
@@ -337,8 +337,8 @@ MASKED_INTERPRET_CASES = {   # (num_heads, seq_len, batch, num_layers, causal, m
 def test_masked_kernel_in_gpu_interpret_mode(case):
     """The masked build's body (the producer's mask copies, the key bias on every score block or, in a
     tile whose tokens are all valid, the mask-free layers, the epilogue's zeroed rows) in GPU interpret
-    mode: `emulate`'s output, the harness rule against the fp32
-    reference with the mask, invalid rows exactly zero, no races."""
+    mode: `emulate`'s output, the harness rule against the fp32 reference with the mask, invalid rows
+    exactly zero, no races."""
     import json
 
     from conftest import last_json_line, run_on_host_devices
