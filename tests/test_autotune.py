@@ -605,8 +605,9 @@ def test_which_plans_a_torch_caller_launches_itself():
     facts = T.InputFacts(64, 128, "float32", caller="torch", self_launched=("rows", "fused_mgpu"))
     assert planner.launched_by_caller(rows, facts) and planner.launched_by_caller(mosaic, facts)
     assert not planner.launched_by_caller(layers, facts)
-    # the rows program with a mask decided on the device has steps outside its kernels: through jax
-    assert not planner.launched_by_caller(dataclasses.replace(rows, mask_mode="device"), facts)
+    # a mask decided on the device is read by the kernels: still launched (tests/test_triton_launch.py
+    # launches those programs)
+    assert planner.launched_by_caller(dataclasses.replace(rows, mask_mode="device"), facts)
     assert planner.launched_by_caller(dataclasses.replace(mosaic, mask_mode="device"), facts)
     assert not planner.launched_by_caller(rows, T.InputFacts(64, 128, "float32", caller="torch"))
     with pytest.raises(ValueError, match="not stacks"):

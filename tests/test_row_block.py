@@ -150,19 +150,27 @@ def test_rows_stack_needs_what_it_says():
         rows_forward(prepared, jnp.zeros((1, 20, 32)), num_heads=2, causal=True, interpret=True)
 
 
-def test_rows_stack_lowers_through_triton_for_cuda():
+@pytest.mark.parametrize("masked", [False, True])
+def test_rows_stack_lowers_through_triton_for_cuda(masked):
     # Shape 13's widths, a smaller batch: one entry kernel, then per layer attention and one row kernel
     # (jit outlines repeated identical calls, so the text names each kernel rather than counting calls).
     config = T.OFFICIAL["13"].config
     params = jax.eval_shape(lambda: T.init_params(jax.random.key(0), config))
     weights = jax.eval_shape(lambda p: rows_weights(T.prepare_weights(p, T.MIXED_FP16), 4), params)
     x = jax.ShapeDtypeStruct((2, 1024, 128), jnp.float32)
-    forward = lambda w, x: rows_forward(w, x, num_heads=4, causal=True)
-    text = jax.jit(forward).trace(weights, x).lower(lowering_platforms=("cuda",)).as_text()
-    assert "ttj_rows_entry" in text and "ttj_rows_between" in text
+    mask = jax.ShapeDtypeStruct((2, 1024), jnp.bool_)
+    forward = lambda w, x, m: rows_forward(w, x, m, m, num_heads=4, causal=True)   # rows and keys masked
+    text = jax.jit(forward).trace(weights, x, mask if masked else None).lower(lowering_platforms=("cuda",)).as_text()
+    assert "ttj_rows_entry" in text and "ttj_rows_between" in text and "ttj_flash_attention" in text
     # nothing around the kernels but free reshapes: the kernels read their layer of the stacked weights
-    # in place (no per-call slicing or stacking)
-    assert set(re.findall(r"stablehlo\.(\w+)", text)) <= {"custom_call", "reshape", "return", "call"}
+    # in place (no per-call slicing or stacking); a mask, only as the bool's bytes (a convert to i8, which
+    # the bridge's launch takes as a view: bridge/triton_launch.py)
+    ops = set(re.findall(r"stablehlo\.(\w+)", text))
+    assert ops <= {"custom_call", "reshape", "return", "call"} | ({"convert"} if masked else set())
+    if masked:
+        converts = re.findall(r"stablehlo\.convert .*: \(tensor<([\dx]+)xi1>\) -> tensor<([\dx]+)xi8>", text)
+        assert converts and len(converts) == text.count("stablehlo.convert")
+        assert all(before == after for before, after in converts)
 
 
 def test_gpu_script_refuses_a_machine_without_cuda(capsys):

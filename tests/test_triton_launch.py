@@ -54,6 +54,30 @@ def test_launch_of_the_program_kernels_equals_the_jax_program(stack, kernels):
     np.testing.assert_array_equal(y.numpy(), np.asarray(run(weights, x, None)))
 
 
+@pytest.mark.parametrize("stack", ["rows", "fused"])
+@pytest.mark.parametrize("mask_kind", [MaskKind.UNKNOWN, MaskKind.GENERAL, MaskKind.PREFIX])
+def test_a_masked_program_is_only_kernels_and_its_launch_equals_the_jax_program(stack, mask_kind):
+    """Every mask mode of the kernels-only stacks ("device" for a mask not classified on the host, "keys",
+    "rows") runs no step outside its kernels, which planner.launched_by_caller counts on: the kernels read
+    the bool mask's own bytes. The launch then equals the jax program on a mask with holes and an empty
+    sequence."""
+    plan, run, weights = _program(stack, mask_kind=mask_kind)
+    assert plan.mask_mode == {MaskKind.UNKNOWN: "device", MaskKind.GENERAL: "keys", MaskKind.PREFIX: "rows"}[mask_kind]
+    x = jax.random.normal(jax.random.PRNGKey(2), (CONFIG.batch_size, CONFIG.seq_len, CONFIG.d_model))
+    mask = np.random.default_rng(3).random((CONFIG.batch_size, CONFIG.seq_len)) < 0.7
+    if mask_kind == MaskKind.PREFIX:
+        mask = np.arange(CONFIG.seq_len)[None, :] < np.array([[CONFIG.seq_len - 5], [0]])
+    mask[1] = False
+    mask_struct = jax.ShapeDtypeStruct(mask.shape, jnp.bool_)
+    launch = tl.TritonProgramLaunch(run, weights, jax.ShapeDtypeStruct(x.shape, x.dtype), mask_struct,
+                                    torch.device("cpu"), kernels=tl.InterpretedKernels)
+    tensors = [torch.from_numpy(np.array(a)) for a in jax.tree_util.tree_leaves(weights)]
+    y = launch(torch.from_numpy(np.array(x)), torch.from_numpy(mask), tensors)
+    want = np.asarray(run(weights, x, jnp.asarray(mask)))
+    np.testing.assert_array_equal(y.numpy(), want)
+    assert np.isfinite(want).all() and (want[~mask] == 0).all()
+
+
 def test_the_workspace_reuses_the_bytes_of_arrays_no_longer_read():
     _, run, weights = _program("rows")
     structs = jax.ShapeDtypeStruct((CONFIG.batch_size, CONFIG.seq_len, CONFIG.d_model), jnp.float32)

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from ttj_jax.config import Config
 from ttj_jax.numerics import NumericsPolicy, get_policy, layer_norm
 from ttj_jax.params import PreparedWeights, StackedWeights, prepare_weights, stack_layer_weights
-from ttj_jax.planner import Plan
+from ttj_jax.planner import KEY_MASK_MODES, Plan
 
 # A large finite negative instead of -inf for excluded keys: a row with no allowed key then yields a
 # finite (uniform) softmax instead of NaN, and such rows are always zeroed afterwards (docs/spec.md).
@@ -108,15 +108,18 @@ def layer(w: Mapping[str, jax.Array], x, row_valid, key_valid, *, config: Config
     qkv = project_qkv(h, w, config=config, plan=plan, policy=policy)
     context = (attention or attention_for(plan))(qkv, key_valid, causal=config.causal, policy=policy)
     context = context.reshape(B, S, d)
-    if row_valid is not None:
+    if row_valid is not None and attention is not None:
         # Invalid rows are left to the stack's end (layer_stack zeroes them in y), not zeroed per layer as
         # docs/spec.md writes the model: no valid row ever reads an invalid one (invalid keys are masked,
         # or, for a prefix mask under causal attention, come after every valid query), and the rows'
-        # GEMMs are row by row, so valid rows come out the same. Only the context of invalid queries is
-        # zeroed, on the out-projection's input: whatever attention gave them (a NaN from a softmax over
-        # no key), their rows then stay finite from finite inputs, so their zero cotangents give zero
-        # weight gradients. Nothing sits between a GEMM and its residual add, which cuBLAS fuses into its
-        # epilogue as in the mask-free program.
+        # GEMMs are row by row, so valid rows come out the same. The attentions of ATTENTION give every
+        # row a finite context from finite inputs (a row with no allowed key: a uniform softmax over
+        # MASKED_SCORE in xla_attention, zeros in our flash kernel; cuDNN's takes no key mask), so their
+        # invalid rows stay finite and their zero cotangents give zero weight gradients. An attention
+        # given by the caller (the ring's) may give such a row a NaN (a softmax over no key), which P v
+        # would carry into valid rows at the next layer (0 x NaN): its invalid queries' context is
+        # zeroed here, on the out-projection's input. Nothing sits between a GEMM and its residual add,
+        # which cuBLAS fuses into its epilogue as in the mask-free program.
         context = jnp.where(row_valid, context, 0.0)
     a = policy.matmul(context, w["out_weight"]) + w["out_bias"]
     x = x + a
@@ -125,22 +128,19 @@ def layer(w: Mapping[str, jax.Array], x, row_valid, key_valid, *, config: Config
     return x + policy.matmul(h, w["ffn_out_weight"]) + w["ffn_out_bias"]
 
 
-def key_mask_for(mask, *, mode: str, causal: bool):
-    """The key mask attention must apply, or None. In "device" mode a sequence whose mask is a prefix
-    needs none under causal attention (docs/spec.md), so its keys are all let through."""
-    if mode == "keys" or (mode == "device" and not causal):
-        return mask
-    if mode == "device":
-        turns_back_on = jnp.any(~mask[:, :-1] & mask[:, 1:], axis=1)                     # (B,)
-        return mask | ~turns_back_on[:, None]
-    return None
+def key_mask_for(mask, *, mode: str):
+    """The key mask attention must apply, or None. "keys" and "device" plans mask keys with the mask as it
+    is: under causal attention a prefix mask's masking changes invalid rows only (each valid query's keys
+    are all valid), which are zeroed, so the device needs no test of the mask's kind (docs/spec.md), and a
+    program with no work on the mask outside its kernels is one the bridge can launch itself."""
+    return mask if mode in KEY_MASK_MODES else None
 
 
 def layer_stack(weights: PreparedWeights | StackedWeights, x, mask, *, config: Config, plan: Plan, attention=None):
     """The layer stack on x (B, S, d); attention: see `layer`."""
     policy = get_policy(plan.policy)
     row_valid = mask[:, :, None] if plan.mask_mode != "none" else None
-    key_valid = key_mask_for(mask, mode=plan.mask_mode, causal=config.causal)
+    key_valid = key_mask_for(mask, mode=plan.mask_mode)
     h = x.astype(policy.residual_dtype)
     if plan.scan_layers:   # one layer's body, compiled once, looped on the device over the stacked weights
         stacked = weights if isinstance(weights, StackedWeights) else stack_layer_weights(weights)

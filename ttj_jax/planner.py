@@ -238,12 +238,10 @@ class Plan:
 
 def launched_by_caller(plan: Plan, inputs: InputFacts) -> bool:
     """Whether the caller runs `plan` by launching its kernels itself, without jax's dispatch per call: its
-    stack is one the caller launches (InputFacts.self_launched) on one device, and for a stack of Triton
-    kernels no mask is decided on the device (that program slices and casts outside its kernels, which
-    the bridge's launch does not replay: bridge/triton_launch.py)."""
-    if plan.stack not in inputs.self_launched or plan.data_parallel != 1:
-        return False
-    return plan.stack not in ("rows", "fused") or plan.mask_mode != "device"
+    stack is one the caller launches (InputFacts.self_launched) on one device. A mask decided on the device
+    is read by the kernels themselves (layers.key_mask_for): no work outside them, which the bridge's
+    launch would not replay (bridge/triton_launch.py)."""
+    return plan.stack in inputs.self_launched and plan.data_parallel == 1
 
 
 def plan(config: Config, inputs: InputFacts, device: DeviceFacts = CPU, *,
@@ -269,7 +267,8 @@ def plan(config: Config, inputs: InputFacts, device: DeviceFacts = CPU, *,
         reasons.append("no mask work: " + ("no mask" if inputs.mask_kind == MaskKind.NONE else "mask all True"))
     elif inputs.mask_kind == MaskKind.UNKNOWN:
         mask_mode = "device"
-        reasons.append("mask not classified on the host: the device decides per sequence (no host sync)")
+        reasons.append("mask not classified on the host: its keys masked and its rows zeroed by the device, "
+                       "whatever it holds (no host sync)")
     elif inputs.mask_kind == MaskKind.PREFIX and config.causal:
         mask_mode = "rows"
         reasons.append("prefix mask under causal attention collapses to zeroing invalid rows")

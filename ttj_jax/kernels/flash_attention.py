@@ -121,7 +121,7 @@ def _flash_attention_kernel(q_ref, k_ref, v_ref, kv_lengths_ref, key_mask_ref, o
                             causal: bool, sm_scale: float, block_q: int, block_k: int,
                             num_q_blocks: int, static_key_limit: int | None, dot_dtype):
     # Refs: q (block_q, hd), k and v (S_pad, hd) for this (batch, head), kv_lengths (1,) int32 or None,
-    # key_mask (S_pad,) int32 or None, o (block_q, hd), lse (block_q,) fp32 or None (return_lse).
+    # key_mask (S_pad,) int8 or None, o (block_q, hd), lse (block_q,) fp32 or None (return_lse).
     q_block = pl.program_id(0)
     if causal:
         # Heaviest query blocks (most keys under the diagonal) first, so the light ones fill the tail.
@@ -348,8 +348,12 @@ def _attention_pallas_call(q_src, k_src, v_src, kv_lengths, key_mask, *, fused: 
     else:
         in_specs.append(None)
     if key_mask is not None:
-        # int32 rather than bool: Triton's i1 memory type is awkward and this array is tiny.
-        key_mask = jnp.pad(key_mask.astype(jnp.int32), ((0, 0), (0, seq_pad)))
+        # int8 rather than bool (Triton's i1 memory type is awkward): the bool mask's own bytes, which the
+        # bridge's launch of a program's kernels reads in place (bridge/triton_launch.py), padded only
+        # where the sequence is.
+        key_mask = key_mask.astype(jnp.int8)
+        if seq_pad:
+            key_mask = jnp.pad(key_mask, ((0, 0), (0, seq_pad)))
         in_specs.append(pl.BlockSpec((None, padded_len), lambda i, b, h: (b, 0)))
     else:
         in_specs.append(None)
