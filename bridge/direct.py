@@ -111,9 +111,9 @@ def mosaic_kernel(state, call: Call, shape, device: torch.device, dtype: torch.d
         def run(x, mask, tensors):
             return torch.where(mask.unsqueeze(-1), kernel(x, *tensors), 0.0)
         mode = "rows"
-    elif masked:   # the kernel reads the bool mask's bytes; its TMA copies want 16-byte aligned rows
+    elif masked:   # the kernel reads the bool mask's bytes (runtime.py hands it over launchable)
         def run(x, mask, tensors):
-            return kernel(x, mask if mask.data_ptr() % 16 == 0 else mask.clone(), *tensors)
+            return kernel(x, mask, *tensors)
         mode = "masked"
     else:
         def run(x, mask, tensors):
@@ -201,6 +201,20 @@ def probe_input(call: Call, shape, dtype, device):
         mask = torch.rand(tuple(shape[:2]), generator=generator, device=device) < 0.7
         mask[0] = False
     return x, mask
+
+
+# Pallas's Triton lowering declares every kernel pointer 32-byte divisible (`tt.divisibility`), and the Mosaic
+# kernel's TMA copies need 16-byte aligned addresses. torch's allocations are aligned far beyond that; a view
+# into another tensor need not be (bridge/native/lane.cpp checks the same).
+KERNEL_POINTER_ALIGN = 32
+
+
+def launchable(t: torch.Tensor) -> torch.Tensor:
+    """t as a launch hands it to kernels: contiguous and KERNEL_POINTER_ALIGN-aligned, itself where it is,
+    else a copy (the caller's tensor is never changed)."""
+    if t.is_contiguous() and t.data_ptr() % KERNEL_POINTER_ALIGN == 0:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 # The direct launch runs the binary the jax path runs: its output must match to rounding noise.

@@ -410,9 +410,9 @@ def forward(module: torch.nn.Module, x: torch.Tensor, valid_token_mask: torch.Te
         contiguous = x.is_contiguous()
         if call.upcast_to is not None:
             x = x.float()
-        x = x if x.is_contiguous() else x.contiguous()
-        if call.passes_mask and not mask.is_contiguous():
-            mask = mask.contiguous()
+        x = direct.launchable(x)
+        if call.passes_mask:
+            mask = direct.launchable(mask)
         if call.direct_device is not None and current_cuda_device() != call.direct_device:
             # The kernel module lives in x's GPU's context: launched with another GPU current (a jax
             # call on several GPUs can leave one so) it ran nowhere, silently (seen on two H200s:

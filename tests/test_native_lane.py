@@ -158,9 +158,23 @@ def test_other_inputs_go_back_to_python(lane_module):
     assert lane.run(torch.randn(B, S + 1, D)) is None              # another shape
     assert lane.run(x.double()) is None                             # another dtype
     assert lane.run(torch.randn(B, D, S).transpose(1, 2)) is None   # not contiguous
+    assert lane.run(torch.randn(B * S * D + 1)[1:].view(B, S, D)) is None   # contiguous, 4 bytes off alignment
     assert lane.run(x, torch.ones(B, S, dtype=torch.bool)) is None  # a mask where the call had none
     assert lane.run(x, None) is not None
     assert len(entry.calls) == 1
+
+
+def test_launchable_copies_only_what_the_kernels_cannot_take():
+    aligned = torch.randn(B, S, D)
+    assert direct.launchable(aligned) is aligned
+    for view in (torch.randn(B * S * D + 1)[1:].view(B, S, D), torch.randn(B, D, S).transpose(1, 2)):
+        before = view.clone()
+        copy = direct.launchable(view)
+        assert copy.is_contiguous() and copy.data_ptr() % direct.KERNEL_POINTER_ALIGN == 0
+        assert torch.equal(copy, view) and torch.equal(view, before)
+    mask = torch.rand(B * S + 1) < 0.5
+    copy = direct.launchable(mask[1:].view(B, S))
+    assert copy.data_ptr() % direct.KERNEL_POINTER_ALIGN == 0 and torch.equal(copy, mask[1:].view(B, S))
 
 
 def test_parameter_changes_go_back_to_python(lane_module):
@@ -250,6 +264,8 @@ def test_masked_build_reads_the_mask_given(lane_module, mode):
     assert (lane.run(x, plain_mask) is not None) == (mode == LANE_DEVICE_MASK)
     assert lane.run(x, torch.ones(B, S, dtype=torch.float32)) is None          # not bool
     assert lane.run(x, torch.ones(B, S + 1, dtype=torch.bool)[:, :S]) is None  # not contiguous
+    if mode == LANE_DEVICE_MASK:   # contiguous, 1 byte off the kernels' pointer alignment
+        assert lane.run(x, torch.ones(B * S + 1, dtype=torch.bool)[1:].view(B, S)) is None
     assert lane.run(x) is None
 
 

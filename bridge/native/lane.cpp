@@ -46,6 +46,12 @@ enum MaskMode : int {
   kKeptMaskPassed = 5, // a kept mask the launch reads (the masked build, or a Triton program that takes a mask)
 };
 
+// What the kernels assume of every pointer they are handed (bridge/direct.py, KERNEL_POINTER_ALIGN): Pallas's
+// Triton lowering declares each one 32-byte divisible, and the Mosaic kernel's TMA copies need 16. A view
+// into another tensor may sit anywhere: the Python path copies it.
+constexpr uintptr_t kPointerAlign = 32;
+bool aligned(const void* pointer) { return reinterpret_cast<uintptr_t>(pointer) % kPointerAlign == 0; }
+
 bool passes_mask(int mode) { return mode == kDeviceMask || mode == kInferenceMask || mode == kKeptMaskPassed; }
 bool keeps_mask(int mode) { return mode == kKeptMask || mode == kKeptMaskRows || mode == kKeptMaskPassed; }
 
@@ -112,7 +118,7 @@ class Lane {
   // The output of this call, or None where it is not the armed call on unchanged inputs.
   py::object run(const at::Tensor& x, const std::optional<at::Tensor>& mask) {
     if (!x.defined() || x.device() != device_ || x.scalar_type() != dtype_ || x.sizes() != at::IntArrayRef(sizes_) ||
-        !x.is_contiguous())
+        !x.is_contiguous() || !aligned(x.const_data_ptr()))
       return py::none();
     if (c10::GradMode::is_enabled()) {  // a call that records for autograd takes the Python path
       if (x.requires_grad()) return py::none();
@@ -134,14 +140,14 @@ class Lane {
         if (mask_mode_ != kKeptMaskPassed) break;
         [[fallthrough]];  // the launch reads it too: the layout checks below
       }
-      default: {  // the launch reads the mask's bytes: bool [batch, seq_len], contiguous, 16-byte aligned
+      default: {  // the launch reads the mask's bytes: bool [batch, seq_len], contiguous, aligned
         if (!mask.has_value()) return py::none();
         const at::Tensor& m = *mask;
         if (m.device() != device_ || m.scalar_type() != at::kBool || m.dim() != 2 || m.size(0) != sizes_[0] ||
             m.size(1) != sizes_[1] || !m.is_contiguous() || (mask_mode_ == kInferenceMask && !m.is_inference()))
           return py::none();
         mask_pointer = m.const_data_ptr();
-        if (reinterpret_cast<uintptr_t>(mask_pointer) % 16 != 0) return py::none();
+        if (!aligned(mask_pointer)) return py::none();
       }
     }
     for (size_t i = 0; i < params_.size(); ++i) {  // a parameter written, moved or retyped since arming
