@@ -1,7 +1,7 @@
 """Check and time the Mosaic GPU flash-attention kernel (ttj_jax/kernels/flash_attention_mgpu.py) on an H200.
 
     PYTHONPATH=. python3 bench/bench_attention_mgpu.py [--quick] [--check] [--out DIR]
-        [--sweep | --lowering | --overlap | --hd32 | --multicast | --multicast_lengths]
+        [--sweep | --lowering | --overlap | --hd32 | --multicast | --multicast_lengths | --key_mask]
         [--budget-s 420]
 
 In order (most important first): head_dim 64 checks, the main timing case, the other head_dim checks,
@@ -174,25 +174,48 @@ def _worst_ratio(out, ref):
     return ratio, err
 
 
-def _reference_rows(q, k, v, rows, *, causal: bool):
-    """fp32 attention output for query rows `rows` only (each against every key it may see)."""
+def _reference_rows(q, k, v, rows, *, causal: bool, key_mask=None):
+    """fp32 attention output for query rows `rows` only (each against every key it may see; with
+    key_mask, bool [B, S], only valid keys, and zeros for a row with none)."""
     q_rows = q[:, rows].astype(jnp.float32)
     scores = jnp.einsum("bqhd,bkhd->bhqk", q_rows, k.astype(jnp.float32),
                         precision=jax.lax.Precision.HIGHEST) * q.shape[-1] ** -0.5
+    allowed = jnp.ones((1, 1, len(rows), k.shape[1]), bool)
     if causal:
-        allowed = jnp.asarray(rows)[:, None] >= jnp.arange(k.shape[1])[None, :]
-        scores = jnp.where(allowed[None, None], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1)
+        allowed = allowed & (jnp.asarray(rows)[:, None] >= jnp.arange(k.shape[1])[None, :])[None, None]
+    if key_mask is not None:
+        allowed = allowed & key_mask[:, None, None, :]
+    scores = jnp.where(allowed, scores, -jnp.inf)
+    probs = jnp.where(allowed.any(axis=-1, keepdims=True), jax.nn.softmax(scores, axis=-1), 0.0)
     return jnp.einsum("bhqk,bkhd->bqhd", probs, v.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
 
 
+def _key_mask(seed: int, batch: int, seq_len: int, kind: str):
+    """bool [B, S]: "holes" (30% of keys invalid at random, the first 7 of sequence 0 invalid so its first
+    rows see no key under causal attention, the last sequence all invalid when B > 1), "prefix" (the
+    harness's padding 0.3: lengths in [0.7 S, S]) or "all" (all valid)."""
+    rng = np.random.default_rng(seed)
+    if kind == "all":
+        return jnp.ones((batch, seq_len), bool)
+    if kind == "prefix":
+        lengths = rng.integers(round(0.7 * seq_len), seq_len + 1, batch)
+        return jnp.asarray(np.arange(seq_len)[None, :] < lengths[:, None])
+    mask = rng.random((batch, seq_len)) >= 0.3
+    mask[0, :7] = False
+    if batch > 1:
+        mask[-1] = False
+    return jnp.asarray(mask)
+
+
 def _check(run: Run, batch, heads, seq_len, head_dim, causal, *, dtype=jnp.float16, kernel_kwargs=None,
-           repeat: bool = False):
+           repeat: bool = False, key_mask: str | None = None):
+    """key_mask: None, or a `_key_mask` kind given to the kernel (its key-masked build)."""
     kernel_kwargs = kernel_kwargs or {}
-    label = (f"check B={batch} H={heads} S={seq_len} hd={head_dim} {'causal' if causal else 'full'} "
-             f"{jnp.dtype(dtype).name} {_kwargs_text(kernel_kwargs)}").strip()
+    label = " ".join(part for part in (
+        f"check B={batch} H={heads} S={seq_len} hd={head_dim} {'causal' if causal else 'full'} {jnp.dtype(dtype).name}",
+        _kwargs_text(kernel_kwargs), f"key mask {key_mask}" if key_mask else "") if part)
     record = dict(name=label, B=batch, H=heads, S=seq_len, head_dim=head_dim, causal=causal,
-                  dtype=jnp.dtype(dtype).name, variant=_kwargs_json(kernel_kwargs), passed=False)
+                  dtype=jnp.dtype(dtype).name, variant=_kwargs_json(kernel_kwargs), key_mask=key_mask, passed=False)
     if run.over_budget():
         record.update(passed=None, error=f"skipped: time budget of {run.budget_s:.0f} s spent")
         run.checks.append(record)
@@ -201,25 +224,29 @@ def _check(run: Run, batch, heads, seq_len, head_dim, causal, *, dtype=jnp.float
     run.begin(label)
     try:
         q, k, v = _random_qkv(seq_len * 7 + head_dim, (batch, seq_len, heads, head_dim), dtype)
-        fn = jax.jit(lambda q, k, v: mgpu.flash_attention_mgpu(q, k, v, causal=causal, **kernel_kwargs))
+        mask = None if key_mask is None else _key_mask(seq_len, batch, seq_len, key_mask)
+        fn = jax.jit(lambda q, k, v, m: mgpu.flash_attention_mgpu(q, k, v, causal=causal, key_mask=m, **kernel_kwargs))
         start = time.perf_counter()
-        compiled = fn.lower(q, k, v).compile()
+        compiled = fn.lower(q, k, v, mask).compile()
         record["compile_s"] = round(time.perf_counter() - start, 2)
-        out = jax.block_until_ready(compiled(q, k, v))
-        if seq_len <= 4096:
+        out = jax.block_until_ready(compiled(q, k, v, mask))
+        if seq_len <= 4096 and mask is None:
             ref = flash_attention_reference(*(x.astype(jnp.float32) for x in (q, k, v)), causal=causal)
+            ratio, err = _worst_ratio(out, ref)
+        elif seq_len <= 4096:
+            ref = _reference_rows(q, k, v, np.arange(seq_len), causal=causal, key_mask=mask)
             ratio, err = _worst_ratio(out, ref)
         else:
             middle = seq_len // 2
             rows = np.concatenate([np.arange(LONG_CHECK_ROWS), np.arange(middle, middle + LONG_CHECK_ROWS),
                                    np.arange(seq_len - LONG_CHECK_ROWS, seq_len)])
-            ratio, err = _worst_ratio(out[:, rows], _reference_rows(q, k, v, rows, causal=causal))
+            ratio, err = _worst_ratio(out[:, rows], _reference_rows(q, k, v, rows, causal=causal, key_mask=mask))
             record["rows_checked"] = "first, middle and last 64"
         record.update(worst_err_over_tol=float(ratio), max_abs_err=float(err),
                       finite=bool(jnp.isfinite(out.astype(jnp.float32)).all()))
         record["passed"] = record["worst_err_over_tol"] <= 1.0 and record["finite"]
         if repeat:
-            again = jax.block_until_ready(compiled(q, k, v))
+            again = jax.block_until_ready(compiled(q, k, v, mask))
             record["bit_identical_rerun"] = bool(jnp.array_equal(out, again))
             record["passed"] &= record["bit_identical_rerun"]
         log(f"  {'ok  ' if record['passed'] else 'FAIL'} {label}: err/tol={record['worst_err_over_tol']:.3f} "
@@ -241,6 +268,8 @@ def _kwargs_text(kwargs) -> str:
                      + (" warp-producer" if b.warp_producer else ""))
     if "lowering_semantics" in kwargs:
         parts.append(kwargs["lowering_semantics"])
+    if kwargs.get("key_mask"):
+        parts.append(f"key mask {kwargs['key_mask']}")
     return " ".join(parts)
 
 
@@ -291,25 +320,30 @@ def _time_case(run: Run, batch, heads, seq_len, head_dim, variants, baselines: b
             run.timings.append(record)
             log(f"  {text}: {skip}")
             continue
-        run.begin(f"time {text} S={run_len} hd={head_dim}")
-        try:
-            if run_len not in inputs:
-                inputs[run_len] = _random_qkv(run_len + head_dim, (batch, run_len, heads, head_dim), jnp.float16)
-            args = inputs[run_len]
-            start = time.perf_counter()
-            compiled = jax.jit(fn).lower(*args).compile()
-            record["compile_s"] = round(time.perf_counter() - start, 2)
-            jax.block_until_ready(compiled(*args))   # warm-up
-            record["ms"], record["calls_per_timing"] = stream_ms_per_call(
-                compiled, args, min_seconds=MIN_TIMING_S, repeats=TIMING_REPEATS)
-            record["tflops"] = mgpu.attention_flops(batch, run_len, heads, head_dim, causal=True) / (
-                record["ms"] * 1e-3) / 1e12
-            log(f"  {text}: {record['ms']:.3f} ms  {record['tflops']:.1f} TFLOP/s (compile {record['compile_s']:.1f} s)")
-        except Exception as exc:  # noqa: BLE001 - recorded, the run goes on
-            record["error"] = describe_error(exc)
-            log(f"  {text}: ERROR {record['error'][:400]}")
-        run.timings.append(record)
-        run.end()
+        if run_len not in inputs:
+            inputs[run_len] = _random_qkv(run_len + head_dim, (batch, run_len, heads, head_dim), jnp.float16)
+        _time_into(run, record, text, fn, inputs[run_len],
+                   mgpu.attention_flops(batch, run_len, heads, head_dim, causal=True))
+
+
+def _time_into(run: Run, record: dict, text: str, fn, args, flops: float) -> None:
+    """fn(*args) compiled apart, warmed up, then timed (the median of TIMING_REPEATS stream timings) into
+    record (compile_s, ms, calls_per_timing, tflops), or its error; the record joins run.timings."""
+    run.begin(f"time {text} B={record['B']} H={record['H']} S={record['S']} hd={record['head_dim']}")
+    try:
+        start = time.perf_counter()
+        compiled = jax.jit(fn).lower(*args).compile()
+        record["compile_s"] = round(time.perf_counter() - start, 2)
+        jax.block_until_ready(compiled(*args))   # warm-up
+        record["ms"], record["calls_per_timing"] = stream_ms_per_call(
+            compiled, args, min_seconds=MIN_TIMING_S, repeats=TIMING_REPEATS)
+        record["tflops"] = flops / (record["ms"] * 1e-3) / 1e12
+        log(f"  {text}: {record['ms']:.3f} ms  {record['tflops']:.1f} TFLOP/s (compile {record['compile_s']:.1f} s)")
+    except Exception as exc:  # noqa: BLE001 - recorded, the run goes on
+        record["error"] = describe_error(exc)
+        log(f"  {text}: ERROR {record['error'][:400]}")
+    run.timings.append(record)
+    run.end()
 
 
 def _print_table(run: Run):
@@ -484,6 +518,73 @@ def multicast_lengths_study(run: Run) -> None:
     _time_multicast_on_and_off(run, MULTICAST_LENGTH_CASES, passing)
 
 
+# --key_mask: the key-masked build (flash_attention_mgpu(key_mask=...)), checked with masks with holes (rows
+# with no valid key, a sequence with none) at every head_dim, causal and not, the fused-layout entry at shape
+# 8's call, and rows of S=100000; then timed against the same kernel without a mask, with an all-True and
+# the harness's padding mask, and against the generic kernel with that mask, where flash_attention would
+# send a masked call (KEY_MASK_DISPATCH decides on these numbers).
+KEY_MASK_CHECKS = [(2, 3, seq_len, head_dim, causal) for head_dim in (64, 128, 32, 256) for seq_len in (113, 1000)
+                   for causal in (True, False)]
+KEY_MASK_CASES = [(1, 16, 16384, 64), (4, 16, 4096, 128), (64, 4, 1024, 64), MAIN_CASE]
+
+
+def _check_fused_key_mask(run: Run, batch, heads, seq_len, head_dim, causal) -> bool:
+    """flash_attention_mgpu_fused_qkv with a key mask against the reference on q, k, v sliced out."""
+    label = f"check fused B={batch} H={heads} S={seq_len} hd={head_dim} {'causal' if causal else 'full'} key mask holes"
+    record = dict(name=label, B=batch, H=heads, S=seq_len, head_dim=head_dim, causal=causal, dtype="float16",
+                  variant={"fused": True}, key_mask="holes", passed=False)
+    run.begin(label)
+    try:
+        qkv = jax.random.normal(jax.random.key(seq_len), (batch, seq_len, 3, heads, head_dim)).astype(jnp.float16)
+        mask = _key_mask(seq_len, batch, seq_len, "holes")
+        out = jax.block_until_ready(jax.jit(lambda a, m: mgpu.flash_attention_mgpu_fused_qkv(
+            a, causal=causal, key_mask=m))(qkv, mask))
+        ref = _reference_rows(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], np.arange(seq_len), causal=causal, key_mask=mask)
+        ratio, err = _worst_ratio(out, ref)
+        record.update(worst_err_over_tol=float(ratio), max_abs_err=float(err), passed=bool(ratio <= 1.0))
+        log(f"  {'ok  ' if record['passed'] else 'FAIL'} {label}: err/tol={ratio:.3f}")
+    except Exception as exc:  # noqa: BLE001 - recorded, the run goes on
+        record["error"] = describe_error(exc)
+        log(f"  FAIL {label}: ERROR {record['error'][:400]}")
+    run.checks.append(record)
+    run.end()
+    return record["passed"]
+
+
+def _time_key_masks(run: Run, batch, heads, seq_len, head_dim) -> None:
+    """One case, fp16 causal: the Mosaic kernel without a mask and with three, the generic kernel with
+    the padding mask."""
+    log(f"timing key masks B={batch} H={heads} S={seq_len} hd={head_dim} ({run.elapsed():.0f} s so far):")
+    q, k, v = _random_qkv(seq_len + head_dim, (batch, seq_len, heads, head_dim), jnp.float16)
+    masks = {kind: _key_mask(seq_len, batch, seq_len, kind) for kind in ("all", "prefix", "holes")}
+    contenders = [("ttj_mgpu", None), ("ttj_mgpu", "all"), ("ttj_mgpu", "prefix"), ("ttj_mgpu", "holes"),
+                  ("ttj_generic", "prefix")]
+    for name, kind in contenders:
+        record = dict(B=batch, H=heads, S=seq_len, head_dim=head_dim, causal=True, contender=name,
+                      variant={"key_mask": kind}, ms=None, tflops=None)
+        text = f"{name} key mask {kind}"
+        if run.over_budget():
+            record["error"] = f"skipped: time budget of {run.budget_s:.0f} s spent"
+            run.timings.append(record)
+            continue
+        implementation = "mosaic" if name == "ttj_mgpu" else "generic"
+        def fn(q, k, v, m=None, implementation=implementation):
+            return flash_attention(q, k, v, causal=True, key_mask=m, implementation=implementation)
+        _time_into(run, record, text, fn, (q, k, v) if kind is None else (q, k, v, masks[kind]),
+                   mgpu.attention_flops(batch, seq_len, heads, head_dim, causal=True))
+
+
+def key_mask_study(run: Run) -> None:
+    """--key_mask: KEY_MASK_CHECKS with a mask with holes, one repeat bit-identical, the fused entry, rows of
+    S=100000 with the padding mask; if all pass, KEY_MASK_CASES timed (`_time_key_masks`)."""
+    passed = [_check(run, *case, key_mask="holes", repeat=case[2] == 1000 and case[4]) for case in KEY_MASK_CHECKS]
+    passed.append(_check_fused_key_mask(run, 64, 4, 128, 256, True))   # shape 8's call
+    passed.append(_check(run, 1, 2, LONG_SEQ_LEN, 64, True, key_mask="prefix"))
+    if all(passed):
+        for case in KEY_MASK_CASES:
+            _time_key_masks(run, *case)
+
+
 # The studies run alone (one --NAME flag each): name -> (function of the run, --help text). Each writes
 # attention-mgpu-<date>-<gpu>-<name>.json.
 STUDIES = {
@@ -497,6 +598,8 @@ STUDIES = {
                   "(MgpuBlockSizes.kv_multicast): checks, then MULTICAST_CASES in alternating rounds"),
     "multicast_lengths": (lambda run: multicast_lengths_study(run), "only kv_multicast at the lengths that "
                           "set its thresholds (MULTICAST_LENGTH_CASES), with and without it, in alternating rounds"),
+    "key_mask": (lambda run: key_mask_study(run), "only the key-masked build: checks with masks, then "
+                 "KEY_MASK_CASES against the mask-free build and the generic kernel"),
 }
 
 

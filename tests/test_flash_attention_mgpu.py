@@ -40,6 +40,31 @@ def _lower_for_cuda(seq_len, head_dim, causal, *, dtype=jnp.float16, batch=1, nu
     return call.trace(spec, spec, spec).lower(lowering_platforms=("cuda",)).as_text()
 
 
+@pytest.mark.parametrize("seq_len, head_dim, causal, kwargs", [
+    (4096, 64, True, {}), (32768, 64, True, {}), (1000, 64, True, {"lowering_semantics": "warpgroup"}),
+    (4096, 128, False, {}), (16384, 256, True, {}), (8192, 32, True, {}), (4096, 64, True, {"return_lse": True})])
+def test_key_masked_build_lowers_for_cuda(seq_len, head_dim, causal, kwargs):
+    """The key-masked build of each head_dim's default tiling (multicast and the one-warp producer where
+    those defaults take them, both lowerings) lowers for CUDA: Mosaic GPU's layout inference included."""
+    spec = jax.ShapeDtypeStruct((2, seq_len, 2, head_dim), jnp.float16)
+    mask = jax.ShapeDtypeStruct((2, seq_len), jnp.bool_)
+    call = jax.jit(lambda q, k, v, m: fm.flash_attention_mgpu(q, k, v, causal=causal, key_mask=m, **kwargs))
+    text = call.trace(spec, spec, spec, mask).lower(lowering_platforms=("cuda",)).as_text()
+    assert _custom_calls(text).count("mosaic_gpu_v2") == 1
+    # the mask-free build's text is another kernel
+    assert text != _lower_for_cuda(seq_len, head_dim, causal, batch=2, **kwargs)
+    fused = jax.ShapeDtypeStruct((2, 128, 3, 4, 256), jnp.float16)
+    jax.jit(lambda a, m: fm.flash_attention_mgpu_fused_qkv(a, causal=True, key_mask=m)).trace(
+        fused, jax.ShapeDtypeStruct((2, 128), jnp.bool_)).lower(lowering_platforms=("cuda",))
+
+
+def test_key_mask_must_be_bool_batch_by_seq_len():
+    q = jnp.zeros((2, 64, 1, 64), jnp.float16)
+    for bad in (jnp.ones((2, 63), bool), jnp.ones((2, 64), jnp.int32)):
+        with pytest.raises(ValueError, match="key_mask"):
+            fm.flash_attention_mgpu(q, q, q, causal=True, key_mask=bad, interpret=True)
+
+
 def _custom_calls(text: str) -> list[str]:
     return re.findall(r"stablehlo\.custom_call @(\w+)", text)
 
@@ -445,7 +470,7 @@ def test_no_hopper_kernel_on_the_cpu():
     assert not fa.use_mosaic_kernel(jnp.float16, 100_000, 64, masked=False, block_sizes=None, interpret=False)
 
 
-def test_dispatch_rule_on_hopper(hopper):
+def test_dispatch_rule_on_hopper(hopper, monkeypatch):
     rule = lambda dtype=jnp.float16, s=fm.MIN_SEQ_LEN, hd=64, **kw: fa.use_mosaic_kernel(
         dtype, s, hd, **{"masked": False, "block_sizes": None, "interpret": False, **kw})
     assert rule() and rule(jnp.bfloat16, hd=128) and rule(s=100_000, hd=256)
@@ -459,7 +484,11 @@ def test_dispatch_rule_on_hopper(hopper):
     # head_dim 32 from its own measured length on (slower than the generic kernel at S=1024)
     assert rule(s=8192, hd=32) and rule(s=8192, hd=32, fused=True)
     assert not rule(hd=32) and not rule(s=8191, hd=32) and not rule(s=1024, hd=32, fused=True)
-    assert not rule(masked=True)                               # no masks in the Hopper kernel
+    assert not rule(masked=True)                               # no kv_lengths in the Hopper kernel
+    # a key mask: the key-masked build, forced only, until KEY_MASK_DISPATCH (its first GPU run)
+    assert rule(key_mask=True) == fa.KEY_MASK_DISPATCH and rule(key_mask=True, implementation="mosaic")
+    monkeypatch.setattr(fa, "KEY_MASK_DISPATCH", True)
+    assert rule(key_mask=True) and not rule(key_mask=True, s=fm.MIN_SEQ_LEN - 1) and not rule(key_mask=True, masked=True)
     assert not rule(block_sizes=fa.BlockSizes(64, 64, 4, 2))   # generic tiling asked for
     assert not rule(interpret=True)
     assert not rule(implementation="generic")

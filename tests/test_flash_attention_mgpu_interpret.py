@@ -95,6 +95,76 @@ def test_fused_qkv_entry_reads_q_k_v_in_place(batch, seq_len, num_heads, head_di
     np.testing.assert_array_equal(np.asarray(fused), np.asarray(split))
 
 
+def _masked_reference(q, k, v, mask, causal):
+    """fp32 attention over the valid keys (and causal), zeros for a row with no allowed key."""
+    scores = jnp.einsum("bqhd,bkhd->bhqk", *(x.astype(jnp.float32) for x in (q, k)),
+                        precision="highest") * q.shape[-1] ** -0.5
+    allowed = mask[:, None, None, :]
+    if causal:
+        allowed = allowed & jnp.tril(jnp.ones((q.shape[1],) * 2, bool))
+    probs = jnp.where(allowed.any(-1, keepdims=True), jax.nn.softmax(jnp.where(allowed, scores, -jnp.inf), -1), 0.0)
+    return jnp.einsum("bhqk,bkhd->bqhd", probs, v.astype(jnp.float32), precision="highest"), allowed.any(-1)
+
+
+# The key-masked build: (batch, seq_len, head_dim, causal, blocks). The mask has holes, sequence 0's first 7
+# keys invalid (its first rows see no key under causal attention) and, with B = 2, sequence 1 all invalid.
+KEY_MASK_CASES = {
+    "hd128-S113-B2": (2, 113, 128, False, None),
+    # 5 KV blocks through a 3-slot mask ring, the epilogue's skipped blocks waiting on the mask too
+    "hd64-S320-causal-3tiles-5blocks": (1, 320, 64, True, Blocks(block_kv=64, num_stages=3)),
+    "hd64-S200-overlap-causal": (1, 200, 64, True, Blocks(block_kv=64, num_stages=2, overlap_softmax=True)),
+    "hd64-S200-no-pingpong-causal": (1, 200, 64, True, Blocks(block_kv=64, num_stages=2, pingpong=False)),
+}
+
+
+def _key_mask(batch, seq_len, seed):
+    mask = np.random.default_rng(seed).random((batch, seq_len)) >= 0.3
+    mask[0, :7] = False
+    if batch > 1:
+        mask[1] = False
+    return jnp.asarray(mask)
+
+
+@pytest.mark.parametrize("case", sorted(KEY_MASK_CASES))
+def test_key_masked_build_in_gpu_interpret_mode(case):
+    batch, seq_len, head_dim, causal, blocks = KEY_MASK_CASES[case]
+    q, k, v = _inputs(batch, seq_len, 2, head_dim, seq_len)
+    mask = _key_mask(batch, seq_len, seq_len)
+    out, lse = fm.flash_attention_mgpu(q, k, v, causal=causal, block_sizes=blocks, interpret=True, key_mask=mask,
+                                       return_lse=True)
+    ref, saw_a_key = _masked_reference(q, k, v, mask, causal)
+    failed, worst, _ = harness_check(np.asarray(out.astype(jnp.float32)), np.asarray(ref))
+    assert int(failed) == 0, f"{int(failed)} elements fail, worst err/tol {float(worst):.2f}"
+    assert not bool(saw_a_key.all())                                   # rows with no valid key are in the case
+    none = np.broadcast_to(~np.asarray(saw_a_key), lse.shape)          # [B, H, S]
+    assert (np.asarray(out).transpose(0, 2, 1, 3)[none] == 0).all()    # zeros there, not a mean of v
+    assert np.isneginf(np.asarray(lse)[none]).all()
+    assert np.isfinite(np.asarray(lse)[~none]).all()
+    # an all-True mask gives the mask-free build's output
+    plain = fm.flash_attention_mgpu(q, k, v, causal=causal, block_sizes=blocks, interpret=True)
+    all_valid = fm.flash_attention_mgpu(q, k, v, causal=causal, block_sizes=blocks, interpret=True,
+                                        key_mask=jnp.ones((batch, seq_len), bool))
+    np.testing.assert_array_equal(np.asarray(all_valid), np.asarray(plain))
+
+
+def test_key_masked_fused_entry_equals_the_split_one():
+    rng = np.random.default_rng(3)
+    qkv = jnp.asarray(rng.standard_normal((2, 113, 3, 1, 128)).astype(np.float16))
+    mask = _key_mask(2, 113, 5)
+    fused = fm.flash_attention_mgpu_fused_qkv(qkv, causal=True, interpret=True, key_mask=mask)
+    split = fm.flash_attention_mgpu(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], causal=True, interpret=True,
+                                    key_mask=mask)
+    np.testing.assert_array_equal(np.asarray(fused), np.asarray(split))
+
+
+def test_key_masked_build_has_no_races():
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+    q, k, v = _inputs(1, 200, 1, 64, 9)
+    fm.flash_attention_mgpu(q, k, v, causal=True, interpret="detect_races", key_mask=_key_mask(1, 200, 9),
+                            block_sizes=Blocks(block_kv=64, num_stages=2))
+    assert not gpu_callbacks.get_races().races_found
+
+
 def test_warp_producer_changes_nothing_in_interpret_mode():
     # no warps in jax's interpreter: the loads run as without it, so the output is the same to the bit
     q, k, v = _inputs(1, 64, 1, 64, 21)

@@ -1,5 +1,5 @@
-"""What both flash-attention kernels share: argument checks and the plain-jnp reference they are tested
-against (`flash_attention.py`, the generic kernel; `flash_attention_mgpu.py`, the Hopper one)."""
+"""What the attention kernels share: the masked-key score, argument checks and the plain-jnp reference
+they are tested against (`flash_attention.py`, the generic kernel; `flash_attention_mgpu.py`, the Hopper one)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,14 @@ import numbers
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+# What the Mosaic GPU kernels' key-masked builds add to an invalid key's score: far below any real
+# score (softmax weight exp2(-1.8e5) or less, 0 in fp32, at head_dim up to 128), yet small enough that
+# for a row whose keys are all invalid (an invalid token's) s * scale - m, which the compiler may fuse
+# into one multiply-add, stays within a few hundredths of its exact value: with -1e30 that rounding
+# difference alone overflowed exp2 to inf and the row turned NaN (seen in GPU interpret mode), which
+# reached the valid rows through P v.
+MASKED_SCORE = -1e6   # flash_attention_mgpu_kernel.py and fused_stack_mgpu_kernel.py
 
 
 def check_qkv_layout(q, k, v):

@@ -9,8 +9,9 @@ On a Hopper GPU (sm_90) `flash_attention` and `flash_attention_fused_qkv` hand m
 with head_dim 64, 128 or 256 and S >= `flash_attention_mgpu.MIN_SEQ_LEN` (fused-layout calls from the
 shorter lengths of `FUSED_MIN_SEQ_LEN`; head_dim 32 from 8192, `UNFUSED_MIN_SEQ_LEN`; all in
 `flash_attention_dispatch_min_seq_len`) to the Mosaic GPU kernel in
-`flash_attention_mgpu.py` (wgmma, TMA, warp specialization), measured faster there; `implementation=`
-forces one kernel ("generic" or "mosaic"). Everything below describes the generic kernel.
+`flash_attention_mgpu.py` (wgmma, TMA, warp specialization), measured faster there; calls with a key mask
+too where `KEY_MASK_DISPATCH` (its key-masked build), never calls with `kv_lengths`.
+`implementation=` forces one kernel ("generic" or "mosaic"). Everything below describes the generic kernel.
 
 Numerics (the dtype each stage uses):
 - Both dots take fp16 operands for fp16 and fp32 inputs, bf16 operands for bf16 inputs, and accumulate
@@ -270,10 +271,20 @@ def on_hopper() -> bool:
     return default_device_is_hopper()
 
 
+# Whether "auto" sends key-masked calls to the Mosaic kernel as it does mask-free ones. The key-masked build has
+# run in GPU interpret mode and lowered for CUDA on the CPU only: until its first GPU run (correct, and
+# timed against the generic kernel with the same mask: `python3 bench/bench_attention_mgpu.py --key_mask`)
+# it is reached with implementation="mosaic" alone. A first launch of a new build can fault or hang,
+# which no check in process catches.
+KEY_MASK_DISPATCH = False
+
+
 def use_mosaic_kernel(dtype, seq_len: int, head_dim: int, *, masked: bool, block_sizes, interpret: bool,
-                      implementation: str = "auto", fused: bool = False) -> bool:
+                      implementation: str = "auto", fused: bool = False, key_mask: bool = False) -> bool:
     """The dispatch rule between the two kernels (module docstring); raises when `implementation`
-    forces the Mosaic kernel onto a call it cannot take."""
+    forces the Mosaic kernel onto a call it cannot take. masked: the call has kv_lengths (the Mosaic
+    kernel has none); key_mask: it has a key mask (the Mosaic kernel's key-masked build, sent to by
+    "auto" only where KEY_MASK_DISPATCH)."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation={implementation!r} must be one of {IMPLEMENTATIONS}")
     if implementation == "generic":
@@ -284,11 +295,12 @@ def use_mosaic_kernel(dtype, seq_len: int, head_dim: int, *, masked: bool, block
     if implementation == "mosaic":
         if not applicable:
             raise ValueError("implementation='mosaic' needs float16/bfloat16 q, k, v, head_dim in "
-                             f"{MOSAIC_HEAD_DIMS}, no kv_lengths or key_mask, no BlockSizes and no "
+                             f"{MOSAIC_HEAD_DIMS}, no kv_lengths, no BlockSizes and no "
                              f"interpret mode; got dtype={jnp.dtype(dtype)}, head_dim={head_dim}, "
-                             f"masked={masked}, block_sizes={block_sizes}, interpret={interpret}")
+                             f"kv_lengths={masked}, block_sizes={block_sizes}, interpret={interpret}")
         return True
-    return applicable and seq_len >= dispatch_min_seq_len(head_dim, fused) and on_hopper()
+    return (applicable and (KEY_MASK_DISPATCH or not key_mask)
+            and seq_len >= dispatch_min_seq_len(head_dim, fused) and on_hopper())
 
 
 def _pad_seq_and_head_dim(x: jax.Array, seq_pad: int, head_dim_pad: int) -> jax.Array:
@@ -410,7 +422,7 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool,
       return_lse: also return each row's log-sum-exp, log(sum_j exp(sm_scale q.k_j)) over its allowed
         keys, [B, H, S] fp32 (-inf for a query with no allowed key): what merging attention over
         several key sets needs (ring_attention.py). Both kernels (the Hopper one from its running max
-        and sum; every row there has an allowed key).
+        and sum).
 
     Returns:
       [B, S, H, head_dim] in q's dtype (and the log-sum-exp with return_lse). A query with no allowed
@@ -424,9 +436,10 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool,
     if not isinstance(return_lse, bool):
         raise ValueError(f"return_lse={return_lse!r} must be a bool")
     if use_mosaic_kernel(
-            q.dtype, q.shape[1], q.shape[-1], masked=kv_lengths is not None or key_mask is not None,
+            q.dtype, q.shape[1], q.shape[-1], masked=kv_lengths is not None, key_mask=key_mask is not None,
             block_sizes=block_sizes, interpret=interpret, implementation=implementation):
-        return flash_attention_mgpu(q, k, v, causal=causal, sm_scale=sm_scale, return_lse=return_lse)
+        return flash_attention_mgpu(q, k, v, causal=causal, sm_scale=sm_scale, return_lse=return_lse,
+                                    key_mask=key_mask)
     return _attention_pallas_call(q, k, v, kv_lengths, key_mask, fused=False, causal=causal,
                                   sm_scale=sm_scale, block_sizes=block_sizes, interpret=interpret,
                                   return_lse=return_lse)
@@ -457,8 +470,9 @@ def flash_attention_fused_qkv(qkv: jax.Array, *, causal: bool, kv_lengths: jax.A
         raise ValueError(f"qkv.shape={qkv.shape} must be [batch, seq_len, 3, num_heads, head_dim]")
     _check_dtype_and_head_dim("qkv", qkv)
     _check_masks(kv_lengths, key_mask, qkv.shape[0], qkv.shape[1])
-    if use_mosaic_kernel(qkv.dtype, qkv.shape[1], qkv.shape[-1], masked=kv_lengths is not None or key_mask is not None,
-                         block_sizes=block_sizes, interpret=interpret, implementation=implementation, fused=True):
-        return flash_attention_mgpu_fused_qkv(qkv, causal=causal, sm_scale=sm_scale)
+    if use_mosaic_kernel(qkv.dtype, qkv.shape[1], qkv.shape[-1], masked=kv_lengths is not None,
+                         key_mask=key_mask is not None, block_sizes=block_sizes, interpret=interpret,
+                         implementation=implementation, fused=True):
+        return flash_attention_mgpu_fused_qkv(qkv, causal=causal, sm_scale=sm_scale, key_mask=key_mask)
     return _attention_pallas_call(qkv, qkv, qkv, kv_lengths, key_mask, fused=True, causal=causal,
                                   sm_scale=sm_scale, block_sizes=block_sizes, interpret=interpret)

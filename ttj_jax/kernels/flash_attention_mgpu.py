@@ -3,10 +3,11 @@
 The generic kernel in `flash_attention.py` lowers through Triton and runs everywhere. This one is the
 H200 path for head_dim 32, 64, 128 and 256: tensor-core `wgmma`, TMA bulk copies into a ring of
 shared-memory stages, and warp specialization in the FlashAttention-3 style (the kernel body and its
-design: `flash_attention_mgpu_kernel.py`; block sizes: `flash_attention_mgpu_config.py`). It has no
-masks: `flash_attention` sends calls with `kv_lengths` or `key_mask`, other head sizes, float32 inputs or
-non-Hopper devices to the generic kernel, and mask-free ones to this kernel from `dispatch_min_seq_len`
-on. `interpret=True` runs the body in Mosaic GPU's CPU interpreter.
+design: `flash_attention_mgpu_kernel.py`; block sizes: `flash_attention_mgpu_config.py`). It takes a key
+mask (`key_mask`, read per KV block), not `kv_lengths`: `flash_attention` sends calls with `kv_lengths`,
+other head sizes, float32 inputs or non-Hopper devices to the generic kernel, mask-free ones to this
+kernel from `dispatch_min_seq_len` on, and key-masked ones only where its `KEY_MASK_DISPATCH` says.
+`interpret=True` runs the body in Mosaic GPU's CPU interpreter.
 
 Layouts: q, k, v are read in place from their `[B, S, H, head_dim]` arrays (the free reshape of a
 `[B, S, d]` projection), or out of one fused `[B, S, 3, H, head_dim]` array
@@ -42,6 +43,7 @@ from ttj_jax.kernels.flash_attention_mgpu_kernel import (
     SEQUENCE_AXIS,
     attention_kernel,
     interpret_kernel,
+    mask_slot_bytes,
 )
 from ttj_jax.kernels.mosaic_primitives import plgpu_module
 
@@ -84,8 +86,11 @@ def padded_seq_len(seq_len: int) -> int:
     return seq_len if seq_len < 8 or seq_len % 8 == 0 else seq_len + (-seq_len % 8)
 
 
-def _check_inputs(q, k, v, causal, sm_scale, block_sizes, return_lse, lowering_semantics):
+def _check_inputs(q, k, v, causal, sm_scale, block_sizes, return_lse, lowering_semantics, key_mask=None):
     check_causal_and_scale(causal, sm_scale)
+    if key_mask is not None and (key_mask.shape != q.shape[:2] or jnp.dtype(key_mask.dtype) != jnp.bool_):
+        raise ValueError(f"key_mask.shape={key_mask.shape}, key_mask.dtype={key_mask.dtype}: must be bool "
+                         f"[batch, seq_len] = {q.shape[:2]}")
     if block_sizes is not None and not isinstance(block_sizes, MgpuBlockSizes):
         raise ValueError(f"block_sizes={block_sizes!r} must be an MgpuBlockSizes or None")
     check_qkv_layout(q, k, v)
@@ -105,13 +110,16 @@ def _check_inputs(q, k, v, causal, sm_scale, block_sizes, return_lse, lowering_s
                                              "interpret", "return_lse"))
 def flash_attention_mgpu(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, interpret: bool | str = False,
                          sm_scale: float | None = None, block_sizes: MgpuBlockSizes | None = None,
-                         lowering_semantics: str | None = None, return_lse: bool = False):
+                         lowering_semantics: str | None = None, return_lse: bool = False,
+                         key_mask: jax.Array | None = None):
     """Softmax attention `softmax(q k^T * sm_scale) v` per (batch, head) on Hopper, in one kernel.
 
     Args:
       q, k, v: [B, S, H, head_dim], all float16 or all bfloat16; head_dim 32, 64, 128 or 256; any S >= 1.
       causal: key j is excluded for query i when j > i.
       sm_scale: Python float, default head_dim ** -0.5.
+      key_mask: optional bool [B, S]; keys with key_mask[b, j] == False are excluded. A query with no
+        allowed key gets zeros (and a log-sum-exp of -inf), as from the generic kernel.
       block_sizes: MgpuBlockSizes, or None for the per-head_dim and length default (`default_block_sizes`).
       lowering_semantics: "warpgroup" or "lane" (Mosaic GPU's two lowering modes), or None for the
         per-head_dim default (`default_lowering_semantics`).
@@ -122,25 +130,28 @@ def flash_attention_mgpu(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bo
     Returns:
       [B, S, H, head_dim] in q's dtype (and the log-sum-exp with return_lse).
     """
-    _check_inputs(q, k, v, causal, sm_scale, block_sizes, return_lse, lowering_semantics)
+    _check_inputs(q, k, v, causal, sm_scale, block_sizes, return_lse, lowering_semantics, key_mask)
     return _launch((q, k, v), q.shape, causal=causal, interpret=interpret, sm_scale=sm_scale,
-                   block_sizes=block_sizes, lowering_semantics=lowering_semantics, return_lse=return_lse)
+                   block_sizes=block_sizes, lowering_semantics=lowering_semantics, return_lse=return_lse,
+                   key_mask=key_mask)
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "sm_scale", "block_sizes", "lowering_semantics", "interpret"))
 def flash_attention_mgpu_fused_qkv(qkv: jax.Array, *, causal: bool, interpret: bool | str = False,
                                    sm_scale: float | None = None, block_sizes: MgpuBlockSizes | None = None,
-                                   lowering_semantics: str | None = None):
+                                   lowering_semantics: str | None = None, key_mask: jax.Array | None = None):
     """`flash_attention_mgpu` on q, k, v read in place out of one fused projection: qkv [B, S, 3, H,
     head_dim] (the free reshape of a [B, S, 3 d] output of x @ W_qkv, columns ordered q | k | v, each
     head-major). The TMA copies index slot 0, 1 or 2 of the array itself: slicing q, k and v out first
-    cost more than the kernel at shape 8's call (3 x 11.4 us against 22.4). Returns [B, S, H, head_dim]."""
+    cost more than the kernel at shape 8's call (3 x 11.4 us against 22.4). key_mask: as in
+    `flash_attention_mgpu`. Returns [B, S, H, head_dim]."""
     if qkv.ndim != 5 or qkv.shape[2] != 3:
         raise ValueError(f"qkv.shape={qkv.shape} must be [batch, seq_len, 3, num_heads, head_dim]")
     view = jax.ShapeDtypeStruct(qkv.shape[:2] + qkv.shape[3:], qkv.dtype)
-    _check_inputs(view, view, view, causal, sm_scale, block_sizes, False, lowering_semantics)
+    _check_inputs(view, view, view, causal, sm_scale, block_sizes, False, lowering_semantics, key_mask)
     return _launch((qkv,), view.shape, causal=causal, interpret=interpret, sm_scale=sm_scale,
-                   block_sizes=block_sizes, lowering_semantics=lowering_semantics, return_lse=False)
+                   block_sizes=block_sizes, lowering_semantics=lowering_semantics, return_lse=False,
+                   key_mask=key_mask)
 
 
 class _SlotRef:
@@ -160,9 +171,9 @@ class _SlotRef:
 
 
 def _launch(operands: tuple, shape: tuple, *, causal, interpret, sm_scale, block_sizes, lowering_semantics,
-            return_lse):
+            return_lse, key_mask=None):
     """The kernel call: operands are (q, k, v) [B, S, H, hd] or (qkv,) [B, S, 3, H, hd] (fused);
-    shape is q's [B, S, H, hd]."""
+    shape is q's [B, S, H, hd]; key_mask bool [B, S] or None."""
     plgpu = plgpu_module()
     fused = len(operands) == 1
     batch, seq_len, num_heads, head_dim = shape
@@ -206,20 +217,33 @@ def _launch(operands: tuple, shape: tuple, *, causal, interpret, sm_scale, block
     kernel = functools.partial(interpret_kernel if interpret else attention_kernel, causal=causal,
                                sm_scale=sm_scale, seq_len=seq_len, num_q_tiles=num_q_tiles, head_dim=head_dim,
                                blocks=blocks, dtype=dtype)
+    mask_scoped = ()
+    if key_mask is not None:   # a ring slot of mask bytes per K/V slot, and its barriers (the kernel's docstring)
+        mask_scoped = ((plgpu.SMEM((num_stages * mask_slot_bytes(blocks.block_kv),), jnp.uint8),
+                        plgpu.Barrier(num_arrivals=1, num_barriers=num_stages)),)
+        # every KV block any tile loads, whole: keys past S are 0 (invalid) here too
+        mask_len = pl.cdiv(seq_len, blocks.block_kv) * blocks.block_kv
+        operands += (jnp.pad(key_mask.astype(jnp.uint8), ((0, 0), (0, mask_len - seq_len))),)
 
-    def entry(q_ref, k_ref, v_ref, out_ref, *lse_ref):
-        pl.run_scoped(lambda *scoped: kernel(q_ref, k_ref, v_ref, out_ref, scoped,
-                                             lse_ref=lse_ref[0] if lse_ref else None),
-                      smem, barriers, collective_axes="wg")
+    def run(q_ref, k_ref, v_ref, mask_ref, out_ref, lse_ref):
+        pl.run_scoped(lambda *scoped: kernel(q_ref, k_ref, v_ref, out_ref, scoped, lse_ref=lse_ref,
+                                             **({"mask_ref": mask_ref} if mask_ref is not None else {})),
+                      smem, barriers, *mask_scoped, collective_axes="wg")
 
-    def fused_entry(qkv_ref, out_ref):
-        entry(_SlotRef(qkv_ref, 0), _SlotRef(qkv_ref, 1), _SlotRef(qkv_ref, 2), out_ref)
+    masked = key_mask is not None
+
+    def entry(q_ref, k_ref, v_ref, *refs):   # (mask_ref,) out_ref, (lse_ref,)
+        mask_ref, refs = (refs[0], refs[1:]) if masked else (None, refs)
+        run(q_ref, k_ref, v_ref, mask_ref, refs[0], refs[1] if len(refs) > 1 else None)
+
+    def fused_entry(qkv_ref, *refs):
+        entry(_SlotRef(qkv_ref, 0), _SlotRef(qkv_ref, 1), _SlotRef(qkv_ref, 2), *refs)
 
     # The interpreter drops a partly out-of-bounds TMA write: there arrays are whole query tiles long.
     array_len = num_q_tiles * blocks.block_q if interpret else padded_seq_len(seq_len)
     if array_len != seq_len:   # the padded keys are masked in the kernel (seq_len is the true S)
         operands = tuple(jnp.pad(x, ((0, 0), (0, array_len - seq_len)) + ((0, 0),) * (x.ndim - 2))
-                         for x in operands)
+                         for x in operands[:len(operands) - masked]) + operands[len(operands) - masked:]
     out_type = jax.ShapeDtypeStruct((batch, array_len, num_heads, head_dim), dtype)
     if return_lse:
         # Whole query tiles long, so every consumer's 64 rows are in bounds: with [B, H, S] the TMA stores

@@ -31,7 +31,7 @@ class InterpretPlgpu:
     """`plgpu` for the kernel body in interpret mode: the real module, but for the substitutes above."""
 
     def __init__(self, scoped):
-        (_, _, _, self._p_stage, self._kt_stage, *_), _ = scoped   # see `interpret_smem`
+        (_, _, _, self._p_stage, self._kt_stage, *_), *_ = scoped   # see `interpret_smem`
         self._plgpu = plgpu_module()
 
     def __getattr__(self, name):

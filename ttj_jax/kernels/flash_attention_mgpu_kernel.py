@@ -20,12 +20,18 @@ One CUDA block per (query tile, head, batch element), FlashAttention-3 style:
   are masked with `key < S` (non-causal) or are never visible (causal).
 - Output. Each consumer normalises its rows, writes them over its own Q buffer and stores them with one
   TMA copy.
+- Key mask (key-masked builds, `mask_ref`). The producer copies each KV block's mask bytes into a ring
+  of its own (one copy per block, with V, on a barrier per slot that every consumer waits on once); a
+  consumer adds MASKED_SCORE to the scores of invalid keys in every block it visits (finite: a row with no
+  valid key stays finite) and writes zeros for a row that saw no valid key (its running max stays near
+  MASKED_SCORE), as the generic kernel does.
 
 Numerics: both GEMMs take the input dtype and accumulate in fp32; P is rounded to the input dtype for
 P @ V. The softmax runs in base 2 (running max in units of log2(e) * sm_scale * score, so each
 probability is one FMA and one `ex2.approx`, a few fp32 ulps off, far below P's 2^-11 rounding). Running
-max, sum and output are fp32. Masked scores are -inf; every visited row has key 0 in its first block,
-so its running max is finite from the first block on and no NaN can arise.
+max, sum and output are fp32. Scores masked by causality or past S are -inf; every visited row has key 0
+in its first block, so its running max is finite from the first block on and no NaN can arise. A key
+mask adds the finite MASKED_SCORE instead, which keeps that so.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from ttj_jax.kernels.attention_common import MASKED_SCORE
 from ttj_jax.kernels.flash_attention_mgpu_config import REGISTERS_PER_THREAD, ROWS_PER_CONSUMER, MgpuBlockSizes
 from ttj_jax.kernels.flash_attention_mgpu_interpret import InterpretPallas, InterpretPlgpu
 from ttj_jax.kernels.mosaic_primitives import mosaic_cluster_arrive_from_warp, plgpu_module
@@ -152,6 +159,13 @@ class _Kernel:
     smem: tuple       # (q [wgs, 64, hd], k ring, v ring, *interpret staging, lse [wgs, 64] if lse_ref)
     barriers: tuple   # (q_ready, k_ready, v_ready, k_consumed, v_consumed, tokens, *cluster barriers)
     wg: Any
+    mask_ref: Any = None    # key-masked builds: [B, mask_len] uint8 in GMEM, nonzero = valid key
+    mask_smem: Any = None   # (num_stages * mask_slot_bytes(block_kv),) uint8: one slot per ring slot
+    mask_ready: Any = None  # num_stages barriers, completed by the mask copies
+
+    @property
+    def key_masked(self) -> bool:
+        return self.mask_ref is not None
 
     def slot_of(self, block):
         return lax.rem(block, jnp.int32(self.blocks.num_stages))
@@ -178,11 +192,30 @@ class _Kernel:
         return self.blocks.overlap_softmax and not self.interpret
 
 
+def mask_slot_bytes(block_kv: int) -> int:
+    """Bytes between two slots of the key mask's ring: a TMA copy's shared-memory destination must be
+    128-byte aligned."""
+    return -(-block_kv // 128) * 128
+
+
+def _key_bias(kernel: _Kernel, block):
+    """Block `block`'s key mask as a score bias, (block_kv,) fp32 in the columns' layout: 0 for a valid
+    key, MASKED_SCORE for an invalid one. Waits for the block's mask copy (once per block and consumer)."""
+    plgpu, block_kv = kernel.plgpu, kernel.blocks.block_kv
+    slot = kernel.slot_of(block)
+    plgpu.barrier_wait(kernel.mask_ready.at[slot])
+    valid = kernel.mask_smem[kernel.pl.ds(slot * mask_slot_bytes(block_kv), block_kv)]
+    valid = plgpu.layout_cast(valid, plgpu.Layout.WGMMA.reduce(0))
+    return jnp.where(valid != 0, 0.0, MASKED_SCORE).astype(jnp.float32)
+
+
 def _softmax(kernel: _Kernel, scores, block, row_start, m_prev, l_prev, masked: bool, p_dtype):
     """Online softmax of one block's raw (64, block_kv) fp32 scores. Returns the new running max and
     sum, P in p_dtype, and alpha = exp2(m_prev - m_new), the factor for what was accumulated before."""
     plgpu, block_kv = kernel.plgpu, kernel.blocks.block_kv
     score_scale = kernel.sm_scale * _LOG2_E
+    if kernel.key_masked:
+        scores = scores + lax.broadcast_in_dim(_key_bias(kernel, block), scores.shape, [1])
     if masked:
         key = block * block_kv + plgpu.broadcasted_iota(jnp.int32, scores.shape, 1, layout=plgpu.Layout.WGMMA)
         if kernel.causal:
@@ -304,6 +337,8 @@ def _consumer_epilogue(kernel: _Kernel, plan: ConsumerPlan, acc, p, alpha):
         plgpu.barrier_wait(k_ready.at[slot])
         plgpu.barrier_arrive(k_consumed.at[slot])
         plgpu.barrier_wait(v_ready.at[slot])
+        if kernel.key_masked:   # every consumer observes every phase of the mask's barriers
+            plgpu.barrier_wait(kernel.mask_ready.at[slot])
         plgpu.barrier_arrive(v_consumed.at[slot])
         kernel.wait_token()
         kernel.pass_token()
@@ -316,11 +351,17 @@ def _store_output(kernel: _Kernel, q_wg, batch, head, row_start, acc, m, l):
     """Normalise, write over this warpgroup's Q buffer (every wgmma reading Q has completed) and store
     with one TMA copy; with return_lse also the rows' log-sum-exp."""
     plgpu, pl, rows = kernel.plgpu, kernel.pl, ROWS_PER_CONSUMER
-    acc = acc * lax.broadcast_in_dim(1.0 / l, acc.shape, [0])
+    inverse = 1.0 / l
+    saw_a_key = None
+    if kernel.key_masked:   # a row that saw no valid key: its max is MASKED_SCORE's, far below a real one
+        saw_a_key = m > 0.5 * MASKED_SCORE * kernel.sm_scale * _LOG2_E
+        inverse = jnp.where(saw_a_key, inverse, 0.0)
+    acc = acc * lax.broadcast_in_dim(inverse, acc.shape, [0])
     q_wg[...] = acc.astype(kernel.dtype)
     if kernel.lse_ref is not None:   # log(sum_j exp(sm_scale q.k_j)) = (m + log2 l) ln 2: m and l are in base 2
         lse_wg = kernel.smem[-1].at[kernel.wg]
-        lse_wg[...] = (m + jnp.log2(l)) * _LN_2
+        lse = (m + jnp.log2(l)) * _LN_2
+        lse_wg[...] = lse if saw_a_key is None else jnp.where(saw_a_key, lse, -jnp.inf)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(q_wg, kernel.out_ref.at[batch, pl.ds(row_start, rows), head])
     if kernel.lse_ref is not None:
@@ -364,9 +405,16 @@ def _producer(kernel: _Kernel, batch, head, tile_blocks, shared_blocks):
         pl.when(together)(functools.partial(copy, collective_axes=CLUSTER_AXIS))
         pl.when(jnp.logical_not(together))(copy)
 
+    def load_mask(block, slot):   # not multicast: each member of a pair loads its own (same) bytes
+        if kernel.key_masked:
+            plgpu.copy_gmem_to_smem(kernel.mask_ref.at[batch, pl.ds(block * block_kv, block_kv)],
+                                    kernel.mask_smem.at[pl.ds(slot * mask_slot_bytes(block_kv), block_kv)],
+                                    kernel.mask_ready.at[slot])
+
     def fill(block):
         load(jnp.int32(block), block, kernel.k_ref, k_smem, k_ready)
         load(jnp.int32(block), block, kernel.v_ref, v_smem, v_ready)
+        load_mask(jnp.int32(block), block)
 
     in_one_warp = blocks.warp_producer and not kernel.interpret
     # jax refuses a cluster arrive in a warp context; from warp 0 the warpgroup's arrive is right
@@ -399,6 +447,7 @@ def _producer(kernel: _Kernel, batch, head, tile_blocks, shared_blocks):
             load(block, slot, kernel.k_ref, k_smem, k_ready)
             wait_free(v_consumed, v_peer_free, block, slot)
             load(block, slot, kernel.v_ref, v_smem, v_ready)
+            load_mask(block, slot)   # its slot is free once V's is: consumers read it before releasing V
 
     if in_one_warp:   # warp 0 loads, the other three wait after the map
         @pl.core_map(plgpu.WarpMesh(axis_name=PRODUCER_WARP_AXIS))
@@ -415,13 +464,15 @@ def _query_tile(num_q_tiles: int, causal: bool):
 
 def attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, sm_scale: float, seq_len: int,
                      num_q_tiles: int, head_dim: int, blocks: MgpuBlockSizes, dtype, interpret=False,
-                     lse_ref=None):
+                     lse_ref=None, mask_ref=None):
     """One CUDA block. q, k, v, out: [B, S, H, hd] refs in GMEM; lse_ref: [B, H, S] fp32 or None;
-    scoped: (shared memory, barriers) of all warpgroups."""
+    mask_ref: [B, mask_len] uint8 (nonzero = valid key) or None; scoped: (shared memory, barriers) of all
+    warpgroups, and with mask_ref (the mask's ring, its barriers)."""
     plgpu, pl_module = (InterpretPlgpu(scoped), InterpretPallas()) if interpret else (plgpu_module(), pl)
     wg = lax.axis_index("wg")
+    mask_smem, mask_ready = scoped[2] if mask_ref is not None else (None, None)
     kernel = _Kernel(plgpu, pl_module, causal, sm_scale, seq_len, head_dim, blocks, dtype, interpret,
-                     q_ref, k_ref, v_ref, out_ref, lse_ref, scoped[0], scoped[1], wg)
+                     q_ref, k_ref, v_ref, out_ref, lse_ref, scoped[0], scoped[1], wg, mask_ref, mask_smem, mask_ready)
     num_wgs = blocks.num_compute_wgs
     batch, head = lax.axis_index(SEQUENCE_AXIS), lax.axis_index(HEAD_AXIS)
     if blocks.kv_multicast:   # the grid's tile axis counts pairs (see multicast_pair)
@@ -464,7 +515,7 @@ def interpret_kernel(q_ref, k_ref, v_ref, out_ref, scoped, *, causal: bool, seq_
     attention_kernel(q_ref, k_ref, v_ref, out_ref, scoped, causal=causal, seq_len=seq_len,
                      num_q_tiles=num_q_tiles, blocks=blocks, interpret=True, **kwargs)
     plgpu = plgpu_module()
-    _, (_, _, _, k_consumed, v_consumed, tokens, *_) = scoped
+    _, (_, _, _, k_consumed, v_consumed, tokens, *_), *_ = scoped
     num_stages = blocks.num_stages
     wg = lax.axis_index("wg")
     tile = _query_tile(num_q_tiles, causal)

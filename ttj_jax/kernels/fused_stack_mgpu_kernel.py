@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from ttj_jax.kernels.attention_common import MASKED_SCORE
 from ttj_jax.kernels.fused_stack_mgpu_layout import (
     B1,
     B2,
@@ -54,12 +55,6 @@ from ttj_jax.numerics import LAYER_NORM_EPS
 # (240 and 32 hung).
 _REGISTERS = (232, 40)
 LOG2_E = math.log2(math.e)
-# What masked builds add to an invalid key's score: far below any real score (softmax weight exp2(-1.8e5)
-# or less, 0 in fp32, at head_dim up to 128), yet small enough that for a row whose keys are all invalid
-# (an invalid token's) s * scale - m, which the compiler may fuse into one multiply-add, stays within a
-# few hundredths of its exact value: with -1e30 that rounding difference alone overflowed exp2 to inf
-# and the row turned NaN (seen in GPU interpret mode), which reached the valid rows through P v.
-MASKED_SCORE = -1e6
 # Masked builds with at most this many heads branch once per tile on whether its tokens are all valid
 # (_Consumer.run). With both layer loops in it, the 16-head packed build's layout inference recursed past
 # Python's limit while lowering (Mosaic GPU, jax 0.10.2); more heads than 4 take the rows stack anyway
