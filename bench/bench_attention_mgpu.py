@@ -208,14 +208,17 @@ def _key_mask(seed: int, batch: int, seq_len: int, kind: str):
 
 
 def _check(run: Run, batch, heads, seq_len, head_dim, causal, *, dtype=jnp.float16, kernel_kwargs=None,
-           repeat: bool = False, key_mask: str | None = None):
-    """key_mask: None, or a `_key_mask` kind given to the kernel (its key-masked build)."""
+           repeat: bool = False, key_mask: str | None = None, fused: bool = False):
+    """key_mask: None, or a `_key_mask` kind given to the kernel (its key-masked build); fused: q, k and v
+    read out of one [B, S, 3, H, hd] array (flash_attention_mgpu_fused_qkv)."""
     kernel_kwargs = kernel_kwargs or {}
     label = " ".join(part for part in (
-        f"check B={batch} H={heads} S={seq_len} hd={head_dim} {'causal' if causal else 'full'} {jnp.dtype(dtype).name}",
+        f"check{' fused' if fused else ''} B={batch} H={heads} S={seq_len} hd={head_dim} "
+        f"{'causal' if causal else 'full'} {jnp.dtype(dtype).name}",
         _kwargs_text(kernel_kwargs), f"key mask {key_mask}" if key_mask else "") if part)
     record = dict(name=label, B=batch, H=heads, S=seq_len, head_dim=head_dim, causal=causal,
-                  dtype=jnp.dtype(dtype).name, variant=_kwargs_json(kernel_kwargs), key_mask=key_mask, passed=False)
+                  dtype=jnp.dtype(dtype).name, variant=_kwargs_json(kernel_kwargs), key_mask=key_mask, fused=fused,
+                  passed=False)
     if run.over_budget():
         record.update(passed=None, error=f"skipped: time budget of {run.budget_s:.0f} s spent")
         run.checks.append(record)
@@ -225,7 +228,11 @@ def _check(run: Run, batch, heads, seq_len, head_dim, causal, *, dtype=jnp.float
     try:
         q, k, v = _random_qkv(seq_len * 7 + head_dim, (batch, seq_len, heads, head_dim), dtype)
         mask = None if key_mask is None else _key_mask(seq_len, batch, seq_len, key_mask)
-        fn = jax.jit(lambda q, k, v, m: mgpu.flash_attention_mgpu(q, k, v, causal=causal, key_mask=m, **kernel_kwargs))
+        if fused:
+            fn = jax.jit(lambda q, k, v, m: mgpu.flash_attention_mgpu_fused_qkv(
+                jnp.stack((q, k, v), axis=2), causal=causal, key_mask=m, **kernel_kwargs))
+        else:
+            fn = jax.jit(lambda q, k, v, m: mgpu.flash_attention_mgpu(q, k, v, causal=causal, key_mask=m, **kernel_kwargs))
         start = time.perf_counter()
         compiled = fn.lower(q, k, v, mask).compile()
         record["compile_s"] = round(time.perf_counter() - start, 2)
@@ -528,29 +535,6 @@ KEY_MASK_CHECKS = [(2, 3, seq_len, head_dim, causal) for head_dim in (64, 128, 3
 KEY_MASK_CASES = [(1, 16, 16384, 64), (4, 16, 4096, 128), (64, 4, 1024, 64), MAIN_CASE]
 
 
-def _check_fused_key_mask(run: Run, batch, heads, seq_len, head_dim, causal) -> bool:
-    """flash_attention_mgpu_fused_qkv with a key mask against the reference on q, k, v sliced out."""
-    label = f"check fused B={batch} H={heads} S={seq_len} hd={head_dim} {'causal' if causal else 'full'} key mask holes"
-    record = dict(name=label, B=batch, H=heads, S=seq_len, head_dim=head_dim, causal=causal, dtype="float16",
-                  variant={"fused": True}, key_mask="holes", passed=False)
-    run.begin(label)
-    try:
-        qkv = jax.random.normal(jax.random.key(seq_len), (batch, seq_len, 3, heads, head_dim)).astype(jnp.float16)
-        mask = _key_mask(seq_len, batch, seq_len, "holes")
-        out = jax.block_until_ready(jax.jit(lambda a, m: mgpu.flash_attention_mgpu_fused_qkv(
-            a, causal=causal, key_mask=m))(qkv, mask))
-        ref = _reference_rows(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], np.arange(seq_len), causal=causal, key_mask=mask)
-        ratio, err = _worst_ratio(out, ref)
-        record.update(worst_err_over_tol=float(ratio), max_abs_err=float(err), passed=bool(ratio <= 1.0))
-        log(f"  {'ok  ' if record['passed'] else 'FAIL'} {label}: err/tol={ratio:.3f}")
-    except Exception as exc:  # noqa: BLE001 - recorded, the run goes on
-        record["error"] = describe_error(exc)
-        log(f"  FAIL {label}: ERROR {record['error'][:400]}")
-    run.checks.append(record)
-    run.end()
-    return record["passed"]
-
-
 def _time_key_masks(run: Run, batch, heads, seq_len, head_dim) -> None:
     """One case, fp16 causal: the Mosaic kernel without a mask and with three, the generic kernel with
     the padding mask."""
@@ -578,7 +562,7 @@ def key_mask_study(run: Run) -> None:
     """--key_mask: KEY_MASK_CHECKS with a mask with holes, one repeat bit-identical, the fused entry, rows of
     S=100000 with the padding mask; if all pass, KEY_MASK_CASES timed (`_time_key_masks`)."""
     passed = [_check(run, *case, key_mask="holes", repeat=case[2] == 1000 and case[4]) for case in KEY_MASK_CHECKS]
-    passed.append(_check_fused_key_mask(run, 64, 4, 128, 256, True))   # shape 8's call
+    passed.append(_check(run, 64, 4, 128, 256, True, key_mask="holes", fused=True))   # shape 8's call
     passed.append(_check(run, 1, 2, LONG_SEQ_LEN, 64, True, key_mask="prefix"))
     if all(passed):
         for case in KEY_MASK_CASES:

@@ -45,7 +45,8 @@ def _lower_for_cuda(seq_len, head_dim, causal, *, dtype=jnp.float16, batch=1, nu
     (4096, 128, False, {}), (16384, 256, True, {}), (8192, 32, True, {}), (4096, 64, True, {"return_lse": True})])
 def test_key_masked_build_lowers_for_cuda(seq_len, head_dim, causal, kwargs):
     """The key-masked build of each head_dim's default tiling (multicast and the one-warp producer where
-    those defaults take them, both lowerings) lowers for CUDA: Mosaic GPU's layout inference included."""
+    those defaults take them, both lowerings) lowers for CUDA: Mosaic GPU's layout inference included.
+    (The fused entry: the next test.)"""
     spec = jax.ShapeDtypeStruct((2, seq_len, 2, head_dim), jnp.float16)
     mask = jax.ShapeDtypeStruct((2, seq_len), jnp.bool_)
     call = jax.jit(lambda q, k, v, m: fm.flash_attention_mgpu(q, k, v, causal=causal, key_mask=m, **kwargs))
@@ -53,9 +54,13 @@ def test_key_masked_build_lowers_for_cuda(seq_len, head_dim, causal, kwargs):
     assert _custom_calls(text).count("mosaic_gpu_v2") == 1
     # the mask-free build's text is another kernel
     assert text != _lower_for_cuda(seq_len, head_dim, causal, batch=2, **kwargs)
+
+
+def test_key_masked_fused_entry_lowers_for_cuda():   # shape 8's call
     fused = jax.ShapeDtypeStruct((2, 128, 3, 4, 256), jnp.float16)
-    jax.jit(lambda a, m: fm.flash_attention_mgpu_fused_qkv(a, causal=True, key_mask=m)).trace(
-        fused, jax.ShapeDtypeStruct((2, 128), jnp.bool_)).lower(lowering_platforms=("cuda",))
+    text = jax.jit(lambda a, m: fm.flash_attention_mgpu_fused_qkv(a, causal=True, key_mask=m)).trace(
+        fused, jax.ShapeDtypeStruct((2, 128), jnp.bool_)).lower(lowering_platforms=("cuda",)).as_text()
+    assert _custom_calls(text).count("mosaic_gpu_v2") == 1
 
 
 def test_key_mask_must_be_bool_batch_by_seq_len():

@@ -84,7 +84,7 @@ def _run_rows(weights, x, mask, *, config: Config, plan: Plan):
     if not isinstance(weights, (PreparedWeights, RowsWeights)):
         weights = prepare_weights(weights, get_policy(plan.policy))
     row_valid = mask if plan.mask_mode != "none" else None
-    key_valid = key_mask_for(mask, mode=plan.mask_mode) if row_valid is not None else None
+    key_valid = key_mask_for(mask, mode=plan.mask_mode)
     return rows_forward(weights, x, row_valid, key_valid, num_heads=config.num_heads, causal=config.causal,
                         block_rows=ROWS_BLOCK, interpret=jax.default_backend() == "cpu")
 

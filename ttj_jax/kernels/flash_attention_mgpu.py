@@ -217,24 +217,16 @@ def _launch(operands: tuple, shape: tuple, *, causal, interpret, sm_scale, block
     kernel = functools.partial(interpret_kernel if interpret else attention_kernel, causal=causal,
                                sm_scale=sm_scale, seq_len=seq_len, num_q_tiles=num_q_tiles, head_dim=head_dim,
                                blocks=blocks, dtype=dtype)
-    mask_scoped = ()
-    if key_mask is not None:   # a ring slot of mask bytes per K/V slot, and its barriers (the kernel's docstring)
-        mask_scoped = ((plgpu.SMEM((num_stages * mask_slot_bytes(blocks.block_kv),), jnp.uint8),
-                        plgpu.Barrier(num_arrivals=1, num_barriers=num_stages)),)
-        # every KV block any tile loads, whole: keys past S are 0 (invalid) here too
-        mask_len = pl.cdiv(seq_len, blocks.block_kv) * blocks.block_kv
-        operands += (jnp.pad(key_mask.astype(jnp.uint8), ((0, 0), (0, mask_len - seq_len))),)
-
-    def run(q_ref, k_ref, v_ref, mask_ref, out_ref, lse_ref):
-        pl.run_scoped(lambda *scoped: kernel(q_ref, k_ref, v_ref, out_ref, scoped, lse_ref=lse_ref,
-                                             **({"mask_ref": mask_ref} if mask_ref is not None else {})),
-                      smem, barriers, *mask_scoped, collective_axes="wg")
-
     masked = key_mask is not None
+    # with a key mask: a ring slot of mask bytes per K/V slot, and its barriers (the kernel's docstring)
+    mask_scoped = ((plgpu.SMEM((num_stages * mask_slot_bytes(blocks.block_kv),), jnp.uint8),
+                    plgpu.Barrier(num_arrivals=1, num_barriers=num_stages)),) if masked else ()
 
-    def entry(q_ref, k_ref, v_ref, *refs):   # (mask_ref,) out_ref, (lse_ref,)
-        mask_ref, refs = (refs[0], refs[1:]) if masked else (None, refs)
-        run(q_ref, k_ref, v_ref, mask_ref, refs[0], refs[1] if len(refs) > 1 else None)
+    def entry(q_ref, k_ref, v_ref, *refs):   # refs: (mask_ref,) out_ref, (lse_ref,)
+        mask_ref, (out_ref, *lse_ref) = (refs[0], refs[1:]) if masked else (None, refs)
+        pl.run_scoped(lambda *scoped: kernel(q_ref, k_ref, v_ref, out_ref, scoped,
+                                             lse_ref=lse_ref[0] if lse_ref else None, mask_ref=mask_ref),
+                      smem, barriers, *mask_scoped, collective_axes="wg")
 
     def fused_entry(qkv_ref, *refs):
         entry(_SlotRef(qkv_ref, 0), _SlotRef(qkv_ref, 1), _SlotRef(qkv_ref, 2), *refs)
@@ -243,7 +235,10 @@ def _launch(operands: tuple, shape: tuple, *, causal, interpret, sm_scale, block
     array_len = num_q_tiles * blocks.block_q if interpret else padded_seq_len(seq_len)
     if array_len != seq_len:   # the padded keys are masked in the kernel (seq_len is the true S)
         operands = tuple(jnp.pad(x, ((0, 0), (0, array_len - seq_len)) + ((0, 0),) * (x.ndim - 2))
-                         for x in operands[:len(operands) - masked]) + operands[len(operands) - masked:]
+                         for x in operands)
+    if masked:   # every KV block any tile loads, whole: keys past S are 0 (invalid) here too
+        mask_len = pl.cdiv(seq_len, blocks.block_kv) * blocks.block_kv
+        operands += (jnp.pad(key_mask.astype(jnp.uint8), ((0, 0), (0, mask_len - seq_len))),)
     out_type = jax.ShapeDtypeStruct((batch, array_len, num_heads, head_dim), dtype)
     if return_lse:
         # Whole query tiles long, so every consumer's 64 rows are in bounds: with [B, H, S] the TMA stores
