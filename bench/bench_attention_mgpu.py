@@ -1,7 +1,8 @@
 """Check and time the Mosaic GPU flash-attention kernel (ttj_jax/kernels/flash_attention_mgpu.py) on an H200.
 
     PYTHONPATH=. python3 bench/bench_attention_mgpu.py [--quick] [--check] [--out DIR]
-        [--sweep | --lowering | --overlap | --hd32 | --multicast | --multicast_lengths | --key_mask]
+        [--sweep | --lowering | --overlap | --hd32 | --multicast | --multicast_lengths | --key_mask
+         | --key_mask_timing]
         [--budget-s 420]
 
 In order (most important first): head_dim 64 checks, the main timing case, the other head_dim checks,
@@ -569,6 +570,14 @@ def key_mask_study(run: Run) -> None:
             _time_key_masks(run, *case)
 
 
+def key_mask_timing_study(run: Run) -> None:
+    """--key_mask_timing: the key-masked build's S=100000 rows check, then KEY_MASK_CASES timed, without
+    --key_mask's short checks (for a GPU where they have passed)."""
+    if _check(run, 1, 2, LONG_SEQ_LEN, 64, True, key_mask="prefix"):
+        for case in KEY_MASK_CASES:
+            _time_key_masks(run, *case)
+
+
 # The studies run alone (one --NAME flag each): name -> (function of the run, --help text). Each writes
 # attention-mgpu-<date>-<gpu>-<name>.json.
 STUDIES = {
@@ -582,6 +591,8 @@ STUDIES = {
                   "(MgpuBlockSizes.kv_multicast): checks, then MULTICAST_CASES in alternating rounds"),
     "multicast_lengths": (lambda run: multicast_lengths_study(run), "only kv_multicast at the lengths that "
                           "set its thresholds (MULTICAST_LENGTH_CASES), with and without it, in alternating rounds"),
+    "key_mask_timing": (lambda run: key_mask_timing_study(run), "only the key-masked build's long-sequence "
+                        "check and its timings (--key_mask without its short checks)"),
     "key_mask": (lambda run: key_mask_study(run), "only the key-masked build: checks with masks, then "
                  "KEY_MASK_CASES against the mask-free build and the generic kernel"),
 }

@@ -36,6 +36,7 @@ from bench.paths import default_out_dir  # noqa: E402
 from bench.report import slug  # noqa: E402
 from ttj_jax.chunked_reference import chunked_reference_forward  # noqa: E402
 from ttj_jax.params import to_jax_array  # noqa: E402
+from ttj_jax.planner import forward_flop  # noqa: E402
 
 # The torch baseline builds about three [1, H, K, K] fp32 tensors at once (scores, masked scores, probs):
 # below this size for one of them it is the prefix reference, above it the chunked reference is.
@@ -145,13 +146,6 @@ def exact_fp32_matmuls():
     finally:
         torch.set_float32_matmul_precision(saved[0])
         torch.backends.cuda.matmul.allow_tf32 = saved[1]
-
-
-def forward_flops(config: T.Config, batch: int, seq_len: int) -> float:
-    """Useful FLOPs: six GEMMs per token and layer, causal attention counted as its lower triangle."""
-    d, f = config.d_model, config.ffn_dim
-    per_layer = 2 * seq_len * (4 * d * d + 2 * d * f) + 2 * seq_len * seq_len * d
-    return float(batch * config.num_layers * per_layer)
 
 
 def make_input(config: T.Config, device: torch.device):
@@ -475,7 +469,7 @@ def main(argv=None) -> int:
             "prefix_reference": "torch-baseline-fp32-no-tf32" if use_torch else "chunked-jax-fp32",
             "ref_chunk": args.ref_chunk, "stream_chunk": getattr(args, "stream_chunk_used", None),
             "timing_ms": samples, "first_call_s": first_call_s,
-            "ttj_bridge_tflops": forward_flops(config, B, S) / (ttj_ms * 1e-3) / 1e12, "step_seconds": steps,
+            "ttj_bridge_tflops": forward_flop(config, B, S) / (ttj_ms * 1e-3) / 1e12, "step_seconds": steps,
             # per timed contender, the SM clock and power while its calls ran (empty without nvidia-smi)
             "gpu_state": gpu_states,
         }

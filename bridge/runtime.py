@@ -72,6 +72,11 @@ _overwrites_on_conversion = torch.__future__.get_overwrite_module_params_on_conv
 _capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", torch.cuda.is_current_stream_capturing)
 
 
+def read_mask_kind(mask: torch.Tensor) -> MaskKind:
+    """A GPU mask's kind, read on the host: one device-to-host copy, which waits for the mask's writers."""
+    return classify_mask(mask.detach().cpu().numpy())
+
+
 class _ModuleState:
     def __init__(self, module: torch.nn.Module, config: Config):
         self.config = config
@@ -83,7 +88,8 @@ class _ModuleState:
         self.prepared: dict[str, Any] = {}
         self.calls: dict[tuple, Call] = {}
         self.validated: set[tuple] = set()       # input signatures validate_inputs has passed
-        self.mask_on_device = settings.gpu_mask_on_device()   # TTJ_GPU_MASK
+        self.gpu_mask_mode = settings.gpu_mask_mode()   # TTJ_GPU_MASK
+        self.mask_on_device = self.gpu_mask_mode != "host"   # no GPU mask's kind is ever kept
         self.mask_ref = None
         self.mask_version = None
         self.mask_kind = None
@@ -235,21 +241,39 @@ class _ModuleState:
         return None if self.training_views() is None else self.training_tree_kept
 
     def classify(self, mask: torch.Tensor) -> MaskKind:
-        """The mask's kind. A mask in host memory is read on every call (no device to wait for), so no write
-        can make it stale: through `.data`, a numpy view or a DLPack consumer alike. A GPU mask's kind is
-        cached per tensor object and version (reading it costs a host sync); an inference tensor has no
-        version counter, so its contents could change unseen: the device decides (MaskKind.UNKNOWN), as it
-        does for every GPU mask under TTJ_GPU_MASK=device."""
+        """The mask's kind ([B, S] mask, validated). A mask in host memory is read on every call (no device
+        to wait for), so no write can make it stale: through `.data`, a numpy view or a DLPack consumer
+        alike. A GPU mask (TTJ_GPU_MASK, bridge/settings.py): under "auto" read on every call where the
+        call's work makes the host sync cheap (planner.reads_gpu_mask_on_host), else left to the device
+        (MaskKind.UNKNOWN), as under "device"; under "host" read once per tensor object and version, and
+        left to the device for an inference tensor (no version counter: its contents could change unseen)."""
         if mask.device.type == "cpu":
             return classify_mask(mask.detach().numpy())
-        if self.mask_on_device or mask.is_inference():
+        if self.mask_on_device:
+            if self.gpu_mask_mode == "auto" and planner.reads_gpu_mask_on_host(self.config, *mask.shape):
+                return read_mask_kind(mask)
+            return MaskKind.UNKNOWN
+        if mask.is_inference():
             return MaskKind.UNKNOWN
         version = mask._version
         if self.mask_ref is not None and self.mask_ref() is mask and self.mask_version == version:
             return self.mask_kind
-        kind = classify_mask(mask.detach().cpu().numpy())   # one host sync per new mask or version
+        kind = read_mask_kind(mask)
         self.mask_ref, self.mask_version, self.mask_kind = weakref.ref(mask), version, kind
         return kind
+
+    def mask_reading(self, mask: torch.Tensor | None) -> str:
+        """How this mask's kind is found, in words (explain())."""
+        if mask is None or mask.device.type == "cpu":
+            return ""
+        if self.mask_on_device:
+            if self.gpu_mask_mode == "auto" and planner.reads_gpu_mask_on_host(self.config, *mask.shape):
+                return (f"GPU mask read on the host on every call (TTJ_GPU_MASK=auto, at least "
+                        f"{planner.HOST_MASK_READ_MIN_FLOP:.0e} FLOP of work)")
+            return f"GPU mask decided on the device on every call (TTJ_GPU_MASK={self.gpu_mask_mode})"
+        if mask.is_inference():
+            return "GPU inference-tensor mask decided on the device on every call"
+        return "GPU mask read on the host once per tensor and version (TTJ_GPU_MASK=host)"
 
     def call_weights(self, call: Call):
         """The weights `call`'s jax program takes: kept on the call with the generation they were built
@@ -650,6 +674,8 @@ def explain(module: torch.nn.Module, x: torch.Tensor, valid_token_mask=None, *, 
     if call is None:
         call = state.calls[key] = state.build_call(x, kind)
     text = call.plan.explain()
+    if reading := state.mask_reading(valid_token_mask):
+        text += f"; {reading}"
     stack = stacks.get(call.plan.stack)
     if call.direct is not None and stack.kernels_only:
         text += (f"; its {call.direct.num_kernels} Triton kernel(s) launched directly on torch's current stream "

@@ -11,10 +11,14 @@ Environment switches (read when a device's first call sets up its transfers or l
 - `TTJ_TRITON_LAUNCH`: which plans made only of Triton kernels the bridge launches itself on torch's
   stream instead of calling jax (bridge/triton_launch.py): `rows` (the default: the "rows" stack), `all`
   (also the "fused" whole-stack kernel, an experiment: see that module) or `0` (none).
-- `TTJ_GPU_MASK=device`: a mask on the GPU is never classified on the host; every call's program (or
-  the Mosaic kernel's masked build) decides on the device, so a mask written behind torch's version
-  counter (`.data`, a DLPack consumer, a kernel) can never give a stale answer. `host` (the default): a
-  GPU mask's kind is read once per tensor and version (one host sync), then kept.
+- `TTJ_GPU_MASK`: how a GPU mask's kind (all True, a prefix, general) is found. No choice can give a stale
+  answer to a mask written behind torch's version counter (`.data`, a DLPack consumer, a kernel) but `host`.
+  - `auto` (the default): a call with at least `planner.HOST_MASK_READ_MIN_FLOP` of work reads the mask on
+    the host on every call (one host sync, under ~1% of such a call); a smaller one never reads it: its
+    program (or the Mosaic kernel's masked build) decides on the device, branch-free.
+  - `device`: every GPU mask is decided on the device.
+  - `host`: a GPU mask's kind is read once per tensor and version (one host sync), then kept: the fastest,
+    and stale after a write that does not bump the version (then call `bridge.refresh(module)`).
 - `TTJ_POLICY=<name>`: a numerics policy (`ttj_jax.numerics.POLICIES`) for every inference call signature the
   bridge plans from then on, instead of the planner's choice (read when a signature is first planned):
   `mixed_fp16x3` or `tf32` for inputs at small scales (docs/decisions.md, "Numerics").
@@ -32,8 +36,8 @@ from __future__ import annotations
 import os
 
 GPU_MASK_ENV = "TTJ_GPU_MASK"
-GPU_MASK_CHOICES = ("host", "device")
-GPU_MASK_DEFAULT = "host"
+GPU_MASK_CHOICES = ("auto", "host", "device")
+GPU_MASK_DEFAULT = "auto"
 KEEP_X_IMPORT_ENV = "TTJ_BRIDGE_KEEP_X_IMPORT"
 MOSAIC_LAUNCH_ENV = "TTJ_MOSAIC_LAUNCH"
 NATIVE_LANE_ENV = "TTJ_NATIVE_LANE"
@@ -42,13 +46,13 @@ TRITON_LAUNCH_ENV = "TTJ_TRITON_LAUNCH"
 _OFF = ("0", "false", "False", "")
 
 
-def gpu_mask_on_device() -> bool:
-    """Whether a GPU mask's kind is left to the device on every call (TTJ_GPU_MASK, read when a module's
-    first call sets up its state). ValueError for a value that is not one of GPU_MASK_CHOICES."""
+def gpu_mask_mode() -> str:
+    """How a GPU mask's kind is found (TTJ_GPU_MASK, read when a module's first call sets up its state): one
+    of GPU_MASK_CHOICES, else ValueError."""
     value = os.environ.get(GPU_MASK_ENV, "").strip() or GPU_MASK_DEFAULT
     if value not in GPU_MASK_CHOICES:
         raise ValueError(f"{GPU_MASK_ENV}={value!r}: choose one of {GPU_MASK_CHOICES}")
-    return value == "device"
+    return value
 
 
 def keep_x_import() -> bool:

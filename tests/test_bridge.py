@@ -3,6 +3,7 @@ devices, the harness flow end to end in both plug-in ways, and bad inputs. (The 
 stream ordering, is exercised on the H200 by `ttj-bench --suite official`.)"""
 
 import copy
+import dataclasses
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ import ttj_jax as T
 from bench.baseline import BaselineTransformer, TransformerConfig, copy_model_weights, make_inputs
 from bridge import runtime, settings
 from bridge import transfer as bt
+from ttj_jax import planner
 
 CONFIG = TransformerConfig(batch_size=2, seq_len=17, d_model=64, num_heads=4, ffn_dim=96, num_layers=2,
                            causal=True)
@@ -152,30 +154,59 @@ def test_inference_tensor_masks_are_read_every_call_on_the_host_and_decided_on_t
         assert runtime.module_state(ours).classify(on_device) == T.MaskKind.UNKNOWN
 
 
-def test_gpu_masks_are_left_to_the_device_under_TTJ_GPU_MASK_device(monkeypatch):
-    """TTJ_GPU_MASK=device: a GPU mask (a meta tensor stands in: any device but the CPU) is never read on
-    the host, whatever its version counter says; a host mask is still read (no sync to save). The setting
-    is read when the module's state is made; a value that is no choice is a clear error."""
-    on_device = torch.ones(2, 3, dtype=torch.bool, device="meta")
-    for value, expected in (("device", True), ("host", False), ("", settings.GPU_MASK_DEFAULT == "device")):
+def test_TTJ_GPU_MASK_choices(monkeypatch):
+    for value, expected in (("device", "device"), ("host", "host"), ("auto", "auto"), ("", "auto")):
         monkeypatch.setenv(settings.GPU_MASK_ENV, value)
-        assert settings.gpu_mask_on_device() is expected
+        assert settings.gpu_mask_mode() == expected
     monkeypatch.setenv(settings.GPU_MASK_ENV, "sometimes")
     with pytest.raises(ValueError, match="TTJ_GPU_MASK"):
-        settings.gpu_mask_on_device()
-    monkeypatch.setenv(settings.GPU_MASK_ENV, "device")
+        settings.gpu_mask_mode()
+
+
+@pytest.mark.parametrize("mode", ["auto", "device", "host"])
+def test_how_each_TTJ_GPU_MASK_finds_a_gpu_masks_kind(monkeypatch, mode):
+    """A GPU mask (a meta tensor stands in: any device but the CPU; its host reads are counted, not done):
+    "device" never reads it; "auto" reads it on every call, the same tensor at the same version included,
+    where the call's work is at least HOST_MASK_READ_MIN_FLOP, and never below; "host" reads it once per
+    tensor and version. A host mask is read on every call in every mode (no sync to save)."""
+    monkeypatch.setenv(settings.GPU_MASK_ENV, mode)
     base, ours = pair()
     x, mask = make_inputs(CONFIG, 5)
     ours(x, mask)
     state = runtime.module_state(ours)
-    assert state.mask_on_device
-    assert state.classify(on_device) == T.MaskKind.UNKNOWN   # a versioned (non-inference) tensor too
+    assert state.mask_on_device is (mode != "host")
+    reads = []
+    monkeypatch.setattr(runtime, "read_mask_kind", lambda m: reads.append(m) or T.MaskKind.PREFIX)
+    on_device = torch.ones(2, 3, dtype=torch.bool, device="meta")
     assert not on_device.is_inference()
-    assert state.classify(mask) == T.MaskKind.ALL_TRUE         # the host mask: read
-    monkeypatch.setenv(settings.GPU_MASK_ENV, "host")
-    _, other = pair()
-    other(x, mask)
-    assert not runtime.module_state(other).mask_on_device
+    small = [state.classify(on_device) for _ in range(2)]
+    monkeypatch.setattr(planner, "HOST_MASK_READ_MIN_FLOP", 0.0)   # every call now counts as large
+    large = [state.classify(on_device) for _ in range(2)]
+    on_device.fill_(True)   # a new version
+    large.append(state.classify(on_device))
+    unknown, prefix = T.MaskKind.UNKNOWN, T.MaskKind.PREFIX
+    if mode == "device":
+        assert small + large == [unknown] * 5 and reads == []
+        assert "decided on the device" in state.mask_reading(on_device)
+    elif mode == "auto":
+        assert small == [unknown] * 2 and large == [prefix] * 3 and len(reads) == 3
+        assert "read on the host on every call" in state.mask_reading(on_device)
+    else:
+        assert small + large == [prefix] * 5 and len(reads) == 2   # the first call and the new version
+        assert "once per tensor and version" in state.mask_reading(on_device)
+    assert state.classify(mask) == T.MaskKind.ALL_TRUE and state.mask_reading(mask) == ""   # the host mask: read
+
+
+def test_auto_mask_reading_covers_only_long_calls():
+    """The official shapes 1-13 (10-1300 us on an H100) leave the mask to the device; shape 14 (2.9 s)
+    reads it. The FLOP count is the spec's (1.39 PFLOP at shape 14)."""
+    for shape_id, shape in T.OFFICIAL.items():
+        config = shape.config
+        assert planner.reads_gpu_mask_on_host(config, config.batch_size, config.seq_len) is (shape_id == "14")
+    fourteen = T.OFFICIAL["14"].config
+    assert planner.forward_flop(fourteen, fourteen.batch_size, fourteen.seq_len) == pytest.approx(1.39e15, rel=0.01)
+    non_causal = dataclasses.replace(fourteen, causal=False)
+    assert planner.forward_flop(non_causal, 1, 1000) > planner.forward_flop(fourteen, 1, 1000)
 
 
 def test_harness_flow_assigning_our_class(harness_rule):

@@ -490,10 +490,10 @@ def test_dispatch_rule_on_hopper(hopper, monkeypatch):
     assert rule(s=8192, hd=32) and rule(s=8192, hd=32, fused=True)
     assert not rule(hd=32) and not rule(s=8191, hd=32) and not rule(s=1024, hd=32, fused=True)
     assert not rule(masked=True)                               # no kv_lengths in the Hopper kernel
-    # a key mask: the key-masked build, forced only, until KEY_MASK_DISPATCH (its first GPU run)
-    assert rule(key_mask=True) == fa.KEY_MASK_DISPATCH and rule(key_mask=True, implementation="mosaic")
-    monkeypatch.setattr(fa, "KEY_MASK_DISPATCH", True)
+    # a key mask: the key-masked build, from the same lengths; forced only where KEY_MASK_DISPATCH is off
     assert rule(key_mask=True) and not rule(key_mask=True, s=fm.MIN_SEQ_LEN - 1) and not rule(key_mask=True, masked=True)
+    monkeypatch.setattr(fa, "KEY_MASK_DISPATCH", False)
+    assert not rule(key_mask=True) and rule(key_mask=True, implementation="mosaic")
     assert not rule(block_sizes=fa.BlockSizes(64, 64, 4, 2))   # generic tiling asked for
     assert not rule(interpret=True)
     assert not rule(implementation="generic")

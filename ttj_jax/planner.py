@@ -236,6 +236,28 @@ class Plan:
         return f"{self.name}: {self.reason}"
 
 
+def forward_flop(config: Config, batch: int, seq_len: int) -> float:
+    """The forward's useful FLOPs: six GEMMs per token and layer, attention's two (causal: its lower
+    triangle)."""
+    d, f = config.d_model, config.ffn_dim
+    attention = (1 if config.causal else 2) * 2 * seq_len * seq_len * d
+    return float(batch * config.num_layers * (2 * seq_len * (4 * d * d + 2 * d * f) + attention))
+
+
+# The bridge's default for a GPU mask (TTJ_GPU_MASK=auto): the host reads it on every call where the call's
+# work makes that host sync cheap: 5 TFLOP is >= ~10 ms on an H100 or H200 (~100 us of sync, the GPU idle
+# while the host reads the mask and launches, is then <= ~1%); the device decides elsewhere (MaskKind.UNKNOWN,
+# branch-free masked programs: +1% to +10% on the official shapes, measured). Either way no write can make
+# the answer stale. Reading lets a long call run its mask-free or prefix plan: the Hopper attention's
+# key-masked build runs at 0.75-0.80x its mask-free speed at S >= 4096 (one H100, 2026-12-06).
+HOST_MASK_READ_MIN_FLOP = 5e12
+
+
+def reads_gpu_mask_on_host(config: Config, batch: int, seq_len: int) -> bool:
+    """Whether a call of this size reads a GPU mask on the host on every call (TTJ_GPU_MASK=auto)."""
+    return forward_flop(config, batch, seq_len) >= HOST_MASK_READ_MIN_FLOP
+
+
 def launched_by_caller(plan: Plan, inputs: InputFacts) -> bool:
     """Whether the caller runs `plan` by launching its kernels itself, without jax's dispatch per call: its
     stack is one the caller launches (InputFacts.self_launched) on one device. A mask decided on the device
