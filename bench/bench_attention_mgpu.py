@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python3 bench/bench_attention_mgpu.py [--quick] [--check] [--out DIR]
         [--sweep | --lowering | --overlap | --hd32 | --multicast | --multicast_lengths | --key_mask
-         | --key_mask_timing]
+         | --key_mask_timing | --key_mask_clean]
         [--budget-s 420]
 
 In order (most important first): head_dim 64 checks, the main timing case, the other head_dim checks,
@@ -278,6 +278,8 @@ def _kwargs_text(kwargs) -> str:
         parts.append(kwargs["lowering_semantics"])
     if kwargs.get("key_mask"):
         parts.append(f"key mask {kwargs['key_mask']}")
+    if kwargs.get("clean_blocks"):
+        parts.append("clean-block bounds")
     return " ".join(parts)
 
 
@@ -536,14 +538,16 @@ KEY_MASK_CHECKS = [(2, 3, seq_len, head_dim, causal) for head_dim in (64, 128, 3
 KEY_MASK_CASES = [(1, 16, 16384, 64), (4, 16, 4096, 128), (64, 4, 1024, 64), MAIN_CASE]
 
 
-def _time_key_masks(run: Run, batch, heads, seq_len, head_dim) -> None:
-    """One case, fp16 causal: the Mosaic kernel without a mask and with three, the generic kernel with
-    the padding mask."""
+def _time_key_masks(run: Run, batch, heads, seq_len, head_dim, clean: bool = False) -> None:
+    """One case, fp16 causal: the Mosaic kernel without a mask and with three (clean: also its build with
+    clean-block bounds, `ttj_mgpu_clean`), the generic kernel with the padding mask."""
     log(f"timing key masks B={batch} H={heads} S={seq_len} hd={head_dim} ({run.elapsed():.0f} s so far):")
     q, k, v = _random_qkv(seq_len + head_dim, (batch, seq_len, heads, head_dim), jnp.float16)
     masks = {kind: _key_mask(seq_len, batch, seq_len, kind) for kind in ("all", "prefix", "holes")}
-    contenders = [("ttj_mgpu", None), ("ttj_mgpu", "all"), ("ttj_mgpu", "prefix"), ("ttj_mgpu", "holes"),
-                  ("ttj_generic", "prefix")]
+    contenders = [("ttj_mgpu", None), ("ttj_mgpu", "all"), ("ttj_mgpu", "prefix"), ("ttj_mgpu", "holes")]
+    if clean:
+        contenders += [("ttj_mgpu_clean", "all"), ("ttj_mgpu_clean", "prefix"), ("ttj_mgpu_clean", "holes")]
+    contenders.append(("ttj_generic", "prefix"))
     for name, kind in contenders:
         record = dict(B=batch, H=heads, S=seq_len, head_dim=head_dim, causal=True, contender=name,
                       variant={"key_mask": kind}, ms=None, tflops=None)
@@ -552,9 +556,12 @@ def _time_key_masks(run: Run, batch, heads, seq_len, head_dim) -> None:
             record["error"] = f"skipped: time budget of {run.budget_s:.0f} s spent"
             run.timings.append(record)
             continue
-        implementation = "mosaic" if name == "ttj_mgpu" else "generic"
-        def fn(q, k, v, m=None, implementation=implementation):
-            return flash_attention(q, k, v, causal=True, key_mask=m, implementation=implementation)
+
+        def fn(q, k, v, m=None, name=name):
+            if name == "ttj_generic":
+                return flash_attention(q, k, v, causal=True, key_mask=m, implementation="generic")
+            return mgpu.flash_attention_mgpu(q, k, v, causal=True, key_mask=m,
+                                             clean_blocks=name == "ttj_mgpu_clean")
         _time_into(run, record, text, fn, (q, k, v) if kind is None else (q, k, v, masks[kind]),
                    mgpu.attention_flops(batch, seq_len, heads, head_dim, causal=True))
 
@@ -568,6 +575,20 @@ def key_mask_study(run: Run) -> None:
     if all(passed):
         for case in KEY_MASK_CASES:
             _time_key_masks(run, *case)
+
+
+def key_mask_clean_study(run: Run) -> None:
+    """--key_mask_clean: the build with clean-block bounds (clean_blocks=True) checked with padding masks
+    and masks with holes at every head_dim, causal and not, the fused entry at shape 8's call and rows of
+    S=100000; if all pass, KEY_MASK_CASES timed with and without the bounds."""
+    clean = {"clean_blocks": True}
+    passed = [_check(run, *case, key_mask=kind, kernel_kwargs=clean, repeat=kind == "holes" and case[4])
+              for case in KEY_MASK_CHECKS if case[2] == 1000 for kind in ("prefix", "holes")]
+    passed.append(_check(run, 64, 4, 128, 256, True, key_mask="prefix", kernel_kwargs=clean, fused=True))
+    passed.append(_check(run, 1, 2, LONG_SEQ_LEN, 64, True, key_mask="prefix", kernel_kwargs=clean))
+    if all(passed):
+        for case in KEY_MASK_CASES:
+            _time_key_masks(run, *case, clean=True)
 
 
 def key_mask_timing_study(run: Run) -> None:
@@ -591,6 +612,8 @@ STUDIES = {
                   "(MgpuBlockSizes.kv_multicast): checks, then MULTICAST_CASES in alternating rounds"),
     "multicast_lengths": (lambda run: multicast_lengths_study(run), "only kv_multicast at the lengths that "
                           "set its thresholds (MULTICAST_LENGTH_CASES), with and without it, in alternating rounds"),
+    "key_mask_clean": (lambda run: key_mask_clean_study(run), "only the key-masked build with clean-block "
+                       "bounds: checks with padding masks and holes, then timed beside the build without"),
     "key_mask_timing": (lambda run: key_mask_timing_study(run), "only the key-masked build's long-sequence "
                         "check and its timings (--key_mask without its short checks)"),
     "key_mask": (lambda run: key_mask_study(run), "only the key-masked build: checks with masks, then "

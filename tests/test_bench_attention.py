@@ -103,3 +103,13 @@ def test_multicast_studies_compare_with_and_without_it_where_they_say():
             assert on == fm.default_block_sizes(head_dim, seq_len)
     assert {"multicast", "multicast_lengths"} <= set(bam.STUDIES)
     assert bam.main(["--multicast_lengths"]) == 2   # needs a GPU
+
+
+def test_key_mask_clean_study_is_registered_and_labels_its_build():
+    """--key_mask_clean checks the build with clean-block bounds under its own label (the table tells it
+    from the build without), then times both; a CPU run refuses it (exit 2)."""
+    import bench.bench_attention_mgpu as bam
+
+    assert bam._kwargs_text({"clean_blocks": True}) != bam._kwargs_text({})
+    assert {"key_mask", "key_mask_timing", "key_mask_clean"} <= set(bam.STUDIES)
+    assert bam.main(["--key_mask_clean"]) == 2   # needs a GPU

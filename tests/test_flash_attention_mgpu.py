@@ -54,13 +54,20 @@ def test_key_masked_build_lowers_for_cuda(seq_len, head_dim, causal, kwargs):
     assert _custom_calls(text).count("mosaic_gpu_v2") == 1
     # the mask-free build's text is another kernel
     assert text != _lower_for_cuda(seq_len, head_dim, causal, batch=2, **kwargs)
+    # and so is the build with clean-block bounds (their copy and a scalar read, four loop segments)
+    bounded = jax.jit(lambda q, k, v, m: fm.flash_attention_mgpu(q, k, v, causal=causal, key_mask=m, clean_blocks=True,
+                                                                 **kwargs))
+    bounded_text = bounded.trace(spec, spec, spec, mask).lower(lowering_platforms=("cuda",)).as_text()
+    assert _custom_calls(bounded_text).count("mosaic_gpu_v2") == 1 and bounded_text != text
 
 
 def test_key_masked_fused_entry_lowers_for_cuda():   # shape 8's call
     fused = jax.ShapeDtypeStruct((2, 128, 3, 4, 256), jnp.float16)
-    text = jax.jit(lambda a, m: fm.flash_attention_mgpu_fused_qkv(a, causal=True, key_mask=m)).trace(
-        fused, jax.ShapeDtypeStruct((2, 128), jnp.bool_)).lower(lowering_platforms=("cuda",)).as_text()
-    assert _custom_calls(text).count("mosaic_gpu_v2") == 1
+    for clean in (False, True):
+        text = jax.jit(lambda a, m, clean=clean: fm.flash_attention_mgpu_fused_qkv(a, causal=True, key_mask=m,
+                                                                                  clean_blocks=clean)).trace(
+            fused, jax.ShapeDtypeStruct((2, 128), jnp.bool_)).lower(lowering_platforms=("cuda",)).as_text()
+        assert _custom_calls(text).count("mosaic_gpu_v2") == 1
 
 
 def test_key_mask_must_be_bool_batch_by_seq_len():
@@ -453,6 +460,40 @@ def test_emulated_schedule_matches_reference(causal, seq_len, blocks):
             assert released_k == list(range(tile_blocks)), (tile, wg)
             assert released_v == list(range(tile_blocks)), (tile, wg)
             assert tokens == tile_blocks + 1, (tile, wg)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seq_len", [1, 129, 453, 1000])
+def test_loop_segments_cover_the_main_loop_in_order(seq_len, causal):
+    """Every consumer plan of every tile, with every clean-block bound 0..num_blocks + 1: the segments run
+    blocks 1..num_visited - 1 once each, in order, masked exactly from first_masked on, and with the
+    key mask's bias exactly from max(clean, 1) on; without bounds, the bias everywhere."""
+    blocks = Blocks(block_kv=128, num_stages=2)
+    num_blocks = -(-seq_len // 128)
+    for tile, wg in itertools.product(range(-(-seq_len // blocks.block_q)), range(blocks.num_compute_wgs)):
+        plan = kern.consumer_plan(tile * blocks.block_q, wg, seq_len, blocks, causal)
+        for clean in [None, *range(num_blocks + 2)]:
+            segments = kern.loop_segments(plan, None if clean is None else jnp.int32(clean))
+            steps = [(block, masked, key_bias) for lower, upper, masked, key_bias in segments
+                     for block in range(int(lower), int(upper))]
+            visited = int(plan.num_visited)
+            assert [block for block, _, _ in steps] == list(range(1, visited)), (tile, wg, clean)
+            first_bias = 1 if clean is None else max(clean, 1)
+            assert all(masked == (block >= int(plan.first_masked)) for block, masked, _ in steps)
+            assert all(key_bias == (block >= first_bias) for block, _, key_bias in steps), (tile, wg, clean)
+
+
+def test_clean_block_bounds():
+    mask = np.ones((5, 300), bool)
+    mask[1, 299] = False   # in the last, partial block
+    mask[2, 130] = False   # block 1 of 128-key blocks
+    mask[3] = False
+    mask[4, 250:] = False  # a padding mask: blocks 0 and 1 clean
+    bounds = np.asarray(fm.clean_block_bounds(jnp.asarray(mask), 128))
+    assert bounds.shape == (5, kern.BOUNDS_ROW) and bounds.dtype == np.int32
+    np.testing.assert_array_equal(bounds[:, 0], [3, 2, 1, 0, 1])   # keys past S count as valid
+    assert not bounds[:, 1:].any()
+    np.testing.assert_array_equal(np.asarray(fm.clean_block_bounds(jnp.asarray(mask), 64))[:, 0], [5, 4, 2, 0, 3])
 
 
 # --- 4. The dispatch rule of `flash_attention`, and the kernel inside a batch split ----------------------

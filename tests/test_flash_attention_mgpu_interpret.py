@@ -157,12 +157,40 @@ def test_key_masked_fused_entry_equals_the_split_one():
     np.testing.assert_array_equal(np.asarray(fused), np.asarray(split))
 
 
+def _mask_with_clean_blocks(batch, seq_len):
+    """Sequence 0 valid but for one key past two thirds; sequence 1 a padding mask (its last 30% invalid):
+    both with leading KV blocks holding no invalid key, which clean-block bounds skip the bias in."""
+    mask = np.ones((batch, seq_len), bool)
+    mask[0, (2 * seq_len) // 3] = False
+    if batch > 1:
+        mask[1, int(seq_len * 0.7):] = False
+    return jnp.asarray(mask)
+
+
+@pytest.mark.parametrize("case", sorted(KEY_MASK_CASES))
+def test_clean_block_bounds_change_no_bit(case):
+    """With clean-block bounds the bias (0 for a valid key) is left out where a block has no invalid key:
+    an exact no-op, so the output and log-sum-exp equal the build without them to the bit; and against the
+    reference with the holes mask."""
+    batch, seq_len, head_dim, causal, blocks = KEY_MASK_CASES[case]
+    q, k, v = _inputs(batch, seq_len, 2, head_dim, seq_len + 1)
+    for mask in (_mask_with_clean_blocks(batch, seq_len), _key_mask(batch, seq_len, seq_len)):
+        runs = [fm.flash_attention_mgpu(q, k, v, causal=causal, block_sizes=blocks, interpret=True, key_mask=mask,
+                                        return_lse=True, clean_blocks=clean) for clean in (False, True)]
+        for without, with_bounds in zip(*runs):
+            np.testing.assert_array_equal(np.asarray(with_bounds), np.asarray(without))
+    ref, _ = _masked_reference(q, k, v, mask, causal)
+    failed, worst, _ = harness_check(np.asarray(runs[1][0].astype(jnp.float32)), np.asarray(ref))
+    assert int(failed) == 0, f"{int(failed)} elements fail, worst err/tol {float(worst):.2f}"
+
+
 def test_key_masked_build_has_no_races():
     from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
     q, k, v = _inputs(1, 200, 1, 64, 9)
-    fm.flash_attention_mgpu(q, k, v, causal=True, interpret="detect_races", key_mask=_key_mask(1, 200, 9),
-                            block_sizes=Blocks(block_kv=64, num_stages=2))
-    assert not gpu_callbacks.get_races().races_found
+    for clean, mask in ((False, _key_mask(1, 200, 9)), (True, _mask_with_clean_blocks(1, 200))):
+        fm.flash_attention_mgpu(q, k, v, causal=True, interpret="detect_races", key_mask=mask,
+                                block_sizes=Blocks(block_kv=64, num_stages=2), clean_blocks=clean)
+        assert not gpu_callbacks.get_races().races_found
 
 
 def test_warp_producer_changes_nothing_in_interpret_mode():

@@ -37,6 +37,7 @@ from ttj_jax.kernels.flash_attention_mgpu_config import (
 )
 from ttj_jax.kernels.flash_attention_mgpu_interpret import interpret_params, interpret_smem
 from ttj_jax.kernels.flash_attention_mgpu_kernel import (
+    BOUNDS_ROW,
     CLUSTER_AXIS,
     HEAD_AXIS,
     Q_TILE_AXIS,
@@ -53,6 +54,26 @@ __all__ = ["FUSED_MIN_SEQ_LEN", "LOWERING_SEMANTICS", "MIN_SEQ_LEN", "SUPPORTED_
            "flash_attention_mgpu_reference", "padded_seq_len"]
 
 _SUPPORTED_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
+
+# Key-masked builds read per-sequence clean-block bounds and add the mask's bias only from the first KV block
+# holding an invalid key on (the kernel's docstring); predicted to win back most of the bias's cost (0.75-0.85x
+# the mask-free build on one H100) for all-True and padding masks. Off until its first GPU run
+# (`python3 bench/bench_attention_mgpu.py --key_mask`, then `--key_mask_timing`): a first launch of a new
+# build can fault or hang.
+KEY_MASK_CLEAN_BLOCKS = False
+
+
+def clean_block_bounds(key_mask: jax.Array, block_kv: int) -> jax.Array:
+    """[B, BOUNDS_ROW] int32, column 0 the count of leading KV blocks of `block_kv` keys with no invalid key
+    in each sequence of key_mask (bool [B, S]; keys past S count as valid: the kernel masks them by
+    position)."""
+    batch, seq_len = key_mask.shape
+    num_blocks = pl.cdiv(seq_len, block_kv)
+    padded = jnp.pad(key_mask, ((0, 0), (0, num_blocks * block_kv - seq_len)), constant_values=True)
+    clean = padded.reshape(batch, num_blocks, block_kv).all(axis=-1)
+    leading = jnp.cumprod(clean.astype(jnp.int32), axis=-1).sum(axis=-1, dtype=jnp.int32)
+    return jnp.zeros((batch, BOUNDS_ROW), jnp.int32).at[:, 0].set(leading)
+
 
 # From this sequence length on `flash_attention` sends mask-free fp16/bf16 calls to this kernel on sm_90:
 # faster than the generic kernel at S=16384 (head_dim 128: 553 against 416 TFLOP/s; 256: 577 against 226)
@@ -107,11 +128,11 @@ def _check_inputs(q, k, v, causal, sm_scale, block_sizes, return_lse, lowering_s
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "sm_scale", "block_sizes", "lowering_semantics",
-                                             "interpret", "return_lse"))
+                                             "interpret", "return_lse", "clean_blocks"))
 def flash_attention_mgpu(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, interpret: bool | str = False,
                          sm_scale: float | None = None, block_sizes: MgpuBlockSizes | None = None,
                          lowering_semantics: str | None = None, return_lse: bool = False,
-                         key_mask: jax.Array | None = None):
+                         key_mask: jax.Array | None = None, clean_blocks: bool | None = None):
     """Softmax attention `softmax(q k^T * sm_scale) v` per (batch, head) on Hopper, in one kernel.
 
     Args:
@@ -120,6 +141,8 @@ def flash_attention_mgpu(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bo
       sm_scale: Python float, default head_dim ** -0.5.
       key_mask: optional bool [B, S]; keys with key_mask[b, j] == False are excluded. A query with no
         allowed key gets zeros (and a log-sum-exp of -inf), as from the generic kernel.
+      clean_blocks: with key_mask, whether the kernel skips the mask's bias in each sequence's leading
+        KV blocks with no invalid key (`clean_block_bounds`); None: KEY_MASK_CLEAN_BLOCKS.
       block_sizes: MgpuBlockSizes, or None for the per-head_dim and length default (`default_block_sizes`).
       lowering_semantics: "warpgroup" or "lane" (Mosaic GPU's two lowering modes), or None for the
         per-head_dim default (`default_lowering_semantics`).
@@ -133,17 +156,19 @@ def flash_attention_mgpu(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bo
     _check_inputs(q, k, v, causal, sm_scale, block_sizes, return_lse, lowering_semantics, key_mask)
     return _launch((q, k, v), q.shape, causal=causal, interpret=interpret, sm_scale=sm_scale,
                    block_sizes=block_sizes, lowering_semantics=lowering_semantics, return_lse=return_lse,
-                   key_mask=key_mask)
+                   key_mask=key_mask, clean_blocks=clean_blocks)
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "sm_scale", "block_sizes", "lowering_semantics", "interpret"))
+@functools.partial(jax.jit, static_argnames=("causal", "sm_scale", "block_sizes", "lowering_semantics", "interpret",
+                                             "clean_blocks"))
 def flash_attention_mgpu_fused_qkv(qkv: jax.Array, *, causal: bool, interpret: bool | str = False,
                                    sm_scale: float | None = None, block_sizes: MgpuBlockSizes | None = None,
-                                   lowering_semantics: str | None = None, key_mask: jax.Array | None = None):
+                                   lowering_semantics: str | None = None, key_mask: jax.Array | None = None,
+                                   clean_blocks: bool | None = None):
     """`flash_attention_mgpu` on q, k, v read in place out of one fused projection: qkv [B, S, 3, H,
     head_dim] (the free reshape of a [B, S, 3 d] output of x @ W_qkv, columns ordered q | k | v, each
     head-major). The TMA copies index slot 0, 1 or 2 of the array itself: slicing q, k and v out first
-    cost more than the kernel at shape 8's call (3 x 11.4 us against 22.4). key_mask: as in
+    cost more than the kernel at shape 8's call (3 x 11.4 us against 22.4). key_mask, clean_blocks: as in
     `flash_attention_mgpu`. Returns [B, S, H, head_dim]."""
     if qkv.ndim != 5 or qkv.shape[2] != 3:
         raise ValueError(f"qkv.shape={qkv.shape} must be [batch, seq_len, 3, num_heads, head_dim]")
@@ -151,7 +176,7 @@ def flash_attention_mgpu_fused_qkv(qkv: jax.Array, *, causal: bool, interpret: b
     _check_inputs(view, view, view, causal, sm_scale, block_sizes, False, lowering_semantics, key_mask)
     return _launch((qkv,), view.shape, causal=causal, interpret=interpret, sm_scale=sm_scale,
                    block_sizes=block_sizes, lowering_semantics=lowering_semantics, return_lse=False,
-                   key_mask=key_mask)
+                   key_mask=key_mask, clean_blocks=clean_blocks)
 
 
 class _SlotRef:
@@ -171,9 +196,9 @@ class _SlotRef:
 
 
 def _launch(operands: tuple, shape: tuple, *, causal, interpret, sm_scale, block_sizes, lowering_semantics,
-            return_lse, key_mask=None):
+            return_lse, key_mask=None, clean_blocks=None):
     """The kernel call: operands are (q, k, v) [B, S, H, hd] or (qkv,) [B, S, 3, H, hd] (fused);
-    shape is q's [B, S, H, hd]; key_mask bool [B, S] or None."""
+    shape is q's [B, S, H, hd]; key_mask bool [B, S] or None; clean_blocks: flash_attention_mgpu's."""
     plgpu = plgpu_module()
     fused = len(operands) == 1
     batch, seq_len, num_heads, head_dim = shape
@@ -218,14 +243,23 @@ def _launch(operands: tuple, shape: tuple, *, causal, interpret, sm_scale, block
                                sm_scale=sm_scale, seq_len=seq_len, num_q_tiles=num_q_tiles, head_dim=head_dim,
                                blocks=blocks, dtype=dtype)
     masked = key_mask is not None
-    # with a key mask: a ring slot of mask bytes per K/V slot, and its barriers (the kernel's docstring)
-    mask_scoped = ((plgpu.SMEM((num_stages * mask_slot_bytes(blocks.block_kv),), jnp.uint8),
-                    plgpu.Barrier(num_arrivals=1, num_barriers=num_stages)),) if masked else ()
+    bounded = masked and (KEY_MASK_CLEAN_BLOCKS if clean_blocks is None else bool(clean_blocks))
+    # with a key mask: a ring slot of mask bytes per K/V slot, and its barriers (the kernel's docstring);
+    # with clean-block bounds also a row of them per consumer, and their barriers
+    mask_scoped = (plgpu.SMEM((num_stages * mask_slot_bytes(blocks.block_kv),), jnp.uint8),
+                   plgpu.Barrier(num_arrivals=1, num_barriers=num_stages))
+    if bounded:
+        mask_scoped += (plgpu.SMEM((num_wgs * BOUNDS_ROW,), jnp.int32),
+                        plgpu.Barrier(num_arrivals=1, num_barriers=num_wgs))
+    mask_scoped = (mask_scoped,) if masked else ()
+    num_mask_refs = int(masked) + int(bounded)
 
-    def entry(q_ref, k_ref, v_ref, *refs):   # refs: (mask_ref,) out_ref, (lse_ref,)
-        mask_ref, (out_ref, *lse_ref) = (refs[0], refs[1:]) if masked else (None, refs)
+    def entry(q_ref, k_ref, v_ref, *refs):   # refs: (mask_ref, (bounds_ref,)) out_ref, (lse_ref,)
+        mask_refs, (out_ref, *lse_ref) = refs[:num_mask_refs], refs[num_mask_refs:]
+        mask_ref, bounds_ref = (tuple(mask_refs) + (None, None))[:2]
         pl.run_scoped(lambda *scoped: kernel(q_ref, k_ref, v_ref, out_ref, scoped,
-                                             lse_ref=lse_ref[0] if lse_ref else None, mask_ref=mask_ref),
+                                             lse_ref=lse_ref[0] if lse_ref else None, mask_ref=mask_ref,
+                                             bounds_ref=bounds_ref),
                       smem, barriers, *mask_scoped, collective_axes="wg")
 
     def fused_entry(qkv_ref, *refs):
@@ -239,6 +273,8 @@ def _launch(operands: tuple, shape: tuple, *, causal, interpret, sm_scale, block
     if masked:   # every KV block any tile loads, whole: keys past S are 0 (invalid) here too
         mask_len = pl.cdiv(seq_len, blocks.block_kv) * blocks.block_kv
         operands += (jnp.pad(key_mask.astype(jnp.uint8), ((0, 0), (0, mask_len - seq_len))),)
+    if bounded:
+        operands += (clean_block_bounds(key_mask, blocks.block_kv),)
     out_type = jax.ShapeDtypeStruct((batch, array_len, num_heads, head_dim), dtype)
     if return_lse:
         # Whole query tiles long, so every consumer's 64 rows are in bounds: with [B, H, S] the TMA stores
