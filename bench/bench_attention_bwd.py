@@ -1,8 +1,10 @@
-"""The attention backward on the GPU: ttj's flash backward kernels (kernels/flash_attention_bwd.py) against
-cuDNN's backward through `jax.nn.dot_product_attention(..., implementation="cudnn")`, side by side.
+"""The attention backward on the GPU: ttj's flash backward kernels (kernels/flash_attention_bwd.py, and the
+Hopper kernel of kernels/flash_attention_mgpu_bwd.py: the `mgpu-s*` variants) against cuDNN's backward
+through `jax.nn.dot_product_attention(..., implementation="cudnn")`, side by side.
 
     PYTHONPATH=. python3 -m bench.bench_attention_bwd [--cases 1x16x16384x64] [--variants all|default]
                                                       [--out DIR]
+    (the Hopper kernel: --variants default,mgpu-s2,mgpu-s3; sm_90 only)
 
 For each case ([B, H, S, head_dim], causal, fp16 inputs) both forwards run once, then each backward alone
 is timed: cuDNN's as the vjp function jax.vjp returns (a pytree, passed into a jitted call), ours as
@@ -30,6 +32,7 @@ from bench.paths import run_header
 from ttj_jax.kernels.attention_common import attention_reference
 from ttj_jax.kernels.flash_attention import flash_attention
 from ttj_jax.kernels.flash_attention_bwd import DEFAULT_BLOCKS, BwdBlocks, flash_attention_bwd
+from ttj_jax.kernels.flash_attention_mgpu_bwd import flash_attention_mgpu_bwd
 
 MAX_REL_L2 = 1e-2
 VARIANTS = {
@@ -47,6 +50,19 @@ VARIANTS = {
     "64x128-w8-s3": BwdBlocks(64, 128, 128, 64, 8, 3),
     "128x128-w8-s2": BwdBlocks(128, 128, 128, 128, 8, 2),
 }
+# The Hopper kernel (sm_90 only), by its ring's stages; not in "all".
+MGPU_VARIANTS = {"mgpu-s2": 2, "mgpu-s3": 3, "mgpu-s4": 4}
+
+
+def backward_fn(name: str, causal: bool):
+    """The backward of variant `name`: (q, k, v, o, lse, do) -> (dq, dk, dv), and its settings."""
+    if name in MGPU_VARIANTS:
+        stages = MGPU_VARIANTS[name]
+        return (lambda q, k, v, o, lse, do: flash_attention_mgpu_bwd(q, k, v, o, lse, do, causal=causal,
+                                                                     num_stages=stages)), {"num_stages": stages}
+    blocks = VARIANTS[name]
+    return (lambda q, k, v, o, lse, do: flash_attention_bwd(q, k, v, o, lse, do, causal=causal,
+                                                            blocks=blocks)), blocks._asdict()
 
 
 def backward_tflops(batch, heads, seq_len, head_dim, causal, ms):
@@ -65,11 +81,11 @@ def _inputs(batch, heads, seq_len, head_dim, seed=0):
     return [jax.random.normal(key, shape, jnp.float32).astype(jnp.float16) for key in keys]
 
 
-def reference_check(blocks: BwdBlocks, causal: bool) -> dict:
+def reference_check(name: str, causal: bool) -> dict:
     """Our gradients against jax.vjp of the fp32 reference on a small case (B=1, H=4, S=1000, hd 64)."""
     q, k, v, do = _inputs(1, 4, 1000, 64, seed=1)
     o, lse = flash_attention(q, k, v, causal=causal, implementation="generic", return_lse=True)
-    ours = flash_attention_bwd(q, k, v, o, lse, do, causal=causal, blocks=blocks)
+    ours = jax.jit(backward_fn(name, causal)[0])(q, k, v, o, lse, do)
     f = lambda a, b, c: attention_reference(a, b, c, causal=causal)   # noqa: E731
     _, pull = jax.vjp(f, *(t.astype(jnp.float32) for t in (q, k, v)))
     want = pull(do.astype(jnp.float32))
@@ -99,11 +115,11 @@ def run_case(case, causal: bool, variants: dict, min_seconds: float, repeats: in
     o, lse = jax.block_until_ready(flash_attention(q, k, v, causal=causal, implementation="generic",
                                                    return_lse=True))
     out["ttj"] = {}
-    for name, blocks in variants.items():
-        entry: dict = {"blocks": blocks._asdict()}
+    for name in variants:
+        backward, settings = backward_fn(name, causal)
+        entry: dict = {"blocks": settings}
         try:
-            fn = jax.jit(lambda q, k, v, o, lse, do, blocks=blocks: flash_attention_bwd(
-                q, k, v, o, lse, do, causal=causal, blocks=blocks))
+            fn = jax.jit(backward)
             start = time.perf_counter()
             got = jax.block_until_ready(fn(q, k, v, o, lse, do))
             entry["compile_s"] = time.perf_counter() - start
@@ -130,7 +146,12 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", default="bench/results")
     args = p.parse_args(argv)
-    variants = VARIANTS if args.variants == "all" else {n: VARIANTS[n] for n in args.variants.split(",")}
+    known = {**VARIANTS, **MGPU_VARIANTS}
+    names = list(VARIANTS) if args.variants == "all" else args.variants.split(",")
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        p.error(f"unknown variants {unknown}; known: {list(known)}")
+    variants = {n: known[n] for n in names}
     cases = [tuple(int(x) for x in c.split("x")) for c in args.cases.split(",")]
     gpu = jax.devices()[0].device_kind
     record = {"gpu": gpu, **run_header("python -m bench.bench_attention_bwd " + " ".join(
@@ -138,7 +159,7 @@ def main(argv=None) -> int:
               "reference_check": {}, "cases": []}
     for name in variants:
         try:
-            record["reference_check"][name] = {c: reference_check(variants[name], c == "causal")
+            record["reference_check"][name] = {c: reference_check(name, c == "causal")
                                                for c in ("causal", "non-causal")}
         except Exception as exc:   # recorded; counted as a failure below
             record["reference_check"][name] = {"error": {"error": float("inf")}}

@@ -1,0 +1,110 @@
+"""CPU checks of the Hopper attention backward (ttj_jax/kernels/flash_attention_mgpu_bwd.py): the kernel body
+in jax's Mosaic GPU interpret mode against jax.vjp of the fp32 reference, the race detector, lowering for
+CUDA (the TMA reduce-add of dQ, which the interpreter lacks, is lowered there), the schedule's pieces and
+argument checks. On the GPU: `python3 -m bench.bench_attention_bwd --variants default,mgpu-s2,mgpu-s3`."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ttj_jax.kernels import flash_attention_mgpu_bwd as fb
+from ttj_jax.kernels.attention_common import attention_reference
+
+# (batch, seq_len, heads, head_dim, causal, num_stages): one KV tile (consumer 1 skips the tile's first
+# query block); padding to whole tiles with several tiles, causal and not (keys past S masked); head_dim
+# 128; a 3-slot ring over 8 query blocks.
+CASES = {
+    "hd64-S128-causal": (1, 128, 1, 64, True, 2),
+    "hd64-S300-B2-causal": (2, 300, 1, 64, True, 2),
+    "hd64-S300-B2-full": (2, 300, 1, 64, False, 2),
+    "hd128-S200-causal": (1, 200, 2, 128, True, 2),
+    "hd128-S256-full": (1, 256, 1, 128, False, 2),
+    "hd64-S512-causal-3stages": (1, 512, 1, 64, True, 3),
+}
+
+
+def _case_inputs(batch, seq_len, heads, head_dim, causal, seed=0):
+    rng = np.random.default_rng(seed)
+    q, k, v, do = (jnp.asarray(rng.standard_normal((batch, seq_len, heads, head_dim)).astype(np.float16))
+                   for _ in range(4))
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    o, pull = jax.vjp(lambda a, b, c: attention_reference(a, b, c, causal=causal), *f32)
+    scores = jnp.einsum("bqhd,bkhd->bhqk", f32[0], f32[1], precision="highest") * head_dim ** -0.5
+    if causal:
+        scores = jnp.where(jnp.tril(jnp.ones((seq_len, seq_len), bool)), scores, -jnp.inf)
+    lse = jax.nn.logsumexp(scores, axis=-1)
+    return (q, k, v, o.astype(jnp.float16), lse, do), pull(do.astype(jnp.float32))
+
+
+def _rel_l2(a, b) -> float:
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+@pytest.mark.slow
+@pytest.mark.interpret
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_gradients_in_gpu_interpret_mode(case):
+    batch, seq_len, heads, head_dim, causal, stages = CASES[case]
+    inputs, want = _case_inputs(batch, seq_len, heads, head_dim, causal)
+    got = fb.flash_attention_mgpu_bwd(*inputs, causal=causal, interpret=True, num_stages=stages)
+    for name, a, b in zip(("dq", "dk", "dv"), got, want):
+        assert a.shape == b.shape and a.dtype == jnp.float16, name
+        # fp16 operands and outputs: measured 3e-4 here; the issue's bar for gradients is 1e-2
+        assert _rel_l2(a, b) < 2e-3, (name, _rel_l2(a, b))
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b), atol=5e-3, rtol=2e-2, err_msg=name)
+
+
+@pytest.mark.slow
+@pytest.mark.interpret
+def test_no_races_in_gpu_interpret_mode():
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+    inputs, _ = _case_inputs(1, 300, 1, 64, True)
+    fb.flash_attention_mgpu_bwd(*inputs, causal=True, interpret="detect_races")
+    assert not gpu_callbacks.get_races().races_found
+
+
+@pytest.mark.parametrize("seq_len, head_dim, causal", [(4096, 64, True), (1000, 64, False), (16384, 128, True)])
+def test_lowers_for_cuda_to_one_kernel(seq_len, head_dim, causal):
+    """The GPU build (dQ added with TMA reduce-add copies into an accumulator the kernel takes as a Ref,
+    dS^T read transposed as a wgmma operand) lowers for CUDA: Mosaic GPU's layout inference included."""
+    x = jax.ShapeDtypeStruct((2, seq_len, 2, head_dim), jnp.float16)
+    lse = jax.ShapeDtypeStruct((2, 2, seq_len), jnp.float32)
+    fn = jax.jit(lambda q, k, v, o, l, do: fb.flash_attention_mgpu_bwd(q, k, v, o, l, do, causal=causal))
+    text = fn.trace(x, x, x, x, lse, x).lower(lowering_platforms=("cuda",)).as_text()
+    assert re.findall(r"stablehlo\.custom_call @(\w+)", text) == ["mosaic_gpu_v2"]
+
+
+def test_schedule_pieces():
+    assert fb.padded_len(1) == fb.BLOCK_KV and fb.padded_len(fb.BLOCK_KV) == fb.BLOCK_KV
+    assert fb.padded_len(300) == 3 * fb.BLOCK_KV
+    per_tile = fb.BLOCK_KV // fb.BLOCK_Q
+    for tile in range(4):
+        assert fb.first_query_block(tile, False) == 0 and fb.consumer_first_block(tile, 1, False) == 0
+        # causal: the tile starts at its first key's block; each consumer at its own diagonal
+        assert fb.first_query_block(tile, True) == tile * per_tile
+        for wg in range(fb.NUM_CONSUMERS):
+            first = fb.consumer_first_block(tile, wg, True)
+            key = tile * fb.BLOCK_KV + wg * fb.KEYS_PER_CONSUMER
+            assert first * fb.BLOCK_Q <= key < (first + 1) * fb.BLOCK_Q
+            assert first >= fb.first_query_block(tile, True)
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"dtype": jnp.float32}, "float16 or bfloat16"),
+    ({"head_dim": 32}, "head_dim"),
+    ({"lse_shape": (1, 2, 100)}, "lse.shape"),
+    ({"do_shape": (1, 64, 2, 64)}, "do"),
+])
+def test_bad_arguments_raise(change, match):
+    dtype, head_dim = change.get("dtype", jnp.float16), change.get("head_dim", 64)
+    x = jnp.zeros((1, 128, 2, head_dim), dtype)
+    lse = jnp.zeros(change.get("lse_shape", (1, 2, 128)), jnp.float32)
+    do = jnp.zeros(change.get("do_shape", x.shape), dtype)
+    with pytest.raises(ValueError, match=match):
+        fb.flash_attention_mgpu_bwd(x, x, x, x, lse, do, causal=True, interpret=True)

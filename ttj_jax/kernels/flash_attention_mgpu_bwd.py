@@ -1,0 +1,327 @@
+"""The attention backward on Hopper (sm_90), FlashAttention-3 style, in Pallas' Mosaic GPU dialect.
+
+Built, not yet run on a GPU: nothing dispatches to it (`flash_attention_bwd` keeps its generic kernels)
+until `bench/bench_attention_bwd.py --mgpu` has checked and timed it there.
+
+One CUDA block per (KV tile of `BLOCK_KV` keys, head, sequence); `NUM_CONSUMERS` consumer warpgroups own
+`KEYS_PER_CONSUMER` keys each, and a producer warpgroup streams the query blocks (Q, dO, the forward's
+log-sum-exp and delta = rowsum(dO * O), `BLOCK_Q` queries each) through a ring of `num_stages` slots. Per
+query block j a consumer, with its keys' K and V in shared memory for the whole loop:
+- S^T = K Q_j^T and P^T = exp2(S^T * scale * log2(e) - lse_j * log2(e)) (keys on rows, queries on columns,
+  so lse and delta are column vectors, and P^T and dS^T are the register operands of the next GEMMs);
+- dP^T = V dO_j^T, dS^T = P^T * (dP^T - delta_j);
+- dV += P^T dO_j and dK += dS^T Q_j, accumulated in fp32 registers over the loop;
+- dQ_j += dS K: dS^T goes through shared memory and is read transposed as the GEMM's left operand; the
+  fp32 product is added into an fp32 dQ accumulator in global memory by a TMA reduce-add copy (other
+  blocks add theirs to the same rows). jax's Mosaic GPU interpreter has no TMA reduction: in interpret
+  mode each (tile, consumer) writes its own dQ partial and the wrapper sums them.
+Causal attention: a tile visits the query blocks from its first key on; the consumer whose keys start
+later waits for and releases the blocks before its own diagonal, so the ring's phases stay in step; the
+diagonal block takes the causal mask. Sequences are padded to whole KV tiles: padded queries get
+lse = +inf (P = 0) and dO = 0, padded keys are masked (non-causal) or never visible (causal).
+
+Numerics as the forward: the GEMMs take the input dtype (fp16 or bf16) with fp32 accumulation; P^T and
+dS^T are rounded to it for their GEMMs; dQ is summed in fp32, dK and dV accumulate in fp32 and are
+written in the input dtype.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from ttj_jax.kernels.attention_common import check_causal_and_scale, check_qkv_layout
+from ttj_jax.kernels.flash_attention_mgpu_config import swizzle_bytes
+from ttj_jax.kernels.mosaic_primitives import plgpu_module
+
+BLOCK_Q = 64             # queries per ring slot (the M of the dQ GEMM, the N of S^T's)
+KEYS_PER_CONSUMER = 64   # one wgmma M tile per consumer warpgroup
+NUM_CONSUMERS = 2
+BLOCK_KV = KEYS_PER_CONSUMER * NUM_CONSUMERS
+DEFAULT_STAGES = 2
+SUPPORTED_HEAD_DIMS = (64, 128)
+REGISTERS = (232, 40)    # (consumer, producer) per thread after set_max_registers
+_LOG2_E = math.log2(math.e)
+SEQUENCE_AXIS, HEAD_AXIS, KV_TILE_AXIS = "ttj_mgpu_bwd_sequence", "ttj_mgpu_bwd_head", "ttj_mgpu_bwd_kv_tile"
+
+
+def padded_len(seq_len: int) -> int:
+    """The kernel's sequence length: whole KV tiles."""
+    return -(-seq_len // BLOCK_KV) * BLOCK_KV
+
+
+def first_query_block(kv_tile, causal: bool):
+    """The first query block a KV tile's keys are visible to (causal: its first key's block)."""
+    return kv_tile * (BLOCK_KV // BLOCK_Q) if causal else 0
+
+
+def consumer_first_block(kv_tile, wg, causal: bool):
+    """The first query block consumer `wg`'s keys are visible to; the blocks of the tile before it are
+    waited for and released only. With causal attention this block is the consumer's diagonal."""
+    if not causal:
+        return 0
+    return (kv_tile * BLOCK_KV + wg * KEYS_PER_CONSUMER) // BLOCK_Q
+
+
+class _Interpret:
+    """`plgpu` in interpret mode: layouts are no-ops, and wgmma's register and transposed operands are
+    staged in plain shared memory first (the interpreter takes neither), as the forward's stand-ins do."""
+
+    def __init__(self, stages):
+        self._plgpu = plgpu_module()
+        self._a_stage, self._b_stage = stages
+
+    def __getattr__(self, name):
+        return getattr(self._plgpu, name)
+
+    @staticmethod
+    def layout_cast(value, layout):
+        del layout
+        return value
+
+    @staticmethod
+    def broadcasted_iota(dtype, shape, dimension, *, layout=None):
+        del layout
+        return lax.broadcasted_iota(dtype, shape, dimension)
+
+    def wgmma(self, acc, a, b):
+        from jax._src.state.types import TransformedRef, TransposeTransform  # noqa: PLC0415
+        wg = lax.axis_index("wg")
+
+        def transposed(ref):
+            return (isinstance(ref, TransformedRef) and ref.transforms
+                    and isinstance(ref.transforms[-1], TransposeTransform))
+
+        if not isinstance(a, TransformedRef) or transposed(a):
+            value = a if not isinstance(a, TransformedRef) else TransformedRef(a.ref, a.transforms[:-1])[...].T
+            stage = self._a_stage.at[wg, :, pl.ds(0, value.shape[1])]
+            stage[...] = value
+            a = stage
+        if transposed(b):
+            value = TransformedRef(b.ref, b.transforms[:-1])[...].T
+            stage = self._b_stage.at[wg, pl.ds(0, value.shape[0]), pl.ds(0, value.shape[1])]
+            stage[...] = value
+            b = stage
+        self._plgpu.wgmma(acc, a, b)
+
+
+def _accumulate(plgpu, interpret: bool, init, a, b):
+    """init + a @ b through a wgmma accumulator (init: fp32 registers in the WGMMA layout)."""
+    if interpret:   # the interpreter's accumulators start at zero: add the initial value after
+        return init + pl.run_scoped(lambda acc: (plgpu.wgmma(acc, a, b), acc[...])[1],
+                                    plgpu.ACC(init.shape, jnp.float32))
+
+    def gemm(acc_ref):
+        plgpu.wgmma(acc_ref, a, b)
+    return pl.run_state(gemm)(plgpu.ACC.init(init))
+
+
+def _product(plgpu, shape, a, b):
+    """a @ b in fp32 through a fresh accumulator."""
+    return pl.run_scoped(lambda acc: (plgpu.wgmma(acc, a, b), acc[...])[1], plgpu.ACC(shape, jnp.float32))
+
+
+def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, dq_ref, smem, barriers, *stages,
+            causal: bool, seq_len: int, padded: int, head_dim: int, sm_scale: float, num_stages: int, dtype,
+            interpret: bool):
+    plgpu = _Interpret(stages) if interpret else plgpu_module()
+    k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring, ds_smem, dq_smem = smem
+    k_ready, v_ready, q_ready, do_ready, lse_ready, delta_ready, consumed = barriers
+    wg = lax.axis_index("wg")
+    batch, head, tile = (lax.axis_index(name) for name in (SEQUENCE_AXIS, HEAD_AXIS, KV_TILE_AXIS))
+    num_q_blocks = padded // BLOCK_Q
+    first = first_query_block(tile, causal)
+
+    def slot_of(block):
+        return lax.rem(block - first, jnp.int32(num_stages))
+
+    @pl.when(wg < NUM_CONSUMERS)
+    def _consumer():
+        plgpu.set_max_registers(REGISTERS[0], action="increase")
+        key_start = tile * BLOCK_KV + wg * KEYS_PER_CONSUMER
+        keys = pl.ds(key_start, KEYS_PER_CONSUMER)
+        plgpu.copy_gmem_to_smem(k_ref.at[batch, keys, head], k_smem.at[wg], k_ready.at[wg])
+        plgpu.copy_gmem_to_smem(v_ref.at[batch, keys, head], v_smem.at[wg], v_ready.at[wg])
+        plgpu.barrier_wait(k_ready.at[wg])
+        plgpu.barrier_wait(v_ready.at[wg])
+        score_scale = sm_scale * _LOG2_E
+        column = plgpu.Layout.WGMMA.reduce(0)
+
+        def wait_block(slot):
+            for ready in (q_ready, do_ready, lse_ready, delta_ready):
+                plgpu.barrier_wait(ready.at[slot])
+
+        def skip(block, _):
+            slot = slot_of(block)
+            wait_block(slot)
+            plgpu.barrier_arrive(consumed.at[slot])
+
+        def step(block, carry, *, masked: bool):
+            dk, dv = carry
+            slot = slot_of(block)
+            wait_block(slot)
+            q_s, do_s = q_ring.at[slot], do_ring.at[slot]
+            shape = (KEYS_PER_CONSUMER, BLOCK_Q)
+            s_t = _product(plgpu, shape, k_smem.at[wg], q_s.transpose((1, 0)))
+            lse = plgpu.layout_cast(lse_ring[slot], column)
+            p_t = jnp.exp2(s_t * score_scale - lax.broadcast_in_dim(lse, shape, [1]))
+            if masked or (not causal and seq_len != padded):
+                key = key_start + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
+                allowed = key < seq_len
+                if masked:
+                    query = block * BLOCK_Q + plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+                    allowed = key <= query
+                p_t = jnp.where(allowed, p_t, 0.0)
+            dp_t = _product(plgpu, shape, v_smem.at[wg], do_s.transpose((1, 0)))
+            delta = plgpu.layout_cast(delta_ring[slot], column)
+            ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, shape, [1]))
+            dv = _accumulate(plgpu, interpret, dv, p_t.astype(dtype), do_s)
+            ds_half = ds_t.astype(dtype)
+            dk = _accumulate(plgpu, interpret, dk, ds_half, q_s)
+            ds_smem.at[wg][...] = ds_half
+            plgpu.commit_smem()
+            dq = _product(plgpu, (BLOCK_Q, head_dim), ds_smem.at[wg].transpose((1, 0)), k_smem.at[wg])
+            plgpu.barrier_arrive(consumed.at[slot])   # every read of Q_j and dO_j has completed
+            dq_smem.at[wg][...] = dq * sm_scale
+            plgpu.commit_smem()
+            rows = pl.ds(block * BLOCK_Q, BLOCK_Q)
+            if interpret:
+                plgpu.copy_smem_to_gmem(dq_smem.at[wg], dq_ref.at[tile * NUM_CONSUMERS + wg, batch, rows, head])
+            else:
+                plgpu.copy_smem_to_gmem(dq_smem.at[wg], dq_ref.at[batch, rows, head], reduction_op="add")
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # before dq_smem is written again
+            return dk, dv
+
+        own = consumer_first_block(tile, wg, causal)
+        zeros = plgpu.layout_cast(jnp.zeros((KEYS_PER_CONSUMER, head_dim), jnp.float32), plgpu.Layout.WGMMA)
+        lax.fori_loop(first, own, skip, None)
+        carry = (zeros, zeros)
+        if causal:   # the diagonal block, then the blocks wholly after it
+            carry = step(own, carry, masked=True)
+            carry = lax.fori_loop(own + 1, num_q_blocks, functools.partial(step, masked=False), carry)
+        else:
+            carry = lax.fori_loop(own, num_q_blocks, functools.partial(step, masked=False), carry)
+        dk, dv = carry
+        k_smem.at[wg][...] = (dk * sm_scale).astype(dtype)   # every GEMM reading K and V has completed
+        v_smem.at[wg][...] = dv.astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(k_smem.at[wg], dk_ref.at[batch, keys, head])
+        plgpu.copy_smem_to_gmem(v_smem.at[wg], dv_ref.at[batch, keys, head])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == NUM_CONSUMERS)
+    def _producer():
+        plgpu.set_max_registers(REGISTERS[1], action="decrease")
+
+        def load(block):
+            slot = slot_of(block)
+            rows = pl.ds(block * BLOCK_Q, BLOCK_Q)
+            plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], q_ring.at[slot], q_ready.at[slot])
+            plgpu.copy_gmem_to_smem(do_ref.at[batch, rows, head], do_ring.at[slot], do_ready.at[slot])
+            plgpu.copy_gmem_to_smem(lse_ref.at[batch, head, rows], lse_ring.at[slot], lse_ready.at[slot])
+            plgpu.copy_gmem_to_smem(delta_ref.at[batch, head, rows], delta_ring.at[slot], delta_ready.at[slot])
+
+        for i in range(num_stages):   # fill the ring
+            pl.when(first + i < num_q_blocks)(functools.partial(load, first + i))
+
+        @pl.loop(first + num_stages, num_q_blocks)
+        def _(block):
+            plgpu.barrier_wait(consumed.at[slot_of(block)])
+            load(block)
+
+    if interpret:   # the interpreter wants every phase of every barrier observed before it is freed
+        @pl.when(wg == NUM_CONSUMERS)
+        def _():
+            @pl.loop(jnp.maximum(num_q_blocks - num_stages, first), num_q_blocks)
+            def _(block):
+                plgpu.barrier_wait(consumed.at[slot_of(block)])
+
+
+def _check(q, k, v, o, lse, do, causal, sm_scale):
+    check_causal_and_scale(causal, sm_scale)
+    check_qkv_layout(q, k, v)
+    for name, x in (("o", o), ("do", do)):
+        if x.shape != q.shape or x.dtype != q.dtype:
+            raise ValueError(f"{name}: {x.shape} {x.dtype} must be q's {q.shape} {q.dtype}")
+    batch, seq_len, heads, head_dim = q.shape
+    if lse.shape != (batch, heads, seq_len):
+        raise ValueError(f"lse.shape={lse.shape} must be [batch, heads, seq_len] = {(batch, heads, seq_len)}")
+    if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)):
+        raise ValueError(f"q.dtype={jnp.dtype(q.dtype)} must be float16 or bfloat16")
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head_dim={head_dim} must be one of {SUPPORTED_HEAD_DIMS}")
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "sm_scale", "interpret", "num_stages"))
+def flash_attention_mgpu_bwd(q, k, v, o, lse, do, *, causal: bool, sm_scale: float | None = None,
+                             interpret: bool | str = False, num_stages: int = DEFAULT_STAGES):
+    """(dq, dk, dv) of softmax(q k^T * sm_scale) v for the cotangent `do`, from the forward's output `o`
+    and its log-sum-exp `lse` ([B, H, S] fp32, `flash_attention(..., return_lse=True)`). q, k, v, o, do:
+    [B, S, H, head_dim] float16 or bfloat16, head_dim 64 or 128, any S >= 1. Rows whose lse is -inf (no
+    allowed key) are not supported. Returns three arrays in q's dtype."""
+    _check(q, k, v, o, lse, do, causal, sm_scale)
+    plgpu = plgpu_module()
+    batch, seq_len, heads, head_dim = q.shape
+    dtype = jnp.dtype(q.dtype)
+    sm_scale = head_dim ** -0.5 if sm_scale is None else float(sm_scale)
+    padded = padded_len(seq_len)
+    delta = jnp.einsum("bshd,bshd->bhs", o.astype(jnp.float32), do.astype(jnp.float32))
+    lse2 = lse.astype(jnp.float32) * _LOG2_E
+
+    def pad_rows(x, value=0.0):   # [B, S, H, hd] on axis 1, [B, H, S] on axis 2
+        axis = 1 if x.ndim == 4 else 2
+        widths = [(0, 0)] * x.ndim
+        widths[axis] = (0, padded - seq_len)
+        return jnp.pad(x, widths, constant_values=value) if padded != seq_len else x
+    operands = (pad_rows(q), pad_rows(k), pad_rows(v), pad_rows(do), pad_rows(lse2, jnp.inf), pad_rows(delta))
+
+    swizzle = swizzle_bytes(head_dim, dtype.itemsize)
+    tiled = (plgpu.TilingTransform((8, swizzle // dtype.itemsize)), plgpu.SwizzleTransform(swizzle))
+    ds_swizzle = swizzle_bytes(BLOCK_Q, dtype.itemsize)
+    ds_tiled = (plgpu.TilingTransform((8, ds_swizzle // dtype.itemsize)), plgpu.SwizzleTransform(ds_swizzle))
+    smem = (plgpu.SMEM((NUM_CONSUMERS, KEYS_PER_CONSUMER, head_dim), dtype, transforms=tiled),   # K, then dK
+            plgpu.SMEM((NUM_CONSUMERS, KEYS_PER_CONSUMER, head_dim), dtype, transforms=tiled),   # V, then dV
+            plgpu.SMEM((num_stages, BLOCK_Q, head_dim), dtype, transforms=tiled),                # Q ring
+            plgpu.SMEM((num_stages, BLOCK_Q, head_dim), dtype, transforms=tiled),                # dO ring
+            plgpu.SMEM((num_stages, BLOCK_Q), jnp.float32),                                      # lse ring
+            plgpu.SMEM((num_stages, BLOCK_Q), jnp.float32),                                      # delta ring
+            plgpu.SMEM((NUM_CONSUMERS, KEYS_PER_CONSUMER, BLOCK_Q), dtype, transforms=ds_tiled), # dS^T
+            plgpu.SMEM((NUM_CONSUMERS, BLOCK_Q, head_dim), jnp.float32))                         # dQ part
+    one = functools.partial(plgpu.Barrier, num_arrivals=1)
+    barriers = (one(num_barriers=NUM_CONSUMERS), one(num_barriers=NUM_CONSUMERS),
+                *(one(num_barriers=num_stages) for _ in range(4)),
+                plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=num_stages))
+    stages = ((plgpu.SMEM((NUM_CONSUMERS, KEYS_PER_CONSUMER, max(BLOCK_Q, head_dim)), dtype),
+               plgpu.SMEM((NUM_CONSUMERS, head_dim, max(BLOCK_Q, KEYS_PER_CONSUMER)), dtype)) if interpret else ())
+    num_tiles = padded // BLOCK_KV
+    kernel = functools.partial(_kernel, causal=causal, seq_len=seq_len, padded=padded, head_dim=head_dim,
+                               sm_scale=sm_scale, num_stages=num_stages, dtype=dtype, interpret=bool(interpret))
+    params = plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane)
+    grads = jax.ShapeDtypeStruct((batch, padded, heads, head_dim), dtype)
+
+    def body(*refs):   # the six inputs, then dk, dv and dq (interpret: an output; else the accumulator)
+        pl.run_scoped(lambda *scoped: kernel(*refs, *scoped), smem, barriers, *stages, collective_axes="wg")
+
+    grid = dict(grid=(batch, heads, num_tiles), grid_names=(SEQUENCE_AXIS, HEAD_AXIS, KV_TILE_AXIS),
+                num_threads=NUM_CONSUMERS + 1, thread_name="wg")
+    if interpret:
+        from ttj_jax.kernels.flash_attention_mgpu_interpret import interpret_params  # noqa: PLC0415
+        parts = jax.ShapeDtypeStruct((num_tiles * NUM_CONSUMERS, batch, padded, heads, head_dim), jnp.float32)
+        dk, dv, dq_parts = plgpu.kernel(body, out_type=(grads, grads, parts), compiler_params=params,
+                                        interpret=interpret_params(interpret), **grid)(*operands)
+        dq = dq_parts.sum(axis=0)
+    else:   # a Ref argument of pl.kernel is read and written in place (plgpu.kernel takes none)
+        dq_acc = jax.new_ref(jnp.zeros((batch, padded, heads, head_dim), jnp.float32))
+
+        def ordered(*refs):   # pl.kernel passes the Ref among the inputs
+            *inputs, dq, dk, dv = refs
+            body(*inputs, dk, dv, dq)
+        dk, dv = pl.kernel(ordered, out_type=(grads, grads), mesh=plgpu.Mesh(**grid),
+                           compiler_params=params)(*operands, dq_acc)
+        dq = dq_acc[...]
+    return tuple(x[:, :seq_len] for x in (dq.astype(dtype), dk, dv))
