@@ -4,7 +4,7 @@ through `jax.nn.dot_product_attention(..., implementation="cudnn")`, side by sid
 
     PYTHONPATH=. python3 -m bench.bench_attention_bwd [--cases 1x16x16384x64] [--variants all|default]
                                                       [--out DIR]
-    (the Hopper kernel: --variants default,mgpu-s2,mgpu-s3; sm_90 only)
+    (the Hopper kernel: --variants default,mgpu-s2,mgpu-s2-overlap-dq2,...: MGPU_VARIANTS; sm_90 only)
 
 For each case ([B, H, S, head_dim], causal, fp16 inputs) both forwards run once, then each backward alone
 is timed: cuDNN's as the vjp function jax.vjp returns (a pytree, passed into a jitted call), ours as
@@ -18,6 +18,7 @@ Writes attention-bwd-<date>-<gpu>.json and prints a table last.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -32,7 +33,7 @@ from bench.paths import run_header
 from ttj_jax.kernels.attention_common import attention_reference
 from ttj_jax.kernels.flash_attention import flash_attention
 from ttj_jax.kernels.flash_attention_bwd import DEFAULT_BLOCKS, BwdBlocks, flash_attention_bwd
-from ttj_jax.kernels.flash_attention_mgpu_bwd import flash_attention_mgpu_bwd
+from ttj_jax.kernels.flash_attention_mgpu_bwd import MgpuBwdConfig, flash_attention_mgpu_bwd
 
 MAX_REL_L2 = 1e-2
 VARIANTS = {
@@ -50,16 +51,22 @@ VARIANTS = {
     "64x128-w8-s3": BwdBlocks(64, 128, 128, 64, 8, 3),
     "128x128-w8-s2": BwdBlocks(128, 128, 128, 128, 8, 2),
 }
-# The Hopper kernel (sm_90 only), by its ring's stages; not in "all".
-MGPU_VARIANTS = {"mgpu-s2": 2, "mgpu-s3": 3, "mgpu-s4": 4}
+# The Hopper kernel (sm_90 only): its options (MgpuBwdConfig); not in "all".
+MGPU_VARIANTS = {
+    "mgpu-s2": MgpuBwdConfig(),
+    "mgpu-s2-overlap": MgpuBwdConfig(overlap=True),
+    "mgpu-s2-overlap-dq2": MgpuBwdConfig(overlap=True, dq_buffers=2),
+    "mgpu-s3-overlap-dq2": MgpuBwdConfig(num_stages=3, overlap=True, dq_buffers=2),
+    "mgpu-s3": MgpuBwdConfig(num_stages=3),
+}
 
 
 def backward_fn(name: str, causal: bool):
     """The backward of variant `name`: (q, k, v, o, lse, do) -> (dq, dk, dv), and its settings."""
     if name in MGPU_VARIANTS:
-        stages = MGPU_VARIANTS[name]
+        config = MGPU_VARIANTS[name]
         return (lambda q, k, v, o, lse, do: flash_attention_mgpu_bwd(q, k, v, o, lse, do, causal=causal,
-                                                                     num_stages=stages)), {"num_stages": stages}
+                                                                     config=config)), dataclasses.asdict(config)
     blocks = VARIANTS[name]
     return (lambda q, k, v, o, lse, do: flash_attention_bwd(q, k, v, o, lse, do, causal=causal,
                                                             blocks=blocks)), blocks._asdict()

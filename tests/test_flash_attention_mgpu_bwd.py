@@ -52,7 +52,8 @@ def _rel_l2(a, b) -> float:
 def test_gradients_in_gpu_interpret_mode(case):
     batch, seq_len, heads, head_dim, causal, stages = CASES[case]
     inputs, want = _case_inputs(batch, seq_len, heads, head_dim, causal)
-    got = fb.flash_attention_mgpu_bwd(*inputs, causal=causal, interpret=True, num_stages=stages)
+    got = fb.flash_attention_mgpu_bwd(*inputs, causal=causal, interpret=True,
+                                      config=fb.MgpuBwdConfig(num_stages=stages))
     for name, a, b in zip(("dq", "dk", "dv"), got, want):
         assert a.shape == b.shape and a.dtype == jnp.float16, name
         # fp16 operands and outputs: measured 3e-4 here; the issue's bar for gradients is 1e-2
@@ -62,22 +63,53 @@ def test_gradients_in_gpu_interpret_mode(case):
 
 @pytest.mark.slow
 @pytest.mark.interpret
-def test_no_races_in_gpu_interpret_mode():
+def test_options_change_no_bit():
+    """The overlapped GEMMs and the double-buffered dQ copies reorder waits, not arithmetic."""
+    inputs, _ = _case_inputs(1, 300, 1, 64, True, seed=3)
+    runs = [fb.flash_attention_mgpu_bwd(*inputs, causal=True, interpret=True, config=config)
+            for config in (fb.MgpuBwdConfig(), fb.MgpuBwdConfig(overlap=True, dq_buffers=2),
+                           fb.MgpuBwdConfig(num_stages=3, overlap=True))]
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.slow
+@pytest.mark.interpret
+@pytest.mark.parametrize("config", [fb.MgpuBwdConfig(), fb.MgpuBwdConfig(overlap=True, dq_buffers=2)])
+def test_no_races_in_gpu_interpret_mode(config):
     from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
     inputs, _ = _case_inputs(1, 300, 1, 64, True)
-    fb.flash_attention_mgpu_bwd(*inputs, causal=True, interpret="detect_races")
+    fb.flash_attention_mgpu_bwd(*inputs, causal=True, interpret="detect_races", config=config)
     assert not gpu_callbacks.get_races().races_found
 
 
-@pytest.mark.parametrize("seq_len, head_dim, causal", [(4096, 64, True), (1000, 64, False), (16384, 128, True)])
-def test_lowers_for_cuda_to_one_kernel(seq_len, head_dim, causal):
+@pytest.mark.parametrize("seq_len, head_dim, causal, config", [
+    (4096, 64, True, None), (1000, 64, False, None), (16384, 128, True, None),
+    (4096, 64, True, fb.MgpuBwdConfig(overlap=True, dq_buffers=2)), (4096, 128, True, fb.MgpuBwdConfig(overlap=True)),
+    (4096, 64, True, fb.MgpuBwdConfig(num_stages=3, overlap=True, dq_buffers=2))])
+def test_lowers_for_cuda_to_one_kernel(seq_len, head_dim, causal, config):
     """The GPU build (dQ added with TMA reduce-add copies into an accumulator the kernel takes as a Ref,
-    dS^T read transposed as a wgmma operand) lowers for CUDA: Mosaic GPU's layout inference included."""
+    dS^T read transposed as a wgmma operand), with each option, lowers for CUDA: Mosaic GPU's layout
+    inference included."""
     x = jax.ShapeDtypeStruct((2, seq_len, 2, head_dim), jnp.float16)
     lse = jax.ShapeDtypeStruct((2, 2, seq_len), jnp.float32)
-    fn = jax.jit(lambda q, k, v, o, l, do: fb.flash_attention_mgpu_bwd(q, k, v, o, l, do, causal=causal))
+    fn = jax.jit(lambda q, k, v, o, l, do: fb.flash_attention_mgpu_bwd(q, k, v, o, l, do, causal=causal,
+                                                                         config=config))
     text = fn.trace(x, x, x, x, lse, x).lower(lowering_platforms=("cuda",)).as_text()
     assert re.findall(r"stablehlo\.custom_call @(\w+)", text) == ["mosaic_gpu_v2"]
+
+
+def test_configs_validate_and_fit_shared_memory():
+    for bad in ({"num_stages": 1}, {"overlap": 1}, {"dq_buffers": 3}):
+        with pytest.raises(ValueError, match="MgpuBwdConfig"):
+            fb.MgpuBwdConfig(**bad)
+    assert fb.smem_bytes(64, 2, fb.MgpuBwdConfig(num_stages=4, dq_buffers=2)) <= fb.SMEM_BUDGET_BYTES
+    too_big = fb.MgpuBwdConfig(num_stages=3, dq_buffers=2)
+    assert fb.smem_bytes(128, 2, too_big) > fb.SMEM_BUDGET_BYTES
+    x = jnp.zeros((1, 128, 1, 128), jnp.float16)
+    with pytest.raises(ValueError, match="shared memory"):
+        fb.flash_attention_mgpu_bwd(x, x, x, x, jnp.zeros((1, 1, 128)), x, causal=True, interpret=True, config=too_big)
 
 
 def test_schedule_pieces():

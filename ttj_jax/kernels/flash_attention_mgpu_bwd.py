@@ -27,6 +27,7 @@ written in the input dtype.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -36,18 +37,53 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from ttj_jax.kernels.attention_common import check_causal_and_scale, check_qkv_layout
-from ttj_jax.kernels.flash_attention_mgpu_config import swizzle_bytes
+from ttj_jax.kernels.flash_attention_mgpu_config import SMEM_BUDGET_BYTES, swizzle_bytes
+from ttj_jax.kernels.flash_attention_mgpu_interpret import InterpretPallas
 from ttj_jax.kernels.mosaic_primitives import plgpu_module
 
 BLOCK_Q = 64             # queries per ring slot (the M of the dQ GEMM, the N of S^T's)
 KEYS_PER_CONSUMER = 64   # one wgmma M tile per consumer warpgroup
 NUM_CONSUMERS = 2
 BLOCK_KV = KEYS_PER_CONSUMER * NUM_CONSUMERS
-DEFAULT_STAGES = 2
 SUPPORTED_HEAD_DIMS = (64, 128)
 REGISTERS = (232, 40)    # (consumer, producer) per thread after set_max_registers
 _LOG2_E = math.log2(math.e)
 SEQUENCE_AXIS, HEAD_AXIS, KV_TILE_AXIS = "ttj_mgpu_bwd_sequence", "ttj_mgpu_bwd_head", "ttj_mgpu_bwd_kv_tile"
+
+
+@dataclasses.dataclass(frozen=True)
+class MgpuBwdConfig:
+    """The kernel's options (static). None of them changes the arithmetic: every option gives the same
+    gradients to the bit (tests/test_flash_attention_mgpu_bwd.py).
+    num_stages: slots in the ring of query blocks.
+    overlap: S^T and dP^T issued together, P^T computed while dP^T runs; dV and dK issued together, dS^T
+      stored to shared memory meanwhile. Without it every GEMM is waited for on its own.
+    dq_buffers: 1, or 2 so that a block's dQ reduce-add copy runs on while the next block computes (the
+      buffer is reused one block later, not right away)."""
+    num_stages: int = 2
+    overlap: bool = False
+    dq_buffers: int = 1
+
+    def __post_init__(self):
+        if not isinstance(self.num_stages, int) or not 2 <= self.num_stages <= 6:
+            raise ValueError(f"MgpuBwdConfig.num_stages={self.num_stages!r} must be an int in 2..6")
+        if not isinstance(self.overlap, bool):
+            raise ValueError(f"MgpuBwdConfig.overlap={self.overlap!r} must be a bool")
+        if self.dq_buffers not in (1, 2):
+            raise ValueError(f"MgpuBwdConfig.dq_buffers={self.dq_buffers!r} must be 1 or 2")
+
+
+DEFAULT_CONFIG = MgpuBwdConfig()
+
+
+def smem_bytes(head_dim: int, itemsize: int, config: MgpuBwdConfig) -> int:
+    """Shared memory the kernel allocates (barriers aside): K and V per consumer, the rings of Q, dO,
+    lse and delta, dS^T and the dQ buffers per consumer."""
+    kv = 2 * NUM_CONSUMERS * KEYS_PER_CONSUMER * head_dim * itemsize
+    ring = config.num_stages * (2 * BLOCK_Q * head_dim * itemsize + 2 * BLOCK_Q * 4)
+    ds = NUM_CONSUMERS * KEYS_PER_CONSUMER * BLOCK_Q * itemsize
+    dq = NUM_CONSUMERS * config.dq_buffers * BLOCK_Q * head_dim * 4
+    return kv + ring + ds + dq
 
 
 def padded_len(seq_len: int) -> int:
@@ -127,9 +163,11 @@ def _product(plgpu, shape, a, b):
 
 
 def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, dq_ref, smem, barriers, *stages,
-            causal: bool, seq_len: int, padded: int, head_dim: int, sm_scale: float, num_stages: int, dtype,
-            interpret: bool):
+            causal: bool, seq_len: int, padded: int, head_dim: int, sm_scale: float, config: MgpuBwdConfig,
+            dtype, interpret: bool):
     plgpu = _Interpret(stages) if interpret else plgpu_module()
+    pl_module = InterpretPallas() if interpret else pl
+    num_stages = config.num_stages
     k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring, ds_smem, dq_smem = smem
     k_ready, v_ready, q_ready, do_ready, lse_ready, delta_ready, consumed = barriers
     wg = lax.axis_index("wg")
@@ -167,34 +205,55 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, dq_
             wait_block(slot)
             q_s, do_s = q_ring.at[slot], do_ring.at[slot]
             shape = (KEYS_PER_CONSUMER, BLOCK_Q)
-            s_t = _product(plgpu, shape, k_smem.at[wg], q_s.transpose((1, 0)))
-            lse = plgpu.layout_cast(lse_ring[slot], column)
-            p_t = jnp.exp2(s_t * score_scale - lax.broadcast_in_dim(lse, shape, [1]))
-            if masked or (not causal and seq_len != padded):
-                key = key_start + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
-                allowed = key < seq_len
-                if masked:
-                    query = block * BLOCK_Q + plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
-                    allowed = key <= query
-                p_t = jnp.where(allowed, p_t, 0.0)
-            dp_t = _product(plgpu, shape, v_smem.at[wg], do_s.transpose((1, 0)))
-            delta = plgpu.layout_cast(delta_ring[slot], column)
-            ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, shape, [1]))
-            dv = _accumulate(plgpu, interpret, dv, p_t.astype(dtype), do_s)
-            ds_half = ds_t.astype(dtype)
-            dk = _accumulate(plgpu, interpret, dk, ds_half, q_s)
-            ds_smem.at[wg][...] = ds_half
+            lse = lax.broadcast_in_dim(plgpu.layout_cast(lse_ring[slot], column), shape, [1])
+            delta = lax.broadcast_in_dim(plgpu.layout_cast(delta_ring[slot], column), shape, [1])
+
+            def probabilities(s_t):
+                p_t = jnp.exp2(s_t * score_scale - lse)
+                if masked or (not causal and seq_len != padded):
+                    key = key_start + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
+                    allowed = key < seq_len
+                    if masked:
+                        query = block * BLOCK_Q + plgpu.broadcasted_iota(jnp.int32, shape, 1,
+                                                                         layout=plgpu.Layout.WGMMA)
+                        allowed = key <= query
+                    p_t = jnp.where(allowed, p_t, 0.0)
+                return p_t
+
+            if config.overlap:
+                def scores(s_ref, dp_ref):
+                    plgpu.wgmma(s_ref, k_smem.at[wg], q_s.transpose((1, 0)))
+                    plgpu.wgmma(dp_ref, v_smem.at[wg], do_s.transpose((1, 0)))
+                    return probabilities(plgpu.wgmma_accumulator_load(s_ref, wait_n=1)), dp_ref[...]
+                p_t, dp_t = pl.run_scoped(scores, plgpu.ACC(shape, jnp.float32), plgpu.ACC(shape, jnp.float32))
+            else:
+                p_t = probabilities(_product(plgpu, shape, k_smem.at[wg], q_s.transpose((1, 0))))
+                dp_t = _product(plgpu, shape, v_smem.at[wg], do_s.transpose((1, 0)))
+            ds_half = (p_t * (dp_t - delta)).astype(dtype)
+            if config.overlap:
+                def grads(refs):
+                    dv_ref, dk_ref = refs
+                    plgpu.wgmma(dv_ref, p_t.astype(dtype), do_s)
+                    plgpu.wgmma(dk_ref, ds_half, q_s)
+                    ds_smem.at[wg][...] = ds_half   # while the two GEMMs run
+                dv, dk = pl_module.run_state(grads)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
+            else:
+                dv = _accumulate(plgpu, interpret, dv, p_t.astype(dtype), do_s)
+                dk = _accumulate(plgpu, interpret, dk, ds_half, q_s)
+                ds_smem.at[wg][...] = ds_half
             plgpu.commit_smem()
             dq = _product(plgpu, (BLOCK_Q, head_dim), ds_smem.at[wg].transpose((1, 0)), k_smem.at[wg])
             plgpu.barrier_arrive(consumed.at[slot])   # every read of Q_j and dO_j has completed
-            dq_smem.at[wg][...] = dq * sm_scale
+            # the copy that last read this dQ buffer (dq_buffers blocks ago) has finished reading it
+            plgpu.wait_smem_to_gmem(config.dq_buffers - 1, wait_read_only=True)
+            buffer = dq_smem.at[wg, lax.rem(block, jnp.int32(config.dq_buffers))]
+            buffer[...] = dq * sm_scale
             plgpu.commit_smem()
             rows = pl.ds(block * BLOCK_Q, BLOCK_Q)
             if interpret:
-                plgpu.copy_smem_to_gmem(dq_smem.at[wg], dq_ref.at[tile * NUM_CONSUMERS + wg, batch, rows, head])
+                plgpu.copy_smem_to_gmem(buffer, dq_ref.at[tile * NUM_CONSUMERS + wg, batch, rows, head])
             else:
-                plgpu.copy_smem_to_gmem(dq_smem.at[wg], dq_ref.at[batch, rows, head], reduction_op="add")
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # before dq_smem is written again
+                plgpu.copy_smem_to_gmem(buffer, dq_ref.at[batch, rows, head], reduction_op="add")
             return dk, dv
 
         own = consumer_first_block(tile, wg, causal)
@@ -257,14 +316,21 @@ def _check(q, k, v, o, lse, do, causal, sm_scale):
         raise ValueError(f"head_dim={head_dim} must be one of {SUPPORTED_HEAD_DIMS}")
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "sm_scale", "interpret", "num_stages"))
+@functools.partial(jax.jit, static_argnames=("causal", "sm_scale", "interpret", "config"))
 def flash_attention_mgpu_bwd(q, k, v, o, lse, do, *, causal: bool, sm_scale: float | None = None,
-                             interpret: bool | str = False, num_stages: int = DEFAULT_STAGES):
+                             interpret: bool | str = False, config: MgpuBwdConfig | None = None):
     """(dq, dk, dv) of softmax(q k^T * sm_scale) v for the cotangent `do`, from the forward's output `o`
     and its log-sum-exp `lse` ([B, H, S] fp32, `flash_attention(..., return_lse=True)`). q, k, v, o, do:
     [B, S, H, head_dim] float16 or bfloat16, head_dim 64 or 128, any S >= 1. Rows whose lse is -inf (no
-    allowed key) are not supported. Returns three arrays in q's dtype."""
+    allowed key) are not supported. config: MgpuBwdConfig, or None for DEFAULT_CONFIG. Returns three arrays
+    in q's dtype."""
     _check(q, k, v, o, lse, do, causal, sm_scale)
+    config = DEFAULT_CONFIG if config is None else config
+    if not isinstance(config, MgpuBwdConfig):
+        raise ValueError(f"config={config!r} must be an MgpuBwdConfig or None")
+    if smem_bytes(q.shape[-1], jnp.dtype(q.dtype).itemsize, config) > SMEM_BUDGET_BYTES:
+        raise ValueError(f"{config} at head_dim {q.shape[-1]} needs {smem_bytes(q.shape[-1], 2, config)} bytes of "
+                         f"shared memory, over {SMEM_BUDGET_BYTES}")
     plgpu = plgpu_module()
     batch, seq_len, heads, head_dim = q.shape
     dtype = jnp.dtype(q.dtype)
@@ -280,27 +346,28 @@ def flash_attention_mgpu_bwd(q, k, v, o, lse, do, *, causal: bool, sm_scale: flo
         return jnp.pad(x, widths, constant_values=value) if padded != seq_len else x
     operands = (pad_rows(q), pad_rows(k), pad_rows(v), pad_rows(do), pad_rows(lse2, jnp.inf), pad_rows(delta))
 
+    ring_slots = config.num_stages
     swizzle = swizzle_bytes(head_dim, dtype.itemsize)
     tiled = (plgpu.TilingTransform((8, swizzle // dtype.itemsize)), plgpu.SwizzleTransform(swizzle))
     ds_swizzle = swizzle_bytes(BLOCK_Q, dtype.itemsize)
     ds_tiled = (plgpu.TilingTransform((8, ds_swizzle // dtype.itemsize)), plgpu.SwizzleTransform(ds_swizzle))
     smem = (plgpu.SMEM((NUM_CONSUMERS, KEYS_PER_CONSUMER, head_dim), dtype, transforms=tiled),   # K, then dK
             plgpu.SMEM((NUM_CONSUMERS, KEYS_PER_CONSUMER, head_dim), dtype, transforms=tiled),   # V, then dV
-            plgpu.SMEM((num_stages, BLOCK_Q, head_dim), dtype, transforms=tiled),                # Q ring
-            plgpu.SMEM((num_stages, BLOCK_Q, head_dim), dtype, transforms=tiled),                # dO ring
-            plgpu.SMEM((num_stages, BLOCK_Q), jnp.float32),                                      # lse ring
-            plgpu.SMEM((num_stages, BLOCK_Q), jnp.float32),                                      # delta ring
+            plgpu.SMEM((ring_slots, BLOCK_Q, head_dim), dtype, transforms=tiled),                   # Q ring
+            plgpu.SMEM((ring_slots, BLOCK_Q, head_dim), dtype, transforms=tiled),                   # dO ring
+            plgpu.SMEM((ring_slots, BLOCK_Q), jnp.float32),                                         # lse ring
+            plgpu.SMEM((ring_slots, BLOCK_Q), jnp.float32),                                         # delta ring
             plgpu.SMEM((NUM_CONSUMERS, KEYS_PER_CONSUMER, BLOCK_Q), dtype, transforms=ds_tiled), # dS^T
-            plgpu.SMEM((NUM_CONSUMERS, BLOCK_Q, head_dim), jnp.float32))                         # dQ part
+            plgpu.SMEM((NUM_CONSUMERS, config.dq_buffers, BLOCK_Q, head_dim), jnp.float32))      # dQ parts
     one = functools.partial(plgpu.Barrier, num_arrivals=1)
     barriers = (one(num_barriers=NUM_CONSUMERS), one(num_barriers=NUM_CONSUMERS),
-                *(one(num_barriers=num_stages) for _ in range(4)),
-                plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=num_stages))
+                *(one(num_barriers=ring_slots) for _ in range(4)),
+                plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=ring_slots))
     stages = ((plgpu.SMEM((NUM_CONSUMERS, KEYS_PER_CONSUMER, max(BLOCK_Q, head_dim)), dtype),
                plgpu.SMEM((NUM_CONSUMERS, head_dim, max(BLOCK_Q, KEYS_PER_CONSUMER)), dtype)) if interpret else ())
     num_tiles = padded // BLOCK_KV
     kernel = functools.partial(_kernel, causal=causal, seq_len=seq_len, padded=padded, head_dim=head_dim,
-                               sm_scale=sm_scale, num_stages=num_stages, dtype=dtype, interpret=bool(interpret))
+                               sm_scale=sm_scale, config=config, dtype=dtype, interpret=bool(interpret))
     params = plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane)
     grads = jax.ShapeDtypeStruct((batch, padded, heads, head_dim), dtype)
 
