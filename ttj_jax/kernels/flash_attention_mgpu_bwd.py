@@ -38,7 +38,7 @@ from jax.experimental import pallas as pl
 
 from ttj_jax.kernels.attention_common import check_causal_and_scale, check_qkv_layout
 from ttj_jax.kernels.flash_attention_mgpu_config import SMEM_BUDGET_BYTES, swizzle_bytes
-from ttj_jax.kernels.flash_attention_mgpu_interpret import InterpretPallas
+from ttj_jax.kernels.flash_attention_mgpu_interpret import InterpretPallas, StagingPlgpu
 from ttj_jax.kernels.mosaic_primitives import plgpu_module
 
 BLOCK_Q = 64             # queries per ring slot (the M of the dQ GEMM, the N of S^T's)
@@ -104,48 +104,6 @@ def consumer_first_block(kv_tile, wg, causal: bool):
     return (kv_tile * BLOCK_KV + wg * KEYS_PER_CONSUMER) // BLOCK_Q
 
 
-class _Interpret:
-    """`plgpu` in interpret mode: layouts are no-ops, and wgmma's register and transposed operands are
-    staged in plain shared memory first (the interpreter takes neither), as the forward's stand-ins do."""
-
-    def __init__(self, stages):
-        self._plgpu = plgpu_module()
-        self._a_stage, self._b_stage = stages
-
-    def __getattr__(self, name):
-        return getattr(self._plgpu, name)
-
-    @staticmethod
-    def layout_cast(value, layout):
-        del layout
-        return value
-
-    @staticmethod
-    def broadcasted_iota(dtype, shape, dimension, *, layout=None):
-        del layout
-        return lax.broadcasted_iota(dtype, shape, dimension)
-
-    def wgmma(self, acc, a, b):
-        from jax._src.state.types import TransformedRef, TransposeTransform  # noqa: PLC0415
-        wg = lax.axis_index("wg")
-
-        def transposed(ref):
-            return (isinstance(ref, TransformedRef) and ref.transforms
-                    and isinstance(ref.transforms[-1], TransposeTransform))
-
-        if not isinstance(a, TransformedRef) or transposed(a):
-            value = a if not isinstance(a, TransformedRef) else TransformedRef(a.ref, a.transforms[:-1])[...].T
-            stage = self._a_stage.at[wg, :, pl.ds(0, value.shape[1])]
-            stage[...] = value
-            a = stage
-        if transposed(b):
-            value = TransformedRef(b.ref, b.transforms[:-1])[...].T
-            stage = self._b_stage.at[wg, pl.ds(0, value.shape[0]), pl.ds(0, value.shape[1])]
-            stage[...] = value
-            b = stage
-        self._plgpu.wgmma(acc, a, b)
-
-
 def _accumulate(plgpu, interpret: bool, init, a, b):
     """init + a @ b through a wgmma accumulator (init: fp32 registers in the WGMMA layout)."""
     if interpret:   # the interpreter's accumulators start at zero: add the initial value after
@@ -165,7 +123,7 @@ def _product(plgpu, shape, a, b):
 def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, dq_ref, smem, barriers, *stages,
             causal: bool, seq_len: int, padded: int, head_dim: int, sm_scale: float, config: MgpuBwdConfig,
             dtype, interpret: bool):
-    plgpu = _Interpret(stages) if interpret else plgpu_module()
+    plgpu = StagingPlgpu(*stages) if interpret else plgpu_module()
     pl_module = InterpretPallas() if interpret else pl
     num_stages = config.num_stages
     k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring, ds_smem, dq_smem = smem

@@ -7,8 +7,9 @@ chosen at trace time, so the GPU kernel's code and its lowering stay untouched
 (tests/test_flash_attention_mgpu.py pins the lowered kernel by hash):
 - `layout_cast`: no layouts in the interpreter; the value is returned as is.
 - `broadcasted_iota(..., layout=)`: `lax.broadcasted_iota`.
-- wgmma operands: A must be an SMEM ref (the kernel's P is in registers) and B cannot be a transposed
-  view (the kernel's K^T): both are staged in untiled SMEM buffers of the warpgroup first.
+- wgmma operands: A must be an SMEM ref that is not a transposed view (the kernel's P is in registers; the
+  backward's dS^T is read transposed) and B cannot be a transposed view (the kernel's K^T): they are
+  staged in untiled SMEM buffers of the warpgroup first (`StagingPlgpu`).
 - `pl.run_state` with accumulator initial values, and the accumulator store of the overlapped softmax:
   a zero accumulator whose result is added to the initial value (the same fp32 sum: init + (0 + P @ V)).
 - TMA: zero fill past the array and partial out-of-bounds writes (see `interpret_params`).
@@ -27,11 +28,13 @@ from ttj_jax.kernels.flash_attention_mgpu_config import ROWS_PER_CONSUMER
 from ttj_jax.kernels.mosaic_primitives import plgpu_module
 
 
-class InterpretPlgpu:
-    """`plgpu` for the kernel body in interpret mode: the real module, but for the substitutes above."""
+class StagingPlgpu:
+    """`plgpu` in interpret mode: the real module, but for the substitutes above, with wgmma's operands the
+    interpreter cannot take staged in plain shared memory first: A from registers or a transposed view
+    into `a_stage`, a transposed B into `b_stage` (each [warpgroups, rows, columns], large enough)."""
 
-    def __init__(self, scoped):
-        (_, _, _, self._p_stage, self._kt_stage, *_), *_ = scoped   # see `interpret_smem`
+    def __init__(self, a_stage, b_stage):
+        self._a_stage, self._b_stage = a_stage, b_stage
         self._plgpu = plgpu_module()
 
     def __getattr__(self, name):
@@ -50,16 +53,31 @@ class InterpretPlgpu:
     def wgmma(self, acc, a, b):
         from jax._src.state.types import TransformedRef, TransposeTransform  # noqa: PLC0415
         wg = lax.axis_index("wg")
-        if not isinstance(a, TransformedRef):   # P, in registers
-            a_stage = self._p_stage.at[wg, :, pl.ds(0, a.shape[1])]
-            a_stage[...] = a
-            a = a_stage
-        if isinstance(b, TransformedRef) and b.transforms and isinstance(b.transforms[-1], TransposeTransform):
-            k_block = TransformedRef(b.ref, b.transforms[:-1])[...]   # K^T: a transposed view of a K slot
-            bt_stage = self._kt_stage.at[wg, :, pl.ds(0, k_block.shape[0])]
-            bt_stage[...] = k_block.T
-            b = bt_stage
+
+        def untransposed(ref):   # the value a transposed view shows, or None for any other operand
+            if isinstance(ref, TransformedRef) and ref.transforms and isinstance(ref.transforms[-1], TransposeTransform):
+                return TransformedRef(ref.ref, ref.transforms[:-1])[...].T
+            return None
+
+        def staged(stage, value):
+            view = stage.at[wg, pl.ds(0, value.shape[0]), pl.ds(0, value.shape[1])]
+            view[...] = value
+            return view
+        if not isinstance(a, TransformedRef):   # in registers
+            a = staged(self._a_stage, a)
+        elif (value := untransposed(a)) is not None:
+            a = staged(self._a_stage, value)
+        if (value := untransposed(b)) is not None:
+            b = staged(self._b_stage, value)
         self._plgpu.wgmma(acc, a, b)
+
+
+class InterpretPlgpu(StagingPlgpu):
+    """The forward kernel's `plgpu` in interpret mode: its stages are P's and K^T's (`interpret_smem`)."""
+
+    def __init__(self, scoped):
+        (_, _, _, p_stage, kt_stage, *_), *_ = scoped   # see `interpret_smem`
+        super().__init__(p_stage, kt_stage)
 
 
 class InterpretPallas:
