@@ -58,6 +58,8 @@ MGPU_VARIANTS = {
     "mgpu-s2-overlap-dq2": MgpuBwdConfig(overlap=True, dq_buffers=2),
     "mgpu-s3-overlap-dq2": MgpuBwdConfig(num_stages=3, overlap=True, dq_buffers=2),
     "mgpu-s3": MgpuBwdConfig(num_stages=3),
+    "mgpu-q128": MgpuBwdConfig(block_q=128),
+    "mgpu-q128-overlap": MgpuBwdConfig(block_q=128, overlap=True),
 }
 
 

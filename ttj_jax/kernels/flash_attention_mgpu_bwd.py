@@ -59,10 +59,15 @@ class MgpuBwdConfig:
     overlap: S^T and dP^T issued together, P^T computed while dP^T runs; dV and dK issued together, dS^T
       stored to shared memory meanwhile. Without it every GEMM is waited for on its own.
     dq_buffers: 1, or 2 so that a block's dQ reduce-add copy runs on while the next block computes (the
-      buffer is reused one block later, not right away)."""
+      buffer is reused one block later, not right away).
+    block_q: queries per ring slot. 64: each consumer computes dQ of the block from its own 64 keys, and
+      both add into the same rows. 128 (head_dim 64 only: registers): S^T and dP^T are 64 x 128 GEMMs,
+      and dQ is split by rows: both consumers store dS^T (double-buffered), meet at a barrier, and each
+      computes 64 rows of dQ from all 128 keys, one reduce-add per row."""
     num_stages: int = 2
     overlap: bool = False
     dq_buffers: int = 1
+    block_q: int = BLOCK_Q
 
     def __post_init__(self):
         if not isinstance(self.num_stages, int) or not 2 <= self.num_stages <= 6:
@@ -71,6 +76,16 @@ class MgpuBwdConfig:
             raise ValueError(f"MgpuBwdConfig.overlap={self.overlap!r} must be a bool")
         if self.dq_buffers not in (1, 2):
             raise ValueError(f"MgpuBwdConfig.dq_buffers={self.dq_buffers!r} must be 1 or 2")
+        if self.block_q not in (BLOCK_Q, BLOCK_KV):
+            raise ValueError(f"MgpuBwdConfig.block_q={self.block_q!r} must be {BLOCK_Q} or {BLOCK_KV}")
+
+    @property
+    def split_dq(self) -> bool:
+        return self.block_q == BLOCK_KV
+
+    @property
+    def ds_buffers(self) -> int:   # split dQ: the other consumer reads a dS^T one block longer
+        return 2 if self.split_dq else 1
 
 
 DEFAULT_CONFIG = MgpuBwdConfig()
@@ -80,8 +95,8 @@ def smem_bytes(head_dim: int, itemsize: int, config: MgpuBwdConfig) -> int:
     """Shared memory the kernel allocates (barriers aside): K and V per consumer, the rings of Q, dO,
     lse and delta, dS^T and the dQ buffers per consumer."""
     kv = 2 * NUM_CONSUMERS * KEYS_PER_CONSUMER * head_dim * itemsize
-    ring = config.num_stages * (2 * BLOCK_Q * head_dim * itemsize + 2 * BLOCK_Q * 4)
-    ds = NUM_CONSUMERS * KEYS_PER_CONSUMER * BLOCK_Q * itemsize
+    ring = config.num_stages * (2 * config.block_q * head_dim * itemsize + 2 * config.block_q * 4)
+    ds = NUM_CONSUMERS * config.ds_buffers * KEYS_PER_CONSUMER * config.block_q * itemsize
     dq = NUM_CONSUMERS * config.dq_buffers * BLOCK_Q * head_dim * 4
     return kv + ring + ds + dq
 
@@ -91,17 +106,17 @@ def padded_len(seq_len: int) -> int:
     return -(-seq_len // BLOCK_KV) * BLOCK_KV
 
 
-def first_query_block(kv_tile, causal: bool):
+def first_query_block(kv_tile, causal: bool, block_q: int = BLOCK_Q):
     """The first query block a KV tile's keys are visible to (causal: its first key's block)."""
-    return kv_tile * (BLOCK_KV // BLOCK_Q) if causal else 0
+    return kv_tile * (BLOCK_KV // block_q) if causal else 0
 
 
-def consumer_first_block(kv_tile, wg, causal: bool):
+def consumer_first_block(kv_tile, wg, causal: bool, block_q: int = BLOCK_Q):
     """The first query block consumer `wg`'s keys are visible to; the blocks of the tile before it are
     waited for and released only. With causal attention this block is the consumer's diagonal."""
     if not causal:
         return 0
-    return (kv_tile * BLOCK_KV + wg * KEYS_PER_CONSUMER) // BLOCK_Q
+    return (kv_tile * BLOCK_KV + wg * KEYS_PER_CONSUMER) // block_q
 
 
 def _accumulate(plgpu, interpret: bool, init, a, b):
@@ -125,13 +140,13 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, dq_
             dtype, interpret: bool):
     plgpu = StagingPlgpu(*stages) if interpret else plgpu_module()
     pl_module = InterpretPallas() if interpret else pl
-    num_stages = config.num_stages
+    num_stages, block_q = config.num_stages, config.block_q
     k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring, ds_smem, dq_smem = smem
-    k_ready, v_ready, q_ready, do_ready, lse_ready, delta_ready, consumed = barriers
+    k_ready, v_ready, q_ready, do_ready, lse_ready, delta_ready, consumed, *ds_ready = barriers
     wg = lax.axis_index("wg")
     batch, head, tile = (lax.axis_index(name) for name in (SEQUENCE_AXIS, HEAD_AXIS, KV_TILE_AXIS))
-    num_q_blocks = padded // BLOCK_Q
-    first = first_query_block(tile, causal)
+    num_q_blocks = padded // block_q
+    first = first_query_block(tile, causal, block_q)
 
     def slot_of(block):
         return lax.rem(block - first, jnp.int32(num_stages))
@@ -162,7 +177,7 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, dq_
             slot = slot_of(block)
             wait_block(slot)
             q_s, do_s = q_ring.at[slot], do_ring.at[slot]
-            shape = (KEYS_PER_CONSUMER, BLOCK_Q)
+            shape = (KEYS_PER_CONSUMER, block_q)
             lse = lax.broadcast_in_dim(plgpu.layout_cast(lse_ring[slot], column), shape, [1])
             delta = lax.broadcast_in_dim(plgpu.layout_cast(delta_ring[slot], column), shape, [1])
 
@@ -172,7 +187,7 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, dq_
                     key = key_start + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
                     allowed = key < seq_len
                     if masked:
-                        query = block * BLOCK_Q + plgpu.broadcasted_iota(jnp.int32, shape, 1,
+                        query = block * block_q + plgpu.broadcasted_iota(jnp.int32, shape, 1,
                                                                          layout=plgpu.Layout.WGMMA)
                         allowed = key <= query
                     p_t = jnp.where(allowed, p_t, 0.0)
@@ -188,33 +203,56 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, dq_
                 p_t = probabilities(_product(plgpu, shape, k_smem.at[wg], q_s.transpose((1, 0))))
                 dp_t = _product(plgpu, shape, v_smem.at[wg], do_s.transpose((1, 0)))
             ds_half = (p_t * (dp_t - delta)).astype(dtype)
+            ds_buffer = ds_smem.at[wg, lax.rem(block, jnp.int32(config.ds_buffers))]
             if config.overlap:
                 def grads(refs):
                     dv_ref, dk_ref = refs
                     plgpu.wgmma(dv_ref, p_t.astype(dtype), do_s)
                     plgpu.wgmma(dk_ref, ds_half, q_s)
-                    ds_smem.at[wg][...] = ds_half   # while the two GEMMs run
+                    ds_buffer[...] = ds_half   # while the two GEMMs run
                 dv, dk = pl_module.run_state(grads)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
             else:
                 dv = _accumulate(plgpu, interpret, dv, p_t.astype(dtype), do_s)
                 dk = _accumulate(plgpu, interpret, dk, ds_half, q_s)
-                ds_smem.at[wg][...] = ds_half
-            plgpu.commit_smem()
-            dq = _product(plgpu, (BLOCK_Q, head_dim), ds_smem.at[wg].transpose((1, 0)), k_smem.at[wg])
+                ds_buffer[...] = ds_half
             plgpu.barrier_arrive(consumed.at[slot])   # every read of Q_j and dO_j has completed
-            # the copy that last read this dQ buffer (dq_buffers blocks ago) has finished reading it
-            plgpu.wait_smem_to_gmem(config.dq_buffers - 1, wait_read_only=True)
-            buffer = dq_smem.at[wg, lax.rem(block, jnp.int32(config.dq_buffers))]
-            buffer[...] = dq * sm_scale
             plgpu.commit_smem()
-            rows = pl.ds(block * BLOCK_Q, BLOCK_Q)
-            if interpret:
-                plgpu.copy_smem_to_gmem(buffer, dq_ref.at[tile * NUM_CONSUMERS + wg, batch, rows, head])
-            else:
-                plgpu.copy_smem_to_gmem(buffer, dq_ref.at[batch, rows, head], reduction_op="add")
+
+            def add_dq(dq, first_row):
+                # the copy that last read this dQ buffer (dq_buffers blocks ago) has finished reading it
+                plgpu.wait_smem_to_gmem(config.dq_buffers - 1, wait_read_only=True)
+                buffer = dq_smem.at[wg, lax.rem(block, jnp.int32(config.dq_buffers))]
+                buffer[...] = dq * sm_scale
+                plgpu.commit_smem()
+                rows = pl.ds(first_row, BLOCK_Q)
+                if interpret:
+                    plgpu.copy_smem_to_gmem(buffer, dq_ref.at[tile * NUM_CONSUMERS + wg, batch, rows, head])
+                else:
+                    plgpu.copy_smem_to_gmem(buffer, dq_ref.at[batch, rows, head], reduction_op="add")
+
+            if not config.split_dq:   # dQ of the whole block from this consumer's keys
+                add_dq(_product(plgpu, (BLOCK_Q, head_dim), ds_buffer.transpose((1, 0)), k_smem.at[wg]),
+                       block * block_q)
+                return dk, dv
+            # split: each consumer's 64 rows of dQ from both consumers' dS^T and K, once both are stored
+            plgpu.barrier_arrive(ds_ready[0].at[0])
+            plgpu.barrier_wait(ds_ready[0].at[0])
+            buffer_index = lax.rem(block, jnp.int32(config.ds_buffers))
+            for rows_of in range(NUM_CONSUMERS):   # static slices: one branch per consumer
+                @pl.when(wg == rows_of)
+                def _(rows_of=rows_of):
+                    columns = pl.ds(rows_of * BLOCK_Q, BLOCK_Q)
+
+                    def both(acc):
+                        for owner in range(NUM_CONSUMERS):
+                            ds_t = ds_smem.at[owner, buffer_index].at[:, columns]
+                            plgpu.wgmma(acc, ds_t.transpose((1, 0)), k_smem.at[owner])
+                        return acc[...]
+                    add_dq(pl.run_scoped(both, plgpu.ACC((BLOCK_Q, head_dim), jnp.float32)),
+                           block * block_q + rows_of * BLOCK_Q)
             return dk, dv
 
-        own = consumer_first_block(tile, wg, causal)
+        own = consumer_first_block(tile, wg, causal, block_q)
         zeros = plgpu.layout_cast(jnp.zeros((KEYS_PER_CONSUMER, head_dim), jnp.float32), plgpu.Layout.WGMMA)
         lax.fori_loop(first, own, skip, None)
         carry = (zeros, zeros)
@@ -224,6 +262,9 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, dq_
         else:
             carry = lax.fori_loop(own, num_q_blocks, functools.partial(step, masked=False), carry)
         dk, dv = carry
+        if config.split_dq:   # the other consumer's last dQ GEMM reads this K: wait for it to complete
+            plgpu.barrier_arrive(ds_ready[0].at[0])
+            plgpu.barrier_wait(ds_ready[0].at[0])
         k_smem.at[wg][...] = (dk * sm_scale).astype(dtype)   # every GEMM reading K and V has completed
         v_smem.at[wg][...] = dv.astype(dtype)
         plgpu.commit_smem()
@@ -237,7 +278,7 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, dq_
 
         def load(block):
             slot = slot_of(block)
-            rows = pl.ds(block * BLOCK_Q, BLOCK_Q)
+            rows = pl.ds(block * block_q, block_q)
             plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], q_ring.at[slot], q_ready.at[slot])
             plgpu.copy_gmem_to_smem(do_ref.at[batch, rows, head], do_ring.at[slot], do_ready.at[slot])
             plgpu.copy_gmem_to_smem(lse_ref.at[batch, head, rows], lse_ring.at[slot], lse_ready.at[slot])
@@ -286,6 +327,9 @@ def flash_attention_mgpu_bwd(q, k, v, o, lse, do, *, causal: bool, sm_scale: flo
     config = DEFAULT_CONFIG if config is None else config
     if not isinstance(config, MgpuBwdConfig):
         raise ValueError(f"config={config!r} must be an MgpuBwdConfig or None")
+    if config.split_dq and q.shape[-1] != 64:
+        raise ValueError(f"{config} takes head_dim 64 only (its 64 x 128 score tiles and dK, dV accumulators "
+                         f"would not fit the registers at head_dim {q.shape[-1]})")
     if smem_bytes(q.shape[-1], jnp.dtype(q.dtype).itemsize, config) > SMEM_BUDGET_BYTES:
         raise ValueError(f"{config} at head_dim {q.shape[-1]} needs {smem_bytes(q.shape[-1], 2, config)} bytes of "
                          f"shared memory, over {SMEM_BUDGET_BYTES}")
@@ -304,25 +348,28 @@ def flash_attention_mgpu_bwd(q, k, v, o, lse, do, *, causal: bool, sm_scale: flo
         return jnp.pad(x, widths, constant_values=value) if padded != seq_len else x
     operands = (pad_rows(q), pad_rows(k), pad_rows(v), pad_rows(do), pad_rows(lse2, jnp.inf), pad_rows(delta))
 
-    ring_slots = config.num_stages
+    ring_slots, block_q = config.num_stages, config.block_q
     swizzle = swizzle_bytes(head_dim, dtype.itemsize)
     tiled = (plgpu.TilingTransform((8, swizzle // dtype.itemsize)), plgpu.SwizzleTransform(swizzle))
     ds_swizzle = swizzle_bytes(BLOCK_Q, dtype.itemsize)
     ds_tiled = (plgpu.TilingTransform((8, ds_swizzle // dtype.itemsize)), plgpu.SwizzleTransform(ds_swizzle))
     smem = (plgpu.SMEM((NUM_CONSUMERS, KEYS_PER_CONSUMER, head_dim), dtype, transforms=tiled),   # K, then dK
             plgpu.SMEM((NUM_CONSUMERS, KEYS_PER_CONSUMER, head_dim), dtype, transforms=tiled),   # V, then dV
-            plgpu.SMEM((ring_slots, BLOCK_Q, head_dim), dtype, transforms=tiled),                   # Q ring
-            plgpu.SMEM((ring_slots, BLOCK_Q, head_dim), dtype, transforms=tiled),                   # dO ring
-            plgpu.SMEM((ring_slots, BLOCK_Q), jnp.float32),                                         # lse ring
-            plgpu.SMEM((ring_slots, BLOCK_Q), jnp.float32),                                         # delta ring
-            plgpu.SMEM((NUM_CONSUMERS, KEYS_PER_CONSUMER, BLOCK_Q), dtype, transforms=ds_tiled), # dS^T
+            plgpu.SMEM((ring_slots, block_q, head_dim), dtype, transforms=tiled),                   # Q ring
+            plgpu.SMEM((ring_slots, block_q, head_dim), dtype, transforms=tiled),                   # dO ring
+            plgpu.SMEM((ring_slots, block_q), jnp.float32),                                         # lse ring
+            plgpu.SMEM((ring_slots, block_q), jnp.float32),                                         # delta ring
+            plgpu.SMEM((NUM_CONSUMERS, config.ds_buffers, KEYS_PER_CONSUMER, block_q), dtype,       # dS^T
+                       transforms=ds_tiled),
             plgpu.SMEM((NUM_CONSUMERS, config.dq_buffers, BLOCK_Q, head_dim), jnp.float32))      # dQ parts
     one = functools.partial(plgpu.Barrier, num_arrivals=1)
     barriers = (one(num_barriers=NUM_CONSUMERS), one(num_barriers=NUM_CONSUMERS),
                 *(one(num_barriers=ring_slots) for _ in range(4)),
                 plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=ring_slots))
-    stages = ((plgpu.SMEM((NUM_CONSUMERS, KEYS_PER_CONSUMER, max(BLOCK_Q, head_dim)), dtype),
-               plgpu.SMEM((NUM_CONSUMERS, head_dim, max(BLOCK_Q, KEYS_PER_CONSUMER)), dtype)) if interpret else ())
+    if config.split_dq:   # both consumers' dS^T stored
+        barriers += (plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=1),)
+    stages = ((plgpu.SMEM((NUM_CONSUMERS, KEYS_PER_CONSUMER, max(block_q, head_dim)), dtype),
+               plgpu.SMEM((NUM_CONSUMERS, head_dim, max(block_q, KEYS_PER_CONSUMER)), dtype)) if interpret else ())
     num_tiles = padded // BLOCK_KV
     kernel = functools.partial(_kernel, causal=causal, seq_len=seq_len, padded=padded, head_dim=head_dim,
                                sm_scale=sm_scale, config=config, dtype=dtype, interpret=bool(interpret))
