@@ -250,9 +250,7 @@ class _ModuleState:
         if mask.device.type == "cpu":
             return classify_mask(mask.detach().numpy())
         if self.mask_on_device:
-            if self.gpu_mask_mode == "auto" and planner.reads_gpu_mask_on_host(self.config, *mask.shape):
-                return read_mask_kind(mask)
-            return MaskKind.UNKNOWN
+            return read_mask_kind(mask) if self._reads_each_call(mask) else MaskKind.UNKNOWN
         if mask.is_inference():
             return MaskKind.UNKNOWN
         version = mask._version
@@ -262,12 +260,16 @@ class _ModuleState:
         self.mask_ref, self.mask_version, self.mask_kind = weakref.ref(mask), version, kind
         return kind
 
+    def _reads_each_call(self, mask: torch.Tensor) -> bool:
+        """TTJ_GPU_MASK=auto at a call size whose work makes a host read cheap (planner.reads_gpu_mask_on_host)."""
+        return self.gpu_mask_mode == "auto" and planner.reads_gpu_mask_on_host(self.config, *mask.shape)
+
     def mask_reading(self, mask: torch.Tensor | None) -> str:
         """How this mask's kind is found, in words (explain())."""
         if mask is None or mask.device.type == "cpu":
             return ""
         if self.mask_on_device:
-            if self.gpu_mask_mode == "auto" and planner.reads_gpu_mask_on_host(self.config, *mask.shape):
+            if self._reads_each_call(mask):
                 return (f"GPU mask read on the host on every call (TTJ_GPU_MASK=auto, at least "
                         f"{planner.HOST_MASK_READ_MIN_FLOP:.0e} FLOP of work)")
             return f"GPU mask decided on the device on every call (TTJ_GPU_MASK={self.gpu_mask_mode})"

@@ -122,8 +122,7 @@ def consumer_first_block(kv_tile, wg, causal: bool, block_q: int = BLOCK_Q):
 def _accumulate(plgpu, interpret: bool, init, a, b):
     """init + a @ b through a wgmma accumulator (init: fp32 registers in the WGMMA layout)."""
     if interpret:   # the interpreter's accumulators start at zero: add the initial value after
-        return init + pl.run_scoped(lambda acc: (plgpu.wgmma(acc, a, b), acc[...])[1],
-                                    plgpu.ACC(init.shape, jnp.float32))
+        return init + _product(plgpu, init.shape, a, b)
 
     def gemm(acc_ref):
         plgpu.wgmma(acc_ref, a, b)
