@@ -60,6 +60,12 @@ MGPU_VARIANTS = {
     "mgpu-s3": MgpuBwdConfig(num_stages=3),
     "mgpu-q128": MgpuBwdConfig(block_q=128),
     "mgpu-q128-overlap": MgpuBwdConfig(block_q=128, overlap=True),
+    "mgpu-s2-og": MgpuBwdConfig(overlap_grads=True),
+    "mgpu-s2-r240": MgpuBwdConfig(registers=240),
+    "mgpu-s2-og-r240": MgpuBwdConfig(overlap_grads=True, registers=240),
+    "mgpu-q128-og": MgpuBwdConfig(block_q=128, overlap_grads=True),
+    "mgpu-q128-r240": MgpuBwdConfig(block_q=128, registers=240),
+    "mgpu-q128-og-r240": MgpuBwdConfig(block_q=128, overlap_grads=True, registers=240),
 }
 
 

@@ -67,11 +67,11 @@ def test_gradients_in_gpu_interpret_mode(case):
 @pytest.mark.slow
 @pytest.mark.interpret
 def test_options_change_no_bit():
-    """The overlapped GEMMs, the double-buffered dQ copies and the ring's depth reorder waits, not
-    arithmetic (128-query blocks change the GEMMs' shapes, so only among themselves)."""
+    """The overlapped GEMMs, the double-buffered dQ copies, the ring's depth and the register split
+    reorder waits, not arithmetic (128-query blocks change the GEMMs' shapes, so only among themselves)."""
     inputs, _ = _case_inputs(1, 300, 1, 64, True, seed=3)
     for family in ((Config(), Config(num_stages=3, overlap=True, dq_buffers=2)),
-                   (Config(block_q=128), Config(block_q=128, overlap=True))):
+                   (Config(block_q=128), Config(block_q=128, overlap_grads=True, registers=240))):
         runs = [fb.flash_attention_mgpu_bwd(*inputs, causal=True, interpret=True, config=config)
                 for config in family]
         for other in runs[1:]:
@@ -96,7 +96,9 @@ def test_no_races_in_gpu_interpret_mode(config):
     (4096, 64, True, None), (1000, 64, False, None), (16384, 128, True, None),
     (4096, 64, True, fb.MgpuBwdConfig(overlap=True, dq_buffers=2)), (4096, 128, True, fb.MgpuBwdConfig(overlap=True)),
     (4096, 64, True, fb.MgpuBwdConfig(num_stages=3, overlap=True, dq_buffers=2)),
-    (4096, 64, True, fb.MgpuBwdConfig(block_q=128)), (1000, 64, False, fb.MgpuBwdConfig(block_q=128, overlap=True))])
+    (4096, 64, True, fb.MgpuBwdConfig(block_q=128)), (1000, 64, False, fb.MgpuBwdConfig(block_q=128, overlap=True)),
+    (4096, 64, True, fb.MgpuBwdConfig(block_q=128, overlap_grads=True, registers=240)),
+    (4096, 128, True, fb.MgpuBwdConfig(overlap_grads=True, registers=240))])
 def test_lowers_for_cuda_to_one_kernel(seq_len, head_dim, causal, config):
     """The GPU build (dQ added with TMA reduce-add copies into an accumulator the kernel takes as a Ref,
     dS^T read transposed as a wgmma operand), with each option, lowers for CUDA: Mosaic GPU's layout
@@ -110,10 +112,16 @@ def test_lowers_for_cuda_to_one_kernel(seq_len, head_dim, causal, config):
 
 
 def test_configs_validate_and_fit_shared_memory():
-    for bad in ({"num_stages": 1}, {"overlap": 1}, {"dq_buffers": 3}, {"block_q": 32}):
+    for bad in ({"num_stages": 1}, {"overlap": 1}, {"dq_buffers": 3}, {"block_q": 32}, {"overlap_grads": 1},
+                {"registers": 256}):
         with pytest.raises(ValueError, match="MgpuBwdConfig"):
             fb.MgpuBwdConfig(**bad)
     assert fb.smem_bytes(64, 2, fb.MgpuBwdConfig(num_stages=4, dq_buffers=2)) <= fb.SMEM_BUDGET_BYTES
+    # three warpgroups of 128 threads share the SM's 64K registers
+    for registers in fb.CONSUMER_REGISTERS:
+        config = fb.MgpuBwdConfig(registers=registers)
+        assert 128 * (fb.NUM_CONSUMERS * registers + config.producer_registers) <= 65536
+        assert config.producer_registers >= 24 and config.producer_registers % 8 == 0
     too_big = fb.MgpuBwdConfig(num_stages=3, dq_buffers=2)
     assert fb.smem_bytes(128, 2, too_big) > fb.SMEM_BUDGET_BYTES
     x = jnp.zeros((1, 128, 1, 128), jnp.float16)

@@ -46,7 +46,7 @@ KEYS_PER_CONSUMER = 64   # one wgmma M tile per consumer warpgroup
 NUM_CONSUMERS = 2
 BLOCK_KV = KEYS_PER_CONSUMER * NUM_CONSUMERS
 SUPPORTED_HEAD_DIMS = (64, 128)
-REGISTERS = (232, 40)    # (consumer, producer) per thread after set_max_registers
+CONSUMER_REGISTERS = (232, 240)   # per thread after set_max_registers (MgpuBwdConfig.registers)
 _LOG2_E = math.log2(math.e)
 SEQUENCE_AXIS, HEAD_AXIS, KV_TILE_AXIS = "ttj_mgpu_bwd_sequence", "ttj_mgpu_bwd_head", "ttj_mgpu_bwd_kv_tile"
 
@@ -63,11 +63,16 @@ class MgpuBwdConfig:
     block_q: queries per ring slot. 64: each consumer computes dQ of the block from its own 64 keys, and
       both add into the same rows. 128 (head_dim 64 only: registers): S^T and dP^T are 64 x 128 GEMMs,
       and dQ is split by rows: both consumers store dS^T (double-buffered), meet at a barrier, and each
-      computes 64 rows of dQ from all 128 keys, one reduce-add per row."""
+      computes 64 rows of dQ from all 128 keys, one reduce-add per row.
+    overlap_grads: dV and dK issued together, dS^T stored to shared memory meanwhile, while S^T and dP^T
+      are waited for on their own (fewer live accumulators than `overlap`, which implies it).
+    registers: per consumer thread (232 or 240); the producer gets what is left of the 64K, at most 40."""
     num_stages: int = 2
     overlap: bool = False
     dq_buffers: int = 1
     block_q: int = BLOCK_Q
+    overlap_grads: bool = False
+    registers: int = CONSUMER_REGISTERS[0]
 
     def __post_init__(self):
         if not isinstance(self.num_stages, int) or not 2 <= self.num_stages <= 6:
@@ -78,10 +83,18 @@ class MgpuBwdConfig:
             raise ValueError(f"MgpuBwdConfig.dq_buffers={self.dq_buffers!r} must be 1 or 2")
         if self.block_q not in (BLOCK_Q, BLOCK_KV):
             raise ValueError(f"MgpuBwdConfig.block_q={self.block_q!r} must be {BLOCK_Q} or {BLOCK_KV}")
+        if not isinstance(self.overlap_grads, bool):
+            raise ValueError(f"MgpuBwdConfig.overlap_grads={self.overlap_grads!r} must be a bool")
+        if self.registers not in CONSUMER_REGISTERS:
+            raise ValueError(f"MgpuBwdConfig.registers={self.registers!r} must be one of {CONSUMER_REGISTERS}")
 
     @property
     def split_dq(self) -> bool:
         return self.block_q == BLOCK_KV
+
+    @property
+    def producer_registers(self) -> int:   # 3 warpgroups share 64K registers; a multiple of 8
+        return min(40, 65536 // 128 - NUM_CONSUMERS * self.registers)
 
     @property
     def ds_buffers(self) -> int:   # split dQ: the other consumer reads a dS^T one block longer
@@ -152,7 +165,7 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, dq_
 
     @pl.when(wg < NUM_CONSUMERS)
     def _consumer():
-        plgpu.set_max_registers(REGISTERS[0], action="increase")
+        plgpu.set_max_registers(config.registers, action="increase")
         key_start = tile * BLOCK_KV + wg * KEYS_PER_CONSUMER
         keys = pl.ds(key_start, KEYS_PER_CONSUMER)
         plgpu.copy_gmem_to_smem(k_ref.at[batch, keys, head], k_smem.at[wg], k_ready.at[wg])
@@ -203,7 +216,7 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, dq_
                 dp_t = _product(plgpu, shape, v_smem.at[wg], do_s.transpose((1, 0)))
             ds_half = (p_t * (dp_t - delta)).astype(dtype)
             ds_buffer = ds_smem.at[wg, lax.rem(block, jnp.int32(config.ds_buffers))]
-            if config.overlap:
+            if config.overlap or config.overlap_grads:
                 def grads(refs):
                     dv_ref, dk_ref = refs
                     plgpu.wgmma(dv_ref, p_t.astype(dtype), do_s)
@@ -273,7 +286,7 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, dq_
 
     @pl.when(wg == NUM_CONSUMERS)
     def _producer():
-        plgpu.set_max_registers(REGISTERS[1], action="decrease")
+        plgpu.set_max_registers(config.producer_registers, action="decrease")
 
         def load(block):
             slot = slot_of(block)
