@@ -106,12 +106,13 @@ DEFAULT_CONFIG = MgpuBwdConfig()
 
 def smem_bytes(head_dim: int, itemsize: int, config: MgpuBwdConfig) -> int:
     """Shared memory the kernel allocates (barriers aside): K and V per consumer, the rings of Q, dO,
-    lse and delta, dS^T and the dQ buffers per consumer."""
+    lse and delta, dS^T and the dQ buffers per consumer, and the keys' bias of a key-masked call."""
     kv = 2 * NUM_CONSUMERS * KEYS_PER_CONSUMER * head_dim * itemsize
     ring = config.num_stages * (2 * config.block_q * head_dim * itemsize + 2 * config.block_q * 4)
     ds = NUM_CONSUMERS * config.ds_buffers * KEYS_PER_CONSUMER * config.block_q * itemsize
     dq = NUM_CONSUMERS * config.dq_buffers * BLOCK_Q * head_dim * 4
-    return kv + ring + ds + dq
+    key_bias = NUM_CONSUMERS * KEYS_PER_CONSUMER * 4   # with a key mask
+    return kv + ring + ds + dq + key_bias
 
 
 def padded_len(seq_len: int) -> int:
@@ -147,9 +148,14 @@ def _product(plgpu, shape, a, b):
     return pl.run_scoped(lambda acc: (plgpu.wgmma(acc, a, b), acc[...])[1], plgpu.ACC(shape, jnp.float32))
 
 
-def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, dq_ref, smem, barriers, *stages,
-            causal: bool, seq_len: int, padded: int, head_dim: int, sm_scale: float, config: MgpuBwdConfig,
-            dtype, interpret: bool):
+def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal: bool, seq_len: int, padded: int,
+            head_dim: int, sm_scale: float, config: MgpuBwdConfig, dtype, interpret: bool, key_masked: bool):
+    if key_masked:   # the keys' bias row (0 or -inf), its shared memory and barrier
+        key_bias_ref, dk_ref, dv_ref, dq_ref, smem, barriers, *stages = refs
+        *smem, bias_smem = smem
+        *barriers, bias_ready = barriers
+    else:
+        dk_ref, dv_ref, dq_ref, smem, barriers, *stages = refs
     plgpu = StagingPlgpu(*stages) if interpret else plgpu_module()
     pl_module = InterpretPallas() if interpret else pl
     num_stages, block_q = config.num_stages, config.block_q
@@ -170,10 +176,15 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, dq_
         keys = pl.ds(key_start, KEYS_PER_CONSUMER)
         plgpu.copy_gmem_to_smem(k_ref.at[batch, keys, head], k_smem.at[wg], k_ready.at[wg])
         plgpu.copy_gmem_to_smem(v_ref.at[batch, keys, head], v_smem.at[wg], v_ready.at[wg])
+        if key_masked:
+            plgpu.copy_gmem_to_smem(key_bias_ref.at[batch, keys], bias_smem.at[wg], bias_ready.at[wg])
         plgpu.barrier_wait(k_ready.at[wg])
         plgpu.barrier_wait(v_ready.at[wg])
         score_scale = sm_scale * _LOG2_E
         column = plgpu.Layout.WGMMA.reduce(0)
+        if key_masked:   # this consumer's keys: one bias per row of S^T, for the whole loop
+            plgpu.barrier_wait(bias_ready.at[wg])
+            key_bias = plgpu.layout_cast(bias_smem[wg], plgpu.Layout.WGMMA.reduce(1))
 
         def wait_block(slot):
             for ready in (q_ready, do_ready, lse_ready, delta_ready):
@@ -194,8 +205,12 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, dq_
             delta = lax.broadcast_in_dim(plgpu.layout_cast(delta_ring[slot], column), shape, [1])
 
             def probabilities(s_t):
-                p_t = jnp.exp2(s_t * score_scale - lse)
-                if masked or (not causal and seq_len != padded):
+                if key_masked:
+                    bias = lax.broadcast_in_dim(key_bias, shape, [0])
+                    p_t = jnp.exp2(s_t * score_scale - lse + bias)
+                else:
+                    p_t = jnp.exp2(s_t * score_scale - lse)
+                if masked or (not causal and seq_len != padded and not key_masked):
                     key = key_start + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
                     allowed = key < seq_len
                     if masked:
@@ -312,9 +327,11 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, dq_
                 plgpu.barrier_wait(consumed.at[slot_of(block)])
 
 
-def _check(q, k, v, o, lse, do, causal, sm_scale):
+def _check(q, k, v, o, lse, do, causal, sm_scale, key_mask):
     check_causal_and_scale(causal, sm_scale)
     check_qkv_layout(q, k, v)
+    if key_mask is not None and (key_mask.shape != q.shape[:2] or key_mask.dtype != jnp.bool_):
+        raise ValueError(f"key_mask: {key_mask.shape} {key_mask.dtype} must be bool [batch, seq_len] = {q.shape[:2]}")
     for name, x in (("o", o), ("do", do)):
         if x.shape != q.shape or x.dtype != q.dtype:
             raise ValueError(f"{name}: {x.shape} {x.dtype} must be q's {q.shape} {q.dtype}")
@@ -328,14 +345,14 @@ def _check(q, k, v, o, lse, do, causal, sm_scale):
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "sm_scale", "interpret", "config"))
-def flash_attention_mgpu_bwd(q, k, v, o, lse, do, *, causal: bool, sm_scale: float | None = None,
+def flash_attention_mgpu_bwd(q, k, v, o, lse, do, *, causal: bool, key_mask=None, sm_scale: float | None = None,
                              interpret: bool | str = False, config: MgpuBwdConfig | None = None):
     """(dq, dk, dv) of softmax(q k^T * sm_scale) v for the cotangent `do`, from the forward's output `o`
-    and its log-sum-exp `lse` ([B, H, S] fp32, `flash_attention(..., return_lse=True)`). q, k, v, o, do:
-    [B, S, H, head_dim] float16 or bfloat16, head_dim 64 or 128, any S >= 1. Rows whose lse is -inf (no
-    allowed key) are not supported. config: MgpuBwdConfig, or None for DEFAULT_CONFIG. Returns three arrays
-    in q's dtype."""
-    _check(q, k, v, o, lse, do, causal, sm_scale)
+    and its log-sum-exp `lse` ([B, H, S] fp32, natural log, `flash_attention(..., return_lse=True)`).
+    q, k, v, o, do: [B, S, H, head_dim] float16 or bfloat16, head_dim 64 or 128, any S >= 1. key_mask: bool
+    [B, S] (False: a key no query sees; its dk and dv are zero) or None. Rows whose lse is -inf (no allowed
+    key) get zero dq. config: MgpuBwdConfig, or None for DEFAULT_CONFIG. Returns three arrays in q's dtype."""
+    _check(q, k, v, o, lse, do, causal, sm_scale, key_mask)
     config = DEFAULT_CONFIG if config is None else config
     if not isinstance(config, MgpuBwdConfig):
         raise ValueError(f"config={config!r} must be an MgpuBwdConfig or None")
@@ -351,7 +368,8 @@ def flash_attention_mgpu_bwd(q, k, v, o, lse, do, *, causal: bool, sm_scale: flo
     sm_scale = head_dim ** -0.5 if sm_scale is None else float(sm_scale)
     padded = padded_len(seq_len)
     delta = jnp.einsum("bshd,bshd->bhs", o.astype(jnp.float32), do.astype(jnp.float32))
-    lse2 = lse.astype(jnp.float32) * _LOG2_E
+    lse = lse.astype(jnp.float32)
+    lse2 = jnp.where(jnp.isfinite(lse), lse * _LOG2_E, jnp.inf)   # no allowed key: P = 0
 
     def pad_rows(x, value=0.0):   # [B, S, H, hd] on axis 1, [B, H, S] on axis 2
         axis = 1 if x.ndim == 4 else 2
@@ -359,6 +377,9 @@ def flash_attention_mgpu_bwd(q, k, v, o, lse, do, *, causal: bool, sm_scale: flo
         widths[axis] = (0, padded - seq_len)
         return jnp.pad(x, widths, constant_values=value) if padded != seq_len else x
     operands = (pad_rows(q), pad_rows(k), pad_rows(v), pad_rows(do), pad_rows(lse2, jnp.inf), pad_rows(delta))
+    key_masked = key_mask is not None
+    if key_masked:   # [B, padded] fp32: 0 for a valid key, -inf for a masked or padded one
+        operands += (pad_rows(jnp.where(key_mask, 0.0, -jnp.inf).astype(jnp.float32)[:, None], -jnp.inf)[:, 0],)
 
     ring_slots, block_q = config.num_stages, config.block_q
     swizzle = swizzle_bytes(head_dim, dtype.itemsize)
@@ -374,21 +395,26 @@ def flash_attention_mgpu_bwd(q, k, v, o, lse, do, *, causal: bool, sm_scale: flo
             plgpu.SMEM((NUM_CONSUMERS, config.ds_buffers, KEYS_PER_CONSUMER, block_q), dtype,       # dS^T
                        transforms=ds_tiled),
             plgpu.SMEM((NUM_CONSUMERS, config.dq_buffers, BLOCK_Q, head_dim), jnp.float32))      # dQ parts
+    if key_masked:   # each consumer's keys' bias
+        smem += (plgpu.SMEM((NUM_CONSUMERS, KEYS_PER_CONSUMER), jnp.float32),)
     one = functools.partial(plgpu.Barrier, num_arrivals=1)
     barriers = (one(num_barriers=NUM_CONSUMERS), one(num_barriers=NUM_CONSUMERS),
                 *(one(num_barriers=ring_slots) for _ in range(4)),
                 plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=ring_slots))
     if config.split_dq:   # both consumers' dS^T stored
         barriers += (plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=1),)
+    if key_masked:
+        barriers += (one(num_barriers=NUM_CONSUMERS),)
     stages = ((plgpu.SMEM((NUM_CONSUMERS, KEYS_PER_CONSUMER, max(block_q, head_dim)), dtype),
                plgpu.SMEM((NUM_CONSUMERS, head_dim, max(block_q, KEYS_PER_CONSUMER)), dtype)) if interpret else ())
     num_tiles = padded // BLOCK_KV
     kernel = functools.partial(_kernel, causal=causal, seq_len=seq_len, padded=padded, head_dim=head_dim,
-                               sm_scale=sm_scale, config=config, dtype=dtype, interpret=bool(interpret))
+                               sm_scale=sm_scale, config=config, dtype=dtype, interpret=bool(interpret),
+                               key_masked=key_masked)
     params = plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane)
     grads = jax.ShapeDtypeStruct((batch, padded, heads, head_dim), dtype)
 
-    def body(*refs):   # the six inputs, then dk, dv and dq (interpret: an output; else the accumulator)
+    def body(*refs):   # the inputs, then dk, dv and dq (interpret: an output; else the accumulator)
         pl.run_scoped(lambda *scoped: kernel(*refs, *scoped), smem, barriers, *stages, collective_axes="wg")
 
     grid = dict(grid=(batch, heads, num_tiles), grid_names=(SEQUENCE_AXIS, HEAD_AXIS, KV_TILE_AXIS),
