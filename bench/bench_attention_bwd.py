@@ -3,7 +3,7 @@ Hopper kernel of kernels/flash_attention_mgpu_bwd.py: the `mgpu-s*` variants) ag
 through `jax.nn.dot_product_attention(..., implementation="cudnn")`, side by side.
 
     PYTHONPATH=. python3 -m bench.bench_attention_bwd [--cases 1x16x16384x64] [--variants all|default]
-                                                      [--out DIR]
+                                                      [--pad-ratio 0.3] [--out DIR]
     (the Hopper kernel: --variants default,mgpu-s2,mgpu-s2-overlap-dq2,...: MGPU_VARIANTS; sm_90 only)
 
 For each case ([B, H, S, head_dim], causal, fp16 inputs) both forwards run once, then each backward alone
@@ -69,15 +69,24 @@ MGPU_VARIANTS = {
 }
 
 
-def backward_fn(name: str, causal: bool):
+def backward_fn(name: str, causal: bool, key_mask=None):
     """The backward of variant `name`: (q, k, v, o, lse, do) -> (dq, dk, dv), and its settings."""
     if name in MGPU_VARIANTS:
         config = MGPU_VARIANTS[name]
-        return (lambda q, k, v, o, lse, do: flash_attention_mgpu_bwd(q, k, v, o, lse, do, causal=causal,
-                                                                     config=config)), dataclasses.asdict(config)
+        return (lambda q, k, v, o, lse, do: flash_attention_mgpu_bwd(
+            q, k, v, o, lse, do, causal=causal, key_mask=key_mask, config=config)), dataclasses.asdict(config)
     blocks = VARIANTS[name]
-    return (lambda q, k, v, o, lse, do: flash_attention_bwd(q, k, v, o, lse, do, causal=causal,
+    return (lambda q, k, v, o, lse, do: flash_attention_bwd(q, k, v, o, lse, do, causal=causal, key_mask=key_mask,
                                                             blocks=blocks)), blocks._asdict()
+
+
+def padding_mask(batch: int, seq_len: int, ratio: float):
+    """The harness's padding: sequence b keeps its first S - round(ratio * S * b / max(B - 1, 1)) keys
+    (the first sequence unpadded, the last padded by `ratio`), or None for ratio 0."""
+    if not ratio:
+        return None
+    keep = [seq_len - round(ratio * seq_len * b / max(batch - 1, 1)) for b in range(batch)]
+    return jnp.arange(seq_len)[None, :] < jnp.asarray(keep)[:, None]
 
 
 def backward_tflops(batch, heads, seq_len, head_dim, causal, ms):
@@ -96,25 +105,30 @@ def _inputs(batch, heads, seq_len, head_dim, seed=0):
     return [jax.random.normal(key, shape, jnp.float32).astype(jnp.float16) for key in keys]
 
 
-def reference_check(name: str, causal: bool) -> dict:
-    """Our gradients against jax.vjp of the fp32 reference on a small case (B=1, H=4, S=1000, hd 64)."""
-    q, k, v, do = _inputs(1, 4, 1000, 64, seed=1)
-    o, lse = flash_attention(q, k, v, causal=causal, implementation="generic", return_lse=True)
-    ours = jax.jit(backward_fn(name, causal)[0])(q, k, v, o, lse, do)
-    f = lambda a, b, c: attention_reference(a, b, c, causal=causal)   # noqa: E731
+def reference_check(name: str, causal: bool, pad_ratio: float = 0.0) -> dict:
+    """Our gradients against jax.vjp of the fp32 reference on a small case (B=2, H=4, S=1000, hd 64)."""
+    q, k, v, do = _inputs(2, 4, 1000, 64, seed=1)
+    key_mask = padding_mask(2, 1000, pad_ratio)
+    o, lse = flash_attention(q, k, v, causal=causal, implementation="generic", return_lse=True, key_mask=key_mask)
+    ours = jax.jit(backward_fn(name, causal, key_mask)[0])(q, k, v, o, lse, do)
+    f = lambda a, b, c: attention_reference(a, b, c, causal=causal, key_mask=key_mask)   # noqa: E731
     _, pull = jax.vjp(f, *(t.astype(jnp.float32) for t in (q, k, v)))
     want = pull(do.astype(jnp.float32))
     return {name: _rel(a, b) for name, a, b in zip(("dq", "dk", "dv"), ours, want)}
 
 
-def run_case(case, causal: bool, variants: dict, min_seconds: float, repeats: int) -> dict:
+def run_case(case, causal: bool, variants: dict, min_seconds: float, repeats: int, pad_ratio: float = 0.0) -> dict:
     batch, heads, seq_len, head_dim = case
     q, k, v, do = _inputs(batch, heads, seq_len, head_dim)
+    key_mask = padding_mask(batch, seq_len, pad_ratio)
     out: dict = {"case": {"batch": batch, "heads": heads, "seq_len": seq_len, "head_dim": head_dim,
-                          "causal": causal, "dtype": "float16"}}
+                          "causal": causal, "dtype": "float16", "pad_ratio": pad_ratio}}
 
     def cudnn(a, b, c):
-        return jax.nn.dot_product_attention(a, b, c, is_causal=causal, implementation="cudnn")
+        if key_mask is None:
+            return jax.nn.dot_product_attention(a, b, c, is_causal=causal, implementation="cudnn")
+        return jax.nn.dot_product_attention(a, b, c, is_causal=causal, implementation="cudnn",
+                                            key_value_seq_lengths=key_mask.sum(axis=1, dtype=jnp.int32))
 
     try:
         _, pull = jax.vjp(cudnn, q, k, v)
@@ -128,10 +142,10 @@ def run_case(case, causal: bool, variants: dict, min_seconds: float, repeats: in
     print(f"  cudnn: {out['cudnn']}", flush=True)
 
     o, lse = jax.block_until_ready(flash_attention(q, k, v, causal=causal, implementation="generic",
-                                                   return_lse=True))
+                                                   return_lse=True, key_mask=key_mask))
     out["ttj"] = {}
     for name in variants:
-        backward, settings = backward_fn(name, causal)
+        backward, settings = backward_fn(name, causal, key_mask)
         entry: dict = {"blocks": settings}
         try:
             fn = jax.jit(backward)
@@ -157,6 +171,9 @@ def main(argv=None) -> int:
     p.add_argument("--cases", default="1x16x16384x64", help="BxHxSxHD, comma-separated")
     p.add_argument("--variants", default="all", help="'all', or names of VARIANTS, comma-separated")
     p.add_argument("--non-causal", action="store_true", help="also time non-causal attention")
+    p.add_argument("--pad-ratio", type=float, default=0.0,
+                   help="key masks with the harness's padding (the last sequence padded by this ratio); cuDNN "
+                        "gets the same as key_value_seq_lengths")
     p.add_argument("--min-seconds", type=float, default=0.3)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", default="bench/results")
@@ -174,7 +191,7 @@ def main(argv=None) -> int:
               "reference_check": {}, "cases": []}
     for name in variants:
         try:
-            record["reference_check"][name] = {c: reference_check(name, c == "causal")
+            record["reference_check"][name] = {c: reference_check(name, c == "causal", args.pad_ratio)
                                                for c in ("causal", "non-causal")}
         except Exception as exc:   # recorded; counted as a failure below
             record["reference_check"][name] = {"error": {"error": float("inf")}}
@@ -183,7 +200,7 @@ def main(argv=None) -> int:
     for case in cases:
         for causal in ((True, False) if args.non_causal else (True,)):
             print(f"case {case} causal={causal}", flush=True)
-            record["cases"].append(run_case(case, causal, variants, args.min_seconds, args.repeats))
+            record["cases"].append(run_case(case, causal, variants, args.min_seconds, args.repeats, args.pad_ratio))
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"attention-bwd-{record['date']}-{gpu.lower().replace(' ', '-')}.json")
     with open(path, "w") as f:
