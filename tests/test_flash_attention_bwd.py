@@ -83,3 +83,31 @@ def test_unequal_tiles_split_the_diagonal_correctly(blocks, causal):
     want = _reference_grads(q, k, v, do.astype(q.dtype).astype(jnp.float32), causal, None)
     for name, ours, ref in zip(("dq", "dk", "dv"), got, want):
         assert _rel(ours, ref) <= MAX_REL_L2, (name, _rel(ours, ref))
+
+
+def test_hopper_backward_dispatch_rule(monkeypatch):
+    """flash_attention_vjp's backward takes the Hopper kernel only where mgpu_backward_applies: switched on,
+    on sm_90, at its head_dims and lengths, fp16/bf16, not interpreted; the key mask is passed on."""
+    from ttj_jax.kernels import flash_attention_bwd as fab
+    x = lambda s, hd, dtype=jnp.float16: jnp.zeros((1, s, 1, hd), dtype)   # noqa: E731
+    monkeypatch.setattr(fab, "on_hopper", lambda: True)
+    monkeypatch.setattr(fab, "MGPU_BACKWARD_DISPATCH", True)
+    assert fab.mgpu_backward_applies(x(4096, 64), interpret=False)
+    assert not fab.mgpu_backward_applies(x(4096, 64), interpret=True)
+    assert not fab.mgpu_backward_applies(x(4096, 128), interpret=False)
+    assert not fab.mgpu_backward_applies(x(fab.MGPU_BACKWARD_MIN_SEQ_LEN - 1, 64), interpret=False)
+    assert not fab.mgpu_backward_applies(x(4096, 64, jnp.float32), interpret=False)
+    monkeypatch.setattr(fab, "on_hopper", lambda: False)
+    assert not fab.mgpu_backward_applies(x(4096, 64), interpret=False)
+
+    monkeypatch.setattr(fab, "on_hopper", lambda: True)
+    calls = []
+
+    def spy(q, k, v, o, lse, do, *, causal, key_mask, config):
+        calls.append((causal, key_mask is not None, config))
+        return q, k, v
+    monkeypatch.setattr(fab, "flash_attention_mgpu_bwd", spy)
+    q = x(4096, 64)
+    residuals = (q, q, q, q, jnp.zeros((1, 1, 4096)), jnp.ones((1, 4096), bool))
+    fab._vjp_bwd(True, False, residuals, q)
+    assert calls == [(True, True, fab.MGPU_BACKWARD_CONFIG)]

@@ -14,9 +14,11 @@ mask, and padding to a block multiple, exclude keys exactly (p = 0, so masked ke
 a row with no allowed key (lse = -inf) contributes nothing.
 
 Numerics: the dots take fp16 operands (bf16 for bf16 inputs) with fp32 accumulation, like the forward;
-p, ds and the accumulators are fp32. On a CPU the kernels run with `interpret=True` (CI's check). Not yet
-measured on a GPU: the training path's default backward stays XLA's or cuDNN's until it is
-(ttj_jax/training.py).
+p, ds and the accumulators are fp32. On a CPU the kernels run with `interpret=True` (CI's check).
+
+On Hopper (sm_90), `flash_attention_vjp`'s backward takes the Mosaic GPU kernel of
+flash_attention_mgpu_bwd.py instead where `mgpu_backward_applies` (MGPU_BACKWARD_DISPATCH, head_dim in
+MGPU_BACKWARD_HEAD_DIMS, S >= MGPU_BACKWARD_MIN_SEQ_LEN, fp16/bf16 operands), with or without a key mask.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from ttj_jax.kernels.flash_attention import flash_attention, padded_head_dim
+from ttj_jax.kernels.flash_attention import flash_attention, on_hopper, padded_head_dim
+from ttj_jax.kernels.flash_attention_mgpu_bwd import MgpuBwdConfig, flash_attention_mgpu_bwd
 
 
 class BwdBlocks(NamedTuple):
@@ -46,6 +49,20 @@ class BwdBlocks(NamedTuple):
 
 DEFAULT_BLOCKS = BwdBlocks()
 _LOG2E = 1.4426950408889634
+
+# The Hopper backward (flash_attention_mgpu_bwd.py) in flash_attention_vjp: off until measured against these
+# kernels on the GPU, key-masked calls included (`python3 -m bench.bench_attention_bwd --pad-ratio 0.3`).
+MGPU_BACKWARD_DISPATCH = False
+MGPU_BACKWARD_CONFIG = MgpuBwdConfig(block_q=128)
+MGPU_BACKWARD_HEAD_DIMS = (64,)
+MGPU_BACKWARD_MIN_SEQ_LEN = 2048
+
+
+def mgpu_backward_applies(q, interpret: bool) -> bool:
+    """Whether flash_attention_vjp's backward of q ([B, S, H, hd]) runs the Hopper kernel."""
+    return (MGPU_BACKWARD_DISPATCH and not interpret and q.shape[-1] in MGPU_BACKWARD_HEAD_DIMS
+            and q.shape[1] >= MGPU_BACKWARD_MIN_SEQ_LEN
+            and jnp.dtype(q.dtype) in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)) and on_hopper())
 
 
 def _allowed(q_start, k_start, block_q: int, block_k: int, *, causal: bool, key_limit: int | None, key_mask):
@@ -225,6 +242,10 @@ def _vjp_fwd(q, k, v, causal, interpret, key_mask=None):
 
 def _vjp_bwd(causal, interpret, residuals, do):
     q, k, v, o, lse, key_mask = residuals
+    if mgpu_backward_applies(q, interpret):
+        dq, dk, dv = flash_attention_mgpu_bwd(q, k, v, o, lse, do.astype(q.dtype), causal=causal, key_mask=key_mask,
+                                              config=MGPU_BACKWARD_CONFIG)
+        return dq, dk, dv, None
     dq, dk, dv = flash_attention_bwd(q, k, v, o, lse, do.astype(q.dtype), causal=causal, key_mask=key_mask,
                                      interpret=interpret)
     return dq, dk, dv, None
