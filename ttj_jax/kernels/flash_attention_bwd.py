@@ -50,12 +50,15 @@ class BwdBlocks(NamedTuple):
 DEFAULT_BLOCKS = BwdBlocks()
 _LOG2E = 1.4426950408889634
 
-# The Hopper backward (flash_attention_mgpu_bwd.py) in flash_attention_vjp: off until measured against these
-# kernels on the GPU, key-masked calls included (`python3 -m bench.bench_attention_bwd --pad-ratio 0.3`).
-MGPU_BACKWARD_DISPATCH = False
-MGPU_BACKWARD_CONFIG = MgpuBwdConfig(block_q=128)
+# The Hopper backward (flash_attention_mgpu_bwd.py) in flash_attention_vjp. Measured on one H100 (2026-12-06,
+# `python3 -m bench.bench_attention_bwd`, attention-bwd-2026-12-06-h100-*.json) against these kernels at
+# head_dim 64: 1.30-1.45x faster at S 2048-16384, causal and not, with and without the harness's padding
+# masks; at head_dim 128 0.96x (not dispatched). Per mask kind the faster of its two builds: 128-query
+# blocks for causal attention (1.09x at S=16384, equal at 4096, 0.97x at 2048), 64 for non-causal (1.10x).
+MGPU_BACKWARD_DISPATCH = True
+MGPU_BACKWARD_CONFIGS = {True: MgpuBwdConfig(block_q=128), False: MgpuBwdConfig()}   # by causal
 MGPU_BACKWARD_HEAD_DIMS = (64,)
-MGPU_BACKWARD_MIN_SEQ_LEN = 2048
+MGPU_BACKWARD_MIN_SEQ_LEN = 2048   # the shortest measured
 
 
 def mgpu_backward_applies(q, interpret: bool) -> bool:
@@ -244,7 +247,7 @@ def _vjp_bwd(causal, interpret, residuals, do):
     q, k, v, o, lse, key_mask = residuals
     if mgpu_backward_applies(q, interpret):
         dq, dk, dv = flash_attention_mgpu_bwd(q, k, v, o, lse, do.astype(q.dtype), causal=causal, key_mask=key_mask,
-                                              config=MGPU_BACKWARD_CONFIG)
+                                              config=MGPU_BACKWARD_CONFIGS[causal])
         return dq, dk, dv, None
     dq, dk, dv = flash_attention_bwd(q, k, v, o, lse, do.astype(q.dtype), causal=causal, key_mask=key_mask,
                                      interpret=interpret)
