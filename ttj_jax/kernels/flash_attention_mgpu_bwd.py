@@ -1,7 +1,7 @@
 """The attention backward on Hopper (sm_90), FlashAttention-3 style, in Pallas' Mosaic GPU dialect.
 
-Built, not yet run on a GPU: nothing dispatches to it (`flash_attention_bwd` keeps its generic kernels)
-until `bench/bench_attention_bwd.py --mgpu` has checked and timed it there.
+`flash_attention_vjp` (flash_attention_bwd.py) takes it on sm_90 where `mgpu_backward_applies`; measured by
+`python3 -m bench.bench_attention_bwd --variants default,mgpu-q128,...` (docs/decisions.md).
 
 One CUDA block per (KV tile of `BLOCK_KV` keys, head, sequence); `NUM_CONSUMERS` consumer warpgroups own
 `KEYS_PER_CONSUMER` keys each, and a producer warpgroup streams the query blocks (Q, dO, the forward's
@@ -15,6 +15,9 @@ query block j a consumer, with its keys' K and V in shared memory for the whole 
   fp32 product is added into an fp32 dQ accumulator in global memory by a TMA reduce-add copy (other
   blocks add theirs to the same rows). jax's Mosaic GPU interpreter has no TMA reduction: in interpret
   mode each (tile, consumer) writes its own dQ partial and the wrapper sums them.
+A key mask gives each consumer's 64 keys a bias row (0 or -inf) added to every block's scores: masked keys
+get P = 0, so zero dK and dV and nothing in dQ. A row whose log-sum-exp is -inf (no allowed key) gets
+P = 0 and zero dQ.
 Causal attention: a tile visits the query blocks from its first key on; the consumer whose keys start
 later waits for and releases the blocks before its own diagonal, so the ring's phases stay in step; the
 diagonal block takes the causal mask. Sequences are padded to whole KV tiles: padded queries get
