@@ -49,12 +49,14 @@ def test_key_masked_build_lowers_for_cuda(seq_len, head_dim, causal, kwargs):
     (The fused entry: the next test.)"""
     spec = jax.ShapeDtypeStruct((2, seq_len, 2, head_dim), jnp.float16)
     mask = jax.ShapeDtypeStruct((2, seq_len), jnp.bool_)
-    call = jax.jit(lambda q, k, v, m: fm.flash_attention_mgpu(q, k, v, causal=causal, key_mask=m, **kwargs))
+    call = jax.jit(lambda q, k, v, m: fm.flash_attention_mgpu(q, k, v, causal=causal, key_mask=m, clean_blocks=False,
+                                                              **kwargs))
     text = call.trace(spec, spec, spec, mask).lower(lowering_platforms=("cuda",)).as_text()
     assert _custom_calls(text).count("mosaic_gpu_v2") == 1
     # the mask-free build's text is another kernel
     assert text != _lower_for_cuda(seq_len, head_dim, causal, batch=2, **kwargs)
-    # and so is the build with clean-block bounds (their copy and a scalar read, four loop segments)
+    # and so is the build with clean-block bounds (their copy and a scalar read, four loop segments; the
+    # default since their first GPU run)
     bounded = jax.jit(lambda q, k, v, m: fm.flash_attention_mgpu(q, k, v, causal=causal, key_mask=m, clean_blocks=True,
                                                                  **kwargs))
     bounded_text = bounded.trace(spec, spec, spec, mask).lower(lowering_platforms=("cuda",)).as_text()
