@@ -61,6 +61,14 @@ MGPU_BACKWARD_HEAD_DIMS = (64,)
 MGPU_BACKWARD_MIN_SEQ_LEN = 2048   # the shortest measured
 
 
+# flash_attention_vjp's forward: "generic" (our generic kernel), or "auto" (flash_attention's dispatch, which
+# takes the Hopper forward where it is measured faster, key-masked calls included; its log-sum-exp has the
+# same meaning). "generic" until a GPU run has compared the training step's gradients and time with both:
+# predicted to save ~0.09 ms of the 2.77 ms GPT-2-like step at S=4096 (the two layers' attention forward at
+# the Hopper kernel's ~440 TFLOP/s against the generic kernel's ~250).
+VJP_FORWARD_IMPLEMENTATION = "generic"
+
+
 def mgpu_backward_applies(q, interpret: bool) -> bool:
     """Whether flash_attention_vjp's backward of q ([B, S, H, hd]) runs the Hopper kernel."""
     return (MGPU_BACKWARD_DISPATCH and not interpret and q.shape[-1] in MGPU_BACKWARD_HEAD_DIMS
@@ -234,12 +242,12 @@ def flash_attention_vjp(q, k, v, causal: bool, interpret: bool, key_mask=None):
     """Our flash attention ([B, S, H, hd]; key_mask bool [B, S] or None), differentiable: its backward is
     flash_attention_bwd. The key mask gets no gradient."""
     return flash_attention(q, k, v, causal=causal, key_mask=key_mask, interpret=interpret,
-                           implementation="generic")
+                           implementation=VJP_FORWARD_IMPLEMENTATION)
 
 
 def _vjp_fwd(q, k, v, causal, interpret, key_mask=None):
     o, lse = flash_attention(q, k, v, causal=causal, key_mask=key_mask, interpret=interpret,
-                             implementation="generic", return_lse=True)
+                             implementation=VJP_FORWARD_IMPLEMENTATION, return_lse=True)
     return o, (q, k, v, o, lse, key_mask)
 
 
