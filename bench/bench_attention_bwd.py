@@ -66,6 +66,9 @@ MGPU_VARIANTS = {
     "mgpu-q128-og": MgpuBwdConfig(block_q=128, overlap_grads=True),
     "mgpu-q128-r240": MgpuBwdConfig(block_q=128, registers=240),
     "mgpu-q128-og-r240": MgpuBwdConfig(block_q=128, overlap_grads=True, registers=240),
+    "mgpu-s2-eager": MgpuBwdConfig(eager_ds=True),
+    "mgpu-q128-eager": MgpuBwdConfig(block_q=128, eager_ds=True),
+    "mgpu-q128-og-eager": MgpuBwdConfig(block_q=128, overlap_grads=True, eager_ds=True),
 }
 
 

@@ -109,7 +109,7 @@ def test_options_change_no_bit():
     reorder waits, not arithmetic (128-query blocks change the GEMMs' shapes, so only among themselves)."""
     inputs, _ = _case_inputs(1, 300, 1, 64, True, seed=3)
     for family in ((Config(), Config(num_stages=3, overlap=True, dq_buffers=2)),
-                   (Config(block_q=128), Config(block_q=128, overlap_grads=True, registers=240))):
+                   (Config(block_q=128), Config(block_q=128, overlap_grads=True, registers=240, eager_ds=True))):
         runs = [fb.flash_attention_mgpu_bwd(*inputs, causal=True, interpret=True, config=config)
                 for config in family]
         for other in runs[1:]:
@@ -119,7 +119,8 @@ def test_options_change_no_bit():
 
 @pytest.mark.slow
 @pytest.mark.interpret
-@pytest.mark.parametrize("config", [Config(), Config(overlap=True, dq_buffers=2), Config(block_q=128, overlap=True)])
+@pytest.mark.parametrize("config", [Config(), Config(overlap=True, dq_buffers=2), Config(block_q=128, overlap=True),
+                                    Config(block_q=128, eager_ds=True)])
 def test_no_races_in_gpu_interpret_mode(config):
     """The race detector on each build. It does not see a wgmma's reads of shared memory: with the
     128-query build's last barrier removed (a consumer then writes dK over its K while the other's last
@@ -136,7 +137,8 @@ def test_no_races_in_gpu_interpret_mode(config):
     (4096, 64, True, fb.MgpuBwdConfig(num_stages=3, overlap=True, dq_buffers=2)),
     (4096, 64, True, fb.MgpuBwdConfig(block_q=128)), (1000, 64, False, fb.MgpuBwdConfig(block_q=128, overlap=True)),
     (4096, 64, True, fb.MgpuBwdConfig(block_q=128, overlap_grads=True, registers=240)),
-    (4096, 128, True, fb.MgpuBwdConfig(overlap_grads=True, registers=240))])
+    (4096, 128, True, fb.MgpuBwdConfig(overlap_grads=True, registers=240)),
+    (4096, 64, True, fb.MgpuBwdConfig(block_q=128, eager_ds=True)), (1000, 64, False, fb.MgpuBwdConfig(eager_ds=True))])
 def test_lowers_for_cuda_to_one_kernel(seq_len, head_dim, causal, config):
     """The GPU build (dQ added with TMA reduce-add copies into an accumulator the kernel takes as a Ref,
     dS^T read transposed as a wgmma operand), with each option, lowers for CUDA: Mosaic GPU's layout
@@ -166,7 +168,7 @@ def test_key_mask_lowers_for_cuda_and_is_checked():
 
 
 def test_configs_validate_and_fit_shared_memory():
-    for bad in ({"num_stages": 1}, {"overlap": 1}, {"dq_buffers": 3}, {"block_q": 32}, {"overlap_grads": 1},
+    for bad in ({"num_stages": 1}, {"overlap": 1}, {"dq_buffers": 3}, {"block_q": 32}, {"overlap_grads": 1}, {"eager_ds": 0},
                 {"registers": 256}):
         with pytest.raises(ValueError, match="MgpuBwdConfig"):
             fb.MgpuBwdConfig(**bad)

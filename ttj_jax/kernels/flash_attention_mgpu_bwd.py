@@ -69,13 +69,17 @@ class MgpuBwdConfig:
       computes 64 rows of dQ from all 128 keys, one reduce-add per row.
     overlap_grads: dV and dK issued together, dS^T stored to shared memory meanwhile, while S^T and dP^T
       are waited for on their own (fewer live accumulators than `overlap`, which implies it).
-    registers: per consumer thread (232 or 240); the producer gets what is left of the 64K, at most 40."""
+    registers: per consumer thread (232 or 240); the producer gets what is left of the 64K, at most 40.
+    eager_ds: dS^T stored (and, with split dQ, announced to the other consumer) before the dV and dK GEMMs
+      are issued, so a consumer's wait for the other's dS^T overlaps its own dV and dK: the consumers
+      leave the lock-step the per-block meeting holds them in."""
     num_stages: int = 2
     overlap: bool = False
     dq_buffers: int = 1
     block_q: int = BLOCK_Q
     overlap_grads: bool = False
     registers: int = CONSUMER_REGISTERS[0]
+    eager_ds: bool = False
 
     def __post_init__(self):
         if not isinstance(self.num_stages, int) or not 2 <= self.num_stages <= 6:
@@ -88,6 +92,8 @@ class MgpuBwdConfig:
             raise ValueError(f"MgpuBwdConfig.block_q={self.block_q!r} must be {BLOCK_Q} or {BLOCK_KV}")
         if not isinstance(self.overlap_grads, bool):
             raise ValueError(f"MgpuBwdConfig.overlap_grads={self.overlap_grads!r} must be a bool")
+        if not isinstance(self.eager_ds, bool):
+            raise ValueError(f"MgpuBwdConfig.eager_ds={self.eager_ds!r} must be a bool")
         if self.registers not in CONSUMER_REGISTERS:
             raise ValueError(f"MgpuBwdConfig.registers={self.registers!r} must be one of {CONSUMER_REGISTERS}")
 
@@ -234,19 +240,27 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal: bool
                 dp_t = _product(plgpu, shape, v_smem.at[wg], do_s.transpose((1, 0)))
             ds_half = (p_t * (dp_t - delta)).astype(dtype)
             ds_buffer = ds_smem.at[wg, lax.rem(block, jnp.int32(config.ds_buffers))]
+            if config.eager_ds:   # dS^T stored, and announced to the other consumer, before dV and dK
+                ds_buffer[...] = ds_half
+                plgpu.commit_smem()
+                if config.split_dq:
+                    plgpu.barrier_arrive(ds_ready[0].at[0])
             if config.overlap or config.overlap_grads:
                 def grads(refs):
                     dv_ref, dk_ref = refs
                     plgpu.wgmma(dv_ref, p_t.astype(dtype), do_s)
                     plgpu.wgmma(dk_ref, ds_half, q_s)
-                    ds_buffer[...] = ds_half   # while the two GEMMs run
+                    if not config.eager_ds:
+                        ds_buffer[...] = ds_half   # while the two GEMMs run
                 dv, dk = pl_module.run_state(grads)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
             else:
                 dv = _accumulate(plgpu, interpret, dv, p_t.astype(dtype), do_s)
                 dk = _accumulate(plgpu, interpret, dk, ds_half, q_s)
-                ds_buffer[...] = ds_half
+                if not config.eager_ds:
+                    ds_buffer[...] = ds_half
             plgpu.barrier_arrive(consumed.at[slot])   # every read of Q_j and dO_j has completed
-            plgpu.commit_smem()
+            if not config.eager_ds:
+                plgpu.commit_smem()
 
             def add_dq(dq, first_row):
                 # the copy that last read this dQ buffer (dq_buffers blocks ago) has finished reading it
@@ -265,7 +279,8 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal: bool
                        block * block_q)
                 return dk, dv
             # split: each consumer's 64 rows of dQ from both consumers' dS^T and K, once both are stored
-            plgpu.barrier_arrive(ds_ready[0].at[0])
+            if not config.eager_ds:
+                plgpu.barrier_arrive(ds_ready[0].at[0])
             plgpu.barrier_wait(ds_ready[0].at[0])
             buffer_index = lax.rem(block, jnp.int32(config.ds_buffers))
             for rows_of in range(NUM_CONSUMERS):   # static slices: one branch per consumer
