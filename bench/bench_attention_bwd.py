@@ -69,6 +69,8 @@ MGPU_VARIANTS = {
     "mgpu-s2-eager": MgpuBwdConfig(eager_ds=True),
     "mgpu-q128-eager": MgpuBwdConfig(block_q=128, eager_ds=True),
     "mgpu-q128-og-eager": MgpuBwdConfig(block_q=128, overlap_grads=True, eager_ds=True),
+    "mgpu-q128-unsplit": MgpuBwdConfig(block_q=128, dq_split=False),
+    "mgpu-q128-unsplit-dq2": MgpuBwdConfig(block_q=128, dq_split=False, dq_buffers=2),
 }
 
 

@@ -29,6 +29,7 @@ CASES = {
     "hd64-S512-causal-3stages": (1, 512, 1, 64, True, Config(num_stages=3)),
     "hd64-S300-B2-causal-q128": (2, 300, 1, 64, True, Config(block_q=128, overlap=True)),
     "hd64-S300-full-q128": (1, 300, 1, 64, False, Config(block_q=128)),
+    "hd64-S300-B2-causal-q128-unsplit": (2, 300, 1, 64, True, Config(block_q=128, dq_split=False, dq_buffers=2)),
 }
 
 
@@ -138,7 +139,9 @@ def test_no_races_in_gpu_interpret_mode(config):
     (4096, 64, True, fb.MgpuBwdConfig(block_q=128)), (1000, 64, False, fb.MgpuBwdConfig(block_q=128, overlap=True)),
     (4096, 64, True, fb.MgpuBwdConfig(block_q=128, overlap_grads=True, registers=240)),
     (4096, 128, True, fb.MgpuBwdConfig(overlap_grads=True, registers=240)),
-    (4096, 64, True, fb.MgpuBwdConfig(block_q=128, eager_ds=True)), (1000, 64, False, fb.MgpuBwdConfig(eager_ds=True))])
+    (4096, 64, True, fb.MgpuBwdConfig(block_q=128, eager_ds=True)), (1000, 64, False, fb.MgpuBwdConfig(eager_ds=True)),
+    (4096, 64, True, fb.MgpuBwdConfig(block_q=128, dq_split=False)),
+    (1000, 64, False, fb.MgpuBwdConfig(block_q=128, dq_split=False, dq_buffers=2, eager_ds=True))])
 def test_lowers_for_cuda_to_one_kernel(seq_len, head_dim, causal, config):
     """The GPU build (dQ added with TMA reduce-add copies into an accumulator the kernel takes as a Ref,
     dS^T read transposed as a wgmma operand), with each option, lowers for CUDA: Mosaic GPU's layout
@@ -168,7 +171,7 @@ def test_key_mask_lowers_for_cuda_and_is_checked():
 
 
 def test_configs_validate_and_fit_shared_memory():
-    for bad in ({"num_stages": 1}, {"overlap": 1}, {"dq_buffers": 3}, {"block_q": 32}, {"overlap_grads": 1}, {"eager_ds": 0},
+    for bad in ({"num_stages": 1}, {"overlap": 1}, {"dq_buffers": 3}, {"block_q": 32}, {"overlap_grads": 1}, {"eager_ds": 0}, {"dq_split": None},
                 {"registers": 256}):
         with pytest.raises(ValueError, match="MgpuBwdConfig"):
             fb.MgpuBwdConfig(**bad)

@@ -72,7 +72,10 @@ class MgpuBwdConfig:
     registers: per consumer thread (232 or 240); the producer gets what is left of the 64K, at most 40.
     eager_ds: dS^T stored (and, with split dQ, announced to the other consumer) before the dV and dK GEMMs
       are issued, so a consumer's wait for the other's dS^T overlaps its own dV and dK: the consumers
-      leave the lock-step the per-block meeting holds them in."""
+      leave the lock-step the per-block meeting holds them in.
+    dq_split: at 128-query blocks, dQ split by rows as above; False: each consumer adds all 128 rows of
+      the block's dQ from its own 64 keys (two 64-row GEMMs and reduce-adds, no meeting of the consumers,
+      twice the reduce-add traffic)."""
     num_stages: int = 2
     overlap: bool = False
     dq_buffers: int = 1
@@ -80,6 +83,7 @@ class MgpuBwdConfig:
     overlap_grads: bool = False
     registers: int = CONSUMER_REGISTERS[0]
     eager_ds: bool = False
+    dq_split: bool = True
 
     def __post_init__(self):
         if not isinstance(self.num_stages, int) or not 2 <= self.num_stages <= 6:
@@ -92,6 +96,8 @@ class MgpuBwdConfig:
             raise ValueError(f"MgpuBwdConfig.block_q={self.block_q!r} must be {BLOCK_Q} or {BLOCK_KV}")
         if not isinstance(self.overlap_grads, bool):
             raise ValueError(f"MgpuBwdConfig.overlap_grads={self.overlap_grads!r} must be a bool")
+        if not isinstance(self.dq_split, bool):
+            raise ValueError(f"MgpuBwdConfig.dq_split={self.dq_split!r} must be a bool")
         if not isinstance(self.eager_ds, bool):
             raise ValueError(f"MgpuBwdConfig.eager_ds={self.eager_ds!r} must be a bool")
         if self.registers not in CONSUMER_REGISTERS:
@@ -99,7 +105,7 @@ class MgpuBwdConfig:
 
     @property
     def split_dq(self) -> bool:
-        return self.block_q == BLOCK_KV
+        return self.block_q == BLOCK_KV and self.dq_split
 
     @property
     def producer_registers(self) -> int:   # 3 warpgroups share 64K registers; a multiple of 8
@@ -262,10 +268,10 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal: bool
             if not config.eager_ds:
                 plgpu.commit_smem()
 
-            def add_dq(dq, first_row):
-                # the copy that last read this dQ buffer (dq_buffers blocks ago) has finished reading it
+            def add_dq(dq, first_row, copy_index):
+                # the copy that last read this dQ buffer (dq_buffers copies ago) has finished reading it
                 plgpu.wait_smem_to_gmem(config.dq_buffers - 1, wait_read_only=True)
-                buffer = dq_smem.at[wg, lax.rem(block, jnp.int32(config.dq_buffers))]
+                buffer = dq_smem.at[wg, lax.rem(copy_index, jnp.int32(config.dq_buffers))]
                 buffer[...] = dq * sm_scale
                 plgpu.commit_smem()
                 rows = pl.ds(first_row, BLOCK_Q)
@@ -274,9 +280,12 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal: bool
                 else:
                     plgpu.copy_smem_to_gmem(buffer, dq_ref.at[batch, rows, head], reduction_op="add")
 
-            if not config.split_dq:   # dQ of the whole block from this consumer's keys
-                add_dq(_product(plgpu, (BLOCK_Q, head_dim), ds_buffer.transpose((1, 0)), k_smem.at[wg]),
-                       block * block_q)
+            if not config.split_dq:   # dQ of the whole block from this consumer's keys, 64 rows at a time
+                parts = block_q // BLOCK_Q
+                for part in range(parts):
+                    ds_t = ds_buffer if parts == 1 else ds_buffer.at[:, pl.ds(part * BLOCK_Q, BLOCK_Q)]
+                    add_dq(_product(plgpu, (BLOCK_Q, head_dim), ds_t.transpose((1, 0)), k_smem.at[wg]),
+                           block * block_q + part * BLOCK_Q, block * parts + part)
                 return dk, dv
             # split: each consumer's 64 rows of dQ from both consumers' dS^T and K, once both are stored
             if not config.eager_ds:
@@ -294,7 +303,7 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, causal: bool
                             plgpu.wgmma(acc, ds_t.transpose((1, 0)), k_smem.at[owner])
                         return acc[...]
                     add_dq(pl.run_scoped(both, plgpu.ACC((BLOCK_Q, head_dim), jnp.float32)),
-                           block * block_q + rows_of * BLOCK_Q)
+                           block * block_q + rows_of * BLOCK_Q, block)
             return dk, dv
 
         own = consumer_first_block(tile, wg, causal, block_q)
@@ -374,7 +383,7 @@ def flash_attention_mgpu_bwd(q, k, v, o, lse, do, *, causal: bool, key_mask=None
     config = DEFAULT_CONFIG if config is None else config
     if not isinstance(config, MgpuBwdConfig):
         raise ValueError(f"config={config!r} must be an MgpuBwdConfig or None")
-    if config.split_dq and q.shape[-1] != 64:
+    if config.block_q == BLOCK_KV and q.shape[-1] != 64:
         raise ValueError(f"{config} takes head_dim 64 only (its 64 x 128 score tiles and dK, dV accumulators "
                          f"would not fit the registers at head_dim {q.shape[-1]})")
     if smem_bytes(q.shape[-1], jnp.dtype(q.dtype).itemsize, config) > SMEM_BUDGET_BYTES:
