@@ -171,8 +171,8 @@ def test_key_mask_lowers_for_cuda_and_is_checked():
 
 
 def test_configs_validate_and_fit_shared_memory():
-    for bad in ({"num_stages": 1}, {"overlap": 1}, {"dq_buffers": 3}, {"block_q": 32}, {"overlap_grads": 1}, {"eager_ds": 0}, {"dq_split": None},
-                {"registers": 256}):
+    for bad in ({"num_stages": 1}, {"overlap": 1}, {"dq_buffers": 3}, {"block_q": 32}, {"overlap_grads": 1},
+                {"eager_ds": 0}, {"dq_split": None}, {"registers": 256}):
         with pytest.raises(ValueError, match="MgpuBwdConfig"):
             fb.MgpuBwdConfig(**bad)
     assert fb.smem_bytes(64, 2, fb.MgpuBwdConfig(num_stages=4, dq_buffers=2)) <= fb.SMEM_BUDGET_BYTES
