@@ -12,13 +12,15 @@ is timed: cuDNN's as the vjp function jax.vjp returns (a pytree, passed into a j
 back-to-back calls (bench/jax_timing.py). TFLOP/s counts the backward's five matmuls, 2.5x the
 forward's FLOPs, halved for causal attention. Every tile variant of ours is checked against cuDNN's
 gradients (relative L2 per tensor <= 1e-2) and, on a small case, against the fp32 reference.
-Writes attention-bwd-<date>-<gpu>.json and prints a table last.
+Writes attention-bwd-<date>-<gpu>.json (after every step, so a run cut short keeps what it measured) and
+prints a table last.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -110,15 +112,22 @@ def _inputs(batch, heads, seq_len, head_dim, seed=0):
     return [jax.random.normal(key, shape, jnp.float32).astype(jnp.float16) for key in keys]
 
 
-def reference_check(name: str, causal: bool, pad_ratio: float = 0.0) -> dict:
-    """Our gradients against jax.vjp of the fp32 reference on a small case (B=2, H=4, S=1000, hd 64)."""
+@functools.cache
+def _reference_case(causal: bool, pad_ratio: float):
+    """The small case (B=2, H=4, S=1000, hd 64): inputs, key mask, our forward's o and lse, and the fp32
+    reference's gradients (computed once per causal and padding, shared by every variant)."""
     q, k, v, do = _inputs(2, 4, 1000, 64, seed=1)
     key_mask = padding_mask(2, 1000, pad_ratio)
     o, lse = flash_attention(q, k, v, causal=causal, implementation="generic", return_lse=True, key_mask=key_mask)
-    ours = jax.jit(backward_fn(name, causal, key_mask)[0])(q, k, v, o, lse, do)
     f = lambda a, b, c: attention_reference(a, b, c, causal=causal, key_mask=key_mask)   # noqa: E731
     _, pull = jax.vjp(f, *(t.astype(jnp.float32) for t in (q, k, v)))
-    want = pull(do.astype(jnp.float32))
+    return (q, k, v, o, lse, do), key_mask, pull(do.astype(jnp.float32))
+
+
+def reference_check(name: str, causal: bool, pad_ratio: float = 0.0) -> dict:
+    """Our gradients against jax.vjp of the fp32 reference on the small case (_reference_case)."""
+    inputs, key_mask, want = _reference_case(causal, pad_ratio)
+    ours = jax.jit(backward_fn(name, causal, key_mask)[0])(*inputs)
     return {name: _rel(a, b) for name, a, b in zip(("dq", "dk", "dv"), ours, want)}
 
 
@@ -194,6 +203,12 @@ def main(argv=None) -> int:
     record = {"gpu": gpu, **run_header("python -m bench.bench_attention_bwd " + " ".join(
                   argv if argv is not None else sys.argv[1:])),
               "reference_check": {}, "cases": []}
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"attention-bwd-{record['date']}-{gpu.lower().replace(' ', '-')}.json")
+
+    def save():   # after every step: a run cut short keeps what it measured
+        with open(path, "w") as f:
+            json.dump(record, f, indent=1)
     for name in variants:
         try:
             record["reference_check"][name] = {c: reference_check(name, c == "causal", args.pad_ratio)
@@ -202,14 +217,12 @@ def main(argv=None) -> int:
             record["reference_check"][name] = {"error": {"error": float("inf")}}
             print(f"reference check {name} raised {type(exc).__name__}: {str(exc)[:300]}", flush=True)
         print(f"reference check {name}: {record['reference_check'][name]}", flush=True)
+        save()
     for case in cases:
         for causal in ((True, False) if args.non_causal else (True,)):
             print(f"case {case} causal={causal}", flush=True)
             record["cases"].append(run_case(case, causal, variants, args.min_seconds, args.repeats, args.pad_ratio))
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"attention-bwd-{record['date']}-{gpu.lower().replace(' ', '-')}.json")
-    with open(path, "w") as f:
-        json.dump(record, f, indent=1)
+            save()
     bad = 0
     print(f"\n{'case':<28} {'contender':<16} {'ms':>8} {'TFLOP/s':>8} {'x cuDNN':>8} {'worst relL2':>11}")
     for c in record["cases"]:

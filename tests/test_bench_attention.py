@@ -113,3 +113,20 @@ def test_key_mask_clean_study_is_registered_and_labels_its_build():
     assert bam._kwargs_text({"clean_blocks": True}) != bam._kwargs_text({})
     assert {"key_mask", "key_mask_timing", "key_mask_clean"} <= set(bam.STUDIES)
     assert bam.main(["--key_mask_clean"]) == 2   # needs a GPU
+
+
+def test_backward_bench_masks_and_variants():
+    """bench/bench_attention_bwd.py (GPU-only timing): its padding masks are the harness's (the first
+    sequence whole, the last padded by the ratio) and every Hopper variant fits shared memory at head_dim
+    64 with a key mask."""
+    import numpy as np
+
+    import bench.bench_attention_bwd as bab
+    from ttj_jax.kernels import flash_attention_mgpu_bwd as fb
+    assert bab.padding_mask(4, 100, 0.0) is None
+    mask = np.asarray(bab.padding_mask(4, 100, 0.3))
+    assert mask.shape == (4, 100) and mask.dtype == bool
+    assert list(mask.sum(axis=1)) == [100, 90, 80, 70]
+    assert all(mask[b, :n].all() and not mask[b, n:].any() for b, n in enumerate(mask.sum(axis=1)))
+    for name, config in bab.MGPU_VARIANTS.items():
+        assert fb.smem_bytes(64, 2, config) <= fb.SMEM_BUDGET_BYTES, name
