@@ -208,6 +208,22 @@ def step_breakdown(baseline, ours, peer_module, peer_forward, x, mask, weights, 
     return out
 
 
+def set_attention_kernels(choice: str) -> None:
+    """--attention-kernels: the masked training path's flash attention kernels, set before anything is
+    traced (they are read when a program is traced, so for the whole process)."""
+    from ttj_jax.kernels import flash_attention_bwd as fab  # noqa: PLC0415
+    if choice == "generic":
+        fab.MGPU_BACKWARD_DISPATCH, fab.VJP_FORWARD_IMPLEMENTATION = False, "generic"
+    elif choice == "hopper":
+        fab.MGPU_BACKWARD_DISPATCH, fab.VJP_FORWARD_IMPLEMENTATION = True, "auto"
+
+
+def attention_kernels() -> dict:
+    from ttj_jax.kernels import flash_attention_bwd as fab  # noqa: PLC0415
+    return {"mgpu_backward_dispatch": fab.MGPU_BACKWARD_DISPATCH,
+            "vjp_forward_implementation": fab.VJP_FORWARD_IMPLEMENTATION}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="ttj-bench --suite train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -225,7 +241,12 @@ def main(argv=None) -> int:
     p.add_argument("--mask-reads", default="",
                    help=f"also time ttj with {TRAINING_MASK_ENV} set to each of these "
                         f"({', '.join(TRAINING_MASK_READS)}), as contenders ttj_mask_<read>")
+    p.add_argument("--attention-kernels", choices=("default", "generic", "hopper"), default="default",
+                   help="the masked training path's flash attention (kernels/flash_attention_bwd.py), for the "
+                        "whole process: 'generic' both ways, 'hopper' the Hopper kernels forward and backward "
+                        "where they apply, 'default' as shipped")
     args = p.parse_args(argv)
+    set_attention_kernels(args.attention_kernels)
     mask_reads = tuple(r for r in args.mask_reads.split(",") if r)
     if any(r not in TRAINING_MASK_READS for r in mask_reads):
         p.error(f"--mask-reads takes {', '.join(TRAINING_MASK_READS)}")
@@ -242,7 +263,7 @@ def main(argv=None) -> int:
         return 2
     path = result_file("train", name, args.out)
     document = {"device": name, **run_header("ttj-bench --suite train " + " ".join(
-        sys.argv[1:] if argv is None else argv)), "configs": {}}
+        sys.argv[1:] if argv is None else argv)), "attention_kernels": attention_kernels(), "configs": {}}
     for config_id in ids:
         print(f"{config_id}: {shapes[config_id].describe()}", flush=True)
         record = run_config(shapes[config_id], device, warmup=args.warmup, rounds=args.rounds,

@@ -414,6 +414,20 @@ def test_train_times_ttj_under_each_mask_read(tmp_path, capsys):
         train.main(["--configs", "cpu-2", "--mask-reads", "sometimes"])
 
 
+def test_train_attention_kernels_switch_the_training_paths_flash_kernels(monkeypatch):
+    from bench import train
+    from ttj_jax.kernels import flash_attention_bwd as fab
+    shipped = train.attention_kernels()
+    for name in ("MGPU_BACKWARD_DISPATCH", "VJP_FORWARD_IMPLEMENTATION"):   # restored after the test
+        monkeypatch.setattr(fab, name, getattr(fab, name))
+    train.set_attention_kernels("default")
+    assert train.attention_kernels() == shipped
+    train.set_attention_kernels("generic")
+    assert train.attention_kernels() == {"mgpu_backward_dispatch": False, "vjp_forward_implementation": "generic"}
+    train.set_attention_kernels("hopper")
+    assert train.attention_kernels() == {"mgpu_backward_dispatch": True, "vjp_forward_implementation": "auto"}
+
+
 def test_dispatch_cost_times_arguments_kernels_and_stacked_slices(tmp_path, capsys):
     from bench import dispatch_cost
     assert dispatch_cost.main(["--size", "32", "--calls", "3", "--out", str(tmp_path)]) == 0
