@@ -88,8 +88,9 @@ def backward_fn(name: str, causal: bool, key_mask=None):
 
 
 def padding_mask(batch: int, seq_len: int, ratio: float):
-    """The harness's padding: sequence b keeps its first S - round(ratio * S * b / max(B - 1, 1)) keys
-    (the first sequence unpadded, the last padded by `ratio`), or None for ratio 0."""
+    """Prefix masks over the harness's range of lengths, [round(S (1 - ratio)), S], spread evenly instead of
+    drawn at random (bench/baseline.make_inputs): sequence b keeps its first S - round(ratio * S * b /
+    max(B - 1, 1)) keys, the first sequence unpadded, the last padded by `ratio`. None for ratio 0."""
     if not ratio:
         return None
     keep = [seq_len - round(ratio * seq_len * b / max(batch - 1, 1)) for b in range(batch)]
@@ -186,8 +187,9 @@ def main(argv=None) -> int:
     p.add_argument("--variants", default="all", help="'all', or names of VARIANTS, comma-separated")
     p.add_argument("--non-causal", action="store_true", help="also time non-causal attention")
     p.add_argument("--pad-ratio", type=float, default=0.0,
-                   help="key masks with the harness's padding (the last sequence padded by this ratio); cuDNN "
-                        "gets the same as key_value_seq_lengths")
+                   help="prefix key masks over the harness's range of lengths, spread evenly (the first "
+                        "sequence whole, the last padded by this ratio); cuDNN gets the same as "
+                        "key_value_seq_lengths")
     p.add_argument("--min-seconds", type=float, default=0.3)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", default="bench/results")

@@ -116,9 +116,9 @@ def test_key_mask_clean_study_is_registered_and_labels_its_build():
 
 
 def test_backward_bench_masks_and_variants():
-    """bench/bench_attention_bwd.py (GPU-only timing): its padding masks are the harness's (the first
-    sequence whole, the last padded by the ratio) and every Hopper variant fits shared memory at head_dim
-    64 with a key mask."""
+    """bench/bench_attention_bwd.py (GPU-only timing): its padding masks are prefixes spread evenly over the
+    harness's range of lengths (the first sequence whole, the last padded by the ratio) and every Hopper
+    variant fits shared memory at head_dim 64 with a key mask."""
     import numpy as np
 
     import bench.bench_attention_bwd as bab

@@ -33,31 +33,21 @@ CASES = {
 }
 
 
-def _case_inputs(batch, seq_len, heads, head_dim, causal, seed=0):
-    rng = np.random.default_rng(seed)
-    q, k, v, do = (jnp.asarray(rng.standard_normal((batch, seq_len, heads, head_dim)).astype(np.float16))
-                   for _ in range(4))
-    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
-    o, pull = jax.vjp(lambda a, b, c: attention_reference(a, b, c, causal=causal), *f32)
-    scores = jnp.einsum("bqhd,bkhd->bhqk", f32[0], f32[1], precision="highest") * head_dim ** -0.5
-    if causal:
-        scores = jnp.where(jnp.tril(jnp.ones((seq_len, seq_len), bool)), scores, -jnp.inf)
-    lse = jax.nn.logsumexp(scores, axis=-1)
-    return (q, k, v, o.astype(jnp.float16), lse, do), pull(do.astype(jnp.float32))
-
-
-def _masked_inputs(batch, seq_len, heads, head_dim, causal, key_mask, seed=0):
-    """As _case_inputs with a key mask, the lse from the reference's scores (-inf on a row with no allowed
-    key: the reference gives it zero output and zero gradient)."""
+def _case_inputs(batch, seq_len, heads, head_dim, causal, seed=0, key_mask=None):
+    """Random fp16 q, k, v, dO, the fp32 reference's o and log-sum-exp (-inf on a row with no allowed key,
+    which the reference gives zero output and zero gradient), and its gradients; key_mask bool [B, S] or
+    None."""
     rng = np.random.default_rng(seed)
     q, k, v, do = (jnp.asarray(rng.standard_normal((batch, seq_len, heads, head_dim)).astype(np.float16))
                    for _ in range(4))
     f32 = [x.astype(jnp.float32) for x in (q, k, v)]
     o, pull = jax.vjp(lambda a, b, c: attention_reference(a, b, c, causal=causal, key_mask=key_mask), *f32)
     scores = jnp.einsum("bqhd,bkhd->bhqk", f32[0], f32[1], precision="highest") * head_dim ** -0.5
-    allowed = key_mask[:, None, None, :]
+    allowed = jnp.ones((batch, 1, seq_len, seq_len), bool)
+    if key_mask is not None:
+        allowed &= key_mask[:, None, None, :]
     if causal:
-        allowed = allowed & jnp.tril(jnp.ones((seq_len, seq_len), bool))
+        allowed &= jnp.tril(jnp.ones((seq_len, seq_len), bool))
     lse = jax.nn.logsumexp(jnp.where(allowed, scores, -jnp.inf), axis=-1)
     return (q, k, v, o.astype(jnp.float16), lse, do), pull(do.astype(jnp.float32))
 
@@ -91,7 +81,7 @@ def test_key_mask_in_gpu_interpret_mode(causal, config):
     seq_len = 300
     positions = np.arange(seq_len)
     key_mask = jnp.asarray(np.stack([positions < 200, (positions >= 10) & (positions % 7 != 3)]))
-    inputs, want = _masked_inputs(2, seq_len, 1, 64, causal, key_mask, seed=5)
+    inputs, want = _case_inputs(2, seq_len, 1, 64, causal, seed=5, key_mask=key_mask)
     got = fb.flash_attention_mgpu_bwd(*inputs, causal=causal, key_mask=key_mask, interpret=True, config=config)
     for name, a, b in zip(("dq", "dk", "dv"), got, want):
         assert a.shape == b.shape and np.isfinite(np.asarray(a, np.float32)).all(), name

@@ -52,9 +52,10 @@ _LOG2E = 1.4426950408889634
 
 # The Hopper backward (flash_attention_mgpu_bwd.py) in flash_attention_vjp. Measured on one H100 (2026-12-06,
 # `python3 -m bench.bench_attention_bwd`, attention-bwd-2026-12-06-h100-*.json) against these kernels at
-# head_dim 64: 1.30-1.45x faster at S 2048-16384, causal and not, with and without the harness's padding
-# masks; at head_dim 128 0.96x (not dispatched). Per mask kind the faster of its two builds: 128-query
-# blocks for causal attention (1.09x at S=16384, equal at 4096, 0.97x at 2048), 64 for non-causal (1.10x).
+# head_dim 64: 1.30-1.45x faster at S 2048-16384, causal and not, with and without prefix padding masks
+# (pad ratio 0.3); at head_dim 128 0.96x (not dispatched). Causal or not, the faster of its two builds:
+# 128-query blocks for causal attention (1.09x at S=16384, equal at 4096, 0.97x at 2048), 64 for
+# non-causal (1.10x).
 MGPU_BACKWARD_DISPATCH = True
 MGPU_BACKWARD_CONFIGS = {True: MgpuBwdConfig(block_q=128), False: MgpuBwdConfig()}   # by causal
 MGPU_BACKWARD_HEAD_DIMS = (64,)
@@ -240,7 +241,7 @@ def flash_attention_bwd(q, k, v, o, lse, do, *, causal: bool, key_mask=None, sm_
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def flash_attention_vjp(q, k, v, causal: bool, interpret: bool, key_mask=None):
     """Our flash attention ([B, S, H, hd]; key_mask bool [B, S] or None), differentiable: its backward is
-    flash_attention_bwd. The key mask gets no gradient."""
+    flash_attention_bwd, or the Hopper kernel where mgpu_backward_applies. The key mask gets no gradient."""
     return flash_attention(q, k, v, causal=causal, key_mask=key_mask, interpret=interpret,
                            implementation=VJP_FORWARD_IMPLEMENTATION)
 

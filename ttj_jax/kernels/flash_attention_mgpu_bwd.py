@@ -398,15 +398,15 @@ def flash_attention_mgpu_bwd(q, k, v, o, lse, do, *, causal: bool, key_mask=None
     lse = lse.astype(jnp.float32)
     lse2 = jnp.where(jnp.isfinite(lse), lse * _LOG2_E, jnp.inf)   # no allowed key: P = 0
 
-    def pad_rows(x, value=0.0):   # [B, S, H, hd] on axis 1, [B, H, S] on axis 2
-        axis = 1 if x.ndim == 4 else 2
+    def pad_rows(x, value=0.0):   # [B, S, H, hd] and [B, S] on axis 1, [B, H, S] on axis 2
+        axis = 2 if x.ndim == 3 else 1
         widths = [(0, 0)] * x.ndim
         widths[axis] = (0, padded - seq_len)
         return jnp.pad(x, widths, constant_values=value) if padded != seq_len else x
     operands = (pad_rows(q), pad_rows(k), pad_rows(v), pad_rows(do), pad_rows(lse2, jnp.inf), pad_rows(delta))
     key_masked = key_mask is not None
     if key_masked:   # [B, padded] fp32: 0 for a valid key, -inf for a masked or padded one
-        operands += (pad_rows(jnp.where(key_mask, 0.0, -jnp.inf).astype(jnp.float32)[:, None], -jnp.inf)[:, 0],)
+        operands += (pad_rows(jnp.where(key_mask, 0.0, -jnp.inf).astype(jnp.float32), -jnp.inf),)
 
     ring_slots, block_q = config.num_stages, config.block_q
     swizzle = swizzle_bytes(head_dim, dtype.itemsize)
