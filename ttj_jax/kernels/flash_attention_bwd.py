@@ -52,8 +52,8 @@ _LOG2E = 1.4426950408889634
 
 # The Hopper backward (flash_attention_mgpu_bwd.py) in flash_attention_vjp. Measured on one H100 (2026-12-06,
 # `python3 -m bench.bench_attention_bwd`, attention-bwd-2026-12-06-h100-*.json) against these kernels at
-# head_dim 64: 1.30-1.45x faster at S 2048-16384, causal and not, with and without prefix padding masks
-# (pad ratio 0.3); at head_dim 128 0.96x (not dispatched). Causal or not, the faster of its two builds:
+# head_dim 64: 1.33-1.44x faster (the builds chosen below) at S 2048-16384, causal and not, with and
+# without prefix padding masks (pad ratio 0.3); at head_dim 128 0.96x (not dispatched). Causal or not, the faster of its two builds:
 # 128-query blocks for causal attention (1.09x at S=16384, equal at 4096, 0.97x at 2048), 64 for
 # non-causal (1.10x).
 MGPU_BACKWARD_DISPATCH = True

@@ -58,7 +58,7 @@ _SUPPORTED_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 # Key-masked builds read per-sequence clean-block bounds and add the mask's bias only from the first KV block
 # holding an invalid key on (the kernel's docstring). Measured on one H100 (2026-12-06,
 # `bench/bench_attention_mgpu.py --key_mask_clean`, attention-mgpu-2026-12-06-h100-key-mask-clean.json): all-True
-# and padding masks run at 0.83-0.94x the mask-free build (0.75-0.85x without the bounds), masks with holes
+# and padding masks run at 0.81-0.94x the mask-free build (0.75-0.85x without the bounds), masks with holes
 # within 3% of the build without them.
 KEY_MASK_CLEAN_BLOCKS = True
 
