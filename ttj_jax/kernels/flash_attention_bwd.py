@@ -52,12 +52,14 @@ _LOG2E = 1.4426950408889634
 
 # The Hopper backward (flash_attention_mgpu_bwd.py) in flash_attention_vjp. Measured on one H100 (2026-12-06,
 # `python3 -m bench.bench_attention_bwd`, attention-bwd-2026-12-06-h100-*.json) against these kernels at
-# head_dim 64: 1.33-1.44x faster (the builds chosen below) at S 2048-16384, causal and not, with and
-# without prefix padding masks (pad ratio 0.3); at head_dim 128 0.96x (not dispatched). Causal or not, the faster of its two builds:
-# 128-query blocks for causal attention (1.09x at S=16384, equal at 4096, 0.97x at 2048), 64 for
-# non-causal (1.10x).
+# head_dim 64: 1.33-1.44x faster at S 2048-16384, causal and not, with and without prefix padding masks
+# (pad ratio 0.3); at head_dim 128 0.96x (not dispatched). The build: 128-query blocks with dS^T stored
+# before the dV and dK GEMMs (`eager_ds`), causal or not: 1.01-1.02x cuDNN at S=16384 causal (three runs;
+# 1.08-1.10x the same blocks without eager_ds), 1.05x cuDNN at B=4 S=4096 causal and 0.99x non-causal, where
+# 64-query blocks were 0.81x; with padding it is within 5% of 64-query blocks (0.95x at S=2048 non-causal).
 MGPU_BACKWARD_DISPATCH = True
-MGPU_BACKWARD_CONFIGS = {True: MgpuBwdConfig(block_q=128), False: MgpuBwdConfig()}   # by causal
+MGPU_BACKWARD_CONFIGS = {True: MgpuBwdConfig(block_q=128, eager_ds=True),   # by causal
+                         False: MgpuBwdConfig(block_q=128, eager_ds=True)}
 MGPU_BACKWARD_HEAD_DIMS = (64,)
 MGPU_BACKWARD_MIN_SEQ_LEN = 2048   # the shortest measured
 
