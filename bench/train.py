@@ -4,8 +4,10 @@ weights and input:
 
   eager  the harness baseline module trained in eager PyTorch (TF32 GEMMs on CUDA, as the harness sets)
   peer   the torch peer's training step: the same module with its attention through
-         `scaled_dot_product_attention` (no mask tensor when every token is valid), GEMMs under fp16
-         autocast, `torch.compile`d (CUDA only)
+         `scaled_dot_product_attention` (no mask tensor when every token is valid), GEMMs under autocast,
+         `torch.compile`d (CUDA only); in float16 (the default, --peer-autocast) with torch's recipe, a
+         GradScaler (without one the gradients, ~1/numel of the loss's, underflow in fp16) and, on CUDA,
+         the fused SGD that takes the scaler's factors without a host sync
   ttj    ttj-jax through the bridge (`bridge.TTJTransformer`, in training mode): the layers' XLA
          program under jax.vjp, its residuals kept for the backward (bridge/autograd.py)
 
@@ -26,6 +28,8 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
+from typing import NamedTuple
 from unittest import mock
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -42,6 +46,8 @@ from bridge.autograd import TRAINING_MASK_ENV, TRAINING_MASK_READS, ZERO_GRADIEN
 
 DEFAULT_CONFIGS = "1,8,13,bert-base,gpt2-s4096"
 LEARNING_RATE = 1e-4
+PEER_AUTOCAST = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+PEER_LOSS_SCALE = 2.0 ** 16   # the float16 peer's (GradScaler's initial scale)
 
 
 class SdpaAttention(Attention):
@@ -66,40 +72,61 @@ class SdpaAttention(Attention):
         return out
 
 
-def peer_model(baseline: torch.nn.Module, device: torch.device):
-    """The peer's trainable module: a copy of the baseline with SDPA attention; on CUDA its forward runs
-    under fp16 autocast and torch.compile."""
+class Peer(NamedTuple):
+    module: torch.nn.Module
+    forward: Callable
+    loss_scale: float | None   # float16: the GradScaler's initial scale; bfloat16: None
+
+
+def peer_model(baseline: torch.nn.Module, device: torch.device, autocast: str = "float16") -> Peer:
+    """The peer's trainable module: a copy of the baseline with SDPA attention, its forward under
+    autocast to `autocast` (float16 or bfloat16), and on CUDA torch.compile."""
     model = copy.deepcopy(baseline)
     for layer in model.layers:
         layer.attention.__class__ = SdpaAttention
-    if device.type != "cuda":
-        return model, model
-    compiled = torch.compile(model)
+    compiled = torch.compile(model) if device.type == "cuda" else model
 
     def forward(x, mask):
         if mask is not None and bool(mask.all()):   # at its strongest: SDPA's flash path, no mask tensor
             mask = None
-        with torch.autocast("cuda", dtype=torch.float16):
+        with torch.autocast(device.type, dtype=PEER_AUTOCAST[autocast]):
             return compiled(x, mask).float()
-    return model, forward
+    return Peer(model, forward, PEER_LOSS_SCALE if autocast == "float16" else None)
 
 
-def step_fn(module, forward, x, mask, weights):
-    optimizer = torch.optim.SGD(module.parameters(), lr=LEARNING_RATE)
+def step_fn(module, forward, x, mask, weights, *, loss_scale: float | None = None):
+    """One optimizer step per call; with loss_scale, torch's mixed-precision recipe: a GradScaler from that
+    scale and, on CUDA, the fused SGD, which applies the scaler's factors on the device (no host sync)."""
+    cuda = next(module.parameters()).is_cuda
+    if loss_scale is None:
+        optimizer = torch.optim.SGD(module.parameters(), lr=LEARNING_RATE)
 
-    def step():
+        def step():
+            optimizer.zero_grad(set_to_none=True)
+            (forward(x, mask) * weights).mean().backward()
+            optimizer.step()
+        return step
+    optimizer = torch.optim.SGD(module.parameters(), lr=LEARNING_RATE, fused=cuda or None)
+    scaler = torch.amp.GradScaler("cuda" if cuda else "cpu", init_scale=loss_scale)
+
+    def scaled_step():
         optimizer.zero_grad(set_to_none=True)
-        (forward(x, mask) * weights).mean().backward()
-        optimizer.step()
-    return step
+        scaler.scale((forward(x, mask) * weights).mean()).backward()
+        scaler.step(optimizer)
+        scaler.update()
+    return scaled_step
 
 
-def gradients(model: torch.nn.Module, forward, x, mask, weights, *, reduce=torch.mean) -> dict:
-    """{"x": dL/dx, parameter name: its gradient} for L = reduce(forward(x, mask) * weights)."""
+def gradients(model: torch.nn.Module, forward, x, mask, weights, *, reduce=torch.mean,
+              loss_scale: float | None = None) -> dict:
+    """{"x": dL/dx, parameter name: its gradient} for L = reduce(forward(x, mask) * weights); with
+    loss_scale, backward from L * loss_scale and every gradient divided by it (a GradScaler's arithmetic)."""
     model.zero_grad(set_to_none=True)
     x_in = x.clone().requires_grad_(True)
-    reduce(forward(x_in, mask) * weights).backward()
-    return {"x": x_in.grad, **{name: p.grad for name, p in model.named_parameters()}}
+    loss = reduce(forward(x_in, mask) * weights)
+    (loss if loss_scale is None else loss * loss_scale).backward()
+    grads = {"x": x_in.grad, **{name: p.grad for name, p in model.named_parameters()}}
+    return grads if loss_scale is None else {name: g / loss_scale for name, g in grads.items()}
 
 
 def compare_gradients(ours: dict, reference: dict) -> dict:
@@ -117,9 +144,10 @@ def compare_gradients(ours: dict, reference: dict) -> dict:
             "zero_gradient_bias": zero_bias}
 
 
-def gradient_errors(reference: torch.nn.Module, contender: torch.nn.Module, forward, x, mask, weights) -> dict:
+def gradient_errors(reference: torch.nn.Module, contender: torch.nn.Module, forward, x, mask, weights, *,
+                    loss_scale: float | None = None) -> dict:
     """compare_gradients of a contender against the fp32 reference's autograd."""
-    return compare_gradients(gradients(contender, forward, x, mask, weights),
+    return compare_gradients(gradients(contender, forward, x, mask, weights, loss_scale=loss_scale),
                              gradients(reference, reference, x, mask, weights))
 
 
@@ -132,20 +160,22 @@ def with_env(fn, name: str, value: str):
 
 
 def run_config(shape: T.Shape, device: torch.device, *, warmup: int, rounds: int, calls: int,
-               breakdown: bool = False, mask_reads: tuple[str, ...] = (), kernels: bool = False) -> dict:
+               breakdown: bool = False, mask_reads: tuple[str, ...] = (), kernels: bool = False,
+               peer_autocast: str = "float16") -> dict:
     harness_config = TransformerConfig(**vars(shape.config))
     baseline, ours = harness_models(harness_config, bridge.TTJTransformer, device=device)
     baseline.train(), ours.train()
     reference = copy.deepcopy(baseline)   # the fp32 autograd reference, never stepped
     x, mask = make_inputs(harness_config, 1234, padding_ratio=shape.padding, device=device)
     weights = torch.randn(x.shape, generator=torch.Generator(device=device).manual_seed(0), device=device)
-    peer_module, peer_forward = peer_model(baseline, device)
+    peer = peer_model(baseline, device, peer_autocast)
     record = {"config": vars(shape.config), "padding": shape.padding}
     precision = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("highest")   # the reference's gradients in full fp32
     try:
         record["ttj"] = gradient_errors(reference, ours, ours, x, mask, weights)
-        record["peer"] = gradient_errors(reference, peer_module, peer_forward, x, mask, weights)
+        record["peer"] = gradient_errors(reference, peer.module, peer.forward, x, mask, weights,
+                                         loss_scale=peer.loss_scale)
         for read in mask_reads:
             record[f"ttj_mask_{read}"] = with_env(lambda: gradient_errors(reference, ours, ours, x, mask, weights),
                                                   TRAINING_MASK_ENV, read)()
@@ -153,7 +183,7 @@ def run_config(shape: T.Shape, device: torch.device, *, warmup: int, rounds: int
         torch.set_float32_matmul_precision(precision)
     record["max_rel_grad_err"] = record["ttj"]["max_rel_grad_err"]
     steps = {"eager": step_fn(baseline, baseline, x, mask, weights),
-             "peer": step_fn(peer_module, peer_forward, x, mask, weights),
+             "peer": step_fn(peer.module, peer.forward, x, mask, weights, loss_scale=peer.loss_scale),
              "ttj": step_fn(ours, ours, x, mask, weights)}
     for read in mask_reads:   # ttj with TTJ_TRAINING_MASK set for its steps (bridge.autograd.training_mask_read)
         steps[f"ttj_mask_{read}"] = with_env(step_fn(ours, ours, x, mask, weights), TRAINING_MASK_ENV, read)
@@ -164,12 +194,12 @@ def run_config(shape: T.Shape, device: torch.device, *, warmup: int, rounds: int
         record[f"{name}_ms"] = result["median_ms"]
     record["peer_over_ttj"] = record["peer_ms"] / record["ttj_ms"]
     if breakdown:
-        record["breakdown"] = step_breakdown(baseline, ours, peer_module, peer_forward, x, mask, weights, device,
+        record["breakdown"] = step_breakdown(baseline, ours, peer, x, mask, weights, device,
                                              warmup=warmup, rounds=rounds, calls=calls, kernels=kernels)
     return record
 
 
-def step_breakdown(baseline, ours, peer_module, peer_forward, x, mask, weights, device, *, warmup, rounds,
+def step_breakdown(baseline, ours, peer: Peer, x, mask, weights, device, *, warmup, rounds,
                    calls, kernels: bool = False) -> dict:
     """Where a training step's time goes: each contender's forward alone in grad mode (the residuals it
     keeps are freed with its output), the step's host time per call, and ttj's two jax programs alone
@@ -182,11 +212,12 @@ def step_breakdown(baseline, ours, peer_module, peer_forward, x, mask, weights, 
     from bridge.autograd import apply_program, forward_program, jax_inputs, training_mask
     from ttj_jax.programs import model_key
     from ttj_jax.training import backward_attention
-    forwards = {"ttj_forward": lambda: ours(x, mask), "peer_forward": lambda: peer_forward(x, mask),
+    forwards = {"ttj_forward": lambda: ours(x, mask), "peer_forward": lambda: peer.forward(x, mask),
                 "eager_forward": lambda: baseline(x, mask)}
     timed = time_contenders(forwards, warmup=warmup, rounds=rounds, calls=calls, device=device)
     out = {f"{name}_ms": result["median_ms"] for name, result in timed.items()}
-    steps = {"ttj": step_fn(ours, ours, x, mask, weights), "peer": step_fn(peer_module, peer_forward, x, mask, weights)}
+    steps = {"ttj": step_fn(ours, ours, x, mask, weights),
+             "peer": step_fn(peer.module, peer.forward, x, mask, weights, loss_scale=peer.loss_scale)}
     host = interleaved_host_overhead_us(steps, 20, device=device)
     out.update({f"{name}_step_host_us": result["median_us"] for name, result in host.items()})
     config, params = bridge.runtime.harness_parameters(ours, None)
@@ -245,6 +276,8 @@ def main(argv=None) -> int:
                    help="the masked training path's flash attention (kernels/flash_attention_bwd.py), for the "
                         "whole process: 'generic' both ways, 'hopper' the Hopper kernels forward and backward "
                         "where they apply, 'default' as shipped")
+    p.add_argument("--peer-autocast", choices=tuple(PEER_AUTOCAST), default="float16",
+                   help="the peer's autocast dtype: float16 with a GradScaler (torch's recipe), or bfloat16")
     args = p.parse_args(argv)
     set_attention_kernels(args.attention_kernels)
     mask_reads = tuple(r for r in args.mask_reads.split(",") if r)
@@ -263,16 +296,17 @@ def main(argv=None) -> int:
         return 2
     path = result_file("train", name, args.out)
     document = {"device": name, **run_header("ttj-bench --suite train " + " ".join(
-        sys.argv[1:] if argv is None else argv)), "attention_kernels": attention_kernels(), "configs": {}}
+        sys.argv[1:] if argv is None else argv)), "attention_kernels": attention_kernels(), "peer_autocast": args.peer_autocast,
+        "configs": {}}
     for config_id in ids:
         print(f"{config_id}: {shapes[config_id].describe()}", flush=True)
         record = run_config(shapes[config_id], device, warmup=args.warmup, rounds=args.rounds,
                             calls=args.calls or (20 if on_cuda else 2), breakdown=args.breakdown,
-                            mask_reads=mask_reads, kernels=args.kernels)
+                            mask_reads=mask_reads, kernels=args.kernels, peer_autocast=args.peer_autocast)
         document["configs"][config_id] = record
         print(f"  eager {record['eager_ms']:.3f} ms, peer {record['peer_ms']:.3f}, ttj {record['ttj_ms']:.3f} "
               f"(peer/ttj {record['peer_over_ttj']:.2f}); worst gradient error {record['max_rel_grad_err']:.1e} "
-              f"({record['ttj']['worst_tensor']})", flush=True)
+              f"({record['ttj']['worst_tensor']}), the peer's {record['peer']['max_rel_grad_err']:.1e}", flush=True)
         for read in mask_reads:
             print(f"  ttj with {TRAINING_MASK_ENV}={read}: {record[f'ttj_mask_{read}_ms']:.3f} ms, worst gradient "
                   f"error {record[f'ttj_mask_{read}']['max_rel_grad_err']:.1e}", flush=True)

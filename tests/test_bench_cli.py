@@ -414,6 +414,36 @@ def test_train_times_ttj_under_each_mask_read(tmp_path, capsys):
         train.main(["--configs", "cpu-2", "--mask-reads", "sometimes"])
 
 
+def test_train_peer_float16_gradients_need_and_get_the_loss_scale():
+    """The peer's float16 autocast gradients (~1/numel of the loss's) underflow without loss scaling; with
+    the GradScaler's scale they are as close to the fp32 reference as bfloat16's or better."""
+    import copy
+
+    import ttj_jax as T
+    from bench import train
+    from bench.baseline import BaselineTransformer, TransformerConfig, make_inputs
+    config = TransformerConfig(**vars(T.shapes.find("cpu-2").config))
+    torch.manual_seed(0)
+    baseline = BaselineTransformer(config).train()
+    reference = copy.deepcopy(baseline)
+    x, mask = make_inputs(config, 1234, device=torch.device("cpu"))
+    # cpu-2 has 16384 output elements; scaled so the gradients are as small as a GPU config's (~2**-24)
+    weights = torch.randn(x.shape, generator=torch.Generator().manual_seed(0)) * 2.0 ** -10
+    errors = {}
+    for autocast in ("float16", "bfloat16"):
+        peer = train.peer_model(baseline, torch.device("cpu"), autocast)
+        errors[autocast] = train.gradient_errors(reference, peer.module, peer.forward, x, mask, weights,
+                                                 loss_scale=peer.loss_scale)["max_rel_grad_err"]
+    peer = train.peer_model(baseline, torch.device("cpu"), "float16")
+    unscaled = train.gradient_errors(reference, peer.module, peer.forward, x, mask, weights)["max_rel_grad_err"]
+    assert errors["float16"] < 2e-3 and errors["bfloat16"] < 3e-2, errors
+    assert unscaled > 0.3, unscaled   # the underflow the scale prevents
+    step = train.step_fn(peer.module, peer.forward, x, mask, weights, loss_scale=train.PEER_LOSS_SCALE)
+    before = [p.detach().clone() for p in peer.module.parameters()]
+    step()
+    assert any(not torch.equal(a, b) for a, b in zip(before, peer.module.parameters()))   # a step was taken
+
+
 def test_train_attention_kernels_switch_the_training_paths_flash_kernels(monkeypatch):
     from bench import train
     from ttj_jax.kernels import flash_attention_bwd as fab
