@@ -43,6 +43,7 @@ from bench.baseline import Attention, TransformerConfig, harness_models, make_in
 from bench.paths import result_file, run_header  # noqa: E402
 from bench.timing import time_contenders  # noqa: E402
 from bridge.autograd import TRAINING_MASK_ENV, TRAINING_MASK_READS, ZERO_GRADIENT_SUFFIX  # noqa: E402
+from ttj_jax.training import BACKWARD_ATTENTION_ENV, BACKWARD_ATTENTIONS  # noqa: E402
 
 DEFAULT_CONFIGS = "1,8,13,bert-base,gpt2-s4096"
 LEARNING_RATE = 1e-4
@@ -160,8 +161,10 @@ def with_env(fn, name: str, value: str):
 
 
 def run_config(shape: T.Shape, device: torch.device, *, warmup: int, rounds: int, calls: int,
-               breakdown: bool = False, mask_reads: tuple[str, ...] = (), kernels: bool = False,
+               breakdown: bool = False, variants: tuple[tuple[str, str, str], ...] = (), kernels: bool = False,
                peer_autocast: str = "float16") -> dict:
+    """One config's gradients and step times. variants: (contender name, environment variable, value):
+    more ttj contenders, each with that variable set for its gradients and its steps."""
     harness_config = TransformerConfig(**vars(shape.config))
     baseline, ours = harness_models(harness_config, bridge.TTJTransformer, device=device)
     baseline.train(), ours.train()
@@ -176,17 +179,16 @@ def run_config(shape: T.Shape, device: torch.device, *, warmup: int, rounds: int
         record["ttj"] = gradient_errors(reference, ours, ours, x, mask, weights)
         record["peer"] = gradient_errors(reference, peer.module, peer.forward, x, mask, weights,
                                          loss_scale=peer.loss_scale)
-        for read in mask_reads:
-            record[f"ttj_mask_{read}"] = with_env(lambda: gradient_errors(reference, ours, ours, x, mask, weights),
-                                                  TRAINING_MASK_ENV, read)()
+        for name, variable, value in variants:
+            record[name] = with_env(lambda: gradient_errors(reference, ours, ours, x, mask, weights), variable, value)()
     finally:
         torch.set_float32_matmul_precision(precision)
     record["max_rel_grad_err"] = record["ttj"]["max_rel_grad_err"]
     steps = {"eager": step_fn(baseline, baseline, x, mask, weights),
              "peer": step_fn(peer.module, peer.forward, x, mask, weights, loss_scale=peer.loss_scale),
              "ttj": step_fn(ours, ours, x, mask, weights)}
-    for read in mask_reads:   # ttj with TTJ_TRAINING_MASK set for its steps (bridge.autograd.training_mask_read)
-        steps[f"ttj_mask_{read}"] = with_env(step_fn(ours, ours, x, mask, weights), TRAINING_MASK_ENV, read)
+    for name, variable, value in variants:
+        steps[name] = with_env(step_fn(ours, ours, x, mask, weights), variable, value)
     start = time.perf_counter()
     timed = time_contenders(steps, warmup=warmup, rounds=rounds, calls=calls, device=device)
     record["timing_s"] = time.perf_counter() - start
@@ -276,6 +278,9 @@ def main(argv=None) -> int:
                    help="the masked training path's flash attention (kernels/flash_attention_bwd.py), for the "
                         "whole process: 'generic' both ways, 'hopper' the Hopper kernels forward and backward "
                         "where they apply, 'default' as shipped")
+    p.add_argument("--backward-attentions", default="",
+                   help=f"also time ttj with {BACKWARD_ATTENTION_ENV} set to each of these "
+                        f"({', '.join(BACKWARD_ATTENTIONS)}), as contenders ttj_attention_<kind>")
     p.add_argument("--peer-autocast", choices=tuple(PEER_AUTOCAST), default="float16",
                    help="the peer's autocast dtype: float16 with a GradScaler (torch's recipe), or bfloat16")
     args = p.parse_args(argv)
@@ -283,6 +288,11 @@ def main(argv=None) -> int:
     mask_reads = tuple(r for r in args.mask_reads.split(",") if r)
     if any(r not in TRAINING_MASK_READS for r in mask_reads):
         p.error(f"--mask-reads takes {', '.join(TRAINING_MASK_READS)}")
+    attentions = tuple(a for a in args.backward_attentions.split(",") if a)
+    if any(a not in BACKWARD_ATTENTIONS for a in attentions):
+        p.error(f"--backward-attentions takes {', '.join(BACKWARD_ATTENTIONS)}")
+    variants = (tuple((f"ttj_mask_{read}", TRAINING_MASK_ENV, read) for read in mask_reads)
+                + tuple((f"ttj_attention_{kind}", BACKWARD_ATTENTION_ENV, kind) for kind in attentions))
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     on_cuda = device.type == "cuda"
     if on_cuda:   # the harness's settings for the eager contender
@@ -302,14 +312,14 @@ def main(argv=None) -> int:
         print(f"{config_id}: {shapes[config_id].describe()}", flush=True)
         record = run_config(shapes[config_id], device, warmup=args.warmup, rounds=args.rounds,
                             calls=args.calls or (20 if on_cuda else 2), breakdown=args.breakdown,
-                            mask_reads=mask_reads, kernels=args.kernels, peer_autocast=args.peer_autocast)
+                            variants=variants, kernels=args.kernels, peer_autocast=args.peer_autocast)
         document["configs"][config_id] = record
         print(f"  eager {record['eager_ms']:.3f} ms, peer {record['peer_ms']:.3f}, ttj {record['ttj_ms']:.3f} "
               f"(peer/ttj {record['peer_over_ttj']:.2f}); worst gradient error {record['max_rel_grad_err']:.1e} "
               f"({record['ttj']['worst_tensor']}), the peer's {record['peer']['max_rel_grad_err']:.1e}", flush=True)
-        for read in mask_reads:
-            print(f"  ttj with {TRAINING_MASK_ENV}={read}: {record[f'ttj_mask_{read}_ms']:.3f} ms, worst gradient "
-                  f"error {record[f'ttj_mask_{read}']['max_rel_grad_err']:.1e}", flush=True)
+        for name, variable, value in variants:
+            print(f"  ttj with {variable}={value}: {record[f'{name}_ms']:.3f} ms, worst gradient "
+                  f"error {record[name]['max_rel_grad_err']:.1e}", flush=True)
         with open(path, "w") as f:
             json.dump(document, f, indent=1)
     print(f"wrote {path}")

@@ -414,6 +414,19 @@ def test_train_times_ttj_under_each_mask_read(tmp_path, capsys):
         train.main(["--configs", "cpu-2", "--mask-reads", "sometimes"])
 
 
+def test_train_times_ttj_under_each_backward_attention(tmp_path, capsys):
+    from bench import train
+    assert train.main(["--configs", "cpu-2", "--backward-attentions", "xla,flash", "--warmup", "1", "--rounds",
+                       "1", "--calls", "1", "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("train-*.json")
+    record = json.loads(path.read_text())["configs"]["cpu-2"]
+    for kind in ("xla", "flash"):
+        assert record[f"ttj_attention_{kind}_ms"] > 0 and record[f"ttj_attention_{kind}"]["max_rel_grad_err"] < 1e-2
+    assert "TTJ_BACKWARD_ATTENTION=flash" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        train.main(["--configs", "cpu-2", "--backward-attentions", "magic"])
+
+
 def test_train_peer_float16_gradients_need_and_get_the_loss_scale():
     """The peer's float16 autocast gradients (~1/numel of the loss's) underflow without loss scaling; with
     the GradScaler's scale they are as close to the fp32 reference as bfloat16's or better."""

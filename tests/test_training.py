@@ -282,6 +282,8 @@ def test_backward_attention_choice():
     assert kind(config, masked=True, on_gpu=True) == "flash"
     assert kind(config, masked=False, on_gpu=False) == "xla"
     assert kind(config, masked=True, on_gpu=False, choice="flash") == "flash"
+    assert kind(config, masked=False, on_gpu=True, choice="xla") == "xla"
+    assert kind(config, masked=True, on_gpu=True, choice="xla") == "xla"
     odd = Config(batch_size=1, seq_len=64, d_model=120, num_heads=3, ffn_dim=128, num_layers=1, causal=True)   # head_dim 40
     assert kind(odd, masked=False, on_gpu=True) == ("cudnn" if 40 in training.CUDNN_HEAD_DIMS else "flash")
 

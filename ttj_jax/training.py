@@ -33,15 +33,17 @@ from ttj_jax.planner import CUDNN_HEAD_DIMS, Plan
 
 BACKWARD_POLICY = "mixed_fp16_train"   # mixed_fp16's forward, fp16 GEMMs in the backward too (numerics.py)
 BACKWARD_ATTENTION_ENV = "TTJ_BACKWARD_ATTENTION"
+BACKWARD_ATTENTIONS = ("auto", "flash", "xla")
 
 
 def backward_attention_kind(config: Config, masked: bool, on_gpu: bool, choice: str = "auto") -> str:
     """Which attention the backward recomputes and differentiates: "cudnn", "flash" or "xla".
     auto: on a GPU, cuDNN's fused attention for a mask-free call at a head_dim it takes (the fastest
     backward measured: bench/results/attention-bwd-*.json), else our flash kernels (any mask, no
-    [S, S] tensor); on the CPU XLA's attention (the Pallas kernels would run interpreted)."""
-    if choice == "flash":
-        return "flash"
+    [S, S] tensor); on the CPU XLA's attention (the Pallas kernels would run interpreted).
+    flash / xla: that attention wherever the call runs (xla: the explicit [B, H, S, S] scores)."""
+    if choice in ("flash", "xla"):
+        return choice
     if not on_gpu:
         return "xla"
     return "cudnn" if not masked and config.head_dim in CUDNN_HEAD_DIMS else "flash"
@@ -56,11 +58,11 @@ def backward_plan(config: Config, masked: bool, on_gpu: bool, choice: str = "aut
 
 
 def backward_attention() -> str:
-    """"auto" (backward_attention_kind) or "flash" (our Pallas backward kernels everywhere,
-    kernels/flash_attention_bwd.py), from TTJ_BACKWARD_ATTENTION."""
+    """"auto" (backward_attention_kind), "flash" (our Pallas backward kernels everywhere,
+    kernels/flash_attention_bwd.py) or "xla" (XLA's attention everywhere), from TTJ_BACKWARD_ATTENTION."""
     choice = os.environ.get(BACKWARD_ATTENTION_ENV, "auto").strip() or "auto"
-    if choice not in ("auto", "flash"):
-        raise ValueError(f"{BACKWARD_ATTENTION_ENV}={choice!r} must be 'auto' or 'flash'")
+    if choice not in BACKWARD_ATTENTIONS:
+        raise ValueError(f"{BACKWARD_ATTENTION_ENV}={choice!r} must be one of {', '.join(BACKWARD_ATTENTIONS)}")
     return choice
 
 
