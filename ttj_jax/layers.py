@@ -120,12 +120,31 @@ def layer(w: Mapping[str, jax.Array], x, row_valid, key_valid, *, config: Config
         # would carry into valid rows at the next layer (0 x NaN): its invalid queries' context is
         # zeroed here, on the out-projection's input. Nothing sits between a GEMM and its residual add,
         # which cuBLAS fuses into its epilogue as in the mask-free program.
-        context = jnp.where(row_valid, context, 0.0)
+        context = zero_invalid_rows(context, row_valid)
     a = policy.matmul(context, w["out_weight"]) + w["out_bias"]
     x = x + a
     h = layer_norm(x, w["norm2_weight"], w["norm2_bias"])
     h = policy.mlp_hidden(h, w["ffn_in_weight"], w["ffn_in_bias"])
     return x + policy.matmul(h, w["ffn_out_weight"]) + w["ffn_out_bias"]
+
+
+@jax.custom_vjp
+def zero_invalid_rows(x, row_valid):
+    """x with the rows where row_valid ([B, S, 1] bool) is False set to zero. Its backward keeps only
+    row_valid: jax's rule for jnp.where keeps the condition broadcast to x's shape and a zero tensor as
+    large as x."""
+    return jnp.where(row_valid, x, 0.0)
+
+
+def _zero_rows_forward(x, row_valid):
+    return jnp.where(row_valid, x, 0.0), row_valid
+
+
+def _zero_rows_backward(row_valid, g):
+    return jnp.where(row_valid, g, 0.0), None
+
+
+zero_invalid_rows.defvjp(_zero_rows_forward, _zero_rows_backward)
 
 
 def key_mask_for(mask, *, mode: str):
@@ -154,7 +173,7 @@ def layer_stack(weights: PreparedWeights | StackedWeights, x, mask, *, config: C
                       attention=attention)
     y = layer_norm(h, weights.final_norm["weight"], weights.final_norm["bias"])
     if row_valid is not None:
-        y = jnp.where(row_valid, y, 0.0)
+        y = zero_invalid_rows(y, row_valid)
     return y.astype(x.dtype)
 
 

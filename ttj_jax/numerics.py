@@ -260,13 +260,44 @@ def layer_norm(x: jax.Array, weight: jax.Array, bias: jax.Array) -> jax.Array:
     """LayerNorm over the last axis, biased variance, eps 1e-5, statistics in fp32; returns fp32.
     Computed on the rows as one 2-D array (a free reshape): XLA's GPU fusion of a [B, S, d] LayerNorm
     tiled it [32, 1, d], 32 rows a whole sequence apart, at 21 us per LayerNorm of vit-s197's residual
-    where [B*S, d] tiles take 7 (docs/decisions.md, "Planner and stacks")."""
+    where [B*S, d] tiles take 7 (docs/decisions.md, "Planner and stacks"). Its backward keeps the fp32
+    input and the rows' mean and reciprocal deviation, and recomputes the normalised rows from them
+    (jax's own rule keeps two fp32 [rows, d] tensors)."""
     shape = x.shape
-    x = x.astype(jnp.float32).reshape(-1, shape[-1])
+    return _layer_norm_rows(x.astype(jnp.float32).reshape(-1, shape[-1]), weight, bias).reshape(shape)
+
+
+def _row_statistics(x):
     mean = jnp.mean(x, axis=-1, keepdims=True)
     centered = x - mean
     variance = jnp.mean(centered * centered, axis=-1, keepdims=True)
-    return (centered * jax.lax.rsqrt(variance + LAYER_NORM_EPS) * weight + bias).reshape(shape)
+    return mean, centered, jax.lax.rsqrt(variance + LAYER_NORM_EPS)
+
+
+@jax.custom_vjp
+def _layer_norm_rows(x, weight, bias):
+    _, centered, rstd = _row_statistics(x)
+    return centered * rstd * weight + bias
+
+
+def _layer_norm_forward(x, weight, bias):
+    mean, centered, rstd = _row_statistics(x)
+    return centered * rstd * weight + bias, (x, mean, rstd, weight, bias)
+
+
+def _layer_norm_backward(residuals, g):
+    x, mean, rstd, weight, bias = residuals
+    g = g.astype(jnp.float32)
+    normalised = (x - mean) * rstd
+    dw = jnp.sum(g * normalised, axis=0).reshape(weight.shape).astype(weight.dtype)
+    db = jnp.sum(g, axis=0).reshape(bias.shape).astype(bias.dtype)
+    gw = g * weight
+    dx = rstd * (gw - jnp.mean(gw, axis=-1, keepdims=True)
+                 - normalised * jnp.mean(gw * normalised, axis=-1, keepdims=True))
+    return dx, dw, db
+
+
+_layer_norm_rows.defvjp(_layer_norm_forward, _layer_norm_backward)
 
 
 def gelu_exact(x: jax.Array) -> jax.Array:
