@@ -204,8 +204,9 @@ def run_config(shape: T.Shape, device: torch.device, *, warmup: int, rounds: int
 def step_breakdown(baseline, ours, peer: Peer, x, mask, weights, device, *, warmup, rounds,
                    calls, kernels: bool = False) -> dict:
     """Where a training step's time goes: each contender's forward alone in grad mode (the residuals it
-    keeps are freed with its output), the step's host time per call, and ttj's two jax programs alone
-    (the forward keeping residuals, and applying them) in a JAX loop, without the bridge; with `kernels`,
+    keeps are freed with its output), the step's host time per call, ttj's two jax programs alone
+    (the forward keeping residuals, and applying them) in a JAX loop, without the bridge, and the size
+    of those residuals (ttj_residual_mb); with `kernels`,
     on CUDA, the kernel table (bench.cuda_trace) of those two programs and of the peer's step."""
     import jax
 
@@ -228,6 +229,7 @@ def step_breakdown(baseline, ours, peer: Peer, x, mask, weights, device, *, warm
     forward = forward_program(model_key(config), on_gpu, backward_attention())
     jx = to_jax(x)
     y, pull = forward(jparams, jx, jmask)
+    out["ttj_residual_mb"] = sum(leaf.nbytes for leaf in jax.tree.leaves(pull) if hasattr(leaf, "nbytes")) / 1e6
     apply = apply_program(model_key(config))
     g = to_jax(weights / weights.numel())
     out["jax_forward_ms"], _ = stream_ms_per_call(forward, (jparams, jx, jmask), min_seconds=0.2, repeats=3)

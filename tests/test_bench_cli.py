@@ -414,6 +414,18 @@ def test_train_times_ttj_under_each_mask_read(tmp_path, capsys):
         train.main(["--configs", "cpu-2", "--mask-reads", "sometimes"])
 
 
+def test_train_breakdown_times_the_parts_and_sizes_the_residuals(tmp_path, capsys):
+    from bench import train
+    assert train.main(["--configs", "cpu-2", "--breakdown", "--warmup", "1", "--rounds", "1", "--calls", "1",
+                       "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("train-*.json")
+    parts = json.loads(path.read_text())["configs"]["cpu-2"]["breakdown"]
+    for name in ("ttj_forward_ms", "peer_forward_ms", "eager_forward_ms", "jax_forward_ms", "jax_backward_ms"):
+        assert parts[name] > 0, name
+    x_mb = 1 * 128 * 128 * 4 / 1e6   # cpu-2's input in fp32
+    assert 4 * x_mb < parts["ttj_residual_mb"] < 200 * x_mb   # 4 layers of activations (here ~82x: XLA attention)
+
+
 def test_train_times_ttj_under_each_backward_attention(tmp_path, capsys):
     from bench import train
     assert train.main(["--configs", "cpu-2", "--backward-attentions", "xla,flash", "--warmup", "1", "--rounds",
