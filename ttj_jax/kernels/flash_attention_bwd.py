@@ -66,9 +66,10 @@ MGPU_BACKWARD_MIN_SEQ_LEN = 2048   # the shortest measured
 
 # flash_attention_vjp's forward: "generic" (our generic kernel), or "auto" (flash_attention's dispatch, which
 # takes the Hopper forward where it is measured faster, key-masked calls included; its log-sum-exp has the
-# same meaning). "generic" until a GPU run has compared the training step's gradients and time with both:
-# predicted to save ~0.09 ms of the 2.77 ms GPT-2-like step at S=4096 (the two layers' attention forward at
-# the Hopper kernel's ~440 TFLOP/s against the generic kernel's ~250).
+# same meaning). "generic": with "auto" the GPT-2-like step at S=4096 took 2.854 ms against 2.760 (one H100,
+# train-2026-12-06-h100-vjp-forward-*.json, same gradient errors), where ~0.09 ms less was predicted (the
+# two layers' attention forward at the Hopper kernel's ~440 TFLOP/s against the generic kernel's ~250).
+# Not traced yet.
 VJP_FORWARD_IMPLEMENTATION = "generic"
 
 
