@@ -1,13 +1,13 @@
 """The training benchmark (`ttj-bench --suite train`, or `python -m bench.train`): one optimizer step
-(forward, backward, SGD update) per call, timed the harness's way, for three contenders on the same
-weights and input:
+(forward, backward, SGD update; on CUDA the fused SGD for every contender) per call, timed the harness's
+way, for three contenders on the same weights and input:
 
   eager  the harness baseline module trained in eager PyTorch (TF32 GEMMs on CUDA, as the harness sets)
   peer   the torch peer's training step: the same module with its attention through
          `scaled_dot_product_attention` (no mask tensor when every token is valid), GEMMs under autocast,
          `torch.compile`d (CUDA only); in float16 (the default, --peer-autocast) with torch's recipe, a
-         GradScaler (without one the gradients, ~1/numel of the loss's, underflow in fp16) and, on CUDA,
-         the fused SGD that takes the scaler's factors without a host sync
+         GradScaler (without one the gradients, ~1/numel of the loss's, underflow in fp16), whose factors
+         the fused SGD takes without a host sync
   ttj    ttj-jax through the bridge (`bridge.TTJTransformer`, in training mode): the layers' XLA
          program under jax.vjp, its residuals kept for the backward (bridge/autograd.py)
 
@@ -96,18 +96,17 @@ def peer_model(baseline: torch.nn.Module, device: torch.device, autocast: str = 
 
 
 def step_fn(module, forward, x, mask, weights, *, loss_scale: float | None = None):
-    """One optimizer step per call; with loss_scale, torch's mixed-precision recipe: a GradScaler from that
-    scale and, on CUDA, the fused SGD, which applies the scaler's factors on the device (no host sync)."""
+    """One optimizer step per call, with the same optimizer for every contender: SGD, on CUDA the fused
+    one (one kernel for all parameters). With loss_scale, torch's mixed-precision recipe: a GradScaler
+    from that scale, whose factors the fused SGD applies on the device (no host sync)."""
     cuda = next(module.parameters()).is_cuda
+    optimizer = torch.optim.SGD(module.parameters(), lr=LEARNING_RATE, fused=cuda or None)
     if loss_scale is None:
-        optimizer = torch.optim.SGD(module.parameters(), lr=LEARNING_RATE)
-
         def step():
             optimizer.zero_grad(set_to_none=True)
             (forward(x, mask) * weights).mean().backward()
             optimizer.step()
         return step
-    optimizer = torch.optim.SGD(module.parameters(), lr=LEARNING_RATE, fused=cuda or None)
     scaler = torch.amp.GradScaler("cuda" if cuda else "cpu", init_scale=loss_scale)
 
     def scaled_step():
