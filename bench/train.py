@@ -1,5 +1,5 @@
 """The training benchmark (`ttj-bench --suite train`, or `python -m bench.train`): one optimizer step
-(forward, backward, SGD update; on CUDA the fused SGD for every contender) per call, timed the harness's
+(forward, backward, SGD update; the fused SGD for every contender) per call, timed the harness's
 way, for three contenders on the same weights and input:
 
   eager  the harness baseline module trained in eager PyTorch (TF32 GEMMs on CUDA, as the harness sets)
@@ -96,11 +96,11 @@ def peer_model(baseline: torch.nn.Module, device: torch.device, autocast: str = 
 
 
 def step_fn(module, forward, x, mask, weights, *, loss_scale: float | None = None):
-    """One optimizer step per call, with the same optimizer for every contender: SGD, on CUDA the fused
-    one (one kernel for all parameters). With loss_scale, torch's mixed-precision recipe: a GradScaler
-    from that scale, whose factors the fused SGD applies on the device (no host sync)."""
+    """One optimizer step per call, with the same optimizer for every contender: the fused SGD (one kernel
+    for all parameters). With loss_scale, torch's mixed-precision recipe: a GradScaler from that scale,
+    whose factors the fused SGD applies on the device (no host sync)."""
     cuda = next(module.parameters()).is_cuda
-    optimizer = torch.optim.SGD(module.parameters(), lr=LEARNING_RATE, fused=cuda or None)
+    optimizer = torch.optim.SGD(module.parameters(), lr=LEARNING_RATE, fused=True)
     if loss_scale is None:
         def step():
             optimizer.zero_grad(set_to_none=True)
