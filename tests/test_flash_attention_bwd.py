@@ -110,6 +110,6 @@ def test_hopper_backward_dispatch_rule(monkeypatch):
     q = x(4096, 64)
     residuals = (q, q, q, q, jnp.zeros((1, 1, 4096)), jnp.ones((1, 4096), bool))
     fab._vjp_bwd(True, False, residuals, q)
-    assert calls == [(True, True, fab.MGPU_BACKWARD_CONFIGS[True])]
+    assert calls == [(True, True, fab.MGPU_BACKWARD_CONFIG)]
     fab._vjp_bwd(False, False, residuals, q)
-    assert calls[-1] == (False, True, fab.MGPU_BACKWARD_CONFIGS[False])
+    assert calls[-1] == (False, True, fab.MGPU_BACKWARD_CONFIG)

@@ -58,8 +58,7 @@ _LOG2E = 1.4426950408889634
 # 1.08-1.10x the same blocks without eager_ds), 1.05x cuDNN at B=4 S=4096 causal and 0.99x non-causal, where
 # 64-query blocks were 0.81x; with padding it is within 5% of 64-query blocks (0.95x at S=2048 non-causal).
 MGPU_BACKWARD_DISPATCH = True
-MGPU_BACKWARD_CONFIGS = {True: MgpuBwdConfig(block_q=128, eager_ds=True),   # by causal
-                         False: MgpuBwdConfig(block_q=128, eager_ds=True)}
+MGPU_BACKWARD_CONFIG = MgpuBwdConfig(block_q=128, eager_ds=True)
 MGPU_BACKWARD_HEAD_DIMS = (64,)
 MGPU_BACKWARD_MIN_SEQ_LEN = 2048   # the shortest measured
 
@@ -259,7 +258,7 @@ def _vjp_bwd(causal, interpret, residuals, do):
     q, k, v, o, lse, key_mask = residuals
     if mgpu_backward_applies(q, interpret):
         dq, dk, dv = flash_attention_mgpu_bwd(q, k, v, o, lse, do.astype(q.dtype), causal=causal, key_mask=key_mask,
-                                              config=MGPU_BACKWARD_CONFIGS[causal])
+                                              config=MGPU_BACKWARD_CONFIG)
         return dq, dk, dv, None
     dq, dk, dv = flash_attention_bwd(q, k, v, o, lse, do.astype(q.dtype), causal=causal, key_mask=key_mask,
                                      interpret=interpret)
