@@ -274,15 +274,14 @@ def _row_statistics(x):
     return mean, centered, jax.lax.rsqrt(variance + LAYER_NORM_EPS)
 
 
-@jax.custom_vjp
-def _layer_norm_rows(x, weight, bias):
-    _, centered, rstd = _row_statistics(x)
-    return centered * rstd * weight + bias
-
-
 def _layer_norm_forward(x, weight, bias):
     mean, centered, rstd = _row_statistics(x)
     return centered * rstd * weight + bias, (x, mean, rstd, weight, bias)
+
+
+@jax.custom_vjp
+def _layer_norm_rows(x, weight, bias):
+    return _layer_norm_forward(x, weight, bias)[0]
 
 
 def _layer_norm_backward(residuals, g):
