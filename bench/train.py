@@ -286,14 +286,16 @@ def main(argv=None) -> int:
                    help="the peer's autocast dtype: float16 with a GradScaler (torch's recipe), or bfloat16")
     args = p.parse_args(argv)
     set_attention_kernels(args.attention_kernels)
-    mask_reads = tuple(r for r in args.mask_reads.split(",") if r)
-    if any(r not in TRAINING_MASK_READS for r in mask_reads):
-        p.error(f"--mask-reads takes {', '.join(TRAINING_MASK_READS)}")
-    attentions = tuple(a for a in args.backward_attentions.split(",") if a)
-    if any(a not in BACKWARD_ATTENTIONS for a in attentions):
-        p.error(f"--backward-attentions takes {', '.join(BACKWARD_ATTENTIONS)}")
-    variants = (tuple((f"ttj_mask_{read}", TRAINING_MASK_ENV, read) for read in mask_reads)
-                + tuple((f"ttj_attention_{kind}", BACKWARD_ATTENTION_ENV, kind) for kind in attentions))
+
+    def listed(option: str, text: str, allowed: tuple[str, ...]) -> tuple[str, ...]:   # comma-separated
+        values = tuple(v for v in text.split(",") if v)
+        if any(v not in allowed for v in values):
+            p.error(f"{option} takes {', '.join(allowed)}")
+        return values
+    variants = (tuple((f"ttj_mask_{read}", TRAINING_MASK_ENV, read)
+                      for read in listed("--mask-reads", args.mask_reads, TRAINING_MASK_READS))
+                + tuple((f"ttj_attention_{kind}", BACKWARD_ATTENTION_ENV, kind)
+                        for kind in listed("--backward-attentions", args.backward_attentions, BACKWARD_ATTENTIONS)))
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     on_cuda = device.type == "cuda"
     if on_cuda:   # the harness's settings for the eager contender
@@ -318,9 +320,9 @@ def main(argv=None) -> int:
         print(f"  eager {record['eager_ms']:.3f} ms, peer {record['peer_ms']:.3f}, ttj {record['ttj_ms']:.3f} "
               f"(peer/ttj {record['peer_over_ttj']:.2f}); worst gradient error {record['max_rel_grad_err']:.1e} "
               f"({record['ttj']['worst_tensor']}), the peer's {record['peer']['max_rel_grad_err']:.1e}", flush=True)
-        for name, variable, value in variants:
-            print(f"  ttj with {variable}={value}: {record[f'{name}_ms']:.3f} ms, worst gradient "
-                  f"error {record[name]['max_rel_grad_err']:.1e}", flush=True)
+        for contender, variable, value in variants:   # `name` is the device's
+            print(f"  ttj with {variable}={value}: {record[f'{contender}_ms']:.3f} ms, worst gradient "
+                  f"error {record[contender]['max_rel_grad_err']:.1e}", flush=True)
         with open(path, "w") as f:
             json.dump(document, f, indent=1)
     print(f"wrote {path}")
