@@ -11,7 +11,7 @@ import pytest
 
 from ttj_jax.kernels.attention_common import attention_reference
 from ttj_jax.kernels.flash_attention import flash_attention
-from ttj_jax.kernels.flash_attention_bwd import BwdBlocks, flash_attention_bwd, flash_attention_vjp
+from ttj_jax.kernels.flash_attention_bwd import BwdBlocks, flash_attention_bwd, flash_attention_fused_vjp, flash_attention_vjp
 
 pytestmark = pytest.mark.interpret
 
@@ -69,6 +69,29 @@ def test_the_differentiable_attention_under_jax_grad():
     ref = _reference_grads(q, k, v, do, True, None)
     for got, want in zip(ours, ref):
         assert got.dtype == q.dtype and _rel(got, want) <= MAX_REL_L2
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("shape", [(2, 64, 2, 32), (1, 40, 3, 24)], ids=["aligned", "padded-S-and-hd"])
+def test_the_fused_layout_gives_the_separate_layouts_gradients(causal, shape):
+    """flash_attention_fused_vjp reads q, k and v in place from [B, S, 3, H, hd]: its output and dL/dqkv are
+    those of flash_attention_vjp on the three slices, bit for bit, with a key mask too."""
+    batch, seq_len, heads, head_dim = shape
+    keys = jax.random.split(jax.random.PRNGKey(seq_len), 2)
+    qkv = jax.random.normal(keys[0], (batch, seq_len, 3, heads, head_dim), jnp.float32).astype(jnp.float16)
+    do = jax.random.normal(keys[1], (batch, seq_len, heads, head_dim), jnp.float32)
+    key_mask = jnp.asarray(np.random.default_rng(1).random((batch, seq_len)) > 0.3)
+    fused = lambda t: flash_attention_fused_vjp(t, causal, True, key_mask)   # noqa: E731
+    separate = lambda t: flash_attention_vjp(t[:, :, 0], t[:, :, 1], t[:, :, 2], causal, True, key_mask)  # noqa: E731
+    results = []
+    for attention in (fused, separate):
+        out, pull = jax.vjp(attention, qkv)
+        results.append((out, pull(do.astype(out.dtype))[0]))
+    (out, dqkv), (want_out, want_dqkv) = results
+    assert dqkv.shape == qkv.shape and dqkv.dtype == qkv.dtype
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(want_out))
+    np.testing.assert_array_equal(np.asarray(dqkv), np.asarray(want_dqkv))
+    assert np.abs(np.asarray(dqkv, np.float32)).sum() > 0
 
 
 @pytest.mark.parametrize("blocks", [BwdBlocks(32, 64, 64, 32), BwdBlocks(64, 32, 32, 64), BwdBlocks(16, 16, 16, 16)],

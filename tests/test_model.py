@@ -8,6 +8,7 @@ Tolerances:
 """
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -449,6 +450,24 @@ def test_fp16_projection_policy_is_requested_only_and_meets_the_rule(harness_rul
     y = T.forward(params, to_jax(x), config=config, policy="mixed_fp16_qkv16")
     harness_rule(to_torch(y), baseline(x, None))
     assert T.plan(config, T.InputFacts(2, 24, "float32")).policy == "mixed_fp16"
+
+
+def test_the_training_gelu_is_torchs_erf_formula_within_fp32_rounding():
+    """numerics.gelu_erf (the training policy's GELU, x (1 + erf(x / sqrt 2)) / 2 as torch writes it) is
+    gelu_exact (jax.nn.gelu through erfc) to fp32 rounding, over the range a pre-activation takes and its
+    tails, and its derivative in the training policy's custom rule is the derivative of gelu_exact."""
+    from ttj_jax.numerics import MIXED_FP16_TRAIN, gelu_erf, gelu_exact
+    x = jnp.linspace(-12.0, 12.0, 20001, dtype=jnp.float32)
+    want = np.array([0.5 * v * (1 + math.erf(v / math.sqrt(2))) for v in np.asarray(x, np.float64)])
+    for got in (gelu_erf(x), gelu_exact(x)):
+        assert np.max(np.abs(np.asarray(got, np.float64) - want)) < 2e-6
+    np.testing.assert_allclose(np.asarray(gelu_erf(x)), np.asarray(gelu_exact(x)), rtol=1e-5, atol=2e-6)
+    w = jnp.eye(8, dtype=jnp.float32)
+    b = jnp.zeros(8, jnp.float32)
+    h = x[::2500][:8].reshape(1, 8)
+    d_ours = jax.grad(lambda t: jnp.sum(MIXED_FP16_TRAIN.mlp_hidden(t, w, b).astype(jnp.float32)))(h)
+    d_want = jax.grad(lambda t: jnp.sum(gelu_exact(t.astype(jnp.float16).astype(jnp.float32))))(h)
+    np.testing.assert_allclose(np.asarray(d_ours), np.asarray(d_want), rtol=2e-3, atol=2e-3)
 
 
 def test_fp16_hidden_policy_rounds_only_the_mlp_pre_activation_and_meets_the_rule(harness_rule):

@@ -108,7 +108,7 @@ def layer(w: Mapping[str, jax.Array], x, row_valid, key_valid, *, config: Config
     qkv = project_qkv(h, w, config=config, plan=plan, policy=policy)
     context = (attention or attention_for(plan))(qkv, key_valid, causal=config.causal, policy=policy)
     context = context.reshape(B, S, d)
-    if row_valid is not None and attention is not None:
+    if row_valid is not None and attention is not None and not getattr(attention, "finite_rows", False):
         # Invalid rows are left to the stack's end (layer_stack zeroes them in y), not zeroed per layer as
         # docs/spec.md writes the model: no valid row ever reads an invalid one (invalid keys are masked,
         # or, for a prefix mask under causal attention, come after every valid query), and the rows'
@@ -118,8 +118,10 @@ def layer(w: Mapping[str, jax.Array], x, row_valid, key_valid, *, config: Config
         # invalid rows stay finite and their zero cotangents give zero weight gradients. An attention
         # given by the caller (the ring's) may give such a row a NaN (a softmax over no key), which P v
         # would carry into valid rows at the next layer (0 x NaN): its invalid queries' context is
-        # zeroed here, on the out-projection's input. Nothing sits between a GEMM and its residual add,
-        # which cuBLAS fuses into its epilogue as in the mask-free program.
+        # zeroed here, on the out-projection's input, unless the function says it gives every row a
+        # finite context (an attribute `finite_rows = True`: the training program's flash attention).
+        # Nothing sits between a GEMM and its residual add, which cuBLAS fuses into its epilogue as in
+        # the mask-free program.
         context = zero_invalid_rows(context, row_valid)
     a = policy.matmul(context, w["out_weight"]) + w["out_bias"]
     x = x + a

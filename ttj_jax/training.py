@@ -34,6 +34,7 @@ from ttj_jax.planner import CUDNN_HEAD_DIMS, Plan
 BACKWARD_POLICY = "mixed_fp16_train"   # mixed_fp16's forward, fp16 GEMMs in the backward too (numerics.py)
 BACKWARD_ATTENTION_ENV = "TTJ_BACKWARD_ATTENTION"
 BACKWARD_ATTENTIONS = ("auto", "flash", "xla")
+FUSED_QKV_ATTENTION = True
 
 
 def backward_attention_kind(config: Config, masked: bool, on_gpu: bool, choice: str = "auto") -> str:
@@ -68,10 +69,17 @@ def backward_attention() -> str:
 
 def _flash_attention(qkv, key_valid, *, causal: bool, policy):
     """Layer attention (layers.ATTENTION's signature) through our differentiable flash kernel."""
-    from ttj_jax.kernels.flash_attention_bwd import flash_attention_vjp  # deferred: Pallas import cost
-    q, k, v = (qkv[:, :, i].astype(policy.gemm_dtype) for i in range(3))
+    from ttj_jax.kernels import flash_attention_bwd as kernels  # deferred: Pallas import cost
     interpret = jax.default_backend() == "cpu"
-    return flash_attention_vjp(q, k, v, causal, interpret, key_valid).astype(jnp.float32)
+    if FUSED_QKV_ATTENTION:
+        return kernels.flash_attention_fused_vjp(qkv.astype(policy.gemm_dtype), causal, interpret,
+                                                 key_valid).astype(jnp.float32)
+    q, k, v = (qkv[:, :, i].astype(policy.gemm_dtype) for i in range(3))
+    return kernels.flash_attention_vjp(q, k, v, causal, interpret, key_valid).astype(jnp.float32)
+
+
+# Our flash kernels give a query with no allowed key a zero context (layers.layer then zeroes no rows).
+_flash_attention.finite_rows = True
 
 
 def _program(config: Config, masked: bool, on_gpu: bool, attention: str):

@@ -444,11 +444,12 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool,
                                   return_lse=return_lse)
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "sm_scale", "block_sizes", "interpret", "implementation"))
+@functools.partial(jax.jit, static_argnames=("causal", "sm_scale", "block_sizes", "interpret", "implementation",
+                                             "return_lse"))
 def flash_attention_fused_qkv(qkv: jax.Array, *, causal: bool, kv_lengths: jax.Array | None = None,
                               key_mask: jax.Array | None = None, sm_scale: float | None = None,
                               block_sizes: BlockSizes | None = None, interpret: bool = False,
-                              implementation: str = "auto") -> jax.Array:
+                              implementation: str = "auto", return_lse: bool = False):
     """`flash_attention` on q, k, v read straight out of one fused projection.
 
     Args:
@@ -459,19 +460,24 @@ def flash_attention_fused_qkv(qkv: jax.Array, *, causal: bool, kv_lengths: jax.A
         a transpose first; give those to `flash_attention` as three arrays instead. The Hopper kernel
         (where the dispatch rule picks it: from the lengths of flash_attention_mgpu.FUSED_MIN_SEQ_LEN,
         shorter than `flash_attention`'s) reads this layout in place too (`flash_attention_mgpu_fused_qkv`).
+      return_lse: also return the rows' log-sum-exp, as `flash_attention` does; our generic kernel
+        computes it, so a call with it runs that kernel whatever `implementation` says.
       Other arguments: as in `flash_attention`.
 
     Returns:
-      [B, S, H, head_dim] in qkv's dtype.
+      [B, S, H, head_dim] in qkv's dtype (and the log-sum-exp with return_lse).
     """
     _check_statics(causal, sm_scale, block_sizes)
     if qkv.ndim != 5 or qkv.shape[2] != 3:
         raise ValueError(f"qkv.shape={qkv.shape} must be [batch, seq_len, 3, num_heads, head_dim]")
     _check_dtype_and_head_dim("qkv", qkv)
     _check_masks(kv_lengths, key_mask, qkv.shape[0], qkv.shape[1])
-    if use_mosaic_kernel(qkv.dtype, qkv.shape[1], qkv.shape[-1], masked=kv_lengths is not None,
-                         key_mask=key_mask is not None, block_sizes=block_sizes, interpret=interpret,
-                         implementation=implementation, fused=True):
+    if not isinstance(return_lse, bool):
+        raise ValueError(f"return_lse={return_lse!r} must be a bool")
+    if not return_lse and use_mosaic_kernel(qkv.dtype, qkv.shape[1], qkv.shape[-1], masked=kv_lengths is not None,
+                                            key_mask=key_mask is not None, block_sizes=block_sizes,
+                                            interpret=interpret, implementation=implementation, fused=True):
         return flash_attention_mgpu_fused_qkv(qkv, causal=causal, sm_scale=sm_scale, key_mask=key_mask)
     return _attention_pallas_call(qkv, qkv, qkv, kv_lengths, key_mask, fused=True, causal=causal,
-                                  sm_scale=sm_scale, block_sizes=block_sizes, interpret=interpret)
+                                  sm_scale=sm_scale, block_sizes=block_sizes, interpret=interpret,
+                                  return_lse=return_lse)

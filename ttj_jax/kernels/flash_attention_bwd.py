@@ -33,7 +33,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from ttj_jax.kernels.flash_attention import flash_attention, on_hopper, padded_head_dim
+from ttj_jax.kernels.flash_attention import _pad_seq_and_head_dim, flash_attention, flash_attention_fused_qkv, on_hopper, padded_head_dim
 from ttj_jax.kernels.flash_attention_mgpu_bwd import MgpuBwdConfig, flash_attention_mgpu_bwd
 
 
@@ -60,7 +60,9 @@ _LOG2E = 1.4426950408889634
 MGPU_BACKWARD_DISPATCH = True
 MGPU_BACKWARD_CONFIG = MgpuBwdConfig(block_q=128, eager_ds=True)
 MGPU_BACKWARD_HEAD_DIMS = (64,)
-MGPU_BACKWARD_MIN_SEQ_LEN = 2048   # the shortest measured
+# The shortest measured: at B=32 H=12 S=512 (bert-base's attention) on one H100, 0.273 ms against these
+# kernels' 0.311 non-causal and 0.219 against 0.219 causal (attention-bwd-2026-12-06-h100-s512.json).
+MGPU_BACKWARD_MIN_SEQ_LEN = 512
 
 
 # flash_attention_vjp's forward: "generic" (our generic kernel), or "auto" (flash_attention's dispatch, which
@@ -187,7 +189,27 @@ def flash_attention_bwd(q, k, v, o, lse, do, *, causal: bool, key_mask=None, sm_
                         interpret: bool = False, blocks: BwdBlocks = DEFAULT_BLOCKS):
     """(dq, dk, dv) for o = softmax(sm_scale q k^T) v, [B, S, H, hd] each in q's dtype, given the forward's
     o and lse ([B, H, S] fp32, natural log, -inf on rows with no allowed key) and do = dL/do."""
-    batch, seq_len, num_heads, head_dim = q.shape
+    return _bwd_pallas_calls(q, k, v, o, lse, do, fused=False, causal=causal, key_mask=key_mask,
+                             sm_scale=sm_scale, interpret=interpret, blocks=blocks)
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "sm_scale", "interpret", "blocks"))
+def flash_attention_bwd_fused_qkv(qkv, o, lse, do, *, causal: bool, key_mask=None, sm_scale: float | None = None,
+                                  interpret: bool = False, blocks: BwdBlocks = DEFAULT_BLOCKS):
+    """flash_attention_bwd with q, k and v read in place from one [B, S, 3, H, hd] array (the fused
+    projection's layout, flash_attention_fused_qkv's): dL/dqkv in that layout, the three gradients
+    stacked (the one copy; reading q, k and v out of qkv would be a second)."""
+    dq, dk, dv = _bwd_pallas_calls(qkv, qkv, qkv, o, lse, do, fused=True, causal=causal, key_mask=key_mask,
+                                   sm_scale=sm_scale, interpret=interpret, blocks=blocks)
+    return jnp.stack([dq, dk, dv], axis=2)
+
+
+def _bwd_pallas_calls(q_src, k_src, v_src, o, lse, do, *, fused: bool, causal: bool, key_mask, sm_scale,
+                      interpret: bool, blocks: BwdBlocks):
+    """The two backward kernels. Separate layout: q_src, k_src, v_src [B, S, H, hd] each. Fused: all three
+    the same [B, S, 3, H, hd] array, whose slots the BlockSpecs pick."""
+    batch, seq_len = q_src.shape[:2]
+    num_heads, head_dim = q_src.shape[-2:]
     sm_scale = head_dim ** -0.5 if sm_scale is None else float(sm_scale)
     block = math.lcm(blocks.dkdv_q, blocks.dkdv_k, blocks.dq_q, blocks.dq_k)
     seq_pad = -seq_len % block
@@ -200,19 +222,29 @@ def flash_attention_bwd(q, k, v, o, lse, do, *, causal: bool, key_mask=None, sm_
     lse = jnp.where(jnp.isfinite(lse), lse * _LOG2E, jnp.inf)
     pad_rows = lambda a, value: jnp.pad(a, ((0, 0), (0, 0), (0, seq_pad)), constant_values=value)  # noqa: E731
     lse, delta = pad_rows(lse, jnp.inf), pad_rows(delta, 0.0)
-    pad = lambda a: jnp.pad(a, ((0, 0), (0, seq_pad), (0, 0), (0, hd_pad)))  # noqa: E731
-    q_p, k_p, v_p, do_p = pad(q), pad(k), pad(v), pad(do)
+    pad = lambda a: _pad_seq_and_head_dim(a, seq_pad, hd_pad)  # noqa: E731
+    if fused:
+        q_p = k_p = v_p = pad(q_src)
+    else:
+        q_p, k_p, v_p = pad(q_src), pad(k_src), pad(v_src)
+    do_p = pad(do)
     mask_p = None
     if key_mask is not None:
         mask_p = jnp.pad(key_mask.astype(jnp.int32), ((0, 0), (0, seq_pad)))
     key_limit = seq_len if seq_pad else None
-    dtype = jnp.dtype(q.dtype)
+    dtype = jnp.dtype(q_src.dtype)
     dot_dtype = jnp.bfloat16 if dtype == jnp.bfloat16 else jnp.float16
     statics = dict(causal=causal, sm_scale=sm_scale, key_limit=key_limit, dot_dtype=dot_dtype)
     params = pltriton.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages)
 
     whole = lambda length: pl.BlockSpec((None, length, None, padded_hd), lambda i, b, h: (b, 0, h, 0))  # noqa: E731
     blocked = lambda length: pl.BlockSpec((None, length, None, padded_hd), lambda i, b, h: (b, i, h, 0))  # noqa: E731
+
+    def source(length, slot, per_block: bool):   # q (slot 0), k (1) or v (2): whole sequences, or blocks of it
+        if not fused:
+            return blocked(length) if per_block else whole(length)
+        return pl.BlockSpec((None, length, None, None, padded_hd),
+                            lambda i, b, h: (b, i if per_block else 0, slot, h, 0))
     rows_whole = pl.BlockSpec((None, None, padded_len), lambda i, b, h: (b, h, 0))
     rows_blocked = pl.BlockSpec((None, None, blocks.dq_q), lambda i, b, h: (b, h, i))
     mask_whole = pl.BlockSpec((None, padded_len), lambda i, b, h: (b, 0)) if mask_p is not None else None
@@ -221,19 +253,19 @@ def flash_attention_bwd(q, k, v, o, lse, do, *, causal: bool, key_mask=None, sm_
     dk, dv = pl.pallas_call(
         functools.partial(_dkdv_kernel, block_q=blocks.dkdv_q, block_k=blocks.dkdv_k, **statics),
         grid=(padded_len // blocks.dkdv_k, batch, num_heads),
-        in_specs=[whole(padded_len), blocked(blocks.dkdv_k), blocked(blocks.dkdv_k), whole(padded_len),
-                  rows_whole, rows_whole, mask_blocked],
+        in_specs=[source(padded_len, 0, False), source(blocks.dkdv_k, 1, True), source(blocks.dkdv_k, 2, True),
+                  whole(padded_len), rows_whole, rows_whole, mask_blocked],
         out_specs=(blocked(blocks.dkdv_k), blocked(blocks.dkdv_k)),
-        out_shape=(jax.ShapeDtypeStruct(k_p.shape, dtype), jax.ShapeDtypeStruct(v_p.shape, dtype)),
+        out_shape=(jax.ShapeDtypeStruct(do_p.shape, dtype), jax.ShapeDtypeStruct(do_p.shape, dtype)),
         compiler_params=params, interpret=interpret, name="ttj_flash_attention_dkdv",
     )(q_p, k_p, v_p, do_p, lse, delta, mask_p)
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, block_q=blocks.dq_q, block_k=blocks.dq_k, **statics),
         grid=(padded_len // blocks.dq_q, batch, num_heads),
-        in_specs=[blocked(blocks.dq_q), whole(padded_len), whole(padded_len), blocked(blocks.dq_q), rows_blocked,
-                  rows_blocked, mask_whole],
+        in_specs=[source(blocks.dq_q, 0, True), source(padded_len, 1, False), source(padded_len, 2, False),
+                  blocked(blocks.dq_q), rows_blocked, rows_blocked, mask_whole],
         out_specs=blocked(blocks.dq_q),
-        out_shape=jax.ShapeDtypeStruct(q_p.shape, dtype),
+        out_shape=jax.ShapeDtypeStruct(do_p.shape, dtype),
         compiler_params=params, interpret=interpret, name="ttj_flash_attention_dq",
     )(q_p, k_p, v_p, do_p, lse, delta, mask_p)
     unpad = lambda a: a[:, :seq_len, :, :head_dim]  # noqa: E731
@@ -266,3 +298,33 @@ def _vjp_bwd(causal, interpret, residuals, do):
 
 
 flash_attention_vjp.defvjp(_vjp_fwd, _vjp_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def flash_attention_fused_vjp(qkv, causal: bool, interpret: bool, key_mask=None):
+    """flash_attention_vjp on q, k, v read in place from the fused projection's [B, S, 3, H, hd] layout
+    (flash_attention_fused_qkv): the forward slices nothing out of qkv, and the backward's dL/dqkv comes
+    in that layout. The Hopper backward, where it applies, takes q, k and v sliced out."""
+    return flash_attention_fused_qkv(qkv, causal=causal, key_mask=key_mask, interpret=interpret,
+                                     implementation=VJP_FORWARD_IMPLEMENTATION)
+
+
+def _fused_vjp_fwd(qkv, causal, interpret, key_mask=None):
+    o, lse = flash_attention_fused_qkv(qkv, causal=causal, key_mask=key_mask, interpret=interpret,
+                                       implementation=VJP_FORWARD_IMPLEMENTATION, return_lse=True)
+    return o, (qkv, o, lse, key_mask)
+
+
+def _fused_vjp_bwd(causal, interpret, residuals, do):
+    qkv, o, lse, key_mask = residuals
+    do = do.astype(qkv.dtype)
+    if mgpu_backward_applies(qkv[:, :, 0], interpret):
+        q, k, v = (qkv[:, :, i] for i in range(3))
+        grads = flash_attention_mgpu_bwd(q, k, v, o, lse, do, causal=causal, key_mask=key_mask,
+                                         config=MGPU_BACKWARD_CONFIG)
+        return jnp.stack(grads, axis=2), None
+    return flash_attention_bwd_fused_qkv(qkv, o, lse, do, causal=causal, key_mask=key_mask,
+                                         interpret=interpret), None
+
+
+flash_attention_fused_vjp.defvjp(_fused_vjp_fwd, _fused_vjp_bwd)
