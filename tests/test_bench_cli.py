@@ -439,6 +439,30 @@ def test_train_times_ttj_under_each_backward_attention(tmp_path, capsys):
         train.main(["--configs", "cpu-2", "--backward-attentions", "magic"])
 
 
+def test_train_programs_times_each_variant_and_restores_the_switches(tmp_path, monkeypatch, capsys):
+    """bench.train_programs on the flash path (interpreted on the CPU): every variant's output and
+    gradients agree with the default's to rounding (the switches change passes, not the function), and
+    the module switches are back as shipped after the run."""
+    from bench import train_programs
+    from ttj_jax import numerics, training
+    from ttj_jax.kernels import flash_attention_bwd
+    shipped = (training.FUSED_QKV_ATTENTION, numerics.gelu_erf, numerics.LAYER_NORM_KEEPS_STATISTICS,
+               flash_attention_bwd.MGPU_BACKWARD_MIN_SEQ_LEN, training._flash_attention.finite_rows)
+    monkeypatch.setenv("TTJ_BACKWARD_ATTENTION", "flash")
+    assert train_programs.main(["--configs", "cpu-2", "--variants", "default,before-f6ebade,ln-recompute",
+                                "--min-seconds", "0.01", "--repeats", "1", "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("train-programs-*.json")
+    records = json.loads(path.read_text())["configs"]["cpu-2"]
+    assert set(records) == {"default", "before-f6ebade", "ln-recompute"}
+    for record in records.values():
+        assert record["forward_ms"] > 0 and record["backward_ms"] > 0
+        assert max(record["rel_l2_vs_first"].values()) < 1e-3
+    assert shipped == (training.FUSED_QKV_ATTENTION, numerics.gelu_erf, numerics.LAYER_NORM_KEEPS_STATISTICS,
+                       flash_attention_bwd.MGPU_BACKWARD_MIN_SEQ_LEN, training._flash_attention.finite_rows)
+    assert "ln-recompute" in capsys.readouterr().out
+    assert train_programs.main(["--variants", "default,magic"]) == 2
+
+
 def test_train_peer_float16_gradients_need_and_get_the_loss_scale():
     """The peer's float16 autocast gradients (~1/numel of the loss's) underflow without loss scaling; with
     the GradScaler's scale they are as close to the fp32 reference as bfloat16's or better."""

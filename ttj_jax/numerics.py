@@ -274,9 +274,17 @@ def _row_statistics(x):
     return mean, centered, jax.lax.rsqrt(variance + LAYER_NORM_EPS)
 
 
+# Whether LayerNorm's backward rule keeps the rows' mean and reciprocal deviation beside the input (True),
+# or recomputes them from the input (False): the kept statistics are outputs of the forward program, which
+# splits its LayerNorm into five passes on the GPU (mean, scale, variance, rsqrt, normalise). An
+# alternative to measure (`python3 -m bench.train_programs`, variant "ln-recompute").
+LAYER_NORM_KEEPS_STATISTICS = True
+
+
 def _layer_norm_forward(x, weight, bias):
     mean, centered, rstd = _row_statistics(x)
-    return centered * rstd * weight + bias, (x, mean, rstd, weight, bias)
+    kept = (mean, rstd) if LAYER_NORM_KEEPS_STATISTICS else (None, None)
+    return centered * rstd * weight + bias, (x, *kept, weight, bias)
 
 
 @jax.custom_vjp
@@ -286,6 +294,8 @@ def _layer_norm_rows(x, weight, bias):
 
 def _layer_norm_backward(residuals, g):
     x, mean, rstd, weight, bias = residuals
+    if mean is None:
+        mean, _, rstd = _row_statistics(x)
     g = g.astype(jnp.float32)
     normalised = (x - mean) * rstd
     dw = jnp.sum(g * normalised, axis=0).reshape(weight.shape).astype(weight.dtype)

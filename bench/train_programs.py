@@ -1,0 +1,164 @@
+"""ttj's two training programs alone, from JAX, for variants of the training program: the forward that
+keeps its residuals (`bridge.autograd.forward_program`'s body) and the backward that applies them
+(`apply_program`'s), each timed as a stream of calls (`bench.jax_timing.stream_ms_per_call`), on random
+weights, an all-valid mask (the masked program, as the bridge's default training forward runs) and a
+random cotangent of a loss's size (1/numel).
+
+Each variant sets module switches for its compilation and restores them after. Its output, parameter
+gradients and dL/dx are compared with the first variant's (relative L2), so a variant that changes the
+arithmetic more than its rounding shows. The variants:
+
+  default               as shipped
+  before-f6ebade        q/k/v sliced out of the projection, rows zeroed after each attention, jax's
+                        erfc GELU, the Hopper backward from S=2048 only (all four together)
+  separate-qkv          q/k/v sliced out of the fused projection for the attention (training.FUSED_QKV_ATTENTION)
+  zero-rows             invalid rows zeroed after each of our flash attentions (layers.layer)
+  erfc-gelu             jax.nn.gelu's erfc form in the training GELU (numerics.gelu_erf)
+  hopper-bwd-from-2048  the Hopper attention backward from S=2048 (MGPU_BACKWARD_MIN_SEQ_LEN)
+  ln-recompute          LayerNorm's statistics recomputed in the backward (numerics.LAYER_NORM_KEEPS_STATISTICS)
+  cublas-gemms          both programs compiled with XLA's Triton GEMMs off (xla_gpu_enable_triton_gemm)
+
+    PYTHONPATH=. python3 -m bench.train_programs [--configs bert-base,8] [--variants default,ln-recompute] [--out DIR]
+
+Writes train-programs-<date>-<gpu>.json: {"configs": {id: {variant: {forward_ms, backward_ms, ...}}}}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from bench.jax_timing import stream_ms_per_call  # noqa: E402
+from bench.paths import result_file, run_header  # noqa: E402
+from bridge.autograd import flat_gradients  # noqa: E402
+from ttj_jax import numerics, training  # noqa: E402
+from ttj_jax.kernels import flash_attention_bwd  # noqa: E402
+from ttj_jax.params import init_params  # noqa: E402
+from ttj_jax.shapes import find  # noqa: E402
+
+# variant -> [(object, attribute, value)], the XLA options given to both programs' compilation
+_SEPARATE = (training, "FUSED_QKV_ATTENTION", False)
+_ZERO_ROWS = (training._flash_attention, "finite_rows", False)
+_ERFC = (numerics, "gelu_erf", numerics.gelu_exact)
+_FROM_2048 = (flash_attention_bwd, "MGPU_BACKWARD_MIN_SEQ_LEN", 2048)
+VARIANTS: dict[str, tuple[list, dict]] = {
+    "default": ([], {}),
+    "before-f6ebade": ([_SEPARATE, _ZERO_ROWS, _ERFC, _FROM_2048], {}),
+    "separate-qkv": ([_SEPARATE], {}),
+    "zero-rows": ([_ZERO_ROWS], {}),
+    "erfc-gelu": ([_ERFC], {}),
+    "hopper-bwd-from-2048": ([_FROM_2048], {}),
+    "ln-recompute": ([(numerics, "LAYER_NORM_KEEPS_STATISTICS", False)], {}),
+    "cublas-gemms": ([], {"xla_gpu_enable_triton_gemm": False}),
+}
+
+
+@contextlib.contextmanager
+def switched(settings):
+    """The variant's switches set for the block, the previous values restored after."""
+    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in settings]
+    try:
+        for obj, name, value in settings:
+            setattr(obj, name, value)
+        yield
+    finally:
+        for obj, name, value in saved:
+            setattr(obj, name, value)
+
+
+def programs(config, on_gpu: bool, xla_options: dict):
+    """(forward, backward) jitted: the bridge's training forward and the application of its pullback."""
+    def forward(params, x, mask):
+        y, pull = training.forward_with_pullback(params, x, mask, config=config, on_gpu=on_gpu,
+                                                 attention=training.backward_attention())
+        return y.astype(jnp.float32), pull
+
+    def backward(pull, grad_out):
+        d_params, d_x = training.apply_pullback(pull, grad_out)
+        return flat_gradients(d_params, config), d_x
+    return (jax.jit(forward, compiler_options=xla_options or None),
+            jax.jit(backward, compiler_options=xla_options or None))
+
+
+def _rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def run_config(config, variants: list[str], *, min_seconds: float, repeats: int) -> dict:
+    keys = jax.random.split(jax.random.PRNGKey(0), 3)
+    params = init_params(keys[0], config)
+    x = jax.random.normal(keys[1], (config.batch_size, config.seq_len, config.d_model), jnp.float32)
+    mask = jnp.ones(x.shape[:2], bool)
+    grad_out = jax.random.normal(keys[2], x.shape, jnp.float32) / x.size
+    on_gpu = jax.default_backend() == "gpu"
+    records, first = {}, None
+    for name in variants:
+        settings, xla_options = VARIANTS[name]
+        with switched(settings):
+            forward, backward = programs(config, on_gpu, xla_options)
+            start = time.perf_counter()
+            y, pull = forward(params, x, mask)
+            outputs = jax.block_until_ready((y, *backward(pull, grad_out)))
+            compile_s = time.perf_counter() - start
+            forward_ms, _ = stream_ms_per_call(forward, (params, x, mask), min_seconds=min_seconds, repeats=repeats)
+            backward_ms, _ = stream_ms_per_call(backward, (pull, grad_out), min_seconds=min_seconds, repeats=repeats)
+        del pull
+        first = first or outputs
+        records[name] = {"forward_ms": forward_ms, "backward_ms": backward_ms, "total_ms": forward_ms + backward_ms,
+                         "compile_s": compile_s,
+                         "rel_l2_vs_first": dict(zip(("y", "d_params", "d_x"), map(_rel, outputs, first)))}
+        errs = records[name]["rel_l2_vs_first"]
+        print(f"  {name:22s} forward {forward_ms:7.3f} ms  backward {backward_ms:7.3f}  total "
+              f"{forward_ms + backward_ms:7.3f}   vs {variants[0]}: y {errs['y']:.1e}, params "
+              f"{errs['d_params']:.1e}, x {errs['d_x']:.1e}", flush=True)
+    return records
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python3 -m bench.train_programs", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--configs", default=None, help="config ids (default on a GPU: bert-base,8; on the CPU: cpu-2)")
+    p.add_argument("--variants", default="default,before-f6ebade", help=f"comma-separated, of: {', '.join(VARIANTS)}")
+    p.add_argument("--min-seconds", type=float, default=0.3)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    variants = args.variants.split(",")
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        print(f"unknown variants {unknown}; known: {', '.join(VARIANTS)}", file=sys.stderr)
+        return 2
+    on_gpu = jax.default_backend() == "gpu"
+    ids = (args.configs or ("bert-base,8" if on_gpu else "cpu-2")).split(",")
+    try:
+        shapes = {config_id: find(config_id) for config_id in ids}
+    except KeyError as e:
+        print(f"unknown config id: {e}", file=sys.stderr)
+        return 2
+    name = jax.devices()[0].device_kind if on_gpu else "cpu"
+    path = result_file("train-programs", name, args.out)
+    document = {"device": name, **run_header("python3 -m bench.train_programs " + " ".join(
+        sys.argv[1:] if argv is None else argv)), "configs": {}}
+    for config_id in ids:
+        print(f"{config_id}: {shapes[config_id].describe()}", flush=True)
+        document["configs"][config_id] = run_config(shapes[config_id].config, variants,
+                                                    min_seconds=args.min_seconds, repeats=args.repeats)
+        with open(path, "w") as f:
+            json.dump(document, f, indent=1)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
