@@ -302,7 +302,7 @@ def use_mosaic_kernel(dtype, seq_len: int, head_dim: int, *, masked: bool, block
             and seq_len >= dispatch_min_seq_len(head_dim, fused) and on_hopper())
 
 
-def _pad_seq_and_head_dim(x: jax.Array, seq_pad: int, head_dim_pad: int) -> jax.Array:
+def pad_seq_and_head_dim(x: jax.Array, seq_pad: int, head_dim_pad: int) -> jax.Array:
     if not (seq_pad or head_dim_pad):
         return x
     widths = [(0, 0)] * x.ndim
@@ -330,9 +330,9 @@ def _attention_pallas_call(q_src, k_src, v_src, kv_lengths, key_mask, *, fused: 
     head_dim_pad = padded_head_dim(head_dim) - head_dim
     padded_len, padded_hd = seq_len + seq_pad, head_dim + head_dim_pad
     if fused:
-        q_src = k_src = v_src = _pad_seq_and_head_dim(q_src, seq_pad, head_dim_pad)
+        q_src = k_src = v_src = pad_seq_and_head_dim(q_src, seq_pad, head_dim_pad)
     else:
-        q_src, k_src, v_src = (_pad_seq_and_head_dim(x, seq_pad, head_dim_pad) for x in (q_src, k_src, v_src))
+        q_src, k_src, v_src = (pad_seq_and_head_dim(x, seq_pad, head_dim_pad) for x in (q_src, k_src, v_src))
 
     num_q_blocks = padded_len // block_q
     if causal:

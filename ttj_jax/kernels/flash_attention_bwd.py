@@ -33,7 +33,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from ttj_jax.kernels.flash_attention import _pad_seq_and_head_dim, flash_attention, flash_attention_fused_qkv, on_hopper, padded_head_dim
+from ttj_jax.kernels.flash_attention import flash_attention, flash_attention_fused_qkv, on_hopper, pad_seq_and_head_dim, padded_head_dim
 from ttj_jax.kernels.flash_attention_mgpu_bwd import MgpuBwdConfig, flash_attention_mgpu_bwd
 
 
@@ -222,7 +222,7 @@ def _bwd_pallas_calls(q_src, k_src, v_src, o, lse, do, *, fused: bool, causal: b
     lse = jnp.where(jnp.isfinite(lse), lse * _LOG2E, jnp.inf)
     pad_rows = lambda a, value: jnp.pad(a, ((0, 0), (0, 0), (0, seq_pad)), constant_values=value)  # noqa: E731
     lse, delta = pad_rows(lse, jnp.inf), pad_rows(delta, 0.0)
-    pad = lambda a: _pad_seq_and_head_dim(a, seq_pad, hd_pad)  # noqa: E731
+    pad = lambda a: pad_seq_and_head_dim(a, seq_pad, hd_pad)  # noqa: E731
     if fused:
         q_p = k_p = v_p = pad(q_src)
     else:
