@@ -91,7 +91,10 @@ def test_bench_attention_records_and_prints_the_clock_of_a_timing():
     # the window asked for is the one around the timings that gave "ms"
     assert timing["gpu_state"]["sm_clock_mhz"] == 1980.0 and len(power.asked) == 1
     start, end = power.asked[0]
-    assert end - start >= ba.MIN_TIMING_S * ba.TIMING_REPEATS * 0.9
+    # it spans the timing that reached MIN_TIMING_S and the repeats after it, of which at least half took
+    # the median time or longer (each repeat's time varies with the host's load, so no fixed total)
+    repeat_s = timing["ms"] * timing["in_graph_repeats"] * timing["calls_per_timing"] / 1e3
+    assert end - start >= ba.MIN_TIMING_S + (ba.TIMING_REPEATS + 1) // 2 * repeat_s * 0.999
     assert timing["in_graph_repeats"] == ba.IN_GRAPH_REPEATS
     assert ba._measure(attention_like, compiled, args)["gpu_state"] is None
 
