@@ -34,6 +34,8 @@ from ttj_jax.planner import CUDNN_HEAD_DIMS, Plan
 BACKWARD_POLICY = "mixed_fp16_train"   # mixed_fp16's forward, fp16 GEMMs in the backward too (numerics.py)
 BACKWARD_ATTENTION_ENV = "TTJ_BACKWARD_ATTENTION"
 BACKWARD_ATTENTIONS = ("auto", "flash", "xla")
+# The flash attention reads q, k and v in place from the fused projection (flash_attention_fused_vjp), or
+# (False) from three slices of it; kept as a switch for `python3 -m bench.train_programs`.
 FUSED_QKV_ATTENTION = True
 
 

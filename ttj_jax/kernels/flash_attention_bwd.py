@@ -317,13 +317,11 @@ def _fused_vjp_fwd(qkv, causal, interpret, key_mask=None):
 
 def _fused_vjp_bwd(causal, interpret, residuals, do):
     qkv, o, lse, key_mask = residuals
-    do = do.astype(qkv.dtype)
-    if mgpu_backward_applies(qkv[:, :, 0], interpret):
+    if mgpu_backward_applies(qkv[:, :, 0], interpret):   # flash_attention_vjp's backward on the slices
         q, k, v = (qkv[:, :, i] for i in range(3))
-        grads = flash_attention_mgpu_bwd(q, k, v, o, lse, do, causal=causal, key_mask=key_mask,
-                                         config=MGPU_BACKWARD_CONFIG)
+        *grads, _ = _vjp_bwd(causal, interpret, (q, k, v, o, lse, key_mask), do)
         return jnp.stack(grads, axis=2), None
-    return flash_attention_bwd_fused_qkv(qkv, o, lse, do, causal=causal, key_mask=key_mask,
+    return flash_attention_bwd_fused_qkv(qkv, o, lse, do.astype(qkv.dtype), causal=causal, key_mask=key_mask,
                                          interpret=interpret), None
 
 
