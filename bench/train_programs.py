@@ -17,6 +17,7 @@ arithmetic more than its rounding shows. The variants:
   hopper-bwd-from-2048  the Hopper attention backward from S=2048 (MGPU_BACKWARD_MIN_SEQ_LEN)
   ln-recompute          LayerNorm's statistics recomputed in the backward (numerics.LAYER_NORM_KEEPS_STATISTICS)
   cublas-gemms          both programs compiled with XLA's Triton GEMMs off (xla_gpu_enable_triton_gemm)
+  bias-gelu             the MLP's first bias added inside the GELU's rule (numerics.MLP_BIAS_IN_GELU)
 
     PYTHONPATH=. python3 -m bench.train_programs [--configs bert-base,8] [--variants default,ln-recompute] [--out DIR]
 
@@ -60,6 +61,7 @@ VARIANTS: dict[str, tuple[list, dict]] = {
     "hopper-bwd-from-2048": ([_FROM_2048], {}),
     "ln-recompute": ([(numerics, "LAYER_NORM_KEEPS_STATISTICS", False)], {}),
     "cublas-gemms": ([], {"xla_gpu_enable_triton_gemm": False}),
+    "bias-gelu": ([(numerics, "MLP_BIAS_IN_GELU", True)], {}),
 }
 
 

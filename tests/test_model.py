@@ -8,6 +8,7 @@ Tolerances:
 """
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -468,6 +469,36 @@ def test_the_training_gelu_is_torchs_erf_formula_within_fp32_rounding():
     d_ours = jax.grad(lambda t: jnp.sum(MIXED_FP16_TRAIN.mlp_hidden(t, w, b).astype(jnp.float32)))(h)
     d_want = jax.grad(lambda t: jnp.sum(gelu_exact(t.astype(jnp.float16).astype(jnp.float32))))(h)
     np.testing.assert_allclose(np.asarray(d_ours), np.asarray(d_want), rtol=2e-3, atol=2e-3)
+
+
+def test_the_training_mlp_with_its_bias_inside_the_gelu_rule_has_the_same_gradients(monkeypatch):
+    """numerics.MLP_BIAS_IN_GELU: GELU(x @ w + b) with the bias added inside the GELU's custom rule (whose
+    residual is the GEMM's output) gives the value and the gradients of x, w and b that jax's own rules
+    give for the same fp16 GEMM and fp32 GELU, and those of the shipped form (bias added before the rule)
+    to fp16 rounding of the pre-activation."""
+    from ttj_jax import numerics
+    keys = jax.random.split(jax.random.PRNGKey(3), 4)
+    x = jax.random.normal(keys[0], (3, 5, 16), jnp.float32)
+    w = jax.random.normal(keys[1], (16, 24), jnp.float32) / 4
+    b = jax.random.normal(keys[2], (24,), jnp.float32)
+    g = jax.random.normal(keys[3], (3, 5, 24), jnp.float32)
+
+    def loss(policy_form, x, w, b):
+        return jnp.sum(policy_form(x, w, b).astype(jnp.float32) * g)
+
+    def by_jax(x, w, b):
+        y = jnp.matmul(x.astype(jnp.float16), w.astype(jnp.float16), preferred_element_type=jnp.float16)
+        return numerics.gelu_erf(y.astype(jnp.float32) + b).astype(jnp.float16)
+    want = jax.value_and_grad(functools.partial(loss, by_jax), argnums=(0, 1, 2))(x, w, b)
+    shipped = jax.value_and_grad(functools.partial(loss, numerics.MIXED_FP16_TRAIN.mlp_hidden), argnums=(0, 1, 2))(x, w, b)
+    monkeypatch.setattr(numerics, "MLP_BIAS_IN_GELU", True)
+    got = jax.value_and_grad(functools.partial(loss, numerics.MIXED_FP16_TRAIN.mlp_hidden), argnums=(0, 1, 2))(x, w, b)
+    for reference, tolerance in ((want, 2e-3), (shipped, 1e-2)):
+        np.testing.assert_allclose(float(got[0]), float(reference[0]), rtol=tolerance)
+        for ours, theirs in zip(got[1], reference[1]):
+            assert ours.dtype == theirs.dtype == jnp.float32
+            err = np.linalg.norm(np.asarray(ours) - np.asarray(theirs)) / np.linalg.norm(np.asarray(theirs))
+            assert err < tolerance
 
 
 def test_fp16_hidden_policy_rounds_only_the_mlp_pre_activation_and_meets_the_rule(harness_rule):

@@ -124,6 +124,8 @@ class NumericsPolicy:
         pre-activation (XLA hands that expression to cuBLASLt's epilogue where it can)."""
         if self.hidden_dtype == self.accumulate_dtype and self.gelu == "erf":
             return gelu_exact(self.matmul(x, w) + b)
+        if self.fp16_cotangents and self.gelu == "erf" and MLP_BIAS_IN_GELU:
+            return _bias_gelu(self._gemm(x, w, self.hidden_dtype), b).astype(self.hidden_dtype)
         pre = self._affine_in(x, w, b, self.hidden_dtype)
         if self.gelu == "tanh":
             return jax.nn.gelu(pre, approximate=True)
@@ -334,14 +336,42 @@ def _gelu_forward(x):
     return gelu_erf(x.astype(jnp.float32)), x
 
 
+def _gelu_derivative(h):
+    return 0.5 * (1.0 + jax.lax.erf(h * 0.7071067811865476)) + h * 0.3989422804014327 * jnp.exp(-0.5 * h * h)
+
+
 def _gelu_backward(x, g):
-    h = x.astype(jnp.float32)
-    cdf = 0.5 * (1.0 + jax.lax.erf(h * 0.7071067811865476))
-    pdf = 0.3989422804014327 * jnp.exp(-0.5 * h * h)
-    return ((g * (cdf + h * pdf)).astype(x.dtype),)
+    return ((g * _gelu_derivative(x.astype(jnp.float32))).astype(x.dtype),)
 
 
 _gelu_saving_its_input.defvjp(_gelu_forward, _gelu_backward)
+
+
+# Whether the training MLP adds its first bias inside the GELU's rule (_bias_gelu: the residual is the GEMM's
+# own output, the pre-activation never written) or before it (the GEMM's output plus the bias written in
+# fp16 as the GELU's residual). An alternative to measure (`python3 -m bench.train_programs`, "bias-gelu").
+MLP_BIAS_IN_GELU = False
+
+
+@jax.custom_vjp
+def _bias_gelu(y: jax.Array, b: jax.Array) -> jax.Array:
+    """gelu_erf(y + b) in fp32 (y [..., n] any float dtype, b [n]), the sum formed in fp32. Its backward
+    recomputes y + b from y and b, the residuals, returns dy in y's dtype and db summed over the rows in
+    fp32."""
+    return gelu_erf(y.astype(jnp.float32) + b.astype(jnp.float32))
+
+
+def _bias_gelu_forward(y, b):
+    return gelu_erf(y.astype(jnp.float32) + b.astype(jnp.float32)), (y, b)
+
+
+def _bias_gelu_backward(residuals, g):
+    y, b = residuals
+    d = g * _gelu_derivative(y.astype(jnp.float32) + b.astype(jnp.float32))
+    return d.astype(y.dtype), d.reshape(-1, d.shape[-1]).sum(axis=0).astype(b.dtype)
+
+
+_bias_gelu.defvjp(_bias_gelu_forward, _bias_gelu_backward)
 
 
 @jax.jit
