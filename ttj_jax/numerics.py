@@ -337,7 +337,9 @@ def _gelu_forward(x):
 
 
 def _gelu_derivative(h):
-    return 0.5 * (1.0 + jax.lax.erf(h * 0.7071067811865476)) + h * 0.3989422804014327 * jnp.exp(-0.5 * h * h)
+    cdf = 0.5 * (1.0 + jax.lax.erf(h * 0.7071067811865476))
+    pdf = 0.3989422804014327 * jnp.exp(-0.5 * h * h)
+    return cdf + h * pdf
 
 
 def _gelu_backward(x, g):
@@ -358,7 +360,7 @@ def _bias_gelu(y: jax.Array, b: jax.Array) -> jax.Array:
     """gelu_erf(y + b) in fp32 (y [..., n] any float dtype, b [n]), the sum formed in fp32. Its backward
     recomputes y + b from y and b, the residuals, returns dy in y's dtype and db summed over the rows in
     fp32."""
-    return gelu_erf(y.astype(jnp.float32) + b.astype(jnp.float32))
+    return _bias_gelu_forward(y, b)[0]
 
 
 def _bias_gelu_forward(y, b):
