@@ -418,22 +418,29 @@ def test_config_errors():
 
 
 @pytest.mark.parametrize("attention", [pytest.param("pallas", marks=pytest.mark.interpret), "cudnn"])
-def test_attention_implementations_through_the_model(attention, harness_rule):
-    """The model with each GPU attention implementation forced. On the CPU, Pallas runs interpreted;
-    cuDNN cannot run there, so only its refusal of a key mask is checked (it runs on the H200 in ttj-bench)."""
-    config = T.Config(2, 33, 32, 2, 32, 1, True)
-    base, params = baseline_and_params(config)
-    x = random_input(config, seed=11)
+@pytest.mark.parametrize("causal", [True, False])
+def test_attention_implementations_through_the_model(attention, causal, harness_rule, monkeypatch):
+    """The model with each GPU attention implementation forced, every mask kind (a sequence with no valid
+    token among the random ones). On the CPU, Pallas runs interpreted; cuDNN cannot run there, so its call
+    goes to jax's own attention with the same arguments (the key mask as `mask`): our side of the call is
+    checked here, cuDNN's on the GPU (`ttj-bench`, bench/grad_check.py)."""
     if attention == "cudnn":
-        mask = make_mask("random", 2, 33, seed=1)
-        with pytest.raises(ValueError, match="cudnn attention plan takes no key mask"):
-            T.forward(params, to_jax(x), to_jax(mask), config=config, attention="cudnn", mask_kind="general")
-        return
-    for kind in ("none", "prefix", "random"):
+        given = jax.nn.dot_product_attention
+
+        def on_cpu(q, k, v, *args, implementation=None, **kwargs):   # (fp16 dots in fp32: the CPU has none)
+            assert implementation == "cudnn"
+            q32, k32, v32 = (t.astype(jnp.float32) for t in (q, k, v))
+            return given(q32, k32, v32, *args, implementation="xla", **kwargs).astype(q.dtype)
+        monkeypatch.setattr(jax.nn, "dot_product_attention", on_cpu)
+    config = T.Config(2, 33, 32, 2, 32, 2, causal)
+    base, params = baseline_and_params(config)
+    x0 = random_input(config, seed=11)
+    for kind in ("none", "prefix", "random", "all_invalid"):
         mask = make_mask(kind, 2, 33, seed=2)
-        if mask is not None:
-            x = x.masked_fill(~mask[:, :, None], 0.0)
-        y = T.forward(params, to_jax(x), to_jax(mask), config=config, attention="pallas")
+        x = x0 if mask is None else x0.masked_fill(~mask[:, :, None], 0.0)
+        y = T.forward(params, to_jax(x), to_jax(mask), config=config, attention=attention,
+                      mask_kind=None if mask is None else "general")
+        assert np.isfinite(np.asarray(y)).all()
         harness_rule(to_torch(y), torch_reference(base, x, mask), label=f"-{kind}")
 
 

@@ -54,15 +54,16 @@ def pallas_attention(qkv, key_valid, *, causal, policy, implementation="auto"):
 def cudnn_attention(qkv, key_valid, *, causal, policy):
     """cuDNN's fused attention through jax. qkv: (B, S, 3, H, hd), or a tuple (q, k, v) of (B, S, H, hd)
     each (the three-GEMM projection, `project_qkv`): cuDNN takes dense q, k and v, so from the fused
-    layout XLA first copies each out."""
-    if key_valid is not None:
-        raise ValueError("the cudnn attention plan takes no key mask; the planner must choose another")
+    layout XLA first copies each out. A key mask (B, S) goes in as jax's `mask`, which cuDNN applies as an
+    additive [B, 1, 1, S] bias of a large finite negative: a query with no allowed key (only an invalid
+    one: a valid query sees itself under causal attention, docs/spec.md) gets a finite row, zeroed after."""
+    mask = None if key_valid is None else key_valid[:, None, None, :]
     if isinstance(qkv, tuple):
         q, k, v = (t.astype(policy.gemm_dtype) for t in qkv)
     else:
         qkv = qkv.astype(policy.gemm_dtype)
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-    return jax.nn.dot_product_attention(q, k, v, is_causal=causal,
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal,
                                         implementation="cudnn").astype(jnp.float32)
 
 
@@ -114,7 +115,7 @@ def layer(w: Mapping[str, jax.Array], x, row_valid, key_valid, *, config: Config
         # or, for a prefix mask under causal attention, come after every valid query), and the rows'
         # GEMMs are row by row, so valid rows come out the same. The attentions of ATTENTION give every
         # row a finite context from finite inputs (a row with no allowed key: a uniform softmax over
-        # MASKED_SCORE in xla_attention, zeros in our flash kernel; cuDNN's takes no key mask), so their
+        # MASKED_SCORE in xla_attention or over cuDNN's finite mask bias, zeros in our flash kernel), so their
         # invalid rows stay finite and their zero cotangents give zero weight gradients. An attention
         # given by the caller (the ring's) may give such a row a NaN (a softmax over no key), which P v
         # would carry into valid rows at the next layer (0 x NaN): its invalid queries' context is

@@ -464,7 +464,7 @@ def candidates(config: Config, inputs: InputFacts, device: DeviceFacts = CPU) ->
     for stack in stacks:
         add(forced(stack=stack))
     attentions = ["pallas"]
-    if prior.mask_mode in ("none", "rows") and config.head_dim in CUDNN_HEAD_DIMS:
+    if config.head_dim in CUDNN_HEAD_DIMS:   # a key mask goes in as cuDNN's bias (layers.cudnn_attention)
         attentions.append("cudnn")
     if 4 * inputs.batch_size * config.num_heads * inputs.seq_len ** 2 <= XLA_ATTENTION_MAX_SCORE_BYTES:
         attentions.append("xla")

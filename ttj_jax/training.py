@@ -37,6 +37,9 @@ BACKWARD_ATTENTIONS = ("auto", "flash", "xla")
 # The flash attention reads q, k and v in place from the fused projection (flash_attention_fused_vjp), or
 # (False) from three slices of it; kept as a switch for `python3 -m bench.train_programs`.
 FUSED_QKV_ATTENTION = True
+# A key-masked call's backward program with cuDNN's attention, the mask as its bias
+# (layers.cudnn_attention), instead of our flash kernels; kept as a switch for `python3 -m bench.train_programs`.
+MASKED_CUDNN = False
 
 
 def backward_attention_kind(config: Config, masked: bool, on_gpu: bool, choice: str = "auto") -> str:
@@ -49,7 +52,7 @@ def backward_attention_kind(config: Config, masked: bool, on_gpu: bool, choice: 
         return choice
     if not on_gpu:
         return "xla"
-    return "cudnn" if not masked and config.head_dim in CUDNN_HEAD_DIMS else "flash"
+    return "cudnn" if (not masked or MASKED_CUDNN) and config.head_dim in CUDNN_HEAD_DIMS else "flash"
 
 
 def backward_plan(config: Config, masked: bool, on_gpu: bool, choice: str = "auto") -> Plan:
