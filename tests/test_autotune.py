@@ -212,8 +212,8 @@ def test_candidates_start_with_the_rules_plan_and_are_bounded():
                 assert 1 <= len(found) <= planner.MAX_CANDIDATES
                 assert len({(p.name, p.xla_options) for p in found}) == len(found)
                 for p in found:
-                    if kind == T.MaskKind.GENERAL:   # cuDNN's plan takes no key mask
-                        assert p.attention != "cudnn"
+                    if p.attention == "cudnn":   # (a key mask as its bias: layers.cudnn_attention)
+                        assert config.head_dim in planner.CUDNN_HEAD_DIMS
                     if p.attention == "xla":
                         assert 4 * config.batch_size * config.num_heads * config.seq_len ** 2 \
                             <= planner.XLA_ATTENTION_MAX_SCORE_BYTES
@@ -230,9 +230,13 @@ def test_candidates_include_the_gemm_bound_numerics_and_cudnn_for_a_bert_like_mo
     assert (three.attention, three.policy, three.xla_options) == ("cudnn", planner.GEMM_BOUND_POLICY,
                                                                   planner.QKV_SPLIT_XLA_OPTIONS)
     assert autotune._plan_from_record(json.loads(json.dumps(autotune._plan_record(three)))) == three
-    # no cuDNN plan (a key mask), no twin
-    masked = planner.candidates(bert, _facts(bert, kind=T.MaskKind.GENERAL), H200)
-    assert all(p.qkv_gemms == 1 for p in masked)
+    # a key-masked call (any mask, or one the device decides) has the same cuDNN plans, masking keys
+    for kind in (T.MaskKind.GENERAL, T.MaskKind.UNKNOWN):
+        masked = planner.candidates(bert, _facts(bert, kind=kind), H200)
+        assert masked[0].attention == "pallas" and masked[0].mask_mode in planner.KEY_MASK_MODES
+        cudnn = [p for p in masked if p.attention == "cudnn"]
+        assert {(p.policy, p.qkv_gemms) for p in cudnn} >= {("mixed_fp16", 1), (planner.GEMM_BOUND_POLICY, 3)}
+        assert all(p.mask_mode == masked[0].mask_mode for p in cudnn)
 
 
 # ---- measuring (CPU: two XLA plans stand in for a GPU's candidates) ----
