@@ -444,6 +444,37 @@ def test_attention_implementations_through_the_model(attention, causal, harness_
         harness_rule(to_torch(y), torch_reference(base, x, mask), label=f"-{kind}")
 
 
+def test_cudnn_attention_carries_a_key_mask_in_extra_lanes_with_exact_gradients(monkeypatch):
+    """layers.cudnn_attention with a key mask (extra lanes of q and k) against the explicit masked
+    attention: the same context and the same gradients of q, k and v on every valid query, causal and
+    not, a sequence with no valid token included. cuDNN's call runs as jax's own attention (CPU)."""
+    from ttj_jax import layers, planner
+    given = jax.nn.dot_product_attention
+    calls = []
+
+    def on_cpu(q, k, v, *args, implementation=None, **kwargs):
+        calls.append((q.shape, k.shape, v.shape))
+        return given(q, k, v, *args, implementation="xla", **kwargs)
+    monkeypatch.setattr(jax.nn, "dot_product_attention", on_cpu)
+    B, S, H, hd = 3, 37, 2, 16
+    qkv = jax.random.normal(jax.random.PRNGKey(0), (B, S, 3, H, hd), jnp.float32) * 2
+    mask = jnp.asarray(make_mask("all_invalid", B, S, seed=3).numpy())
+    weight = jax.random.normal(jax.random.PRNGKey(1), (B, S, H, hd)) * mask[:, :, None, None]
+    for causal in (True, False):
+        def loss(fn, t):
+            return jnp.sum(fn(t, mask, causal=causal, policy=T.EXACT_FP32) * weight)
+        got, want = (jax.value_and_grad(functools.partial(loss, fn))(qkv)
+                     for fn in (layers.cudnn_attention, layers.xla_attention))
+        np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+        np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), rtol=1e-4, atol=1e-5)
+        out = layers.cudnn_attention(qkv, mask, causal=causal, policy=T.EXACT_FP32)
+        assert out.shape == (B, S, H, hd) and np.isfinite(np.asarray(out)).all()
+    assert calls[-1] == ((B, S, H, hd + planner.CUDNN_MASK_LANES),) * 3
+    with pytest.raises(ValueError, match="head_dim <= 120"):
+        wide = jnp.zeros((1, 8, 3, 1, 128))
+        layers.cudnn_attention(wide, jnp.ones((1, 8), bool), causal=False, policy=T.EXACT_FP32)
+
+
 def test_fp16_projection_policy_is_requested_only_and_meets_the_rule(harness_rule):
     # mixed_fp16_qkv16 writes the q/k/v projection in fp16 (bench/ablate.py measures whether that
     # pays on the GPU); the planner never picks it on its own

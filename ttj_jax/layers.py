@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from ttj_jax.config import Config
 from ttj_jax.numerics import NumericsPolicy, get_policy, layer_norm
 from ttj_jax.params import PreparedWeights, StackedWeights, prepare_weights, stack_layer_weights
-from ttj_jax.planner import KEY_MASK_MODES, Plan
+from ttj_jax.planner import CUDNN_MASK_LANES, CUDNN_MASKED_MAX_HEAD_DIM, KEY_MASK_MODES, Plan
 
 # A large finite negative instead of -inf for excluded keys: a row with no allowed key then yields a
 # finite (uniform) softmax instead of NaN, and such rows are always zeroed afterwards (docs/spec.md).
@@ -51,20 +51,39 @@ def pallas_attention(qkv, key_valid, *, causal, policy, implementation="auto"):
                                      interpret=interpret, implementation=implementation).astype(jnp.float32)
 
 
+# cuDNN's key mask through jax is a bias with a row per query ([B, 1, S, S], jax checks its length), which
+# cuDNN reads per head and differentiates. Instead each head gains planner.CUDNN_MASK_LANES lanes (cuDNN's
+# head_dim granularity): q's first is 1, k's first is -CUDNN_MASK_PENALTY at an invalid key and 0 at a
+# valid one, the rest and v's are 0. A valid key's score is q.k plus exact zeros; an invalid key's is
+# lowered by CUDNN_MASK_PENALTY * hd**-0.5 (>= 2**15 / 11 here), whose exp is 0 in fp32 beside any valid
+# score; the context's extra lanes are 0 and dropped.
+CUDNN_MASK_PENALTY = 2.0 ** 15  # exact in fp16, under its largest finite value
+
+
 def cudnn_attention(qkv, key_valid, *, causal, policy):
     """cuDNN's fused attention through jax. qkv: (B, S, 3, H, hd), or a tuple (q, k, v) of (B, S, H, hd)
     each (the three-GEMM projection, `project_qkv`): cuDNN takes dense q, k and v, so from the fused
-    layout XLA first copies each out. A key mask (B, S) goes in as jax's `mask`, which cuDNN applies as an
-    additive [B, 1, 1, S] bias of a large finite negative: a query with no allowed key (only an invalid
-    one: a valid query sees itself under causal attention, docs/spec.md) gets a finite row, zeroed after."""
-    mask = None if key_valid is None else key_valid[:, None, None, :]
+    layout XLA first copies each out. A key mask (B, S) rides in the extra lanes of q and k
+    (CUDNN_MASK_LANES; head_dim at most CUDNN_MASKED_MAX_HEAD_DIM): a query with no allowed key (only an
+    invalid one: a valid query sees itself under causal attention, docs/spec.md) gets a finite row."""
     if isinstance(qkv, tuple):
         q, k, v = (t.astype(policy.gemm_dtype) for t in qkv)
     else:
         qkv = qkv.astype(policy.gemm_dtype)
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal,
-                                        implementation="cudnn").astype(jnp.float32)
+    head_dim = q.shape[-1]
+    if key_valid is not None:
+        if head_dim > CUDNN_MASKED_MAX_HEAD_DIM:
+            raise ValueError(f"cuDNN's key-masked attention takes head_dim <= {CUDNN_MASKED_MAX_HEAD_DIM}, "
+                             f"got {head_dim}; the planner must choose another")
+        lanes = jnp.zeros((*q.shape[:-1], CUDNN_MASK_LANES), q.dtype)
+        penalty = jnp.where(key_valid, 0.0, -CUDNN_MASK_PENALTY).astype(k.dtype)[:, :, None, None]
+        q = jnp.concatenate([q, lanes.at[..., 0].set(1)], axis=-1)
+        k = jnp.concatenate([k, lanes.at[..., :1].set(penalty)], axis=-1)
+        v = jnp.concatenate([v, lanes], axis=-1)
+    context = jax.nn.dot_product_attention(q, k, v, scale=head_dim ** -0.5, is_causal=causal,
+                                           implementation="cudnn")
+    return context[..., :head_dim].astype(jnp.float32)
 
 
 ATTENTION = {"xla": xla_attention, "pallas": pallas_attention, "cudnn": cudnn_attention}

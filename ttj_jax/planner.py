@@ -49,6 +49,9 @@ ACTIVATION_MEMORY_SHARE = 0.25
 # head_dim a multiple of 8 up to 128).
 CUDNN_MIN_SEQ_LEN = 4096
 CUDNN_HEAD_DIMS = range(8, 129, 8)
+# With a key mask, cuDNN's q, k and v carry this many lanes more per head (layers.cudnn_attention).
+CUDNN_MASK_LANES = 8
+CUDNN_MASKED_MAX_HEAD_DIM = CUDNN_HEAD_DIMS[-1] - CUDNN_MASK_LANES
 # From these head_dims' thresholds on, our Hopper kernel beats cuDNN (H200, fp16, causal). The length
 # is the later of CUDNN_MIN_SEQ_LEN and the kernel's own dispatch threshold
 # (`flash_attention_mgpu.dispatch_min_seq_len`), so the two rules cannot drift apart.
@@ -464,8 +467,9 @@ def candidates(config: Config, inputs: InputFacts, device: DeviceFacts = CPU) ->
     for stack in stacks:
         add(forced(stack=stack))
     attentions = ["pallas"]
-    if config.head_dim in CUDNN_HEAD_DIMS:   # a key mask goes in as cuDNN's bias (layers.cudnn_attention)
-        attentions.append("cudnn")
+    if config.head_dim in CUDNN_HEAD_DIMS and (prior.mask_mode not in KEY_MASK_MODES
+                                               or config.head_dim <= CUDNN_MASKED_MAX_HEAD_DIM):
+        attentions.append("cudnn")   # (a key mask in extra lanes of q and k: layers.cudnn_attention)
     if 4 * inputs.batch_size * config.num_heads * inputs.seq_len ** 2 <= XLA_ATTENTION_MAX_SCORE_BYTES:
         attentions.append("xla")
     for attention in attentions:
