@@ -29,7 +29,7 @@ from ttj_jax.config import Config
 from ttj_jax.layers import layer_stack, run_layers
 from ttj_jax.numerics import get_policy
 from ttj_jax.params import PreparedWeights, prepare_weights
-from ttj_jax.planner import CUDNN_HEAD_DIMS, Plan
+from ttj_jax.planner import CUDNN_HEAD_DIMS, CUDNN_MASKED_MAX_HEAD_DIM, Plan
 
 BACKWARD_POLICY = "mixed_fp16_train"   # mixed_fp16's forward, fp16 GEMMs in the backward too (numerics.py)
 BACKWARD_ATTENTION_ENV = "TTJ_BACKWARD_ATTENTION"
@@ -45,14 +45,17 @@ MASKED_CUDNN = False
 def backward_attention_kind(config: Config, masked: bool, on_gpu: bool, choice: str = "auto") -> str:
     """Which attention the backward recomputes and differentiates: "cudnn", "flash" or "xla".
     auto: on a GPU, cuDNN's fused attention for a mask-free call at a head_dim it takes (the fastest
-    backward measured: bench/results/attention-bwd-*.json), else our flash kernels (any mask, no
+    backward measured: bench/results/attention-bwd-*.json), and for a masked one too where MASKED_CUDNN
+    is set (the mask in extra lanes, layers.cudnn_attention), else our flash kernels (any mask, no
     [S, S] tensor); on the CPU XLA's attention (the Pallas kernels would run interpreted).
     flash / xla: that attention wherever the call runs (xla: the explicit [B, H, S, S] scores)."""
     if choice in ("flash", "xla"):
         return choice
     if not on_gpu:
         return "xla"
-    return "cudnn" if (not masked or MASKED_CUDNN) and config.head_dim in CUDNN_HEAD_DIMS else "flash"
+    if masked:
+        return "cudnn" if MASKED_CUDNN and config.head_dim <= CUDNN_MASKED_MAX_HEAD_DIM else "flash"
+    return "cudnn" if config.head_dim in CUDNN_HEAD_DIMS else "flash"
 
 
 def backward_plan(config: Config, masked: bool, on_gpu: bool, choice: str = "auto") -> Plan:
