@@ -26,6 +26,25 @@ def test_pure_and_explained():
     assert "0.25 and below" in line and "mixed_fp16x3" in line and "TTJ_POLICY" in line
 
 
+def test_non_causal_mask_free_calls_take_cudnn_and_causal_ones_keep_our_kernel():
+    """Our kernel's lead over cuDNN below S=1024 was measured on causal calls (every official shape is
+    causal); without causal masking cuDNN was faster (vit-s197, bert-base). Each reason says which."""
+    for S in (77, 197, 512, 1024):
+        encoder = T.Config(8, S, 768, 12, 3072, 2, False)
+        plan = T.plan(encoder, facts(encoder), H200)
+        assert (plan.attention, plan.stack) == ("cudnn", "layers") and "not causal" in plan.explain()
+        decoder = dataclasses.replace(encoder, causal=True)
+        plan = T.plan(decoder, facts(decoder), H200)
+        assert plan.attention == "pallas" and "on causal calls up to S=1024" in plan.explain()
+        for kind in (MaskKind.GENERAL, MaskKind.UNKNOWN):   # a key mask: our kernel, said so
+            plan = T.plan(encoder, facts(encoder, kind), H200)
+            assert plan.attention == "pallas" and "key mask or head_dim" in plan.explain()
+    wide = T.Config(8, 512, 2048, 8, 2048, 1, False)           # head_dim 256: cuDNN does not take it
+    assert T.plan(wide, facts(wide), H200).attention == "pallas"
+    for shape in T.OFFICIAL.values():                          # causal, all of them: no official plan moves
+        assert shape.config.causal
+
+
 @pytest.mark.parametrize("kind, causal, mode", [
     (MaskKind.NONE, True, "none"), (MaskKind.ALL_TRUE, True, "none"), (MaskKind.ALL_TRUE, False, "none"),
     (MaskKind.PREFIX, True, "rows"), (MaskKind.PREFIX, False, "keys"),
