@@ -4,6 +4,8 @@ untouched."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -286,6 +288,23 @@ def test_backward_attention_choice():
     assert kind(config, masked=True, on_gpu=True, choice="xla") == "xla"
     odd = Config(batch_size=1, seq_len=64, d_model=120, num_heads=3, ffn_dim=128, num_layers=1, causal=True)   # head_dim 40
     assert kind(odd, masked=False, on_gpu=True) == ("cudnn" if 40 in training.CUDNN_HEAD_DIMS else "flash")
+
+
+def test_masked_cudnn_switch_gives_masked_calls_cudnn_where_its_lanes_fit(monkeypatch):
+    """training.MASKED_CUDNN: a masked call's backward program takes cuDNN's attention with the mask in
+    extra lanes (layers.cudnn_attention), up to head_dim 120, masking keys; off, our flash kernels."""
+    from ttj_jax import training
+    from ttj_jax.config import Config
+    config = Config(batch_size=1, seq_len=64, d_model=128, num_heads=2, ffn_dim=128, num_layers=1, causal=False)
+    wide = dataclasses.replace(config, d_model=256)                       # head_dim 128: no room for the lanes
+    monkeypatch.setattr(training, "MASKED_CUDNN", True)
+    assert training.backward_attention_kind(config, masked=True, on_gpu=True) == "cudnn"
+    plan = training.backward_plan(config, masked=True, on_gpu=True)
+    assert (plan.attention, plan.mask_mode) == ("cudnn", "keys")
+    assert training.backward_attention_kind(wide, masked=True, on_gpu=True) == "flash"
+    assert training.backward_attention_kind(config, masked=True, on_gpu=False) == "xla"
+    monkeypatch.setattr(training, "MASKED_CUDNN", False)
+    assert training.backward_attention_kind(config, masked=True, on_gpu=True) == "flash"
 
 
 def test_an_all_valid_mask_gives_the_mask_free_gradients_from_the_masked_program():
