@@ -45,6 +45,24 @@ def test_non_causal_mask_free_calls_take_cudnn_and_causal_ones_keep_our_kernel()
         assert shape.config.causal
 
 
+def test_no_cudnn_attention_before_sm_80():
+    """cuDNN's fused attention needs sm_80 or newer: a Turing GPU (a T4, sm_75) gets our kernel in the
+    rules and no cuDNN candidate, where an A100 (sm_80) gets both."""
+    from ttj_jax import planner
+    t4 = T.DeviceFacts(platform="gpu", device_kind="Tesla T4", memory_bytes=15 * 2**30, compute_capability="7.5")
+    a100 = dataclasses.replace(t4, device_kind="NVIDIA A100", memory_bytes=40 * 2**30, compute_capability="8.0")
+    assert not t4.takes_cudnn_attention and a100.takes_cudnn_attention and H200.takes_cudnn_attention
+    assert not planner.CPU.takes_cudnn_attention
+    encoder = T.Config(8, 512, 768, 12, 3072, 2, False)
+    long = SHAPE_14.with_input(1, 8192)
+    for config in (encoder, long):
+        for kind in (MaskKind.ALL_TRUE, MaskKind.UNKNOWN):
+            assert all(p.attention != "cudnn" for p in planner.candidates(config, facts(config, kind), t4))
+        plan = T.plan(config, facts(config), t4)
+        assert plan.attention == "pallas" and "sm_80 or newer" in plan.explain()
+        assert T.plan(config, facts(config), a100).attention == "cudnn"
+
+
 @pytest.mark.parametrize("kind, causal, mode", [
     (MaskKind.NONE, True, "none"), (MaskKind.ALL_TRUE, True, "none"), (MaskKind.ALL_TRUE, False, "none"),
     (MaskKind.PREFIX, True, "rows"), (MaskKind.PREFIX, False, "keys"),

@@ -32,6 +32,15 @@ class DeviceFacts:
     def is_hopper(self) -> bool:
         return self.is_gpu and self.compute_capability.startswith("9")
 
+    @property
+    def takes_cudnn_attention(self) -> bool:
+        """Whether cuDNN's fused attention (jax.nn.dot_product_attention's cudnn path) runs here: sm_80 and
+        newer. A GPU whose capability is not known is assumed to."""
+        if not self.is_gpu:
+            return False
+        major = self.compute_capability.split(".")[0]
+        return not major.isdigit() or int(major) >= 8
+
 
 CPU = DeviceFacts(platform="cpu")
 

@@ -351,16 +351,20 @@ def plan(config: Config, inputs: InputFacts, device: DeviceFacts = CPU, *,
         reasons.append(f"S={inputs.seq_len} >= {hopper_from}, head_dim {config.head_dim} on sm_90: our Hopper "
                        f"flash kernel, {HOPPER_OVER_CUDNN[config.head_dim]}")
     elif (inputs.seq_len >= CUDNN_MIN_SEQ_LEN and mask_mode in ("none", "rows")
-          and config.head_dim in CUDNN_HEAD_DIMS):
+          and config.head_dim in CUDNN_HEAD_DIMS and device.takes_cudnn_attention):
         attention = "cudnn"
         reasons.append(f"S={inputs.seq_len} >= {CUDNN_MIN_SEQ_LEN}: cuDNN's fused attention, measured "
                        "fastest at long sequences (412 against our 346 TFLOP/s at S=16384)")
-    elif not config.causal and mask_mode == "none" and config.head_dim in CUDNN_HEAD_DIMS:
+    elif (not config.causal and mask_mode == "none" and config.head_dim in CUDNN_HEAD_DIMS
+          and device.takes_cudnn_attention):
         attention = "cudnn"
         reasons.append(f"S={inputs.seq_len}, not causal, no key mask: cuDNN's fused attention, {CUDNN_NON_CAUSAL}")
     else:
         attention = "pallas"
-        if inputs.seq_len >= CUDNN_MIN_SEQ_LEN or mask_mode in KEY_MASK_MODES or config.head_dim not in CUDNN_HEAD_DIMS:
+        if not device.takes_cudnn_attention:
+            where = f"here (cuDNN's attention needs sm_80 or newer, this is sm_{device.compute_capability})"
+        elif (inputs.seq_len >= CUDNN_MIN_SEQ_LEN or mask_mode in KEY_MASK_MODES
+              or config.head_dim not in CUDNN_HEAD_DIMS):
             where = "here (key mask or head_dim)"
         else:
             where = "on causal calls up to S=1024 (the official shapes)"
@@ -479,8 +483,8 @@ def candidates(config: Config, inputs: InputFacts, device: DeviceFacts = CPU) ->
     for stack in stacks:
         add(forced(stack=stack))
     attentions = ["pallas"]
-    if config.head_dim in CUDNN_HEAD_DIMS and (prior.mask_mode not in KEY_MASK_MODES
-                                               or config.head_dim <= CUDNN_MASKED_MAX_HEAD_DIM):
+    if device.takes_cudnn_attention and config.head_dim in CUDNN_HEAD_DIMS and (
+            prior.mask_mode not in KEY_MASK_MODES or config.head_dim <= CUDNN_MASKED_MAX_HEAD_DIM):
         attentions.append("cudnn")   # (a key mask in extra lanes of q and k: layers.cudnn_attention)
     if 4 * inputs.batch_size * config.num_heads * inputs.seq_len ** 2 <= XLA_ATTENTION_MAX_SCORE_BYTES:
         attentions.append("xla")
