@@ -18,7 +18,7 @@ arithmetic more than its rounding shows. The variants:
   ln-recompute          LayerNorm's statistics recomputed in the backward (numerics.LAYER_NORM_KEEPS_STATISTICS)
   cublas-gemms          both programs compiled with XLA's Triton GEMMs off (xla_gpu_enable_triton_gemm)
   bias-gelu             the MLP's first bias added inside the GELU's rule (numerics.MLP_BIAS_IN_GELU)
-  cudnn-masked          cuDNN's attention with the mask as its bias, not our flash kernels (training.MASKED_CUDNN)
+  cudnn-masked          cuDNN's attention with the mask in extra lanes, not our flash kernels (training.MASKED_CUDNN)
 
     PYTHONPATH=. python3 -m bench.train_programs [--configs bert-base,8] [--variants default,ln-recompute] [--out DIR]
 

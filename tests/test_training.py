@@ -276,7 +276,7 @@ def test_expert_options_run_without_autograd_and_say_so():
 def test_backward_attention_choice():
     """cuDNN only where it takes the call (GPU, no mask, a head_dim it supports); our flash kernels for
     masked calls on a GPU and when asked for; XLA's on the CPU."""
-    from ttj_jax import training
+    from ttj_jax import planner, training
     from ttj_jax.config import Config
     config = Config(batch_size=1, seq_len=64, d_model=128, num_heads=2, ffn_dim=128, num_layers=1, causal=True)
     kind = training.backward_attention_kind
@@ -287,7 +287,7 @@ def test_backward_attention_choice():
     assert kind(config, masked=False, on_gpu=True, choice="xla") == "xla"
     assert kind(config, masked=True, on_gpu=True, choice="xla") == "xla"
     odd = Config(batch_size=1, seq_len=64, d_model=120, num_heads=3, ffn_dim=128, num_layers=1, causal=True)   # head_dim 40
-    assert kind(odd, masked=False, on_gpu=True) == ("cudnn" if 40 in training.CUDNN_HEAD_DIMS else "flash")
+    assert kind(odd, masked=False, on_gpu=True) == ("cudnn" if 40 in planner.CUDNN_HEAD_DIMS else "flash")
 
 
 def test_masked_cudnn_switch_gives_masked_calls_cudnn_where_its_lanes_fit(monkeypatch):

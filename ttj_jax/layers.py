@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from ttj_jax.config import Config
 from ttj_jax.numerics import NumericsPolicy, get_policy, layer_norm
 from ttj_jax.params import PreparedWeights, StackedWeights, prepare_weights, stack_layer_weights
-from ttj_jax.planner import CUDNN_MASK_LANES, CUDNN_MASKED_MAX_HEAD_DIM, KEY_MASK_MODES, Plan
+from ttj_jax.planner import CUDNN_MASK_LANES, CUDNN_MASKED_MAX_HEAD_DIM, KEY_MASK_MODES, Plan, cudnn_takes_head_dim
 
 # A large finite negative instead of -inf for excluded keys: a row with no allowed key then yields a
 # finite (uniform) softmax instead of NaN, and such rows are always zeroed afterwards (docs/spec.md).
@@ -73,9 +73,9 @@ def cudnn_attention(qkv, key_valid, *, causal, policy):
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
     head_dim = q.shape[-1]
     if key_valid is not None:
-        if head_dim > CUDNN_MASKED_MAX_HEAD_DIM:
-            raise ValueError(f"cuDNN's key-masked attention takes head_dim <= {CUDNN_MASKED_MAX_HEAD_DIM}, "
-                             f"got {head_dim}; the planner must choose another")
+        if not cudnn_takes_head_dim(head_dim, masked=True):
+            raise ValueError(f"cuDNN's key-masked attention takes head_dim <= {CUDNN_MASKED_MAX_HEAD_DIM}, a "
+                             f"multiple of 8, got {head_dim}; the planner must choose another")
         lanes = jnp.zeros((*q.shape[:-1], CUDNN_MASK_LANES), q.dtype)
         penalty = jnp.where(key_valid, 0.0, -CUDNN_MASK_PENALTY).astype(k.dtype)[:, :, None, None]
         q = jnp.concatenate([q, lanes.at[..., 0].set(1)], axis=-1)
@@ -134,7 +134,7 @@ def layer(w: Mapping[str, jax.Array], x, row_valid, key_valid, *, config: Config
         # or, for a prefix mask under causal attention, come after every valid query), and the rows'
         # GEMMs are row by row, so valid rows come out the same. The attentions of ATTENTION give every
         # row a finite context from finite inputs (a row with no allowed key: a uniform softmax over
-        # MASKED_SCORE in xla_attention or over cuDNN's finite mask bias, zeros in our flash kernel), so their
+        # MASKED_SCORE in xla_attention or over cuDNN's mask lanes, zeros in our flash kernel), so their
         # invalid rows stay finite and their zero cotangents give zero weight gradients. An attention
         # given by the caller (the ring's) may give such a row a NaN (a softmax over no key), which P v
         # would carry into valid rows at the next layer (0 x NaN): its invalid queries' context is

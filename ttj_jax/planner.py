@@ -58,6 +58,12 @@ CUDNN_HEAD_DIMS = range(8, 129, 8)
 # With a key mask, cuDNN's q, k and v carry this many lanes more per head (layers.cudnn_attention).
 CUDNN_MASK_LANES = 8
 CUDNN_MASKED_MAX_HEAD_DIM = CUDNN_HEAD_DIMS[-1] - CUDNN_MASK_LANES
+
+
+def cudnn_takes_head_dim(head_dim: int, masked: bool) -> bool:
+    """Whether cuDNN's attention (layers.cudnn_attention) takes this head_dim: one of CUDNN_HEAD_DIMS,
+    with room for the mask's lanes where it masks keys."""
+    return head_dim in CUDNN_HEAD_DIMS and (not masked or head_dim <= CUDNN_MASKED_MAX_HEAD_DIM)
 # From these head_dims' thresholds on, our Hopper kernel beats cuDNN (H200, fp16, causal). The length
 # is the later of CUDNN_MIN_SEQ_LEN and the kernel's own dispatch threshold
 # (`flash_attention_mgpu.dispatch_min_seq_len`), so the two rules cannot drift apart.
@@ -351,11 +357,11 @@ def plan(config: Config, inputs: InputFacts, device: DeviceFacts = CPU, *,
         reasons.append(f"S={inputs.seq_len} >= {hopper_from}, head_dim {config.head_dim} on sm_90: our Hopper "
                        f"flash kernel, {HOPPER_OVER_CUDNN[config.head_dim]}")
     elif (inputs.seq_len >= CUDNN_MIN_SEQ_LEN and mask_mode in ("none", "rows")
-          and config.head_dim in CUDNN_HEAD_DIMS and device.takes_cudnn_attention):
+          and cudnn_takes_head_dim(config.head_dim, masked=False) and device.takes_cudnn_attention):
         attention = "cudnn"
         reasons.append(f"S={inputs.seq_len} >= {CUDNN_MIN_SEQ_LEN}: cuDNN's fused attention, measured "
                        "fastest at long sequences (412 against our 346 TFLOP/s at S=16384)")
-    elif (not config.causal and mask_mode == "none" and config.head_dim in CUDNN_HEAD_DIMS
+    elif (not config.causal and mask_mode == "none" and cudnn_takes_head_dim(config.head_dim, masked=False)
           and device.takes_cudnn_attention):
         attention = "cudnn"
         reasons.append(f"S={inputs.seq_len}, not causal, no key mask: cuDNN's fused attention, {CUDNN_NON_CAUSAL}")
@@ -364,7 +370,7 @@ def plan(config: Config, inputs: InputFacts, device: DeviceFacts = CPU, *,
         if not device.takes_cudnn_attention:
             where = f"here (cuDNN's attention needs sm_80 or newer, this is sm_{device.compute_capability})"
         elif (inputs.seq_len >= CUDNN_MIN_SEQ_LEN or mask_mode in KEY_MASK_MODES
-              or config.head_dim not in CUDNN_HEAD_DIMS):
+              or not cudnn_takes_head_dim(config.head_dim, masked=False)):
             where = "here (key mask or head_dim)"
         else:
             where = "on causal calls up to S=1024 (the official shapes)"
@@ -483,8 +489,7 @@ def candidates(config: Config, inputs: InputFacts, device: DeviceFacts = CPU) ->
     for stack in stacks:
         add(forced(stack=stack))
     attentions = ["pallas"]
-    if device.takes_cudnn_attention and config.head_dim in CUDNN_HEAD_DIMS and (
-            prior.mask_mode not in KEY_MASK_MODES or config.head_dim <= CUDNN_MASKED_MAX_HEAD_DIM):
+    if device.takes_cudnn_attention and cudnn_takes_head_dim(config.head_dim, prior.mask_mode in KEY_MASK_MODES):
         attentions.append("cudnn")   # (a key mask in extra lanes of q and k: layers.cudnn_attention)
     if 4 * inputs.batch_size * config.num_heads * inputs.seq_len ** 2 <= XLA_ATTENTION_MAX_SCORE_BYTES:
         attentions.append("xla")

@@ -29,7 +29,7 @@ from ttj_jax.config import Config
 from ttj_jax.layers import layer_stack, run_layers
 from ttj_jax.numerics import get_policy
 from ttj_jax.params import PreparedWeights, prepare_weights
-from ttj_jax.planner import CUDNN_HEAD_DIMS, CUDNN_MASKED_MAX_HEAD_DIM, Plan
+from ttj_jax.planner import Plan, cudnn_takes_head_dim
 
 BACKWARD_POLICY = "mixed_fp16_train"   # mixed_fp16's forward, fp16 GEMMs in the backward too (numerics.py)
 BACKWARD_ATTENTION_ENV = "TTJ_BACKWARD_ATTENTION"
@@ -37,7 +37,7 @@ BACKWARD_ATTENTIONS = ("auto", "flash", "xla")
 # The flash attention reads q, k and v in place from the fused projection (flash_attention_fused_vjp), or
 # (False) from three slices of it; kept as a switch for `python3 -m bench.train_programs`.
 FUSED_QKV_ATTENTION = True
-# A key-masked call's backward program with cuDNN's attention, the mask as its bias
+# A key-masked call's backward program with cuDNN's attention, the mask in extra lanes of q and k
 # (layers.cudnn_attention), instead of our flash kernels; kept as a switch for `python3 -m bench.train_programs`.
 MASKED_CUDNN = False
 
@@ -53,9 +53,9 @@ def backward_attention_kind(config: Config, masked: bool, on_gpu: bool, choice: 
         return choice
     if not on_gpu:
         return "xla"
-    if masked:
-        return "cudnn" if MASKED_CUDNN and config.head_dim <= CUDNN_MASKED_MAX_HEAD_DIM else "flash"
-    return "cudnn" if config.head_dim in CUDNN_HEAD_DIMS else "flash"
+    if masked and not MASKED_CUDNN:
+        return "flash"
+    return "cudnn" if cudnn_takes_head_dim(config.head_dim, masked) else "flash"
 
 
 def backward_plan(config: Config, masked: bool, on_gpu: bool, choice: str = "auto") -> Plan:
