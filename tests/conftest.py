@@ -21,6 +21,24 @@ _HARNESS_REPORT: list[tuple[str, int, float]] = []
 MASK_KINDS = ("none", "all_true", "prefix", "random", "all_invalid")
 
 
+@pytest.fixture
+def cudnn_on_cpu(monkeypatch):
+    """jax.nn.dot_product_attention's cuDNN path, which cannot run on the CPU, as jax's own attention with
+    the same arguments (half operands computed in fp32: the CPU has no fp16 dots). Yields the list of the
+    (q, k, v) shapes each call got."""
+    import jax
+    given = jax.nn.dot_product_attention
+    calls = []
+
+    def on_cpu(q, k, v, *args, implementation=None, **kwargs):
+        assert implementation == "cudnn"
+        calls.append((q.shape, k.shape, v.shape))
+        q32, k32, v32 = (t.astype(jnp.float32) for t in (q, k, v))
+        return given(q32, k32, v32, *args, implementation="xla", **kwargs).astype(q.dtype)
+    monkeypatch.setattr(jax.nn, "dot_product_attention", on_cpu)
+    return calls
+
+
 def baseline_and_params(config: T.Config, seed: int = 0):
     torch.manual_seed(seed)
     base = BaselineTransformer(TransformerConfig(**vars(config))).eval()

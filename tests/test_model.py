@@ -419,19 +419,13 @@ def test_config_errors():
 
 @pytest.mark.parametrize("attention", [pytest.param("pallas", marks=pytest.mark.interpret), "cudnn"])
 @pytest.mark.parametrize("causal", [True, False])
-def test_attention_implementations_through_the_model(attention, causal, harness_rule, monkeypatch):
+def test_attention_implementations_through_the_model(attention, causal, harness_rule, request):
     """The model with each GPU attention implementation forced, every mask kind (a sequence with no valid
     token among the random ones). On the CPU, Pallas runs interpreted; cuDNN cannot run there, so its call
     goes to jax's own attention with the same arguments (the key mask as `mask`): our side of the call is
     checked here, cuDNN's on the GPU (`ttj-bench`, bench/grad_check.py)."""
     if attention == "cudnn":
-        given = jax.nn.dot_product_attention
-
-        def on_cpu(q, k, v, *args, implementation=None, **kwargs):   # (fp16 dots in fp32: the CPU has none)
-            assert implementation == "cudnn"
-            q32, k32, v32 = (t.astype(jnp.float32) for t in (q, k, v))
-            return given(q32, k32, v32, *args, implementation="xla", **kwargs).astype(q.dtype)
-        monkeypatch.setattr(jax.nn, "dot_product_attention", on_cpu)
+        request.getfixturevalue("cudnn_on_cpu")
     config = T.Config(2, 33, 32, 2, 32, 2, causal)
     base, params = baseline_and_params(config)
     x0 = random_input(config, seed=11)
@@ -444,18 +438,11 @@ def test_attention_implementations_through_the_model(attention, causal, harness_
         harness_rule(to_torch(y), torch_reference(base, x, mask), label=f"-{kind}")
 
 
-def test_cudnn_attention_carries_a_key_mask_in_extra_lanes_with_exact_gradients(monkeypatch):
+def test_cudnn_attention_carries_a_key_mask_in_extra_lanes_with_exact_gradients(cudnn_on_cpu):
     """layers.cudnn_attention with a key mask (extra lanes of q and k) against the explicit masked
     attention: the same context and the same gradients of q, k and v on every valid query, causal and
     not, a sequence with no valid token included. cuDNN's call runs as jax's own attention (CPU)."""
     from ttj_jax import layers, planner
-    given = jax.nn.dot_product_attention
-    calls = []
-
-    def on_cpu(q, k, v, *args, implementation=None, **kwargs):
-        calls.append((q.shape, k.shape, v.shape))
-        return given(q, k, v, *args, implementation="xla", **kwargs)
-    monkeypatch.setattr(jax.nn, "dot_product_attention", on_cpu)
     B, S, H, hd = 3, 37, 2, 16
     qkv = jax.random.normal(jax.random.PRNGKey(0), (B, S, 3, H, hd), jnp.float32) * 2
     mask = jnp.asarray(make_mask("all_invalid", B, S, seed=3).numpy())
@@ -469,7 +456,7 @@ def test_cudnn_attention_carries_a_key_mask_in_extra_lanes_with_exact_gradients(
         np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), rtol=1e-4, atol=1e-5)
         out = layers.cudnn_attention(qkv, mask, causal=causal, policy=T.EXACT_FP32)
         assert out.shape == (B, S, H, hd) and np.isfinite(np.asarray(out)).all()
-    assert calls[-1] == ((B, S, H, hd + planner.CUDNN_MASK_LANES),) * 3
+    assert cudnn_on_cpu[-1] == ((B, S, H, hd + planner.CUDNN_MASK_LANES),) * 3
     with pytest.raises(ValueError, match="head_dim <= 120"):
         wide = jnp.zeros((1, 8, 3, 1, 128))
         layers.cudnn_attention(wide, jnp.ones((1, 8), bool), causal=False, policy=T.EXACT_FP32)
