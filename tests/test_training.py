@@ -302,6 +302,8 @@ def test_masked_cudnn_switch_gives_masked_calls_cudnn_where_its_lanes_fit(monkey
     plan = training.backward_plan(config, masked=True, on_gpu=True)
     assert (plan.attention, plan.mask_mode) == ("cudnn", "keys")
     assert training.backward_attention_kind(wide, masked=True, on_gpu=True) == "flash"
+    odd = dataclasses.replace(config, d_model=72)                         # head_dim 36: no multiple of 8
+    assert training.backward_attention_kind(odd, masked=True, on_gpu=True) == "flash"
     assert training.backward_attention_kind(config, masked=True, on_gpu=False) == "xla"
     monkeypatch.setattr(training, "MASKED_CUDNN", False)
     assert training.backward_attention_kind(config, masked=True, on_gpu=True) == "flash"
