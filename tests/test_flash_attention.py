@@ -25,7 +25,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ttj_jax.kernels import BlockSizes, flash_attention, flash_attention_fused_qkv, flash_attention_reference
-from ttj_jax.kernels.flash_attention import default_block_sizes, padded_head_dim, resolve_block_sizes
+from ttj_jax.kernels.flash_attention import default_block_sizes, padded_head_dim, resolve_block_sizes, seq_len_bucket
 
 # Tolerance in units of u * max|v|, and u itself, per input dtype (see the module docstring).
 _TOLERANCE_UNITS = {jnp.float16: (2, 2.0 ** -11), jnp.float32: (4, 2.0 ** -11), jnp.bfloat16: (2, 2.0 ** -8)}
@@ -97,11 +97,27 @@ def test_block_size_settings(block_sizes, causal):
 
 
 @pytest.mark.interpret
-def test_long_sequence_default_blocks_for_head_dim_64():
-    """S past the short-sequence cutoff picks the measured long entry (128x128 blocks for head_dim 64),
-    with a ragged tail and several query blocks on and off the causal diagonal."""
+def test_medium_sequence_default_blocks_for_head_dim_64():
+    """S past the short-sequence cutoff picks the medium entry (128x64 blocks for head_dim 64), with a
+    ragged tail and several query blocks on and off the causal diagonal, causal and with a key mask."""
+    assert default_block_sizes(300, 64) == BlockSizes(block_q=128, block_k=64, num_warps=8, num_stages=3)
     q, k, v = _inputs(11, 300, 64, batch=1, heads=1)
     _check(q, k, v, causal=True)
+    mask = jnp.arange(300)[None, :] < 211
+    _check(q, k, v, causal=False, key_mask=mask)
+
+
+def test_default_blocks_by_length_bucket():
+    """The table's buckets: S <= 256 short, <= 2048 medium, longer long; every padded head_dim has all
+    three, and a tiny S clamps the blocks to the next power of two."""
+    assert [seq_len_bucket(s) for s in (1, 256, 257, 2048, 2049, 100_000)] == [
+        "short", "short", "medium", "medium", "long", "long"]
+    for head_dim in (8, 32, 64, 100, 128, 256):
+        for seq_len in (100, 1000, 10_000):
+            assert isinstance(default_block_sizes(seq_len, head_dim), BlockSizes)
+    assert default_block_sizes(16384, 64) == BlockSizes(block_q=128, block_k=128, num_warps=8, num_stages=3)
+    tiny = resolve_block_sizes(20, 64, None)
+    assert (tiny.block_q, tiny.block_k) == (32, 32)
 
 
 @pytest.mark.parametrize("causal", [True, False])

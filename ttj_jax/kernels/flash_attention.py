@@ -78,26 +78,40 @@ class BlockSizes:
             raise ValueError(f"BlockSizes.num_stages={self.num_stages!r} must be an int >= 1")
 
 
-# Default block sizes, keyed by (padded head_dim, "short" for S <= _SHORT_SEQ_LEN else "long").
-# Start points from Triton's Hopper flash-attention tutorial, checked on the H200 where measured
-# (an earlier quick run of bench/bench_attention.py, fp16, causal): the short entries for head_dim
-# 16 (8 padded), 32 and 256 and the long entry for 32 won against the variant tried; the long entry
-# for 64 is the variant that won (346 against 325 TFLOP/s at S=16384). The short entry for 128 won in two
-# runs (B=64, H=4, S=128: 74.3 and 68.2 TFLOP/s against 56.1 and 48.9 for 64x64 w4 s2). Entries not named
-# are unmeasured. bench/bench_attention.py times variants per case; update this table from its JSON.
-_SHORT_SEQ_LEN = 256
+# Default block sizes, keyed by (padded head_dim, length bucket): "short" for S <= 256, "medium" for
+# S <= 2048, "long" beyond (`seq_len_bucket`). Start points from Triton's Hopper flash-attention tutorial,
+# checked on the H200 where measured (an earlier quick run of bench/bench_attention.py, fp16, causal): the
+# short entries for head_dim 16 (8 padded), 32 and 256 and the long entry for 32 won against the variant
+# tried; the long entry for 64 is the variant that won (346 against 325 TFLOP/s at S=16384). The short
+# entry for 128 won in two runs (B=64, H=4, S=128: 74.3 and 68.2 TFLOP/s against 56.1 and 48.9 for 64x64 w4
+# s2). The medium entry for 64: at bert-base's call (B=32, H=12, S=512, non-causal, fused qkv) on one H100
+# (2026-12-07), 94.5 us mask-free and 117.1 us with a padded key mask, against the long entry's 111.6 and
+# 146.9; the best masked tiling (64x64 w4 s2) took 114.4 and 100.8 mask-free (bench/flash_blocks.py). The
+# other medium entries repeat the long ones, unmeasured at those lengths. bench/flash_blocks.py sweeps
+# tilings per call; update this table from its JSON.
+_SEQ_LEN_BUCKETS = ((256, "short"), (2048, "medium"))
 _DEFAULT_BLOCK_SIZES: dict[tuple[int, str], BlockSizes] = {
     (16, "short"): BlockSizes(block_q=64, block_k=64, num_warps=4, num_stages=2),
+    (16, "medium"): BlockSizes(block_q=128, block_k=64, num_warps=4, num_stages=3),
     (16, "long"): BlockSizes(block_q=128, block_k=64, num_warps=4, num_stages=3),
     (32, "short"): BlockSizes(block_q=64, block_k=64, num_warps=4, num_stages=2),
+    (32, "medium"): BlockSizes(block_q=128, block_k=64, num_warps=4, num_stages=3),
     (32, "long"): BlockSizes(block_q=128, block_k=64, num_warps=4, num_stages=3),
     (64, "short"): BlockSizes(block_q=64, block_k=64, num_warps=4, num_stages=2),
+    (64, "medium"): BlockSizes(block_q=128, block_k=64, num_warps=8, num_stages=3),
     (64, "long"): BlockSizes(block_q=128, block_k=128, num_warps=8, num_stages=3),
     (128, "short"): BlockSizes(block_q=128, block_k=128, num_warps=8, num_stages=2),
+    (128, "medium"): BlockSizes(block_q=128, block_k=64, num_warps=8, num_stages=3),
     (128, "long"): BlockSizes(block_q=128, block_k=64, num_warps=8, num_stages=3),
     (256, "short"): BlockSizes(block_q=64, block_k=32, num_warps=4, num_stages=2),
+    (256, "medium"): BlockSizes(block_q=64, block_k=64, num_warps=8, num_stages=2),
     (256, "long"): BlockSizes(block_q=64, block_k=64, num_warps=8, num_stages=2),
 }
+
+
+def seq_len_bucket(seq_len: int) -> str:
+    """The default table's length bucket of a call: "short", "medium" or "long"."""
+    return next((name for limit, name in _SEQ_LEN_BUCKETS if seq_len <= limit), "long")
 
 
 def padded_head_dim(head_dim: int) -> int:
@@ -106,8 +120,7 @@ def padded_head_dim(head_dim: int) -> int:
 
 
 def default_block_sizes(seq_len: int, head_dim: int) -> BlockSizes:
-    length = "short" if seq_len <= _SHORT_SEQ_LEN else "long"
-    return _DEFAULT_BLOCK_SIZES[(padded_head_dim(head_dim), length)]
+    return _DEFAULT_BLOCK_SIZES[(padded_head_dim(head_dim), seq_len_bucket(seq_len))]
 
 
 def resolve_block_sizes(seq_len: int, head_dim: int, block_sizes: BlockSizes | None) -> BlockSizes:
