@@ -237,11 +237,12 @@ def _raised_recompile_limit():
     return config.patch(**changes)
 
 
-def _raise_call_time_recompile_limit():
+def raise_call_time_recompile_limit():
     """Guards are also re-checked at call time: a caller's tensor that differs from the compiled one (an
     inference tensor against a normal one) recompiles then, outside _raised_recompile_limit. With 13
     peers in one process sharing PeerModel.forward's variants, the default limit (8) was passed there and
-    Dynamo silently ran shape 6 eager (37 ms against 13 on the H200). Raise it for the process."""
+    Dynamo silently ran shape 6 eager (37 ms against 13 on the H200). Raise it for the process. The
+    training benchmark's peers share one forward's variants the same way (bench/train.py)."""
     import torch._dynamo  # noqa: F401
 
     config = torch._dynamo.config
@@ -357,7 +358,7 @@ def build_peer(baseline: nn.Module, config, *, device, compile: bool | None = No
     on_cuda = device.type == "cuda"
     compile = on_cuda if compile is None else compile
     if compile:
-        _raise_call_time_recompile_limit()
+        raise_call_time_recompile_limit()
     cuda_graph = on_cuda if cuda_graph is None else cuda_graph
     native = _native_fp16_gemm_works(device)
     if on_cuda and not native:

@@ -42,6 +42,7 @@ import ttj_jax as T  # noqa: E402
 from bench.baseline import Attention, TransformerConfig, harness_models, make_inputs  # noqa: E402
 from bench.paths import result_file, run_header  # noqa: E402
 from bench.timing import time_contenders  # noqa: E402
+from bench.torch_peer import raise_call_time_recompile_limit  # noqa: E402
 from bridge.autograd import TRAINING_MASK_ENV, TRAINING_MASK_READS, ZERO_GRADIENT_SUFFIX  # noqa: E402
 from ttj_jax.training import BACKWARD_ATTENTION_ENV, BACKWARD_ATTENTIONS  # noqa: E402
 
@@ -85,6 +86,10 @@ def peer_model(baseline: torch.nn.Module, device: torch.device, autocast: str = 
     model = copy.deepcopy(baseline)
     for layer in model.layers:
         layer.attention.__class__ = SdpaAttention
+    if device.type == "cuda":
+        # Every config's peer shares the baseline forward's compiled variants (one per config, mask kind
+        # and allow_tf32 state): past Dynamo's default limit of 8 the later configs' peers ran eager.
+        raise_call_time_recompile_limit()
     compiled = torch.compile(model) if device.type == "cuda" else model
 
     def forward(x, mask):

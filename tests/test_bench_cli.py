@@ -529,3 +529,29 @@ def test_host_overhead_takes_any_suites_shape_ids_with_their_padding():
     assert host_overhead.shape_by_id("enc-s128-pad70").padding == 0.7 and host_overhead.shape_by_id("11").padding == 0
     with pytest.raises(argparse.ArgumentTypeError, match="unknown shape ids"):
         host_overhead.parse_shapes("nope")
+
+
+def test_training_peer_on_cuda_raises_dynamos_recompile_limit(monkeypatch):
+    """Every config's peer shares the baseline forward's compiled variants; with Dynamo's default limit
+    (8) the later configs' peers of one run fell back to eager (seen on the H100, 2026-12-07). A CUDA
+    peer raises the limit for the process before compiling (torch.compile stubbed: no GPU here)."""
+    import torch._dynamo
+
+    from bench import train
+    from bench.baseline import BaselineTransformer, TransformerConfig
+    from bench.torch_peer import PEER_RECOMPILE_LIMIT
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    compiled = []
+    monkeypatch.setattr(train.torch, "compile", lambda module: compiled.append(module) or module)
+    baseline = BaselineTransformer(TransformerConfig(batch_size=1, seq_len=8, d_model=16, num_heads=2,
+                                                     ffn_dim=16, num_layers=1, causal=True))
+    saved = config.save_config()   # the process-wide limits the CUDA peer raises, restored after
+    try:
+        setattr(config, name, 8)
+        train.peer_model(baseline, torch.device("cpu"))
+        assert getattr(config, name) == 8 and compiled == []
+        train.peer_model(baseline, torch.device("cuda"))
+        assert getattr(config, name) >= PEER_RECOMPILE_LIMIT and len(compiled) == 1
+    finally:
+        config.load_config(saved)
