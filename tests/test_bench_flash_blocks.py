@@ -35,6 +35,13 @@ def test_case_and_variant_parsing():
         flash_blocks.parse_variant("96,64,4,2")
 
 
+def test_variants_that_clamp_to_one_tiling_run_once():
+    """At S=20 every block clamps to 32: three variants and the default are one tiling, timed once."""
+    record = flash_blocks.run_case((1, 1, 20, 16, True, False), [(32, 32, 4, 2), (64, 64, 4, 2), (128, 32, 4, 2)],
+                                   interpret=True, min_seconds=0.0)
+    assert [row["label"] for row in record["rows"]] == ["32x32 w4 s2"] and record["rows"][0]["default"]
+
+
 def test_masked_case_keeps_a_prefix_of_keys_per_sequence():
     qkv, mask = flash_blocks.case_inputs((4, 1, 10, 16, False, True))
     assert qkv.shape == (4, 10, 3, 1, 16) and mask.shape == (4, 10)
