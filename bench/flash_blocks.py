@@ -9,8 +9,9 @@ dispatch rule sends to this kernel on Hopper (head_dim 32 and 64 below the Mosai
 the harness's padded key mask where a case says "mask". Every variant's output is checked against the
 fp32 reference first (a wrong tiling is never timed), then timed as a median of back-to-back calls. The
 default tiling (`default_block_sizes`) is always one of the variants, so each row shows what the table
-gives against the best found; variants that clamp to the same tiling at a short S run once. Calls under
-~60 us are host-bound here (one jax dispatch each), so their tilings do not separate. Writes
+gives against the best found; variants that clamp to the same tiling at a short S run once. One jitted
+program makes --per-dispatch calls (default 8), each on its own inputs, so a short call's time is the
+GPU's, not the host's dispatch (with 1, calls under ~60 us are host-bound and tilings do not separate). Writes
 `<out>/flash-blocks-<date>-<gpu>.json` after every case (a timeout keeps what was done) and prints a
 table last; the table in ttj_jax/kernels/flash_attention.py is updated from these files. --smoke: two
 tiny cases and two variants in interpret mode, to test this script on a CPU.
@@ -81,10 +82,14 @@ def reference(qkv, key_mask, causal: bool):
     return flash_attention_reference(q, k, v, causal=causal, key_mask=key_mask)
 
 
-def run_case(case: tuple, variants: list, *, interpret: bool, min_seconds: float) -> dict:
+def run_case(case: tuple, variants: list, *, interpret: bool, min_seconds: float, per_dispatch: int = 1) -> dict:
+    """Every variant of one case checked, then timed. per_dispatch > 1: one jitted program makes that many
+    calls, each on its own inputs (distinct, so none is merged away), and the time per call is the
+    program's over per_dispatch: the host's dispatch is paid once per program, not once per call."""
     b, h, s, hd, causal, masked = case
-    qkv, key_mask = case_inputs(case)
-    want = np.asarray(reference(qkv, key_mask, causal))
+    inputs = [case_inputs(case, seed) for seed in range(per_dispatch)]
+    qkvs, masks = [qkv for qkv, _ in inputs], [mask for _, mask in inputs]
+    want = np.asarray(reference(qkvs[0], masks[0], causal))
     # Tilings as the kernel runs them (blocks clamped to a short S), each once.
     default = resolve_block_sizes(s, hd, default_block_sizes(s, hd))
     chosen = list(dict.fromkeys([resolve_block_sizes(s, hd, BlockSizes(*v)) for v in variants] + [default]))
@@ -94,15 +99,17 @@ def run_case(case: tuple, variants: list, *, interpret: bool, min_seconds: float
         row = {"block_sizes": [blocks.block_q, blocks.block_k, blocks.num_warps, blocks.num_stages],
                "default": blocks == default, "label": label}
         try:
-            fn = jax.jit(lambda x, m, blocks=blocks: flash_attention_fused_qkv(
-                x, causal=causal, key_mask=m, block_sizes=blocks, interpret=interpret,
-                implementation="generic"))
-            got = np.asarray(fn(qkv, key_mask)).astype(np.float32)
+            def calls(xs, ms, blocks=blocks):
+                return [flash_attention_fused_qkv(x, causal=causal, key_mask=m, block_sizes=blocks,
+                                                  interpret=interpret, implementation="generic")
+                        for x, m in zip(xs, ms)]
+            fn = jax.jit(calls)
+            got = np.asarray(fn(qkvs, masks)[0]).astype(np.float32)
             row["max_abs_err"] = float(np.max(np.abs(got - want)))
             if not row["max_abs_err"] <= 2e-2:
                 raise AssertionError(f"max |err| {row['max_abs_err']:.3g} against the fp32 reference")
-            ms, calls = stream_ms_per_call(fn, (qkv, key_mask), min_seconds=min_seconds, repeats=5)
-            row.update(ms=ms, calls=calls)
+            ms, dispatches = stream_ms_per_call(fn, (qkvs, masks), min_seconds=min_seconds, repeats=5)
+            row.update(ms=ms / per_dispatch, calls=dispatches * per_dispatch)
         except Exception as exc:  # a tiling Triton cannot build is recorded, never fatal
             row["error"] = describe_error(exc)
         rows.append(row)
@@ -111,7 +118,7 @@ def run_case(case: tuple, variants: list, *, interpret: bool, min_seconds: float
     default_row = next(r for r in rows if r["default"])
     return {"case": {"batch": b, "heads": h, "seq_len": s, "head_dim": hd, "causal": causal,
                      "key_mask": masked},
-            "rows": rows, "best": best and best["label"],
+            "calls_per_dispatch": per_dispatch, "rows": rows, "best": best and best["label"],
             "default_over_best": (default_row["ms"] / best["ms"]) if best and "ms" in default_row else None}
 
 
@@ -120,9 +127,13 @@ def main(argv=None) -> int:
     p.add_argument("--cases", nargs="+", type=parse_case, default=None)
     p.add_argument("--variants", nargs="+", type=parse_variant, default=None)
     p.add_argument("--min-seconds", type=float, default=0.1, help="least length of one timing")
+    p.add_argument("--per-dispatch", type=int, default=8,
+                   help="calls per jitted program, each on its own inputs (1: one dispatch per call)")
     p.add_argument("--out", default=None)
     p.add_argument("--smoke", action="store_true")
     args = p.parse_args(argv)
+    if args.per_dispatch < 1:
+        p.error(f"--per-dispatch {args.per_dispatch} must be at least 1")
     cases = args.cases or (SMOKE_CASES if args.smoke else DEFAULT_CASES)
     variants = args.variants or (SMOKE_VARIANTS if args.smoke else DEFAULT_VARIANTS)
     device = jax.devices()[0]
@@ -134,7 +145,8 @@ def main(argv=None) -> int:
                 "device": device.device_kind, "cases": []}
     for i, case in enumerate(cases, 1):
         start = time.perf_counter()
-        record = run_case(case, variants, interpret=args.smoke, min_seconds=0.0 if args.smoke else args.min_seconds)
+        record = run_case(case, variants, interpret=args.smoke, min_seconds=0.0 if args.smoke else args.min_seconds,
+                          per_dispatch=2 if args.smoke else args.per_dispatch)
         record["wall_s"] = time.perf_counter() - start
         document["cases"].append(record)
         write_json(document, os.path.dirname(path), os.path.basename(path).removesuffix(".json"))

@@ -21,7 +21,14 @@ def test_smoke_sweep_checks_and_times_every_variant_and_the_default(tmp_path, ca
         for row in record["rows"]:
             assert row["max_abs_err"] <= 2e-2 and row["ms"] > 0, row
         assert record["best"] in labels and record["default_over_best"] >= 1.0
+        assert record["calls_per_dispatch"] == 2 and all(row["calls"] % 2 == 0 for row in record["rows"])
     assert "wrote" in capsys.readouterr().out
+
+
+def test_calls_per_dispatch_must_be_positive(tmp_path):
+    with pytest.raises(SystemExit):
+        flash_blocks.main(["--smoke", "--per-dispatch", "0", "--out", str(tmp_path)])
+    assert not list(tmp_path.glob("*.json"))
 
 
 def test_case_and_variant_parsing():
