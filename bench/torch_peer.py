@@ -188,6 +188,22 @@ def _record(tensor: torch.Tensor) -> tuple | None:
     return None if tensor.is_inference() else (weakref.ref(tensor), tensor._version)
 
 
+class MaskReads:
+    """Whether a mask is all True, read on the host once per tensor and version (a host sync each read),
+    as the inference peer classifies its masks: the training peer's test for SDPA's mask-free path."""
+
+    def __init__(self):
+        self.reads = 0   # host reads so far
+        self._source: tuple | None = None
+        self._all_valid = False
+
+    def all_valid(self, mask: torch.Tensor) -> bool:
+        if not _unchanged_since(self._source, mask):
+            self.reads += 1
+            self._source, self._all_valid = _record(mask), bool(mask.all())
+        return self._all_valid
+
+
 class _CudaGraphRunner:
     """One captured forward with static buffers.
 

@@ -4,7 +4,8 @@ way, for three contenders on the same weights and input:
 
   eager  the harness baseline module trained in eager PyTorch (TF32 GEMMs on CUDA, as the harness sets)
   peer   the torch peer's training step: the same module with its attention through
-         `scaled_dot_product_attention` (no mask tensor when every token is valid), GEMMs under autocast,
+         `scaled_dot_product_attention` (no mask tensor when every token is valid, read on the host once
+         per mask tensor and version), GEMMs under autocast,
          `torch.compile`d (CUDA only); in float16 (the default, --peer-autocast) with torch's recipe, a
          GradScaler (without one the gradients, ~1/numel of the loss's, underflow in fp16), whose factors
          the fused SGD takes without a host sync
@@ -42,7 +43,7 @@ import ttj_jax as T  # noqa: E402
 from bench.baseline import Attention, TransformerConfig, harness_models, make_inputs  # noqa: E402
 from bench.paths import result_file, run_header  # noqa: E402
 from bench.timing import time_contenders  # noqa: E402
-from bench.torch_peer import raise_call_time_recompile_limit  # noqa: E402
+from bench.torch_peer import MaskReads, raise_call_time_recompile_limit  # noqa: E402
 from bridge.autograd import TRAINING_MASK_ENV, TRAINING_MASK_READS, ZERO_GRADIENT_SUFFIX  # noqa: E402
 from ttj_jax.training import BACKWARD_ATTENTION_ENV, BACKWARD_ATTENTIONS  # noqa: E402
 
@@ -78,6 +79,7 @@ class Peer(NamedTuple):
     module: torch.nn.Module
     forward: Callable
     loss_scale: float | None   # float16: the GradScaler's initial scale; bfloat16: None
+    mask_reads: MaskReads      # its all-valid test, read once per mask tensor and version
 
 
 def peer_model(baseline: torch.nn.Module, device: torch.device, autocast: str = "float16") -> Peer:
@@ -92,12 +94,16 @@ def peer_model(baseline: torch.nn.Module, device: torch.device, autocast: str = 
         raise_call_time_recompile_limit()
     compiled = torch.compile(model) if device.type == "cuda" else model
 
+    reads = MaskReads()
+
     def forward(x, mask):
-        if mask is not None and bool(mask.all()):   # at its strongest: SDPA's flash path, no mask tensor
+        # At its strongest: SDPA's flash path, no mask tensor, where every token is valid; the mask read
+        # on the host once per tensor and version, not a host sync every step.
+        if mask is not None and reads.all_valid(mask):
             mask = None
         with torch.autocast(device.type, dtype=PEER_AUTOCAST[autocast]):
             return compiled(x, mask).float()
-    return Peer(model, forward, PEER_LOSS_SCALE if autocast == "float16" else None)
+    return Peer(model, forward, PEER_LOSS_SCALE if autocast == "float16" else None, reads)
 
 
 def step_fn(module, forward, x, mask, weights, *, loss_scale: float | None = None):

@@ -200,3 +200,39 @@ def test_interleaved_host_overhead_us_takes_turns():
     assert all({timed[2 * i], timed[2 * i + 1]} == {"fast", "slow"} for i in range(6))   # one of each per turn
     assert len({tuple(timed[2 * i:2 * i + 2]) for i in range(6)}) == 2   # both orders occur (seeded shuffle)
     assert result["slow"]["median_us"] > result["fast"]["median_us"] + 1000
+
+
+def test_mask_reads_once_per_tensor_and_version():
+    """The training peer's all-valid test reads a mask on the host once, again only after an in-place
+    write (its version moves) or for another tensor."""
+    from bench.torch_peer import MaskReads
+    reads = MaskReads()
+    mask = torch.ones(2, 5, dtype=torch.bool)
+    assert reads.all_valid(mask) and reads.all_valid(mask) and reads.reads == 1
+    mask[1, 4] = False
+    assert not reads.all_valid(mask) and reads.reads == 2
+    assert reads.all_valid(torch.ones(2, 5, dtype=torch.bool)) and reads.reads == 3
+    with torch.inference_mode():
+        frozen = torch.ones(2, 5, dtype=torch.bool)
+    assert reads.all_valid(frozen) and reads.all_valid(frozen) and reads.reads == 5   # no version: every call
+
+
+def test_training_peer_reads_a_fixed_mask_once():
+    """bench.train's peer takes SDPA's mask-free path for an all-True mask without a host read per step,
+    and the masked path after the mask is written, with the baseline's outputs either way."""
+    from bench import train
+    from bench.baseline import BaselineTransformer, TransformerConfig
+    torch.manual_seed(0)
+    baseline = BaselineTransformer(TransformerConfig(batch_size=2, seq_len=6, d_model=16, num_heads=2,
+                                                     ffn_dim=16, num_layers=1, causal=False))
+    peer = train.peer_model(baseline, torch.device("cpu"), "bfloat16")
+    x, mask = torch.randn(2, 6, 16), torch.ones(2, 6, dtype=torch.bool)
+    for _ in range(3):
+        y = peer.forward(x, mask)
+    assert peer.mask_reads.reads == 1
+    torch.testing.assert_close(y, baseline(x, mask), atol=0.1, rtol=0.05)
+    mask[1, 3:] = False
+    y = peer.forward(x, mask)
+    assert peer.mask_reads.reads == 2
+    want = baseline(x, mask)
+    torch.testing.assert_close(y[mask], want[mask], atol=0.1, rtol=0.05)
