@@ -9,6 +9,7 @@ Tolerances:
 
 import dataclasses
 import functools
+import re
 import math
 
 import jax
@@ -607,3 +608,43 @@ def test_numerics_policy_refuses_an_unknown_gelu():
     import dataclasses
     with pytest.raises(ValueError, match="gelu"):
         dataclasses.replace(T.MIXED_FP16, gelu="sigmoid")
+
+
+def test_a_sixteen_bit_inputs_gradient_written_by_its_gemm_is_the_converted_one(monkeypatch):
+    """numerics.DX_IN_INPUT_DTYPE: the training GEMMs' backward writes an fp16 x's gradient in fp16 itself
+    instead of fp32 then a convert: the same fp32 accumulation and one rounding, so the gradient of x
+    matches the shipped form's to an fp16 ulp, in x's dtype; an fp32 x's gradient and w's are unchanged."""
+    from ttj_jax import numerics
+    keys = jax.random.split(jax.random.PRNGKey(5), 4)
+    w = jax.random.normal(keys[1], (16, 24), jnp.float32) / 4
+    b = jax.random.normal(keys[2], (24,), jnp.float32)
+    g = jax.random.normal(keys[3], (3, 5, 24), jnp.float32)
+    policy = numerics.MIXED_FP16_TRAIN
+    forms = {"matmul": lambda x, w, b: policy.matmul(x, w),
+             "affine": lambda x, w, b: policy.mlp_hidden(x, w, b)}
+
+    def grads(form, x):
+        return jax.grad(lambda x, w, b: jnp.sum(forms[form](x, w, b).astype(jnp.float32) * g), argnums=(0, 1))(x, w, b)
+    for x_dtype in (jnp.float16, jnp.float32):
+        x = jax.random.normal(keys[0], (3, 5, 16), jnp.float32).astype(x_dtype)
+        shipped = {form: grads(form, x) for form in forms}
+        monkeypatch.setattr(numerics, "DX_IN_INPUT_DTYPE", True)
+        switched = {form: grads(form, x) for form in forms}
+        monkeypatch.setattr(numerics, "DX_IN_INPUT_DTYPE", False)
+        for form in forms:
+            (dx_a, dw_a), (dx_b, dw_b) = shipped[form], switched[form]
+            assert dx_a.dtype == dx_b.dtype == x_dtype and dw_b.dtype == jnp.float32
+            np.testing.assert_array_equal(np.asarray(dw_a), np.asarray(dw_b))
+            if x_dtype == jnp.float32:
+                np.testing.assert_array_equal(np.asarray(dx_a), np.asarray(dx_b))
+            else:
+                a32, b32 = np.asarray(dx_a, np.float32), np.asarray(dx_b, np.float32)
+                np.testing.assert_allclose(b32, a32, rtol=2 ** -10, atol=2 ** -24)
+
+    def fp16_written_dots(x):   # dot_generals that write fp16 in matmul's program (forward writes fp32)
+        text = str(jax.make_jaxpr(lambda x: grads("matmul", x))(x))
+        return len(re.findall(r":f16\[[^\]]*\] = dot_general", text))
+    x16 = jax.random.normal(keys[0], (3, 5, 16), jnp.float32).astype(jnp.float16)
+    assert fp16_written_dots(x16) == 0
+    monkeypatch.setattr(numerics, "DX_IN_INPUT_DTYPE", True)
+    assert fp16_written_dots(x16) == 1
