@@ -9,8 +9,8 @@ Tolerances:
 
 import dataclasses
 import functools
-import re
 import math
+import re
 
 import jax
 import jax.numpy as jnp
