@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench.gpu_power import sampling
 from bench.jax_timing import stream_ms_per_call
 from bench.paths import result_file, run_header
 from bench.report import describe_error, write_json
@@ -82,10 +83,12 @@ def reference(qkv, key_mask, causal: bool):
     return flash_attention_reference(q, k, v, causal=causal, key_mask=key_mask)
 
 
-def run_case(case: tuple, variants: list, *, interpret: bool, min_seconds: float, per_dispatch: int = 1) -> dict:
+def run_case(case: tuple, variants: list, *, interpret: bool, min_seconds: float, per_dispatch: int = 1,
+             power=None) -> dict:
     """Every variant of one case checked, then timed. per_dispatch > 1: one jitted program makes that many
     calls, each on its own inputs (distinct, so none is merged away), and the time per call is the
-    program's over per_dispatch: the host's dispatch is paid once per program, not once per call."""
+    program's over per_dispatch: the host's dispatch is paid once per program, not once per call. With a
+    running PowerSampler (bench/gpu_power.py), each row's "gpu_state" is the SM clock and power while it ran."""
     b, h, s, hd, causal, masked = case
     inputs = [case_inputs(case, seed) for seed in range(per_dispatch)]
     qkvs, masks = [qkv for qkv, _ in inputs], [mask for _, mask in inputs]
@@ -108,8 +111,10 @@ def run_case(case: tuple, variants: list, *, interpret: bool, min_seconds: float
             row["max_abs_err"] = float(np.max(np.abs(got - want)))
             if not row["max_abs_err"] <= 2e-2:
                 raise AssertionError(f"max |err| {row['max_abs_err']:.3g} against the fp32 reference")
+            start = time.perf_counter()
             ms, dispatches = stream_ms_per_call(fn, (qkvs, masks), min_seconds=min_seconds, repeats=5)
-            row.update(ms=ms / per_dispatch, calls=dispatches * per_dispatch)
+            row.update(ms=ms / per_dispatch, calls=dispatches * per_dispatch,
+                       gpu_state=power.window(start, time.perf_counter()) if power else None)
         except Exception as exc:  # a tiling Triton cannot build is recorded, never fatal
             row["error"] = describe_error(exc)
         rows.append(row)
@@ -143,15 +148,27 @@ def main(argv=None) -> int:
     path = result_file("flash-blocks", name, args.out)
     document = {**run_header("python -m bench.flash_blocks " + " ".join(sys.argv[1:] if argv is None else argv)),
                 "device": device.device_kind, "cases": []}
-    for i, case in enumerate(cases, 1):
-        start = time.perf_counter()
-        record = run_case(case, variants, interpret=args.smoke, min_seconds=0.0 if args.smoke else args.min_seconds,
-                          per_dispatch=2 if args.smoke else args.per_dispatch)
-        record["wall_s"] = time.perf_counter() - start
-        document["cases"].append(record)
-        write_json(document, os.path.dirname(path), os.path.basename(path).removesuffix(".json"))
-        print(f"[{i}/{len(cases)}] {case}: best {record['best']}, default/best "
-              f"{record['default_over_best'] or float('nan'):.2f} ({record['wall_s']:.0f} s)", flush=True)
+    with sampling(not args.smoke) as power:
+        for i, case in enumerate(cases, 1):
+            run_and_save(document, path, i, case, cases, variants, args, power)
+    print_table(document)
+    print(f"wrote {path}")
+    return 1 if any(r.get("error") and "max |err|" in r["error"] for c in document["cases"] for r in c["rows"]) else 0
+
+
+def run_and_save(document: dict, path: str, i: int, case: tuple, cases: list, variants: list, args, power) -> None:
+    """One case run, added to the document, the JSON rewritten (a timeout keeps what was done)."""
+    start = time.perf_counter()
+    record = run_case(case, variants, interpret=args.smoke, min_seconds=0.0 if args.smoke else args.min_seconds,
+                      per_dispatch=2 if args.smoke else args.per_dispatch, power=power)
+    record["wall_s"] = time.perf_counter() - start
+    document["cases"].append(record)
+    write_json(document, os.path.dirname(path), os.path.basename(path).removesuffix(".json"))
+    print(f"[{i}/{len(cases)}] {case}: best {record['best']}, default/best "
+          f"{record['default_over_best'] or float('nan'):.2f} ({record['wall_s']:.0f} s)", flush=True)
+
+
+def print_table(document: dict) -> None:
     print(f"\n{'case (B,H,S,hd,causal,mask)':34s} {'default':>16s} {'us':>7s} {'best':>16s} {'us':>7s}")
     for record in document["cases"]:
         c = record["case"]
@@ -161,8 +178,6 @@ def main(argv=None) -> int:
         b = by_label.get(record["best"] or "", {})
         print(f"{label:34s} {d['label']:>16s} {d.get('ms', float('nan')) * 1e3:7.1f} "
               f"{record['best'] or '-':>16s} {b.get('ms', float('nan')) * 1e3:7.1f}")
-    print(f"wrote {path}")
-    return 1 if any(r.get("error") and "max |err|" in r["error"] for c in document["cases"] for r in c["rows"]) else 0
 
 
 if __name__ == "__main__":

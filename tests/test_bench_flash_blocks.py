@@ -49,6 +49,24 @@ def test_variants_that_clamp_to_one_tiling_run_once():
     assert [row["label"] for row in record["rows"]] == ["32x32 w4 s2"] and record["rows"][0]["default"]
 
 
+def test_each_timing_records_the_gpu_state_it_ran_at():
+    """With a power sampler (here a stand-in for nvidia-smi's), every timed row carries the window of samples
+    taken while it ran, as the other bench scripts' timings do."""
+    class Sampler:
+        def __init__(self):
+            self.windows = []
+
+        def window(self, start, end):
+            self.windows.append((start, end))
+            return {"sm_clock_mhz": 1980.0, "power_w": 400.0}
+    sampler = Sampler()
+    record = flash_blocks.run_case((1, 1, 20, 16, False, True), [(16, 16, 4, 2)], interpret=True,
+                                   min_seconds=0.0, power=sampler)
+    assert len(sampler.windows) == len(record["rows"]) == 2
+    assert all(start < end for start, end in sampler.windows)
+    assert all(row["gpu_state"]["sm_clock_mhz"] == 1980.0 for row in record["rows"])
+
+
 def test_masked_case_keeps_a_prefix_of_keys_per_sequence():
     qkv, mask = flash_blocks.case_inputs((4, 1, 10, 16, False, True))
     assert qkv.shape == (4, 10, 3, 1, 16) and mask.shape == (4, 10)
