@@ -19,7 +19,7 @@ arithmetic more than its rounding shows. The variants:
   cublas-gemms          both programs compiled with XLA's Triton GEMMs off (xla_gpu_enable_triton_gemm)
   bias-gelu             the MLP's first bias added inside the GELU's rule (numerics.MLP_BIAS_IN_GELU)
   cudnn-masked          cuDNN's attention with the mask in extra lanes, not our flash kernels (training.MASKED_CUDNN)
-  dx16                  a 16-bit input's gradient written by its GEMM in that dtype (numerics.DX_IN_INPUT_DTYPE)
+  dx16                  an fp16 input's gradient written in fp16 by its GEMM (numerics.DX_IN_INPUT_DTYPE)
 
     PYTHONPATH=. python3 -m bench.train_programs [--configs bert-base,8] [--variants default,ln-recompute] [--out DIR]
 

@@ -202,8 +202,8 @@ def _fp16_matmul(a: jax.Array, b: jax.Array, out_dtype=jnp.float32) -> jax.Array
     return jnp.matmul(a.astype(jnp.float16), b.astype(jnp.float16), preferred_element_type=out_dtype)
 
 
-# Whether the backward's dx GEMM writes a 16-bit x's gradient in x's dtype itself (True), or in fp32
-# rounded by a separate convert (False). The same rounding (fp32 accumulation, one rounding to x's dtype),
+# Whether the backward's dx GEMM writes an fp16 x's gradient in fp16 itself (True), or in fp32 rounded
+# by a separate convert (False). The same rounding (fp32 accumulation, one rounding to x's dtype),
 # fewer bytes: at bert-base the MLP's hidden layer is [16384, 3072], 200 MB in fp32. Prediction: about
 # 0.1 ms of bert-base's 5.6 ms step on an H100, if XLA leaves the convert outside the GEMM; to measure
 # (`python3 -m bench.train_programs`, variant "dx16").
@@ -215,7 +215,7 @@ def _matmul_with_fp16_cotangents(x_dtype: np.dtype, w_dtype: np.dtype, out_dtype
                                  dx_in_input_dtype: bool = False):
     """x @ w (x [..., k], w [k, n]) in fp16 with fp32 accumulation, written in out_dtype, whose backward
     GEMMs take fp16 operands as well: dx = g w^T and dw = x^T g, g rounded to fp16, fp32 accumulation;
-    dx and dw come back in x's and w's dtypes (dx_in_input_dtype: a 16-bit dx written in its dtype by the
+    dx and dw come back in x's and w's dtypes (dx_in_input_dtype: an fp16 x's dx written in fp16 by the
     GEMM; DX_IN_INPUT_DTYPE). The residuals are x and w in fp16."""
 
     @jax.custom_vjp
@@ -229,7 +229,7 @@ def _matmul_with_fp16_cotangents(x_dtype: np.dtype, w_dtype: np.dtype, out_dtype
     def backward(residuals, g):
         x16, w16 = residuals
         g16 = g.astype(jnp.float16)
-        written = x_dtype if dx_in_input_dtype and np.dtype(x_dtype).itemsize == 2 else jnp.float32
+        written = x_dtype if dx_in_input_dtype and np.dtype(x_dtype) == np.float16 else jnp.float32
         dx = _fp16_matmul(g16, w16.T, written).astype(x_dtype)
         dw = _fp16_matmul(x16.reshape(-1, x16.shape[-1]).T, g16.reshape(-1, g16.shape[-1])).astype(w_dtype)
         return dx, dw
