@@ -188,20 +188,23 @@ def _record(tensor: torch.Tensor) -> tuple | None:
     return None if tensor.is_inference() else (weakref.ref(tensor), tensor._version)
 
 
-class MaskReads:
-    """Whether a mask is all True, read on the host once per tensor and version (a host sync each read),
-    as the inference peer classifies its masks: the training peer's test for SDPA's mask-free path."""
+class VersionedRead:
+    """`read(tensor)`, a host read of a tensor's values (a host sync), kept while the caller passes the
+    very tensor read last, unmodified since (_unchanged_since); inference tensors keep no version counter,
+    so each of their calls reads again. The inference peer classifies its masks this way, and the
+    training peer (bench/train.py) tests its mask for SDPA's mask-free path."""
 
-    def __init__(self):
+    def __init__(self, read: Callable[[torch.Tensor], object]):
+        self.read = read
         self.reads = 0   # host reads so far
         self._source: tuple | None = None
-        self._all_valid = False
+        self._value = None
 
-    def all_valid(self, mask: torch.Tensor) -> bool:
-        if not _unchanged_since(self._source, mask):
+    def __call__(self, tensor: torch.Tensor):
+        if not _unchanged_since(self._source, tensor):
             self.reads += 1
-            self._source, self._all_valid = _record(mask), bool(mask.all())
-        return self._all_valid
+            self._source, self._value = _record(tensor), self.read(tensor)
+        return self._value
 
 
 class _CudaGraphRunner:
@@ -287,8 +290,7 @@ class TorchPeer:
             # dynamic=False: one specialised graph per shape, never a slower shape-generic one.
             self._forward = torch.compile(model, dynamic=False)
         self._runners: dict[tuple, Callable] = {}
-        self._mask_kind_source: tuple | None = None   # the last mask classified, see _record
-        self._mask_kind_cached = MASK_NONE
+        self._mask_kinds = VersionedRead(lambda mask: classify_mask(mask, model.causal))
 
     def __call__(self, x: torch.Tensor, valid_token_mask: torch.Tensor | None = None) -> torch.Tensor:
         if torch.is_inference_mode_enabled():
@@ -313,13 +315,8 @@ class TorchPeer:
         if mask.shape != x.shape[:2] or mask.dtype != torch.bool:
             raise ValueError(f"valid_token_mask must be bool {tuple(x.shape[:2])}, "
                              f"got {mask.dtype} {tuple(mask.shape)}")
-        if _unchanged_since(self._mask_kind_source, mask):
-            return self._mask_kind_cached
-        # A new mask (or one written since): look at its values. Inference tensors keep no version
-        # counter, so they are never recognised and pay this host sync on every call.
-        kind = classify_mask(mask, self.model.causal)
-        self._mask_kind_source, self._mask_kind_cached = _record(mask), kind
-        return kind
+        # Its values read on the host for a new mask (or one written since) only.
+        return self._mask_kinds(mask)
 
     def _make_runner(self, x, mask, kind) -> Callable:
         use_graph = (self.cuda_graph and x.device.type == "cuda"

@@ -43,7 +43,7 @@ import ttj_jax as T  # noqa: E402
 from bench.baseline import Attention, TransformerConfig, harness_models, make_inputs  # noqa: E402
 from bench.paths import result_file, run_header  # noqa: E402
 from bench.timing import time_contenders  # noqa: E402
-from bench.torch_peer import MaskReads, raise_call_time_recompile_limit  # noqa: E402
+from bench.torch_peer import VersionedRead, raise_call_time_recompile_limit  # noqa: E402
 from bridge.autograd import TRAINING_MASK_ENV, TRAINING_MASK_READS, ZERO_GRADIENT_SUFFIX  # noqa: E402
 from ttj_jax.training import BACKWARD_ATTENTION_ENV, BACKWARD_ATTENTIONS  # noqa: E402
 
@@ -79,7 +79,7 @@ class Peer(NamedTuple):
     module: torch.nn.Module
     forward: Callable
     loss_scale: float | None   # float16: the GradScaler's initial scale; bfloat16: None
-    mask_reads: MaskReads      # its all-valid test, read once per mask tensor and version
+    mask_reads: VersionedRead  # its all-valid test, read once per mask tensor and version
 
 
 def peer_model(baseline: torch.nn.Module, device: torch.device, autocast: str = "float16") -> Peer:
@@ -94,16 +94,16 @@ def peer_model(baseline: torch.nn.Module, device: torch.device, autocast: str = 
         raise_call_time_recompile_limit()
     compiled = torch.compile(model) if device.type == "cuda" else model
 
-    reads = MaskReads()
+    all_valid = VersionedRead(lambda mask: bool(mask.all()))
 
     def forward(x, mask):
         # At its strongest: SDPA's flash path, no mask tensor, where every token is valid; the mask read
         # on the host once per tensor and version, not a host sync every step.
-        if mask is not None and reads.all_valid(mask):
+        if mask is not None and all_valid(mask):
             mask = None
         with torch.autocast(device.type, dtype=PEER_AUTOCAST[autocast]):
             return compiled(x, mask).float()
-    return Peer(model, forward, PEER_LOSS_SCALE if autocast == "float16" else None, reads)
+    return Peer(model, forward, PEER_LOSS_SCALE if autocast == "float16" else None, all_valid)
 
 
 def step_fn(module, forward, x, mask, weights, *, loss_scale: float | None = None):

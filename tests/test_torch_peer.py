@@ -205,16 +205,16 @@ def test_interleaved_host_overhead_us_takes_turns():
 def test_mask_reads_once_per_tensor_and_version():
     """The training peer's all-valid test reads a mask on the host once, again only after an in-place
     write (its version moves) or for another tensor."""
-    from bench.torch_peer import MaskReads
-    reads = MaskReads()
+    from bench.torch_peer import VersionedRead
+    reads = VersionedRead(lambda mask: bool(mask.all()))
     mask = torch.ones(2, 5, dtype=torch.bool)
-    assert reads.all_valid(mask) and reads.all_valid(mask) and reads.reads == 1
+    assert reads(mask) and reads(mask) and reads.reads == 1
     mask[1, 4] = False
-    assert not reads.all_valid(mask) and reads.reads == 2
-    assert reads.all_valid(torch.ones(2, 5, dtype=torch.bool)) and reads.reads == 3
+    assert not reads(mask) and reads.reads == 2
+    assert reads(torch.ones(2, 5, dtype=torch.bool)) and reads.reads == 3
     with torch.inference_mode():
         frozen = torch.ones(2, 5, dtype=torch.bool)
-    assert reads.all_valid(frozen) and reads.all_valid(frozen) and reads.reads == 5   # no version: every call
+    assert reads(frozen) and reads(frozen) and reads.reads == 5   # no version: every call
 
 
 def test_training_peer_reads_a_fixed_mask_once():
