@@ -64,6 +64,8 @@ def cudnn_takes_head_dim(head_dim: int, masked: bool) -> bool:
     """Whether cuDNN's attention (layers.cudnn_attention) takes this head_dim: one of CUDNN_HEAD_DIMS,
     with room for the mask's lanes where it masks keys."""
     return head_dim in CUDNN_HEAD_DIMS and (not masked or head_dim <= CUDNN_MASKED_MAX_HEAD_DIM)
+
+
 # From these head_dims' thresholds on, our Hopper kernel beats cuDNN (H200, fp16, causal). The length
 # is the later of CUDNN_MIN_SEQ_LEN and the kernel's own dispatch threshold
 # (`flash_attention_mgpu.dispatch_min_seq_len`), so the two rules cannot drift apart.
@@ -342,6 +344,7 @@ def plan(config: Config, inputs: InputFacts, device: DeviceFacts = CPU, *,
         return Plan(policy=policy, attention="pallas", mask_mode=mask_mode, sequence_parallel=sequence_parallel,
                     reason="; ".join(reasons))
 
+    cudnn_fits = device.takes_cudnn_attention and cudnn_takes_head_dim(config.head_dim, masked=False)
     if attention is not None:
         reasons.append(f"attention {attention} requested")
     elif not device.is_gpu:
@@ -356,21 +359,18 @@ def plan(config: Config, inputs: InputFacts, device: DeviceFacts = CPU, *,
         attention = "pallas"
         reasons.append(f"S={inputs.seq_len} >= {hopper_from}, head_dim {config.head_dim} on sm_90: our Hopper "
                        f"flash kernel, {HOPPER_OVER_CUDNN[config.head_dim]}")
-    elif (inputs.seq_len >= CUDNN_MIN_SEQ_LEN and mask_mode in ("none", "rows")
-          and cudnn_takes_head_dim(config.head_dim, masked=False) and device.takes_cudnn_attention):
+    elif inputs.seq_len >= CUDNN_MIN_SEQ_LEN and mask_mode in ("none", "rows") and cudnn_fits:
         attention = "cudnn"
         reasons.append(f"S={inputs.seq_len} >= {CUDNN_MIN_SEQ_LEN}: cuDNN's fused attention, measured "
                        "fastest at long sequences (412 against our 346 TFLOP/s at S=16384)")
-    elif (not config.causal and mask_mode == "none" and cudnn_takes_head_dim(config.head_dim, masked=False)
-          and device.takes_cudnn_attention):
+    elif not config.causal and mask_mode == "none" and cudnn_fits:
         attention = "cudnn"
         reasons.append(f"S={inputs.seq_len}, not causal, no key mask: cuDNN's fused attention, {CUDNN_NON_CAUSAL}")
     else:
         attention = "pallas"
         if not device.takes_cudnn_attention:
             where = f"here (cuDNN's attention needs sm_80 or newer, this is sm_{device.compute_capability})"
-        elif (inputs.seq_len >= CUDNN_MIN_SEQ_LEN or mask_mode in KEY_MASK_MODES
-              or not cudnn_takes_head_dim(config.head_dim, masked=False)):
+        elif inputs.seq_len >= CUDNN_MIN_SEQ_LEN or mask_mode in KEY_MASK_MODES or not cudnn_fits:
             where = "here (key mask or head_dim)"
         else:
             where = "on causal calls up to S=1024 (the official shapes)"
