@@ -150,22 +150,18 @@ def main(argv=None) -> int:
                 "device": device.device_kind, "cases": []}
     with sampling(not args.smoke) as power:
         for i, case in enumerate(cases, 1):
-            run_and_save(document, path, i, case, cases, variants, args, power)
+            start = time.perf_counter()
+            record = run_case(case, variants, interpret=args.smoke, power=power,
+                              min_seconds=0.0 if args.smoke else args.min_seconds,
+                              per_dispatch=2 if args.smoke else args.per_dispatch)
+            record["wall_s"] = time.perf_counter() - start
+            document["cases"].append(record)   # the JSON rewritten after each case: a timeout keeps what was done
+            write_json(document, os.path.dirname(path), os.path.basename(path).removesuffix(".json"))
+            print(f"[{i}/{len(cases)}] {case}: best {record['best']}, default/best "
+                  f"{record['default_over_best'] or float('nan'):.2f} ({record['wall_s']:.0f} s)", flush=True)
     print_table(document)
     print(f"wrote {path}")
     return 1 if any(r.get("error") and "max |err|" in r["error"] for c in document["cases"] for r in c["rows"]) else 0
-
-
-def run_and_save(document: dict, path: str, i: int, case: tuple, cases: list, variants: list, args, power) -> None:
-    """One case run, added to the document, the JSON rewritten (a timeout keeps what was done)."""
-    start = time.perf_counter()
-    record = run_case(case, variants, interpret=args.smoke, min_seconds=0.0 if args.smoke else args.min_seconds,
-                      per_dispatch=2 if args.smoke else args.per_dispatch, power=power)
-    record["wall_s"] = time.perf_counter() - start
-    document["cases"].append(record)
-    write_json(document, os.path.dirname(path), os.path.basename(path).removesuffix(".json"))
-    print(f"[{i}/{len(cases)}] {case}: best {record['best']}, default/best "
-          f"{record['default_over_best'] or float('nan'):.2f} ({record['wall_s']:.0f} s)", flush=True)
 
 
 def print_table(document: dict) -> None:
