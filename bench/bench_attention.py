@@ -202,15 +202,15 @@ def _contenders(batch, heads, seq_len, head_dim, *, quick: bool, interpret: bool
     hopper = use_mosaic_kernel(jnp.float16, seq_len, head_dim, masked=False, block_sizes=None,
                                interpret=interpret)
     contenders = [Contender("ttj", _ttj(None, interpret), None if hopper else resolve_block_sizes(
-        seq_len, head_dim, None), variant=f"default ({'mosaic_gpu' if hopper else 'generic'})")]
+        seq_len, head_dim, None, causal=True), variant=f"default ({'mosaic_gpu' if hopper else 'generic'})")]
     if hopper:
         default = default_lowering_semantics(head_dim)
         other = next(semantics for semantics in MGPU_LOWERINGS if semantics != default)
         contenders.append(Contender("ttj", functools.partial(
             flash_attention_mgpu, causal=True, lowering_semantics=other), variant=f"mosaic_gpu {other}"))
-    variants = [] if hopper else [resolve_block_sizes(seq_len, head_dim, None)]  # the default: timed above
+    variants = [] if hopper else [resolve_block_sizes(seq_len, head_dim, None, causal=True)]  # the default, timed above
     for candidate in VARIANTS_BY_HEAD_DIM.get(head_dim, []):
-        resolved = resolve_block_sizes(seq_len, head_dim, candidate)  # as the kernel will run it
+        resolved = resolve_block_sizes(seq_len, head_dim, candidate, causal=True)  # as the kernel runs it
         if resolved not in variants:
             variants.append(resolved)
     variants = variants[:2] if quick else variants[:4]

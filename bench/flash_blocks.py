@@ -94,7 +94,7 @@ def run_case(case: tuple, variants: list, *, interpret: bool, min_seconds: float
     qkvs, masks = [qkv for qkv, _ in inputs], [mask for _, mask in inputs]
     want = np.asarray(reference(qkvs[0], masks[0], causal))
     # Tilings as the kernel runs them (blocks clamped to a short S), each once.
-    default = resolve_block_sizes(s, hd, default_block_sizes(s, hd))
+    default = resolve_block_sizes(s, hd, default_block_sizes(s, hd, causal))
     chosen = list(dict.fromkeys([resolve_block_sizes(s, hd, BlockSizes(*v)) for v in variants] + [default]))
     rows = []
     for blocks in chosen:

@@ -26,7 +26,7 @@ def test_hopper_cases_time_the_dispatched_kernel_then_the_other_lowering_then_ge
 def test_other_cases_time_the_generic_default_once(quick):
     ttj = _ttj(ba._contenders(64, 4, 1024, 32, quick=quick, interpret=True))
     assert ttj[0].variant == "default (generic)"
-    assert ttj[0].block_sizes == resolve_block_sizes(1024, 32, None)
+    assert ttj[0].block_sizes == resolve_block_sizes(1024, 32, None, causal=True)
     assert all(c.variant == "generic" and c.block_sizes != ttj[0].block_sizes for c in ttj[1:])
     assert len(ttj) == (2 if quick else 4)
     others = ba._contenders(64, 4, 1024, 32, quick=quick, interpret=True)[len(ttj):]

@@ -98,12 +98,15 @@ def test_block_size_settings(block_sizes, causal):
 
 @pytest.mark.interpret
 def test_medium_sequence_default_blocks_for_head_dim_64():
-    """S past the short-sequence cutoff picks the medium entry (128x64 blocks for head_dim 64), with a
-    ragged tail and several query blocks on and off the causal diagonal, causal and with a key mask."""
+    """S past the short-sequence cutoff picks the medium entry (128x64 blocks for head_dim 64; a causal
+    call its own, 64x64), with a ragged tail and several query blocks on and off the causal diagonal,
+    causal and with a key mask."""
     assert default_block_sizes(300, 64) == BlockSizes(block_q=128, block_k=64, num_warps=8, num_stages=3)
+    assert default_block_sizes(300, 64, causal=True) == BlockSizes(64, 64, num_warps=4, num_stages=2)
     q, k, v = _inputs(11, 300, 64, batch=1, heads=1)
     _check(q, k, v, causal=True)
     mask = jnp.arange(300)[None, :] < 211
+    _check(q, k, v, causal=True, key_mask=mask)
     _check(q, k, v, causal=False, key_mask=mask)
 
 
@@ -118,6 +121,20 @@ def test_default_blocks_by_length_bucket():
     assert default_block_sizes(16384, 64) == BlockSizes(block_q=128, block_k=128, num_warps=8, num_stages=3)
     tiny = resolve_block_sizes(20, 64, None)
     assert (tiny.block_q, tiny.block_k) == (32, 32)
+
+
+def test_causal_entries_fall_back_to_the_shared_table():
+    """A causal call takes its own entry only where the causal table has one (medium, head_dim 32 and
+    64); elsewhere it runs the shared entry, and a non-causal call always does."""
+    for head_dim in (8, 32, 64, 100, 128, 256):
+        for seq_len in (100, 1000, 10_000):
+            shared = default_block_sizes(seq_len, head_dim)
+            causal = default_block_sizes(seq_len, head_dim, causal=True)
+            own = seq_len_bucket(seq_len) == "medium" and padded_head_dim(head_dim) in (32, 64)
+            assert (causal != shared) == own, (head_dim, seq_len)
+    assert resolve_block_sizes(1000, 32, None, causal=True) == BlockSizes(64, 64, num_warps=4, num_stages=2)
+    given = BlockSizes(128, 64, 4, 3)
+    assert resolve_block_sizes(1000, 32, given, causal=True) == given   # given block sizes win
 
 
 @pytest.mark.parametrize("causal", [True, False])

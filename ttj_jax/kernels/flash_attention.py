@@ -87,8 +87,9 @@ class BlockSizes:
 # s2). The medium entry for 64: at bert-base's call (B=32, H=12, S=512, non-causal, fused qkv) on one H100
 # (2026-12-07), 94.5 us mask-free and 117.1 us with a padded key mask, against the long entry's 111.6 and
 # 146.9; the best masked tiling (64x64 w4 s2) took 114.4 and 100.8 mask-free (bench/flash_blocks.py). The
-# other medium entries repeat the long ones, unmeasured at those lengths. bench/flash_blocks.py sweeps
-# tilings per call; update this table from its JSON.
+# other medium entries repeat the long ones, unmeasured at those lengths. Causal calls have their own
+# entries where measured (_CAUSAL_BLOCK_SIZES). bench/flash_blocks.py sweeps tilings per call; update
+# these tables from its JSON.
 _SEQ_LEN_BUCKETS = ((256, "short"), (2048, "medium"))
 _DEFAULT_BLOCK_SIZES: dict[tuple[int, str], BlockSizes] = {
     (16, "short"): BlockSizes(block_q=64, block_k=64, num_warps=4, num_stages=2),
@@ -109,6 +110,18 @@ _DEFAULT_BLOCK_SIZES: dict[tuple[int, str], BlockSizes] = {
 }
 
 
+# Causal calls, where they differ from _DEFAULT_BLOCK_SIZES: a causal call skips the blocks above the
+# diagonal, so the smaller tiles waste less on the diagonal's half-empty blocks. At 256 < S <= 2048 on one
+# H100 (2026-12-07, bench/results/flash-blocks-2026-12-07-h100*.json) 64x64 blocks, 4 warps, 2 stages were
+# the fastest of 6-7 tilings at every causal call tried: head_dim 64, S=512: 37.4 against the medium
+# entry's 40.7 us (51.8 against 54.2 with a padded key mask); head_dim 32, S=1024, padded: 76.6 against
+# 86.1; head_dim 64, S=2048: 135.7 against 136.9 (157.0 against 174.3 padded). Other head_dims unmeasured.
+_CAUSAL_BLOCK_SIZES: dict[tuple[int, str], BlockSizes] = {
+    (32, "medium"): BlockSizes(block_q=64, block_k=64, num_warps=4, num_stages=2),
+    (64, "medium"): BlockSizes(block_q=64, block_k=64, num_warps=4, num_stages=2),
+}
+
+
 def seq_len_bucket(seq_len: int) -> str:
     """The default table's length bucket of a call: "short", "medium" or "long"."""
     return next((name for limit, name in _SEQ_LEN_BUCKETS if seq_len <= limit), "long")
@@ -119,13 +132,16 @@ def padded_head_dim(head_dim: int) -> int:
     return max(_MIN_BLOCK, pl.next_power_of_2(head_dim))
 
 
-def default_block_sizes(seq_len: int, head_dim: int) -> BlockSizes:
-    return _DEFAULT_BLOCK_SIZES[(padded_head_dim(head_dim), seq_len_bucket(seq_len))]
+def default_block_sizes(seq_len: int, head_dim: int, causal: bool = False) -> BlockSizes:
+    """The table's tiling for a call (a causal call's own entry where it has one)."""
+    key = (padded_head_dim(head_dim), seq_len_bucket(seq_len))
+    return (_CAUSAL_BLOCK_SIZES.get(key) if causal else None) or _DEFAULT_BLOCK_SIZES[key]
 
 
-def resolve_block_sizes(seq_len: int, head_dim: int, block_sizes: BlockSizes | None) -> BlockSizes:
+def resolve_block_sizes(seq_len: int, head_dim: int, block_sizes: BlockSizes | None,
+                        causal: bool = False) -> BlockSizes:
     """The block sizes a call runs with: the given or default ones, blocks clamped for a tiny S."""
-    chosen = default_block_sizes(seq_len, head_dim) if block_sizes is None else block_sizes
+    chosen = default_block_sizes(seq_len, head_dim, causal) if block_sizes is None else block_sizes
     longest_useful = max(_MIN_BLOCK, pl.next_power_of_2(seq_len))
     return dataclasses.replace(chosen, block_q=min(chosen.block_q, longest_useful),
                                block_k=min(chosen.block_k, longest_useful))
@@ -334,7 +350,7 @@ def _attention_pallas_call(q_src, k_src, v_src, kv_lengths, key_mask, *, fused: 
     batch, seq_len = q_src.shape[:2]
     num_heads, head_dim = q_src.shape[-2:]
     sm_scale = head_dim ** -0.5 if sm_scale is None else float(sm_scale)
-    blocks = resolve_block_sizes(seq_len, head_dim, block_sizes)
+    blocks = resolve_block_sizes(seq_len, head_dim, block_sizes, causal)
     block_q, block_k = blocks.block_q, blocks.block_k
 
     # Both blocks are powers of two, so a multiple of the larger one is a multiple of both. These pads
