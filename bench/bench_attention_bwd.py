@@ -52,6 +52,12 @@ VARIANTS = {
     "64x128-w8-s2": BwdBlocks(64, 128, 128, 64, 8, 2),
     "64x128-w8-s3": BwdBlocks(64, 128, 128, 64, 8, 3),
     "128x128-w8-s2": BwdBlocks(128, 128, 128, 128, 8, 2),
+    # smaller tiles for head_dim 128 and 256, where a 64-key block's dk and dv accumulators alone take
+    # 64 x hd x 2 fp32 values over 4 warps' registers
+    "32x32-w4-s2": BwdBlocks(32, 32, 32, 32, 4, 2),
+    "32x32-w8-s2": BwdBlocks(32, 32, 32, 32, 8, 2),
+    "64x32-w8-s2": BwdBlocks(64, 32, 32, 64, 8, 2),
+    "32x64-w8-s2": BwdBlocks(32, 64, 64, 32, 8, 2),
 }
 # The Hopper kernel (sm_90 only): its options (MgpuBwdConfig); not in "all".
 MGPU_VARIANTS = {
