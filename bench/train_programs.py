@@ -20,6 +20,7 @@ arithmetic more than its rounding shows. The variants:
   bias-gelu             the MLP's first bias added inside the GELU's rule (numerics.MLP_BIAS_IN_GELU)
   cudnn-masked          cuDNN's attention with the mask in extra lanes, not our flash kernels (training.MASKED_CUDNN)
   dx16                  an fp16 input's gradient written in fp16 by its GEMM (numerics.DX_IN_INPUT_DTYPE)
+  weight-t              each GEMM's fp16 weight kept as w^T, torch's layout (numerics.WEIGHT_RESIDUAL_TRANSPOSED)
 
     PYTHONPATH=. python3 -m bench.train_programs [--configs bert-base,8] [--variants default,ln-recompute] [--out DIR]
 
@@ -66,6 +67,7 @@ VARIANTS: dict[str, tuple[list, dict]] = {
     "bias-gelu": ([(numerics, "MLP_BIAS_IN_GELU", True)], {}),
     "cudnn-masked": ([(training, "MASKED_CUDNN", True)], {}),
     "dx16": ([(numerics, "DX_IN_INPUT_DTYPE", True)], {}),
+    "weight-t": ([(numerics, "WEIGHT_RESIDUAL_TRANSPOSED", True)], {}),
 }
 
 

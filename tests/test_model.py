@@ -610,6 +610,38 @@ def test_numerics_policy_refuses_an_unknown_gelu():
         dataclasses.replace(T.MIXED_FP16, gelu="sigmoid")
 
 
+def test_a_weight_kept_transposed_gives_the_same_gradients(monkeypatch):
+    """numerics.WEIGHT_RESIDUAL_TRANSPOSED: the training GEMMs keep their fp16 weight as w^T (torch's
+    layout) and form dw as (g^T x)^T: the same products, so the output and every gradient match the
+    shipped form's to fp32 summation order, in the same dtypes; the kept weight is [n, k]."""
+    from ttj_jax import numerics
+    keys = jax.random.split(jax.random.PRNGKey(6), 5)
+    x = jax.random.normal(keys[0], (3, 5, 16), jnp.float32)
+    w = jax.random.normal(keys[1], (16, 24), jnp.float32) / 4
+    b = jax.random.normal(keys[2], (24,), jnp.float32)
+    g = jax.random.normal(keys[3], (3, 5, 24), jnp.float32)
+    policy = numerics.MIXED_FP16_TRAIN
+    forms = {"matmul": lambda x, w, b: policy.matmul(x, w),
+             "qkv": lambda x, w, b: policy.project_qkv(x, w, b),
+             "mlp": lambda x, w, b: policy.mlp_hidden(x, w, b)}
+
+    def run(form):
+        y, pull = jax.vjp(forms[form], x, w, b)
+        return (y, *pull(g.astype(y.dtype)))
+    shipped = {form: run(form) for form in forms}
+    monkeypatch.setattr(numerics, "WEIGHT_RESIDUAL_TRANSPOSED", True)
+    switched = {form: run(form) for form in forms}
+    for form in forms:
+        for a, c in zip(shipped[form], switched[form]):
+            assert a.dtype == c.dtype and a.shape == c.shape
+            np.testing.assert_allclose(np.asarray(c, np.float32), np.asarray(a, np.float32), rtol=1e-5, atol=1e-6)
+    residuals = jax.tree.leaves(jax.vjp(forms["matmul"], x, w, b)[1])
+    assert any(r.shape == (24, 16) and r.dtype == jnp.float16 for r in residuals)
+    monkeypatch.setattr(numerics, "WEIGHT_RESIDUAL_TRANSPOSED", False)
+    residuals = jax.tree.leaves(jax.vjp(forms["matmul"], x, w, b)[1])
+    assert any(r.shape == (16, 24) and r.dtype == jnp.float16 for r in residuals)
+
+
 def test_a_sixteen_bit_inputs_gradient_written_by_its_gemm_is_the_converted_one(monkeypatch):
     """numerics.DX_IN_INPUT_DTYPE: the training GEMMs' backward writes an fp16 x's gradient in fp16 itself
     instead of fp32 then a convert: the same fp32 accumulation and one rounding, so the gradient of x

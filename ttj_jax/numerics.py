@@ -100,7 +100,7 @@ class NumericsPolicy:
         """x @ w in gemm_dtype, fp32 accumulation, written in out_dtype."""
         if self.fp16_cotangents:
             return _matmul_with_fp16_cotangents(np.dtype(x.dtype), np.dtype(w.dtype), np.dtype(out_dtype),
-                                                DX_IN_INPUT_DTYPE)(x, w)
+                                                DX_IN_INPUT_DTYPE, WEIGHT_RESIDUAL_TRANSPOSED)(x, w)
         if self.split_products == 3:
             return compensated_matmul(x, w, self.gemm_dtype).astype(out_dtype)
         return jnp.matmul(x.astype(self.gemm_dtype), w.astype(self.gemm_dtype),
@@ -116,7 +116,8 @@ class NumericsPolicy:
         """x @ w + b written in `dtype` by the GEMM (fp32 accumulation), the bias added in `dtype`."""
         if self.fp16_cotangents:   # (the bias's gradient summed in fp32, not in `dtype`)
             return _affine_with_fp16_cotangents(np.dtype(x.dtype), np.dtype(w.dtype), np.dtype(b.dtype),
-                                                np.dtype(dtype), DX_IN_INPUT_DTYPE)(x, w, b)
+                                                np.dtype(dtype), DX_IN_INPUT_DTYPE,
+                                                WEIGHT_RESIDUAL_TRANSPOSED)(x, w, b)
         return self._gemm(x, w, dtype) + b.astype(dtype)
 
     def mlp_hidden(self, x: jax.Array, w: jax.Array, b: jax.Array) -> jax.Array:
@@ -209,29 +210,49 @@ def _fp16_matmul(a: jax.Array, b: jax.Array, out_dtype=jnp.float32) -> jax.Array
 # (`python3 -m bench.train_programs`, variant "dx16").
 DX_IN_INPUT_DTYPE = False
 
+# Whether a training GEMM keeps its fp16 weight for the backward as w^T ([n, k]: torch's [out, in], the
+# layout the parameter arrives in, prepare_weights' transpose undone) instead of w ([k, n]). The forward
+# then converts the parameter to fp16 in its own layout, the GEMM reads it transposed (a cuBLAS flag),
+# and the backward's dx = g w^T reads it as stored while dw is formed as (g^T x)^T, whose transpose
+# cancels prepare_weights'; the kept w ([k, n], a jit output in the default layout) is a transposed copy
+# of each weight per step, and its f32 transpose another. The same products and roundings either way.
+# Prediction: ~0.1-0.2 ms of shape 8's 5.7 ms step on an H100 (24M weights, ~12 bytes and ~2 launches
+# each fewer); to measure (`python3 -m bench.train_programs`, variant "weight-t").
+WEIGHT_RESIDUAL_TRANSPOSED = False
+
 
 @functools.cache
 def _matmul_with_fp16_cotangents(x_dtype: np.dtype, w_dtype: np.dtype, out_dtype: np.dtype,
-                                 dx_in_input_dtype: bool = False):
+                                 dx_in_input_dtype: bool = False, weight_transposed: bool = False):
     """x @ w (x [..., k], w [k, n]) in fp16 with fp32 accumulation, written in out_dtype, whose backward
     GEMMs take fp16 operands as well: dx = g w^T and dw = x^T g, g rounded to fp16, fp32 accumulation;
     dx and dw come back in x's and w's dtypes (dx_in_input_dtype: an fp16 x's dx written in fp16 by the
-    GEMM; DX_IN_INPUT_DTYPE). The residuals are x and w in fp16."""
+    GEMM; DX_IN_INPUT_DTYPE). The residuals are x and w in fp16 (weight_transposed: w^T, and dw formed
+    as (g^T x)^T; WEIGHT_RESIDUAL_TRANSPOSED)."""
 
     @jax.custom_vjp
     def matmul(x, w):
         return _fp16_matmul(x, w, out_dtype)
 
     def forward(x, w):
-        x16, w16 = x.astype(jnp.float16), w.astype(jnp.float16)
+        x16 = x.astype(jnp.float16)
+        if weight_transposed:
+            wt16 = w.T.astype(jnp.float16)
+            return _fp16_matmul(x16, wt16.T, out_dtype), (x16, wt16)
+        w16 = w.astype(jnp.float16)
         return _fp16_matmul(x16, w16, out_dtype), (x16, w16)
 
     def backward(residuals, g):
-        x16, w16 = residuals
+        x16, kept = residuals
         g16 = g.astype(jnp.float16)
         written = x_dtype if dx_in_input_dtype and np.dtype(x_dtype) == np.float16 else jnp.float32
-        dx = _fp16_matmul(g16, w16.T, written).astype(x_dtype)
-        dw = _fp16_matmul(x16.reshape(-1, x16.shape[-1]).T, g16.reshape(-1, g16.shape[-1])).astype(w_dtype)
+        rows_x, rows_g = x16.reshape(-1, x16.shape[-1]), g16.reshape(-1, g16.shape[-1])
+        if weight_transposed:
+            dx = _fp16_matmul(g16, kept, written).astype(x_dtype)
+            dw = _fp16_matmul(rows_g.T, rows_x).T.astype(w_dtype)
+        else:
+            dx = _fp16_matmul(g16, kept.T, written).astype(x_dtype)
+            dw = _fp16_matmul(rows_x.T, rows_g).astype(w_dtype)
         return dx, dw
 
     matmul.defvjp(forward, backward)
@@ -240,10 +261,10 @@ def _matmul_with_fp16_cotangents(x_dtype: np.dtype, w_dtype: np.dtype, out_dtype
 
 @functools.cache
 def _affine_with_fp16_cotangents(x_dtype: np.dtype, w_dtype: np.dtype, b_dtype: np.dtype, out_dtype: np.dtype,
-                                 dx_in_input_dtype: bool = False):
+                                 dx_in_input_dtype: bool = False, weight_transposed: bool = False):
     """x @ w + b as _matmul_with_fp16_cotangents, the bias added in out_dtype; the bias's gradient is the
     cotangent summed over the rows in fp32 (a sum in fp16 over thousands of rows loses its precision)."""
-    product = _matmul_with_fp16_cotangents(x_dtype, w_dtype, out_dtype, dx_in_input_dtype)
+    product = _matmul_with_fp16_cotangents(x_dtype, w_dtype, out_dtype, dx_in_input_dtype, weight_transposed)
 
     @jax.custom_vjp
     def affine(x, w, b):

@@ -230,8 +230,11 @@ def prepare_weights(params: Mapping, policy: NumericsPolicy) -> PreparedWeights:
         attn = layer["attention"]
         layers.append({
             "norm1_weight": vector(layer["norm1"]["weight"]), "norm1_bias": vector(layer["norm1"]["bias"]),
-            "qkv_weight": jnp.concatenate([matrix(attn["q_proj"]), matrix(attn["k_proj"]),
-                                           matrix(attn["v_proj"])], axis=1),
+            # torch's three [d, d] stacked to [3d, d], then transposed: the same [d, 3d] as joining the
+            # three transposes, and a training GEMM that keeps w^T (numerics.WEIGHT_RESIDUAL_TRANSPOSED)
+            # gets the stacked weights back with the transposes cancelled, no copy
+            "qkv_weight": matrix({"weight": jnp.concatenate([jnp.asarray(attn[name]["weight"]) for name in
+                                                             ("q_proj", "k_proj", "v_proj")], axis=0)}),
             "qkv_bias": jnp.concatenate([vector(attn["q_proj"]["bias"]), vector(attn["k_proj"]["bias"]),
                                          vector(attn["v_proj"]["bias"])]),
             "out_weight": matrix(attn["out_proj"]), "out_bias": vector(attn["out_proj"]["bias"]),
