@@ -19,8 +19,10 @@ arithmetic more than its rounding shows. The variants:
   cublas-gemms          both programs compiled with XLA's Triton GEMMs off (xla_gpu_enable_triton_gemm)
   bias-gelu             the MLP's first bias added inside the GELU's rule (numerics.MLP_BIAS_IN_GELU)
   cudnn-masked          cuDNN's attention with the mask in extra lanes, not our flash kernels (training.MASKED_CUDNN)
-  dx16                  an fp16 input's gradient written in fp16 by its GEMM (numerics.DX_IN_INPUT_DTYPE)
-  weight-t              each GEMM's fp16 weight kept as w^T, torch's layout (numerics.WEIGHT_RESIDUAL_TRANSPOSED)
+  dx32                  an fp16 input's gradient written in fp32 by its GEMM, then converted
+                        (numerics.DX_IN_INPUT_DTYPE off)
+  weight-kn             each GEMM's fp16 weight kept as w ([in, out]), a transposed copy of torch's
+                        (numerics.WEIGHT_RESIDUAL_TRANSPOSED off)
 
     PYTHONPATH=. python3 -m bench.train_programs [--configs bert-base,8] [--variants default,ln-recompute] [--out DIR]
 
@@ -66,8 +68,8 @@ VARIANTS: dict[str, tuple[list, dict]] = {
     "cublas-gemms": ([], {"xla_gpu_enable_triton_gemm": False}),
     "bias-gelu": ([(numerics, "MLP_BIAS_IN_GELU", True)], {}),
     "cudnn-masked": ([(training, "MASKED_CUDNN", True)], {}),
-    "dx16": ([(numerics, "DX_IN_INPUT_DTYPE", True)], {}),
-    "weight-t": ([(numerics, "WEIGHT_RESIDUAL_TRANSPOSED", True)], {}),
+    "dx32": ([(numerics, "DX_IN_INPUT_DTYPE", False)], {}),
+    "weight-kn": ([(numerics, "WEIGHT_RESIDUAL_TRANSPOSED", False)], {}),
 }
 
 

@@ -451,11 +451,11 @@ def test_train_programs_times_each_variant_and_restores_the_switches(tmp_path, m
                training._flash_attention.finite_rows, numerics.DX_IN_INPUT_DTYPE,
                numerics.WEIGHT_RESIDUAL_TRANSPOSED)
     monkeypatch.setenv("TTJ_BACKWARD_ATTENTION", "flash")
-    assert train_programs.main(["--configs", "cpu-2", "--variants", "default,before-f6ebade,ln-recompute,bias-gelu,dx16,weight-t",
+    assert train_programs.main(["--configs", "cpu-2", "--variants", "default,before-f6ebade,ln-recompute,bias-gelu,dx32,weight-kn",
                                 "--min-seconds", "0.01", "--repeats", "1", "--out", str(tmp_path)]) == 0
     (path,) = tmp_path.glob("train-programs-*.json")
     records = json.loads(path.read_text())["configs"]["cpu-2"]
-    assert set(records) == {"default", "before-f6ebade", "ln-recompute", "bias-gelu", "dx16", "weight-t"}
+    assert set(records) == {"default", "before-f6ebade", "ln-recompute", "bias-gelu", "dx32", "weight-kn"}
     for record in records.values():
         assert record["forward_ms"] > 0 and record["backward_ms"] > 0
         assert max(record["rel_l2_vs_first"].values()) < 1e-3

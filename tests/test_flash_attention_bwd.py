@@ -11,7 +11,14 @@ import pytest
 
 from ttj_jax.kernels.attention_common import attention_reference
 from ttj_jax.kernels.flash_attention import flash_attention
-from ttj_jax.kernels.flash_attention_bwd import BwdBlocks, flash_attention_bwd, flash_attention_fused_vjp, flash_attention_vjp
+from ttj_jax.kernels.flash_attention_bwd import (
+    DEFAULT_BLOCKS,
+    BwdBlocks,
+    default_bwd_blocks,
+    flash_attention_bwd,
+    flash_attention_fused_vjp,
+    flash_attention_vjp,
+)
 
 pytestmark = pytest.mark.interpret
 
@@ -104,6 +111,22 @@ def test_unequal_tiles_split_the_diagonal_correctly(blocks, causal):
     o, lse = flash_attention(q, k, v, causal=causal, interpret=True, implementation="generic", return_lse=True)
     got = flash_attention_bwd(q, k, v, o, lse, do.astype(q.dtype), causal=causal, interpret=True, blocks=blocks)
     want = _reference_grads(q, k, v, do.astype(q.dtype).astype(jnp.float32), causal, None)
+    for name, ours, ref in zip(("dq", "dk", "dv"), got, want):
+        assert _rel(ours, ref) <= MAX_REL_L2, (name, _rel(ours, ref))
+
+
+def test_head_dim_256_takes_its_own_tiles_and_matches_the_reference():
+    """default_bwd_blocks: head_dim 256 (and widths padded to it) gets 32 x 32 tiles, every other width the
+    shared default; the default call at head_dim 200 (padded to 256) runs those tiles, key-masked, causal,
+    with a ragged S, and matches the fp32 reference."""
+    assert default_bwd_blocks(256) == default_bwd_blocks(200) == BwdBlocks(32, 32, 32, 32, 4, 2)
+    assert all(default_bwd_blocks(hd) == DEFAULT_BLOCKS for hd in (8, 16, 32, 64, 100, 128))
+    q, k, v, do = _inputs(1, 70, 2, 200, seed=3)
+    mask = jnp.arange(70)[None, :] < 61
+    o, lse = flash_attention(q, k, v, causal=True, key_mask=mask, interpret=True, implementation="generic",
+                             return_lse=True)
+    got = flash_attention_bwd(q, k, v, o, lse, do.astype(q.dtype), causal=True, key_mask=mask, interpret=True)
+    want = _reference_grads(q, k, v, do.astype(q.dtype).astype(jnp.float32), True, mask)
     for name, ours, ref in zip(("dq", "dk", "dv"), got, want):
         assert _rel(ours, ref) <= MAX_REL_L2, (name, _rel(ours, ref))
 

@@ -205,20 +205,23 @@ def _fp16_matmul(a: jax.Array, b: jax.Array, out_dtype=jnp.float32) -> jax.Array
 
 # Whether the backward's dx GEMM writes an fp16 x's gradient in fp16 itself (True), or in fp32 rounded
 # by a separate convert (False). The same rounding (fp32 accumulation, one rounding to x's dtype),
-# fewer bytes: at bert-base the MLP's hidden layer is [16384, 3072], 200 MB in fp32. Prediction: about
-# 0.1 ms of bert-base's 5.6 ms step on an H100, if XLA leaves the convert outside the GEMM; to measure
-# (`python3 -m bench.train_programs`, variant "dx16").
-DX_IN_INPUT_DTYPE = False
+# fewer bytes: at bert-base the MLP's hidden layer is [16384, 3072], 200 MB in fp32. Predicted ~0.1 ms
+# of bert-base's step on an H100; measured 3.498 against 3.545 ms for its backward program, shape 8's
+# unchanged (3.382 / 3.386; `python3 -m bench.train_programs`, then variant "dx16", the other form now
+# "dx32"; bench/results/train-programs-2026-12-07-h100-weight-t.json).
+DX_IN_INPUT_DTYPE = True
 
 # Whether a training GEMM keeps its fp16 weight for the backward as w^T ([n, k]: torch's [out, in], the
 # layout the parameter arrives in, prepare_weights' transpose undone) instead of w ([k, n]). The forward
 # then converts the parameter to fp16 in its own layout, the GEMM reads it transposed (a cuBLAS flag),
 # and the backward's dx = g w^T reads it as stored while dw is formed as (g^T x)^T, whose transpose
 # cancels prepare_weights'; the kept w ([k, n], a jit output in the default layout) is a transposed copy
-# of each weight per step, and its f32 transpose another. The same products and roundings either way.
-# Prediction: ~0.1-0.2 ms of shape 8's 5.7 ms step on an H100 (24M weights, ~12 bytes and ~2 launches
-# each fewer); to measure (`python3 -m bench.train_programs`, variant "weight-t").
-WEIGHT_RESIDUAL_TRANSPOSED = False
+# of each weight per step, and its f32 transpose another. The same products (summed in another order).
+# Predicted 0.1-0.2 ms of shape 8's step on an H100 (24M weights, ~12 bytes and ~2 launches each fewer);
+# measured: forward program 1.711 against 1.916 ms at shape 8, 1.807 against 1.955 at bert-base
+# (`python3 -m bench.train_programs`, then variant "weight-t", the other form now "weight-kn";
+# train-programs-2026-12-07-h100-weight-t.json).
+WEIGHT_RESIDUAL_TRANSPOSED = True
 
 
 @functools.cache

@@ -48,6 +48,17 @@ class BwdBlocks(NamedTuple):
 
 
 DEFAULT_BLOCKS = BwdBlocks()
+# Per padded head_dim where measured better than DEFAULT_BLOCKS. head_dim 256: a 64-key block's dk and dv
+# accumulators (64 x 256 x 2 fp32) overflow 4 warps' registers; 32 x 32 tiles took 0.129 ms against 0.178
+# at B=64 H=4 S=128 causal (shape 8's call; cuDNN 0.154) on one H100, 2026-12-07
+# (attention-bwd-2026-12-07-h100-small-tiles.json). head_dim 128 (B=8 H=2 S=512): every tiling tried within
+# 6% of the default; head_dim 32 (B=64 H=4 S=1024): the default the fastest by 19% or more.
+_BLOCKS_BY_HEAD_DIM = {256: BwdBlocks(32, 32, 32, 32, num_warps=4, num_stages=2)}
+
+
+def default_bwd_blocks(head_dim: int) -> BwdBlocks:
+    """The backward kernels' tiles for a head_dim (padded as the kernels run it)."""
+    return _BLOCKS_BY_HEAD_DIM.get(padded_head_dim(head_dim), DEFAULT_BLOCKS)
 _LOG2E = 1.4426950408889634
 
 # The Hopper backward (flash_attention_mgpu_bwd.py) in flash_attention_vjp. Measured on one H100 (2026-12-06,
@@ -186,7 +197,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, key_mask_ref, dq
 
 @functools.partial(jax.jit, static_argnames=("causal", "sm_scale", "interpret", "blocks"))
 def flash_attention_bwd(q, k, v, o, lse, do, *, causal: bool, key_mask=None, sm_scale: float | None = None,
-                        interpret: bool = False, blocks: BwdBlocks = DEFAULT_BLOCKS):
+                        interpret: bool = False, blocks: BwdBlocks | None = None):
     """(dq, dk, dv) for o = softmax(sm_scale q k^T) v, [B, S, H, hd] each in q's dtype, given the forward's
     o and lse ([B, H, S] fp32, natural log, -inf on rows with no allowed key) and do = dL/do."""
     return _bwd_pallas_calls(q, k, v, o, lse, do, fused=False, causal=causal, key_mask=key_mask,
@@ -195,7 +206,7 @@ def flash_attention_bwd(q, k, v, o, lse, do, *, causal: bool, key_mask=None, sm_
 
 @functools.partial(jax.jit, static_argnames=("causal", "sm_scale", "interpret", "blocks"))
 def flash_attention_bwd_fused_qkv(qkv, o, lse, do, *, causal: bool, key_mask=None, sm_scale: float | None = None,
-                                  interpret: bool = False, blocks: BwdBlocks = DEFAULT_BLOCKS):
+                                  interpret: bool = False, blocks: BwdBlocks | None = None):
     """flash_attention_bwd with q, k and v read in place from one [B, S, 3, H, hd] array (the fused
     projection's layout, flash_attention_fused_qkv's): dL/dqkv in that layout, the three gradients
     stacked (the one copy; reading q, k and v out of qkv would be a second)."""
@@ -205,11 +216,12 @@ def flash_attention_bwd_fused_qkv(qkv, o, lse, do, *, causal: bool, key_mask=Non
 
 
 def _bwd_pallas_calls(q_src, k_src, v_src, o, lse, do, *, fused: bool, causal: bool, key_mask, sm_scale,
-                      interpret: bool, blocks: BwdBlocks):
+                      interpret: bool, blocks: BwdBlocks | None):
     """The two backward kernels. Separate layout: q_src, k_src, v_src [B, S, H, hd] each. Fused: all three
-    the same [B, S, 3, H, hd] array, whose slots the BlockSpecs pick."""
+    the same [B, S, 3, H, hd] array, whose slots the BlockSpecs pick. blocks None: default_bwd_blocks."""
     batch, seq_len = q_src.shape[:2]
     num_heads, head_dim = q_src.shape[-2:]
+    blocks = default_bwd_blocks(head_dim) if blocks is None else blocks
     sm_scale = head_dim ** -0.5 if sm_scale is None else float(sm_scale)
     block = math.lcm(blocks.dkdv_q, blocks.dkdv_k, blocks.dq_q, blocks.dq_k)
     seq_pad = -seq_len % block
