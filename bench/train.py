@@ -211,13 +211,18 @@ def run_config(shape: T.Shape, device: torch.device, *, warmup: int, rounds: int
     return record
 
 
+# Rows of ttj's kernel tables with --kernels, each joined with its HLO instruction (bench/hlo_table.py).
+KERNEL_ROWS = 40
+
+
 def step_breakdown(baseline, ours, peer: Peer, x, mask, weights, device, *, warmup, rounds,
                    calls, kernels: bool = False) -> dict:
     """Where a training step's time goes: each contender's forward alone in grad mode (the residuals it
     keeps are freed with its output), the step's host time per call, ttj's two jax programs alone
     (the forward keeping residuals, and applying them) in a JAX loop, without the bridge, and the size
     of those residuals (ttj_residual_mb); with `kernels`,
-    on CUDA, the kernel table (bench.cuda_trace) of those two programs and of the peer's step."""
+    on CUDA, the kernel table (bench.cuda_trace) of those two programs, each row of theirs with its HLO
+    instruction's bytes, bandwidth and op mix (bench.hlo_table), and of the peer's step."""
     import jax
 
     from bench.jax_timing import stream_ms_per_call
@@ -246,9 +251,14 @@ def step_breakdown(baseline, ours, peer: Peer, x, mask, weights, device, *, warm
     out["jax_backward_ms"], _ = stream_ms_per_call(apply, (pull, g), min_seconds=0.2, repeats=3)
     if kernels and device.type == "cuda":   # where the GPU time of each goes, per kernel
         from bench.cuda_trace import kernel_table, profile_cuda
+        from bench.hlo_table import annotate
+        forward_text = forward.lower(jparams, jx, jmask).compile().as_text()
+        apply_text = apply.lower(pull, g).compile().as_text()
         out["kernels"] = {
-            "jax_forward": kernel_table(profile_cuda(lambda: forward(jparams, jx, jmask), calls=5), calls=5),
-            "jax_backward": kernel_table(profile_cuda(lambda: jax.block_until_ready(apply(pull, g)), calls=5), calls=5),
+            "jax_forward": annotate(kernel_table(profile_cuda(lambda: forward(jparams, jx, jmask), calls=5), calls=5,
+                                                 top=KERNEL_ROWS), forward_text),
+            "jax_backward": annotate(kernel_table(profile_cuda(lambda: jax.block_until_ready(apply(pull, g)), calls=5),
+                                                  calls=5, top=KERNEL_ROWS), apply_text),
             "peer_step": kernel_table(profile_cuda(steps["peer"], calls=5), calls=5)}
     return out
 
