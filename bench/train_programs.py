@@ -23,6 +23,8 @@ arithmetic more than its rounding shows. The variants:
                         (numerics.DX_IN_INPUT_DTYPE off)
   weight-kn             each GEMM's fp16 weight kept as w ([in, out]), a transposed copy of torch's
                         (numerics.WEIGHT_RESIDUAL_TRANSPOSED off)
+  dqkv-in-place         our backward kernels write dq, dk, dv into their slots of one fused-layout buffer
+                        (flash_attention_bwd.GRADIENT_IN_PLACE)
 
     PYTHONPATH=. python3 -m bench.train_programs [--configs bert-base,8] [--variants default,ln-recompute] [--out DIR]
 
@@ -70,6 +72,7 @@ VARIANTS: dict[str, tuple[list, dict]] = {
     "cudnn-masked": ([(training, "MASKED_CUDNN", True)], {}),
     "dx32": ([(numerics, "DX_IN_INPUT_DTYPE", False)], {}),
     "weight-kn": ([(numerics, "WEIGHT_RESIDUAL_TRANSPOSED", False)], {}),
+    "dqkv-in-place": ([(flash_attention_bwd, "GRADIENT_IN_PLACE", True)], {}),
 }
 
 

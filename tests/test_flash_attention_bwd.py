@@ -10,12 +10,13 @@ import numpy as np
 import pytest
 
 from ttj_jax.kernels.attention_common import attention_reference
-from ttj_jax.kernels.flash_attention import flash_attention
+from ttj_jax.kernels.flash_attention import flash_attention, flash_attention_fused_qkv
 from ttj_jax.kernels.flash_attention_bwd import (
     DEFAULT_BLOCKS,
     BwdBlocks,
     default_bwd_blocks,
     flash_attention_bwd,
+    flash_attention_bwd_fused_qkv,
     flash_attention_fused_vjp,
     flash_attention_vjp,
 )
@@ -129,6 +130,31 @@ def test_head_dim_256_takes_its_own_tiles_and_matches_the_reference():
     want = _reference_grads(q, k, v, do.astype(q.dtype).astype(jnp.float32), True, mask)
     for name, ours, ref in zip(("dq", "dk", "dv"), got, want):
         assert _rel(ours, ref) <= MAX_REL_L2, (name, _rel(ours, ref))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("shape", [(2, 64, 2, 32), (1, 70, 3, 24)], ids=["aligned", "padded-S-and-hd"])
+def test_the_gradient_written_in_place_is_the_stacked_one(causal, shape):
+    """in_place (GRADIENT_IN_PLACE): the dk/dv kernel writes slots 1 and 2 of one [B, S, 3, H, hd] buffer
+    and the dq kernel slot 0 of the same (aliased) buffer; the result is the stacked gradient exactly,
+    key-masked or not, and the program has no stacking of three arrays."""
+    batch, seq_len, heads, head_dim = shape
+    keys = jax.random.split(jax.random.PRNGKey(seq_len), 2)
+    qkv = jax.random.normal(keys[0], (batch, seq_len, 3, heads, head_dim), jnp.float32).astype(jnp.float16)
+    do = jax.random.normal(keys[1], (batch, seq_len, heads, head_dim), jnp.float32).astype(jnp.float16)
+    for key_mask in (None, jnp.arange(seq_len)[None, :] < seq_len - 9):
+        key_mask = None if key_mask is None else jnp.broadcast_to(key_mask, (batch, seq_len))
+        o, lse = flash_attention_fused_qkv(qkv, causal=causal, key_mask=key_mask, interpret=True,
+                                           implementation="generic", return_lse=True)
+        args = dict(causal=causal, key_mask=key_mask, interpret=True)
+        stacked = flash_attention_bwd_fused_qkv(qkv, o, lse, do, in_place=False, **args)
+        written = flash_attention_bwd_fused_qkv(qkv, o, lse, do, in_place=True, **args)
+        assert written.shape == stacked.shape == qkv.shape and written.dtype == qkv.dtype
+        np.testing.assert_array_equal(np.asarray(written, np.float32), np.asarray(stacked, np.float32))
+    program = str(jax.make_jaxpr(lambda *a: flash_attention_bwd_fused_qkv(*a, causal=causal, interpret=True,
+                                                                           in_place=True))(qkv, o, lse, do))
+    assert program.count("pallas_call") == 2 and "input_output_aliases=((6, 0),)" in program
+    assert "concatenate" not in program
 
 
 def test_hopper_backward_dispatch_rule(monkeypatch):

@@ -48,6 +48,13 @@ class BwdBlocks(NamedTuple):
 
 
 DEFAULT_BLOCKS = BwdBlocks()
+# Whether the fused layout's backward (flash_attention_bwd_fused_qkv) has the dk/dv kernel write slots 1
+# and 2 of one [B, S, 3, H, hd] gradient and the dq kernel slot 0 of the same buffer (aliased), instead of
+# three arrays stacked after: at shape 8 that stacking is a 100 MB pass of 42 us per layer on an H100
+# (train-2026-12-07-h100-8-kernels.json). Predicted ~0.17 ms of shape 8's step; to measure
+# (`python3 -m bench.train_programs`, variant "dqkv-in-place"). The Hopper backward is not affected.
+GRADIENT_IN_PLACE = False
+
 # Per padded head_dim where measured better than DEFAULT_BLOCKS. head_dim 256: a 64-key block's dk and dv
 # accumulators (64 x 256 x 2 fp32) overflow 4 warps' registers; 32 x 32 tiles took 0.129 ms against 0.178
 # at B=64 H=4 S=128 causal (shape 8's call; cuDNN 0.154) on one H100, 2026-12-07
@@ -115,10 +122,11 @@ def _probabilities(q, k, lse2, allowed, scale2: float):
     return p if allowed is None else jnp.where(allowed, p, 0.0)
 
 
-def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, key_mask_ref, dk_ref, dv_ref, *,
+def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, key_mask_ref, dk_ref, dv_ref=None, *,
                  causal: bool, sm_scale: float, block_q: int, block_k: int, key_limit, dot_dtype):
     # Refs: q, do (S_pad, hd), lse (log2 units), delta (S_pad,) for this (batch, head); k, v (block_k, hd)
-    # this program's keys; key_mask (block_k,) int32 or None; dk, dv (block_k, hd).
+    # this program's keys; key_mask (block_k,) int32 or None; dk, dv (block_k, hd), or dk the whole fused
+    # gradient [B, S_pad, 3, H, hd] and dv None (the in-place layout, GRADIENT_IN_PLACE).
     k_start = pl.program_id(0) * block_k
     k = k_ref[...].astype(dot_dtype)
     v = v_ref[...].astype(dot_dtype)
@@ -143,7 +151,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, key_mask_ref, 
             return dk, dv
         return body
 
-    zeros = jnp.zeros(dk_ref.shape, jnp.float32)
+    zeros = jnp.zeros((block_k, k_ref.shape[-1]), jnp.float32)
     carry = (zeros, zeros)
     if causal:
         # query blocks before `first` never see these keys; from `full` on they see all of them
@@ -154,8 +162,21 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, key_mask_ref, 
     else:
         carry = lax.fori_loop(0, num_q_blocks, step(False), carry)
     dk, dv = carry
+    if dv_ref is None:   # dk_ref: the whole [B, S_pad, 3, H, hd] gradient; this program's keys in slots 1, 2
+        rows = pl.ds(pl.multiple_of(k_start, block_k), block_k)
+        b, h = pl.program_id(1), pl.program_id(2)
+        dk_ref[b, rows, 1, h, :] = (dk * sm_scale).astype(dk_ref.dtype)
+        dk_ref[b, rows, 2, h, :] = dv.astype(dk_ref.dtype)
+        return
     dk_ref[...] = (dk * sm_scale).astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _dq_kernel_into(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, key_mask_ref, gradient_ref, dq_ref, **statics):
+    """_dq_kernel writing slot 0 of the fused gradient that the dk/dv kernel filled (gradient_ref, the
+    same buffer as dq_ref's, aliased: its other slots stay as they are)."""
+    del gradient_ref
+    _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, key_mask_ref, dq_ref, **statics)
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, key_mask_ref, dq_ref, *,
@@ -204,21 +225,34 @@ def flash_attention_bwd(q, k, v, o, lse, do, *, causal: bool, key_mask=None, sm_
                              sm_scale=sm_scale, interpret=interpret, blocks=blocks)
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "sm_scale", "interpret", "blocks"))
 def flash_attention_bwd_fused_qkv(qkv, o, lse, do, *, causal: bool, key_mask=None, sm_scale: float | None = None,
-                                  interpret: bool = False, blocks: BwdBlocks | None = None):
+                                  interpret: bool = False, blocks: BwdBlocks | None = None,
+                                  in_place: bool | None = None):
     """flash_attention_bwd with q, k and v read in place from one [B, S, 3, H, hd] array (the fused
     projection's layout, flash_attention_fused_qkv's): dL/dqkv in that layout, the three gradients
-    stacked (the one copy; reading q, k and v out of qkv would be a second)."""
+    stacked (the one copy; reading q, k and v out of qkv would be a second), or written by the kernels
+    into their slots of one buffer (in_place; None: GRADIENT_IN_PLACE, read here, outside the jit)."""
+    return _fused_qkv_bwd(qkv, o, lse, do, causal=causal, key_mask=key_mask, sm_scale=sm_scale,
+                          interpret=interpret, blocks=blocks,
+                          in_place=GRADIENT_IN_PLACE if in_place is None else bool(in_place))
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "sm_scale", "interpret", "blocks", "in_place"))
+def _fused_qkv_bwd(qkv, o, lse, do, *, causal, key_mask, sm_scale, interpret, blocks, in_place):
+    if in_place:
+        return _bwd_pallas_calls(qkv, qkv, qkv, o, lse, do, fused=True, causal=causal, key_mask=key_mask,
+                                 sm_scale=sm_scale, interpret=interpret, blocks=blocks, in_place=True)
     dq, dk, dv = _bwd_pallas_calls(qkv, qkv, qkv, o, lse, do, fused=True, causal=causal, key_mask=key_mask,
                                    sm_scale=sm_scale, interpret=interpret, blocks=blocks)
     return jnp.stack([dq, dk, dv], axis=2)
 
 
 def _bwd_pallas_calls(q_src, k_src, v_src, o, lse, do, *, fused: bool, causal: bool, key_mask, sm_scale,
-                      interpret: bool, blocks: BwdBlocks | None):
+                      interpret: bool, blocks: BwdBlocks | None, in_place: bool = False):
     """The two backward kernels. Separate layout: q_src, k_src, v_src [B, S, H, hd] each. Fused: all three
-    the same [B, S, 3, H, hd] array, whose slots the BlockSpecs pick. blocks None: default_bwd_blocks."""
+    the same [B, S, 3, H, hd] array, whose slots the BlockSpecs pick. blocks None: default_bwd_blocks.
+    Returns (dq, dk, dv), or with fused and in_place the [B, S, 3, H, hd] gradient the kernels wrote
+    their slots of."""
     batch, seq_len = q_src.shape[:2]
     num_heads, head_dim = q_src.shape[-2:]
     blocks = default_bwd_blocks(head_dim) if blocks is None else blocks
@@ -262,6 +296,28 @@ def _bwd_pallas_calls(q_src, k_src, v_src, o, lse, do, *, fused: bool, causal: b
     mask_whole = pl.BlockSpec((None, padded_len), lambda i, b, h: (b, 0)) if mask_p is not None else None
     mask_blocked = pl.BlockSpec((None, blocks.dkdv_k), lambda i, b, h: (b, i)) if mask_p is not None else None
 
+    dkdv_inputs = [source(padded_len, 0, False), source(blocks.dkdv_k, 1, True), source(blocks.dkdv_k, 2, True),
+                   whole(padded_len), rows_whole, rows_whole, mask_blocked]
+    dq_inputs = [source(blocks.dq_q, 0, True), source(padded_len, 1, False), source(padded_len, 2, False),
+                 blocked(blocks.dq_q), rows_blocked, rows_blocked, mask_whole]
+    if fused and in_place:   # one [B, S_pad, 3, H, hd] gradient: dk, dv into slots 1, 2, then dq into slot 0
+        gradient_shape = jax.ShapeDtypeStruct(q_p.shape, dtype)
+        gradient = pl.pallas_call(
+            functools.partial(_dkdv_kernel, block_q=blocks.dkdv_q, block_k=blocks.dkdv_k, **statics),
+            grid=(padded_len // blocks.dkdv_k, batch, num_heads), in_specs=dkdv_inputs,
+            out_specs=pl.BlockSpec(memory_space=pl.ANY), out_shape=gradient_shape,
+            compiler_params=params, interpret=interpret, name="ttj_flash_attention_dkdv",
+        )(q_p, k_p, v_p, do_p, lse, delta, mask_p)
+        gradient = pl.pallas_call(
+            functools.partial(_dq_kernel_into, block_q=blocks.dq_q, block_k=blocks.dq_k, **statics),
+            grid=(padded_len // blocks.dq_q, batch, num_heads),
+            in_specs=[*dq_inputs, pl.BlockSpec(memory_space=pl.ANY)],
+            out_specs=pl.BlockSpec((None, blocks.dq_q, None, None, padded_hd), lambda i, b, h: (b, i, 0, h, 0)),
+            out_shape=gradient_shape,
+            input_output_aliases={len(jax.tree.leaves((q_p, k_p, v_p, do_p, lse, delta, mask_p))): 0},
+            compiler_params=params, interpret=interpret, name="ttj_flash_attention_dq",
+        )(q_p, k_p, v_p, do_p, lse, delta, mask_p, gradient)
+        return gradient[:, :seq_len, :, :, :head_dim] if seq_pad or hd_pad else gradient
     dk, dv = pl.pallas_call(
         functools.partial(_dkdv_kernel, block_q=blocks.dkdv_q, block_k=blocks.dkdv_k, **statics),
         grid=(padded_len // blocks.dkdv_k, batch, num_heads),
