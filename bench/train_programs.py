@@ -25,6 +25,7 @@ arithmetic more than its rounding shows. The variants:
                         (numerics.WEIGHT_RESIDUAL_TRANSPOSED off)
   dqkv-in-place         our backward kernels write dq, dk, dv into their slots of one fused-layout buffer
                         (flash_attention_bwd.GRADIENT_IN_PLACE)
+  ln-one-pass           LayerNorm's row statistics from one pass of shifted sums (numerics.LAYER_NORM_ONE_PASS)
 
     PYTHONPATH=. python3 -m bench.train_programs [--configs bert-base,8] [--variants default,ln-recompute] [--out DIR]
 
@@ -73,6 +74,7 @@ VARIANTS: dict[str, tuple[list, dict]] = {
     "dx32": ([(numerics, "DX_IN_INPUT_DTYPE", False)], {}),
     "weight-kn": ([(numerics, "WEIGHT_RESIDUAL_TRANSPOSED", False)], {}),
     "dqkv-in-place": ([(flash_attention_bwd, "GRADIENT_IN_PLACE", True)], {}),
+    "ln-one-pass": ([(numerics, "LAYER_NORM_ONE_PASS", True)], {}),
 }
 
 

@@ -610,6 +610,32 @@ def test_numerics_policy_refuses_an_unknown_gelu():
         dataclasses.replace(T.MIXED_FP16, gelu="sigmoid")
 
 
+@pytest.mark.parametrize("offset, scale", [(0.0, 1.0), (1000.0, 1.0), (50.0, 0.01), (0.0, 1e-3), (0.0, 100.0)])
+def test_one_pass_layer_norm_statistics_are_accurate(monkeypatch, offset, scale):
+    """numerics.LAYER_NORM_ONE_PASS: the rows' mean and variance from sums of x - x0 and its square (x0 the
+    row's first element) stay within fp32 rounding of a float64 LayerNorm, offsets large against the
+    deviation and a constant row included, as the two-pass form does; gradients agree too."""
+    from ttj_jax import numerics
+    x = jax.random.normal(jax.random.PRNGKey(3), (64, 768), jnp.float32) * scale + offset
+    x = x.at[5].set(7.0)
+    w = 1.0 + jax.random.normal(jax.random.PRNGKey(4), (768,)) / 10
+    b = jax.random.normal(jax.random.PRNGKey(5), (768,)) / 10
+    x64 = np.asarray(x, np.float64)
+    want = (x64 - x64.mean(-1, keepdims=True)) / np.sqrt(x64.var(-1, keepdims=True) + 1e-5)
+    want = want * np.asarray(w, np.float64) + np.asarray(b, np.float64)
+    g = jax.random.normal(jax.random.PRNGKey(6), x.shape)
+    results = {}
+    for one_pass in (False, True):
+        monkeypatch.setattr(numerics, "LAYER_NORM_ONE_PASS", one_pass)
+        y, pull = jax.vjp(numerics.layer_norm, x, w, b)
+        results[one_pass] = (y, *pull(g))
+        # fp32's own rounding of x (|x| up to ~1000 here) bounds either form's error
+        tolerance = 2e-5 + 4e-7 * (abs(offset) / scale)
+        np.testing.assert_allclose(np.asarray(y, np.float64), want, atol=tolerance)
+    for two, one in zip(results[False], results[True]):
+        np.testing.assert_allclose(np.asarray(one), np.asarray(two), rtol=2e-3, atol=2e-3 * float(jnp.abs(two).max()))
+
+
 def test_a_weight_kept_transposed_gives_the_same_gradients(monkeypatch):
     """numerics.WEIGHT_RESIDUAL_TRANSPOSED: the training GEMMs keep their fp16 weight as w^T (torch's
     layout) and form dw as (g^T x)^T: the same products, so the output and every gradient match the

@@ -306,7 +306,26 @@ def layer_norm(x: jax.Array, weight: jax.Array, bias: jax.Array) -> jax.Array:
     return _layer_norm_rows(x.astype(jnp.float32).reshape(-1, shape[-1]), weight, bias).reshape(shape)
 
 
+# Whether a LayerNorm's row statistics come from one pass over the rows (True): the sums of x - x0 and of
+# its square, x0 each row's first element, are sibling reductions XLA computes in one kernel (with the
+# residual add before them), where the two-pass form (the mean, then the squares about it) makes the
+# variance a second pass over the rows. The shift by x0 keeps the subtraction E[y^2] - E[y]^2 from
+# cancelling when a row's mean is large against its deviation (the cancellation grows with
+# ((x0 - mean) / deviation)^2, O(1-10) for a row's own element, against (mean / deviation)^2 unshifted).
+# Prediction: ~10 us per LayerNorm of shape 8's [8192, 1024] residual on an H100 (one 34 MB read of the
+# new residual fewer), ~0.1 ms of its training step; to measure (`python3 -m bench.train_programs`,
+# variant "ln-one-pass"; `python3 -m bench.cli` for the inference programs, which share it).
+LAYER_NORM_ONE_PASS = False
+
+
 def _row_statistics(x):
+    if LAYER_NORM_ONE_PASS:
+        first = x[..., :1]
+        shifted = x - first
+        shift_mean = jnp.mean(shifted, axis=-1, keepdims=True)
+        variance = jnp.maximum(jnp.mean(shifted * shifted, axis=-1, keepdims=True) - shift_mean * shift_mean, 0.0)
+        mean = first + shift_mean
+        return mean, x - mean, jax.lax.rsqrt(variance + LAYER_NORM_EPS)
     mean = jnp.mean(x, axis=-1, keepdims=True)
     centered = x - mean
     variance = jnp.mean(centered * centered, axis=-1, keepdims=True)
