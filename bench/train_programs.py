@@ -26,6 +26,8 @@ arithmetic more than its rounding shows. The variants:
   dqkv-in-place         our backward kernels write dq, dk, dv into their slots of one fused-layout buffer
                         (flash_attention_bwd.GRADIENT_IN_PLACE)
   ln-one-pass           LayerNorm's row statistics from one pass of shifted sums (numerics.LAYER_NORM_ONE_PASS)
+  ln-out16              LayerNorms that feed GEMMs return fp16, their cotangent fp16
+                        (numerics.LAYER_NORM_OUT_IN_GEMM_DTYPE)
 
     PYTHONPATH=. python3 -m bench.train_programs [--configs bert-base,8] [--variants default,ln-recompute] [--out DIR]
 
@@ -75,6 +77,7 @@ VARIANTS: dict[str, tuple[list, dict]] = {
     "weight-kn": ([(numerics, "WEIGHT_RESIDUAL_TRANSPOSED", False)], {}),
     "dqkv-in-place": ([(flash_attention_bwd, "GRADIENT_IN_PLACE", True)], {}),
     "ln-one-pass": ([(numerics, "LAYER_NORM_ONE_PASS", True)], {}),
+    "ln-out16": ([(numerics, "LAYER_NORM_OUT_IN_GEMM_DTYPE", True)], {}),
 }
 
 

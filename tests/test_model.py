@@ -636,6 +636,46 @@ def test_one_pass_layer_norm_statistics_are_accurate(monkeypatch, offset, scale)
         np.testing.assert_allclose(np.asarray(one), np.asarray(two), rtol=2e-3, atol=2e-3 * float(jnp.abs(two).max()))
 
 
+def test_a_training_layer_norm_returning_fp16_changes_only_the_cotangents_rounding(monkeypatch):
+    """numerics.LAYER_NORM_OUT_IN_GEMM_DTYPE: the training program's LayerNorms that feed GEMMs return fp16
+    (the same values the GEMMs rounded to before), so the output is bitwise the same and the gradients
+    differ only by the fp16 rounding of dL/dh (well inside the 1e-2 gradient target); inference policies
+    and the compensated one keep fp32."""
+    from ttj_jax import numerics, training
+    from ttj_jax.shapes import find
+    config = find("cpu-2").config
+    params = T.init_params(jax.random.PRNGKey(0), config)
+    x = jax.random.normal(jax.random.PRNGKey(1), (config.batch_size, config.seq_len, config.d_model))
+    g = jax.random.normal(jax.random.PRNGKey(2), x.shape) / x.size
+
+    def run():
+        y, pull = training.forward_with_pullback(params, x, None, config=config, on_gpu=False)
+        return y, training.apply_pullback(pull, g)
+
+    def fp16_written_dots():   # in the backward program
+        _, pull = training.forward_with_pullback(params, x, None, config=config, on_gpu=False)
+        text = str(jax.make_jaxpr(lambda g: training.apply_pullback(pull, g))(g))
+        return len(re.findall(r":f16\[[^\]]*\] = dot_general", text))
+    y_a, (dp_a, dx_a) = run()
+    shipped_dots = fp16_written_dots()
+    monkeypatch.setattr(numerics, "LAYER_NORM_OUT_IN_GEMM_DTYPE", True)
+    # dL/dh of each layer's two normed GEMM inputs is now written in fp16 by its GEMM
+    assert fp16_written_dots() == shipped_dots + 2 * config.num_layers
+    assert numerics.MIXED_FP16_TRAIN.norm_dtype == np.float16
+    assert numerics.MIXED_FP16.norm_dtype is None and numerics.MIXED_FP16X3.norm_dtype is None
+    y_b, (dp_b, dx_b) = run()
+    np.testing.assert_array_equal(np.asarray(y_b), np.asarray(y_a))
+    grads_a = {**T.params_to_state_dict(dp_a), "x": dx_a}
+    grads_b = {**T.params_to_state_dict(dp_b), "x": dx_b}
+    for name, a in grads_a.items():
+        if name.endswith("k_proj.bias"):   # zero in exact arithmetic: rounding noise either way
+            continue
+        b = grads_b[name]
+        assert a.dtype == b.dtype
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        assert np.linalg.norm(b - a) <= 2e-3 * np.linalg.norm(a), name
+
+
 def test_a_weight_kept_transposed_gives_the_same_gradients(monkeypatch):
     """numerics.WEIGHT_RESIDUAL_TRANSPOSED: the training GEMMs keep their fp16 weight as w^T (torch's
     layout) and form dw as (g^T x)^T: the same products, so the output and every gradient match the

@@ -124,7 +124,7 @@ def layer(w: Mapping[str, jax.Array], x, row_valid, key_valid, *, config: Config
     """One pre-LN block on the fp32 residual x (B, S, d). attention: the plan's (attention_for) unless
     given (ring_attention.py runs this on a slice of the sequence with a ring in its place)."""
     B, S, d = x.shape
-    h = layer_norm(x, w["norm1_weight"], w["norm1_bias"])
+    h = layer_norm(x, w["norm1_weight"], w["norm1_bias"], policy.norm_dtype)
     qkv = project_qkv(h, w, config=config, plan=plan, policy=policy)
     context = (attention or attention_for(plan))(qkv, key_valid, causal=config.causal, policy=policy)
     context = context.reshape(B, S, d)
@@ -145,7 +145,7 @@ def layer(w: Mapping[str, jax.Array], x, row_valid, key_valid, *, config: Config
         context = zero_invalid_rows(context, row_valid)
     a = policy.matmul(context, w["out_weight"]) + w["out_bias"]
     x = x + a
-    h = layer_norm(x, w["norm2_weight"], w["norm2_bias"])
+    h = layer_norm(x, w["norm2_weight"], w["norm2_bias"], policy.norm_dtype)
     h = policy.mlp_hidden(h, w["ffn_in_weight"], w["ffn_in_bias"])
     return x + policy.matmul(h, w["ffn_out_weight"]) + w["ffn_out_bias"]
 

@@ -135,6 +135,14 @@ class NumericsPolicy:
             return _gelu_saving_its_input(pre).astype(self.hidden_dtype)
         return gelu_exact(pre.astype(jnp.float32)).astype(self.hidden_dtype)
 
+    @property
+    def norm_dtype(self):
+        """The dtype a LayerNorm that feeds this policy's GEMMs returns: fp32 (None), or fp16 for a training
+        policy (fp16_cotangents) with single fp16 products where LAYER_NORM_OUT_IN_GEMM_DTYPE is set."""
+        if LAYER_NORM_OUT_IN_GEMM_DTYPE and self.fp16_cotangents and self.split_products == 1:
+            return self.gemm_dtype
+        return None
+
     def einsum(self, spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
         return jnp.einsum(spec, a.astype(self.gemm_dtype), b.astype(self.gemm_dtype),
                           precision=self.precision, preferred_element_type=self.accumulate_dtype)
@@ -295,15 +303,19 @@ def get_policy(policy: str | NumericsPolicy) -> NumericsPolicy:
         raise ValueError(f"unknown numerics policy {policy!r}; known: {sorted(POLICIES)}") from None
 
 
-def layer_norm(x: jax.Array, weight: jax.Array, bias: jax.Array) -> jax.Array:
-    """LayerNorm over the last axis, biased variance, eps 1e-5, statistics in fp32; returns fp32.
+def layer_norm(x: jax.Array, weight: jax.Array, bias: jax.Array, out_dtype=None) -> jax.Array:
+    """LayerNorm over the last axis, biased variance, eps 1e-5, statistics in fp32; returns fp32, or
+    out_dtype (rounded once, inside the rule: its cotangent then arrives in out_dtype too).
     Computed on the rows as one 2-D array (a free reshape): XLA's GPU fusion of a [B, S, d] LayerNorm
     tiled it [32, 1, d], 32 rows a whole sequence apart, at 21 us per LayerNorm of vit-s197's residual
     where [B*S, d] tiles take 7 (docs/decisions.md, "Planner and stacks"). Its backward keeps the fp32
     input and the rows' mean and reciprocal deviation, and recomputes the normalised rows from them
     (jax's own rule keeps two fp32 [rows, d] tensors)."""
     shape = x.shape
-    return _layer_norm_rows(x.astype(jnp.float32).reshape(-1, shape[-1]), weight, bias).reshape(shape)
+    rows = x.astype(jnp.float32).reshape(-1, shape[-1])
+    if out_dtype is not None and np.dtype(out_dtype) != np.float32:
+        return _layer_norm_rows_in(rows, weight, bias, np.dtype(out_dtype)).reshape(shape)
+    return _layer_norm_rows(rows, weight, bias).reshape(shape)
 
 
 # Whether a LayerNorm's row statistics come from one pass over the rows (True): the sums of x - x0 and of
@@ -365,6 +377,34 @@ def _layer_norm_backward(residuals, g):
 
 
 _layer_norm_rows.defvjp(_layer_norm_forward, _layer_norm_backward)
+
+
+# Whether a training LayerNorm that feeds a GEMM returns its output in the GEMM's fp16 (rounded inside
+# its rule) instead of fp32 rounded by the GEMM (policies with fp16_cotangents: `NumericsPolicy.norm_dtype`).
+# The forward's values are the same; in the backward the GEMM writes dL/dh in fp16 (DX_IN_INPUT_DTYPE) and
+# the LayerNorm's two passes read it in fp16: half the bytes of that [rows, d] cotangent written once and
+# read twice (torch's autocast does the same: its fp16 linear hands its fp32 LayerNorm an fp16-rounded
+# gradient). Prediction: ~18 us per LayerNorm at shape 8 ([8192, 1024]), ~0.15 ms of its step on an
+# H100; to measure (`python3 -m bench.train_programs`, variant "ln-out16").
+LAYER_NORM_OUT_IN_GEMM_DTYPE = False
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _layer_norm_rows_in(x, weight, bias, dtype):
+    """_layer_norm_rows with the output rounded to dtype inside the rule, the cotangent taken in dtype."""
+    return _layer_norm_forward(x, weight, bias)[0].astype(dtype)
+
+
+def _layer_norm_in_forward(x, weight, bias, dtype):
+    y, residuals = _layer_norm_forward(x, weight, bias)
+    return y.astype(dtype), residuals
+
+
+def _layer_norm_in_backward(dtype, residuals, g):
+    return _layer_norm_backward(residuals, g)
+
+
+_layer_norm_rows_in.defvjp(_layer_norm_in_forward, _layer_norm_in_backward)
 
 
 def gelu_exact(x: jax.Array) -> jax.Array:
