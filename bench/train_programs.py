@@ -28,6 +28,8 @@ arithmetic more than its rounding shows. The variants:
   ln-one-pass           LayerNorm's row statistics from one pass of shifted sums (numerics.LAYER_NORM_ONE_PASS)
   ln-out16              LayerNorms that feed GEMMs return fp16, their cotangent fp16
                         (numerics.LAYER_NORM_OUT_IN_GEMM_DTYPE)
+  ln-joint-sums         a LayerNorm's weight and bias gradients as one reduction over the rows
+                        (numerics.LAYER_NORM_JOINT_PARAMETER_SUMS)
 
     PYTHONPATH=. python3 -m bench.train_programs [--configs bert-base,8] [--variants default,ln-recompute] [--out DIR]
 
@@ -78,6 +80,7 @@ VARIANTS: dict[str, tuple[list, dict]] = {
     "dqkv-in-place": ([(flash_attention_bwd, "GRADIENT_IN_PLACE", True)], {}),
     "ln-one-pass": ([(numerics, "LAYER_NORM_ONE_PASS", True)], {}),
     "ln-out16": ([(numerics, "LAYER_NORM_OUT_IN_GEMM_DTYPE", True)], {}),
+    "ln-joint-sums": ([(numerics, "LAYER_NORM_JOINT_PARAMETER_SUMS", True)], {}),
 }
 
 

@@ -676,6 +676,24 @@ def test_a_training_layer_norm_returning_fp16_changes_only_the_cotangents_roundi
         assert np.linalg.norm(b - a) <= 2e-3 * np.linalg.norm(a), name
 
 
+def test_layer_norm_parameter_sums_as_one_reduction_are_the_same(monkeypatch):
+    """numerics.LAYER_NORM_JOINT_PARAMETER_SUMS: the weight's and bias's gradients from one reduction over
+    the rows give the same values (to fp32 summation order) as two; dx is untouched."""
+    from ttj_jax import numerics
+    x = jax.random.normal(jax.random.PRNGKey(7), (4, 33, 96)) * 3 + 1
+    w = jax.random.normal(jax.random.PRNGKey(8), (96,))
+    b = jax.random.normal(jax.random.PRNGKey(9), (96,))
+    g = jax.random.normal(jax.random.PRNGKey(10), x.shape)
+    grads = {}
+    for joint in (False, True):
+        monkeypatch.setattr(numerics, "LAYER_NORM_JOINT_PARAMETER_SUMS", joint)
+        grads[joint] = jax.vjp(numerics.layer_norm, x, w, b)[1](g)
+    for two, one in zip(grads[False], grads[True]):
+        assert one.shape == two.shape and one.dtype == two.dtype
+        np.testing.assert_allclose(np.asarray(one), np.asarray(two), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(grads[True][0]), np.asarray(grads[False][0]))
+
+
 def test_a_weight_kept_transposed_gives_the_same_gradients(monkeypatch):
     """numerics.WEIGHT_RESIDUAL_TRANSPOSED: the training GEMMs keep their fp16 weight as w^T (torch's
     layout) and form dw as (g^T x)^T: the same products, so the output and every gradient match the

@@ -368,8 +368,13 @@ def _layer_norm_backward(residuals, g):
         mean, _, rstd = _row_statistics(x)
     g = g.astype(jnp.float32)
     normalised = (x - mean) * rstd
-    dw = jnp.sum(g * normalised, axis=0).reshape(weight.shape).astype(weight.dtype)
-    db = jnp.sum(g, axis=0).reshape(bias.shape).astype(bias.dtype)
+    if LAYER_NORM_JOINT_PARAMETER_SUMS:   # one reduction over the rows of [g * normalised, g]
+        sums = jnp.sum(jnp.stack([g * normalised, g], axis=1), axis=0)
+        dw, db = sums[0], sums[1]
+    else:
+        dw, db = jnp.sum(g * normalised, axis=0), jnp.sum(g, axis=0)
+    dw = dw.reshape(weight.shape).astype(weight.dtype)
+    db = db.reshape(bias.shape).astype(bias.dtype)
     gw = g * weight
     dx = rstd * (gw - jnp.mean(gw, axis=-1, keepdims=True)
                  - normalised * jnp.mean(gw * normalised, axis=-1, keepdims=True))
@@ -377,6 +382,13 @@ def _layer_norm_backward(residuals, g):
 
 
 _layer_norm_rows.defvjp(_layer_norm_forward, _layer_norm_backward)
+
+# Whether a LayerNorm's backward sums its weight's and bias's gradients over the rows as one reduction (of
+# [g * normalised, g] stacked), not two: on the GPU the two column sums ran as separate passes over g (at
+# shape 8 on an H100, 26 us for the weight's, reading g and x, and 12 us for the bias's, reading g again;
+# train-2026-12-07-h100-8-kernels.json). The same sums. Prediction: ~10 us per LayerNorm, ~0.1 ms of shape
+# 8's step; to measure (`python3 -m bench.train_programs`, variant "ln-joint-sums").
+LAYER_NORM_JOINT_PARAMETER_SUMS = False
 
 
 # Whether a training LayerNorm that feeds a GEMM returns its output in the GEMM's fp16 (rounded inside
