@@ -33,7 +33,7 @@ from bench.jax_timing import stream_ms_per_call
 from bench.paths import result_file, run_header
 from bench.report import describe_error, write_json
 from ttj_jax.kernels import BlockSizes, flash_attention_fused_qkv, flash_attention_reference
-from ttj_jax.kernels.flash_attention import default_block_sizes, resolve_block_sizes
+from ttj_jax.kernels.flash_attention import resolve_block_sizes
 
 # (B, H, S, head_dim, causal, masked): the general suite's calls that reach this kernel on Hopper, plus
 # the lengths between them, so each (head_dim, S) bucket of the table has at least one measurement.
@@ -94,7 +94,7 @@ def run_case(case: tuple, variants: list, *, interpret: bool, min_seconds: float
     qkvs, masks = [qkv for qkv, _ in inputs], [mask for _, mask in inputs]
     want = np.asarray(reference(qkvs[0], masks[0], causal))
     # Tilings as the kernel runs them (blocks clamped to a short S), each once.
-    default = resolve_block_sizes(s, hd, default_block_sizes(s, hd, causal))
+    default = resolve_block_sizes(s, hd, None, causal)
     chosen = list(dict.fromkeys([resolve_block_sizes(s, hd, BlockSizes(*v)) for v in variants] + [default]))
     rows = []
     for blocks in chosen:

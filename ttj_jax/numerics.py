@@ -313,9 +313,7 @@ def layer_norm(x: jax.Array, weight: jax.Array, bias: jax.Array, out_dtype=None)
     (jax's own rule keeps two fp32 [rows, d] tensors)."""
     shape = x.shape
     rows = x.astype(jnp.float32).reshape(-1, shape[-1])
-    if out_dtype is not None and np.dtype(out_dtype) != np.float32:
-        return _layer_norm_rows_in(rows, weight, bias, np.dtype(out_dtype)).reshape(shape)
-    return _layer_norm_rows(rows, weight, bias).reshape(shape)
+    return _layer_norm_rows(rows, weight, bias, np.dtype(out_dtype or np.float32)).reshape(shape)
 
 
 # Whether a LayerNorm's row statistics come from one pass over the rows (True): the sums of x - x0 and of
@@ -351,18 +349,20 @@ def _row_statistics(x):
 LAYER_NORM_KEEPS_STATISTICS = True
 
 
-def _layer_norm_forward(x, weight, bias):
+def _layer_norm_forward(x, weight, bias, dtype):
     mean, centered, rstd = _row_statistics(x)
     kept = (mean, rstd) if LAYER_NORM_KEEPS_STATISTICS else (None, None)
-    return centered * rstd * weight + bias, (x, *kept, weight, bias)
+    return (centered * rstd * weight + bias).astype(dtype), (x, *kept, weight, bias)
 
 
-@jax.custom_vjp
-def _layer_norm_rows(x, weight, bias):
-    return _layer_norm_forward(x, weight, bias)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _layer_norm_rows(x, weight, bias, dtype):
+    """The LayerNorm of fp32 rows, its output rounded to dtype inside the rule (the cotangent then comes
+    in dtype; fp32: no rounding)."""
+    return _layer_norm_forward(x, weight, bias, dtype)[0]
 
 
-def _layer_norm_backward(residuals, g):
+def _layer_norm_backward(dtype, residuals, g):   # g comes in dtype
     x, mean, rstd, weight, bias = residuals
     if mean is None:
         mean, _, rstd = _row_statistics(x)
@@ -399,24 +399,6 @@ LAYER_NORM_JOINT_PARAMETER_SUMS = False
 # gradient). Prediction: ~18 us per LayerNorm at shape 8 ([8192, 1024]), ~0.15 ms of its step on an
 # H100; to measure (`python3 -m bench.train_programs`, variant "ln-out16").
 LAYER_NORM_OUT_IN_GEMM_DTYPE = False
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _layer_norm_rows_in(x, weight, bias, dtype):
-    """_layer_norm_rows with the output rounded to dtype inside the rule, the cotangent taken in dtype."""
-    return _layer_norm_forward(x, weight, bias)[0].astype(dtype)
-
-
-def _layer_norm_in_forward(x, weight, bias, dtype):
-    y, residuals = _layer_norm_forward(x, weight, bias)
-    return y.astype(dtype), residuals
-
-
-def _layer_norm_in_backward(dtype, residuals, g):
-    return _layer_norm_backward(residuals, g)
-
-
-_layer_norm_rows_in.defvjp(_layer_norm_in_forward, _layer_norm_in_backward)
 
 
 def gelu_exact(x: jax.Array) -> jax.Array:

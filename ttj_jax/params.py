@@ -219,8 +219,8 @@ def prepare_weights(params: Mapping, policy: NumericsPolicy) -> PreparedWeights:
     gemm = policy.stored_weight_dtype
     f32 = jnp.float32
 
-    def matrix(linear):       # torch's [out, in] -> [in, out]
-        return jnp.asarray(linear["weight"]).T.astype(gemm)
+    def matrix(weight):       # torch's [out, in] -> [in, out]
+        return jnp.asarray(weight).T.astype(gemm)
 
     def vector(v):
         return jnp.asarray(v).astype(f32)
@@ -233,14 +233,14 @@ def prepare_weights(params: Mapping, policy: NumericsPolicy) -> PreparedWeights:
             # torch's three [d, d] stacked to [3d, d], then transposed: the same [d, 3d] as joining the
             # three transposes, and a training GEMM that keeps w^T (numerics.WEIGHT_RESIDUAL_TRANSPOSED)
             # gets the stacked weights back with the transposes cancelled, no copy
-            "qkv_weight": matrix({"weight": jnp.concatenate([jnp.asarray(attn[name]["weight"]) for name in
-                                                             ("q_proj", "k_proj", "v_proj")], axis=0)}),
+            "qkv_weight": matrix(jnp.concatenate([jnp.asarray(attn[name]["weight"]) for name in
+                                                  ("q_proj", "k_proj", "v_proj")], axis=0)),
             "qkv_bias": jnp.concatenate([vector(attn["q_proj"]["bias"]), vector(attn["k_proj"]["bias"]),
                                          vector(attn["v_proj"]["bias"])]),
-            "out_weight": matrix(attn["out_proj"]), "out_bias": vector(attn["out_proj"]["bias"]),
+            "out_weight": matrix(attn["out_proj"]["weight"]), "out_bias": vector(attn["out_proj"]["bias"]),
             "norm2_weight": vector(layer["norm2"]["weight"]), "norm2_bias": vector(layer["norm2"]["bias"]),
-            "ffn_in_weight": matrix(layer["ffn_in"]), "ffn_in_bias": vector(layer["ffn_in"]["bias"]),
-            "ffn_out_weight": matrix(layer["ffn_out"]), "ffn_out_bias": vector(layer["ffn_out"]["bias"]),
+            "ffn_in_weight": matrix(layer["ffn_in"]["weight"]), "ffn_in_bias": vector(layer["ffn_in"]["bias"]),
+            "ffn_out_weight": matrix(layer["ffn_out"]["weight"]), "ffn_out_bias": vector(layer["ffn_out"]["bias"]),
         })
     final_norm = {"weight": vector(params["final_norm"]["weight"]),
                   "bias": vector(params["final_norm"]["bias"])}

@@ -66,6 +66,8 @@ _BLOCKS_BY_HEAD_DIM = {256: BwdBlocks(32, 32, 32, 32, num_warps=4, num_stages=2)
 def default_bwd_blocks(head_dim: int) -> BwdBlocks:
     """The backward kernels' tiles for a head_dim (padded as the kernels run it)."""
     return _BLOCKS_BY_HEAD_DIM.get(padded_head_dim(head_dim), DEFAULT_BLOCKS)
+
+
 _LOG2E = 1.4426950408889634
 
 # The Hopper backward (flash_attention_mgpu_bwd.py) in flash_attention_vjp. Measured on one H100 (2026-12-06,
@@ -239,12 +241,9 @@ def flash_attention_bwd_fused_qkv(qkv, o, lse, do, *, causal: bool, key_mask=Non
 
 @functools.partial(jax.jit, static_argnames=("causal", "sm_scale", "interpret", "blocks", "in_place"))
 def _fused_qkv_bwd(qkv, o, lse, do, *, causal, key_mask, sm_scale, interpret, blocks, in_place):
-    if in_place:
-        return _bwd_pallas_calls(qkv, qkv, qkv, o, lse, do, fused=True, causal=causal, key_mask=key_mask,
-                                 sm_scale=sm_scale, interpret=interpret, blocks=blocks, in_place=True)
-    dq, dk, dv = _bwd_pallas_calls(qkv, qkv, qkv, o, lse, do, fused=True, causal=causal, key_mask=key_mask,
-                                   sm_scale=sm_scale, interpret=interpret, blocks=blocks)
-    return jnp.stack([dq, dk, dv], axis=2)
+    gradient = _bwd_pallas_calls(qkv, qkv, qkv, o, lse, do, fused=True, causal=causal, key_mask=key_mask,
+                                 sm_scale=sm_scale, interpret=interpret, blocks=blocks, in_place=in_place)
+    return gradient if in_place else jnp.stack(gradient, axis=2)
 
 
 def _bwd_pallas_calls(q_src, k_src, v_src, o, lse, do, *, fused: bool, causal: bool, key_mask, sm_scale,
@@ -320,18 +319,14 @@ def _bwd_pallas_calls(q_src, k_src, v_src, o, lse, do, *, fused: bool, causal: b
         return gradient[:, :seq_len, :, :, :head_dim] if seq_pad or hd_pad else gradient
     dk, dv = pl.pallas_call(
         functools.partial(_dkdv_kernel, block_q=blocks.dkdv_q, block_k=blocks.dkdv_k, **statics),
-        grid=(padded_len // blocks.dkdv_k, batch, num_heads),
-        in_specs=[source(padded_len, 0, False), source(blocks.dkdv_k, 1, True), source(blocks.dkdv_k, 2, True),
-                  whole(padded_len), rows_whole, rows_whole, mask_blocked],
+        grid=(padded_len // blocks.dkdv_k, batch, num_heads), in_specs=dkdv_inputs,
         out_specs=(blocked(blocks.dkdv_k), blocked(blocks.dkdv_k)),
         out_shape=(jax.ShapeDtypeStruct(do_p.shape, dtype), jax.ShapeDtypeStruct(do_p.shape, dtype)),
         compiler_params=params, interpret=interpret, name="ttj_flash_attention_dkdv",
     )(q_p, k_p, v_p, do_p, lse, delta, mask_p)
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, block_q=blocks.dq_q, block_k=blocks.dq_k, **statics),
-        grid=(padded_len // blocks.dq_q, batch, num_heads),
-        in_specs=[source(blocks.dq_q, 0, True), source(padded_len, 1, False), source(padded_len, 2, False),
-                  blocked(blocks.dq_q), rows_blocked, rows_blocked, mask_whole],
+        grid=(padded_len // blocks.dq_q, batch, num_heads), in_specs=dq_inputs,
         out_specs=blocked(blocks.dq_q),
         out_shape=jax.ShapeDtypeStruct(do_p.shape, dtype),
         compiler_params=params, interpret=interpret, name="ttj_flash_attention_dq",
