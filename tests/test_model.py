@@ -656,6 +656,7 @@ def test_a_training_layer_norm_returning_fp16_changes_only_the_cotangents_roundi
         _, pull = training.forward_with_pullback(params, x, None, config=config, on_gpu=False)
         text = str(jax.make_jaxpr(lambda g: training.apply_pullback(pull, g))(g))
         return len(re.findall(r":f16\[[^\]]*\] = dot_general", text))
+    monkeypatch.setattr(numerics, "LAYER_NORM_OUT_IN_GEMM_DTYPE", False)   # the fp32 form first
     y_a, (dp_a, dx_a) = run()
     shipped_dots = fp16_written_dots()
     monkeypatch.setattr(numerics, "LAYER_NORM_OUT_IN_GEMM_DTYPE", True)

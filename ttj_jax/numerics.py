@@ -323,8 +323,9 @@ def layer_norm(x: jax.Array, weight: jax.Array, bias: jax.Array, out_dtype=None)
 # cancelling when a row's mean is large against its deviation (the cancellation grows with
 # ((x0 - mean) / deviation)^2, O(1-10) for a row's own element, against (mean / deviation)^2 unshifted).
 # Prediction: ~10 us per LayerNorm of shape 8's [8192, 1024] residual on an H100 (one 34 MB read of the
-# new residual fewer), ~0.1 ms of its training step; to measure (`python3 -m bench.train_programs`,
-# variant "ln-one-pass"; `python3 -m bench.cli` for the inference programs, which share it).
+# new residual fewer), ~0.1 ms of its training step. Measured on one H100 (variant "ln-one-pass" of
+# `python3 -m bench.train_programs`, train-programs-2026-12-07-h100-cuts.json): shape 8's step 4.936 ->
+# 4.942 ms, bert-base 5.315 -> 5.312, gpt2-s4096 2.314 -> 2.302; no gain worth the cancellation risk. Off.
 LAYER_NORM_ONE_PASS = False
 
 
@@ -387,8 +388,10 @@ _layer_norm_rows.defvjp(_layer_norm_forward, _layer_norm_backward)
 # [g * normalised, g] stacked), not two: on the GPU the two column sums ran as separate passes over g (at
 # shape 8 on an H100, 26 us for the weight's, reading g and x, and 12 us for the bias's, reading g again;
 # train-2026-12-07-h100-8-kernels.json). The same sums. Prediction: ~10 us per LayerNorm, ~0.1 ms of shape
-# 8's step; to measure (`python3 -m bench.train_programs`, variant "ln-joint-sums").
-LAYER_NORM_JOINT_PARAMETER_SUMS = False
+# 8's step. Measured on one H100 (variant "ln-joint-sums", train-programs-2026-12-07-h100-cuts.json):
+# backward 3.227 -> 3.190 ms at shape 8, 3.496 -> 3.485 at bert-base, 1.532 -> 1.512 at gpt2-s4096 (XLA
+# still splits the stacked reduction in two kernels at shape 8: a third of the prediction).
+LAYER_NORM_JOINT_PARAMETER_SUMS = True
 
 
 # Whether a training LayerNorm that feeds a GEMM returns its output in the GEMM's fp16 (rounded inside
@@ -397,8 +400,10 @@ LAYER_NORM_JOINT_PARAMETER_SUMS = False
 # the LayerNorm's two passes read it in fp16: half the bytes of that [rows, d] cotangent written once and
 # read twice (torch's autocast does the same: its fp16 linear hands its fp32 LayerNorm an fp16-rounded
 # gradient). Prediction: ~18 us per LayerNorm at shape 8 ([8192, 1024]), ~0.15 ms of its step on an
-# H100; to measure (`python3 -m bench.train_programs`, variant "ln-out16").
-LAYER_NORM_OUT_IN_GEMM_DTYPE = False
+# H100. Measured there (variant "ln-out16", train-programs-2026-12-07-h100-cuts.json): backward 3.227 ->
+# 3.082 ms at shape 8, 3.496 -> 3.421 at bert-base, 1.532 -> 1.535 at gpt2-s4096 (S=4096, B=1: its
+# LayerNorms are small); gradients within 2.5e-4 relative L2 of the fp32-cotangent form.
+LAYER_NORM_OUT_IN_GEMM_DTYPE = True
 
 
 def gelu_exact(x: jax.Array) -> jax.Array:

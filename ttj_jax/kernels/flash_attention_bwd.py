@@ -51,9 +51,12 @@ DEFAULT_BLOCKS = BwdBlocks()
 # Whether the fused layout's backward (flash_attention_bwd_fused_qkv) has the dk/dv kernel write slots 1
 # and 2 of one [B, S, 3, H, hd] gradient and the dq kernel slot 0 of the same buffer (aliased), instead of
 # three arrays stacked after: at shape 8 that stacking is a 100 MB pass of 42 us per layer on an H100
-# (train-2026-12-07-h100-8-kernels.json). Predicted ~0.17 ms of shape 8's step; to measure
-# (`python3 -m bench.train_programs`, variant "dqkv-in-place"). The Hopper backward is not affected.
-GRADIENT_IN_PLACE = False
+# (train-2026-12-07-h100-8-kernels.json). Predicted ~0.17 ms of shape 8's step; measured on one H100
+# (train-programs-2026-12-07-h100-cuts.json, `python3 -m bench.train_programs`, variant "dqkv-in-place"):
+# shape 8's backward 3.227 -> 3.087 ms; bert-base 3.496 -> 3.515 and gpt2-s4096 1.532 -> 1.533 (within their
+# spread; there the Hopper backward or a 12-head layout leaves little stacking). The Hopper backward is not
+# affected.
+GRADIENT_IN_PLACE = True
 
 # Per padded head_dim where measured better than DEFAULT_BLOCKS. head_dim 256: a 64-key block's dk and dv
 # accumulators (64 x 256 x 2 fp32) overflow 4 warps' registers; 32 x 32 tiles took 0.129 ms against 0.178
