@@ -1,6 +1,7 @@
 """flash_attention(..., return_lse=True) on the GPU: each row's log-sum-exp against jax's logsumexp of the
 fp32 scores (every row, or the last 8192 of S=100000: the rows that see the most keys), and the output
-against the call without return_lse (bit for bit). On sm_90 these cases run the Hopper kernel (ring_attention merges its
+against the call without return_lse (bit for bit); also through flash_attention_fused_qkv with an all-True
+key mask (the training forward's call). On sm_90 these cases run the Hopper kernel (ring_attention merges its
 visits with that log-sum-exp).
 
     PYTHONPATH=. python3 bench/lse_check.py [--out DIR]
@@ -24,7 +25,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from bench.paths import default_out_dir  # noqa: E402
 from bench.report import slug, write_json  # noqa: E402
-from ttj_jax.kernels import flash_attention  # noqa: E402
+from ttj_jax.kernels import flash_attention, flash_attention_fused_qkv  # noqa: E402
 from ttj_jax.kernels.flash_attention import use_mosaic_kernel  # noqa: E402
 
 # (S, head_dim, causal). Every row of the shorter cases, the last ROWS of S=100000: a first version
@@ -33,6 +34,9 @@ CASES = ((4096, 64, True), (4096, 64, False), (1000, 64, False), (5000, 128, Fal
          (100_000, 64, True))
 ROWS = 8192
 TOLERANCE = 1e-3
+# (S, head_dim, causal) through flash_attention_fused_qkv with an all-True key mask: the training forward's
+# call (the fused entry of either kernel, the key-masked build)
+FUSED_CASES = ((4096, 64, True), (1024, 64, False), (2048, 128, True))
 
 
 def main(argv=None) -> int:
@@ -40,11 +44,17 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=default_out_dir())
     args = parser.parse_args(argv)
     checks = []
-    for seq_len, head_dim, causal in CASES:
+    cases = [(*case, False) for case in CASES] + [(*case, True) for case in FUSED_CASES]
+    for seq_len, head_dim, causal, fused in cases:
         keys = jax.random.split(jax.random.key(seq_len + head_dim), 3)
         q, k, v = (jax.random.normal(key, (1, seq_len, 4, head_dim), jnp.float32).astype(jnp.float16) for key in keys)
-        out, lse = flash_attention(q, k, v, causal=causal, return_lse=True)
-        plain = flash_attention(q, k, v, causal=causal)
+        if fused:
+            qkv, mask = jnp.stack([q, k, v], axis=2), jnp.ones((1, seq_len), bool)
+            out, lse = flash_attention_fused_qkv(qkv, causal=causal, key_mask=mask, return_lse=True)
+            plain = flash_attention_fused_qkv(qkv, causal=causal, key_mask=mask)
+        else:
+            out, lse = flash_attention(q, k, v, causal=causal, return_lse=True)
+            plain = flash_attention(q, k, v, causal=causal)
         first = max(seq_len - ROWS, 0)
         scores = jnp.einsum("bqhd,bkhd->bhqk", q[:, first:].astype(jnp.float32), k.astype(jnp.float32),
                             precision="highest") * head_dim ** -0.5
@@ -53,8 +63,9 @@ def main(argv=None) -> int:
         err = float(jnp.max(jnp.abs(lse[:, :, first:] - jax.nn.logsumexp(scores, axis=-1))))
         identical = bool(jnp.array_equal(out, plain))
         kernel = "mosaic_gpu" if use_mosaic_kernel(q.dtype, seq_len, head_dim, masked=False, block_sizes=None,
-                                                   interpret=False) else "generic"
-        checks.append({"S": seq_len, "head_dim": head_dim, "causal": causal, "kernel": kernel,
+                                                   interpret=False, fused=fused, key_mask=fused) else "generic"
+        checks.append({"S": seq_len, "head_dim": head_dim, "causal": causal, "fused_qkv_key_mask": fused,
+                       "kernel": kernel,
                        "lse_max_abs_err_last_rows": err, "rows_checked": seq_len - first,
                        "out_bit_identical_without_lse": identical, "passed": err <= TOLERANCE and identical})
         print(checks[-1], flush=True)

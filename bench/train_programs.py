@@ -23,13 +23,16 @@ arithmetic more than its rounding shows. The variants:
                         (numerics.DX_IN_INPUT_DTYPE off)
   weight-kn             each GEMM's fp16 weight kept as w ([in, out]), a transposed copy of torch's
                         (numerics.WEIGHT_RESIDUAL_TRANSPOSED off)
-  dqkv-in-place         our backward kernels write dq, dk, dv into their slots of one fused-layout buffer
-                        (flash_attention_bwd.GRADIENT_IN_PLACE)
+  dqkv-stacked          our backward kernels write dq, dk, dv as three arrays stacked after, not into their
+                        slots of one fused-layout buffer (flash_attention_bwd.GRADIENT_IN_PLACE off)
   ln-one-pass           LayerNorm's row statistics from one pass of shifted sums (numerics.LAYER_NORM_ONE_PASS)
-  ln-out16              LayerNorms that feed GEMMs return fp16, their cotangent fp16
-                        (numerics.LAYER_NORM_OUT_IN_GEMM_DTYPE)
-  ln-joint-sums         a LayerNorm's weight and bias gradients as one reduction over the rows
-                        (numerics.LAYER_NORM_JOINT_PARAMETER_SUMS)
+  ln-out32              LayerNorms that feed GEMMs return fp32, their cotangent fp32
+                        (numerics.LAYER_NORM_OUT_IN_GEMM_DTYPE off)
+  ln-two-sums           a LayerNorm's weight and bias gradients as two reductions over the rows
+                        (numerics.LAYER_NORM_JOINT_PARAMETER_SUMS off)
+  hopper-forward        the attention forward through flash_attention's dispatch, the Hopper kernel (its
+                        log-sum-exp too) where it applies (flash_attention_bwd.VJP_FORWARD_IMPLEMENTATION "auto")
+  generic-forward       the attention forward always our generic kernel (VJP_FORWARD_IMPLEMENTATION "generic")
 
     PYTHONPATH=. python3 -m bench.train_programs [--configs bert-base,8] [--variants default,ln-recompute] [--out DIR]
 
@@ -77,13 +80,13 @@ VARIANTS: dict[str, tuple[list, dict]] = {
     "cudnn-masked": ([(training, "MASKED_CUDNN", True)], {}),
     "dx32": ([(numerics, "DX_IN_INPUT_DTYPE", False)], {}),
     "weight-kn": ([(numerics, "WEIGHT_RESIDUAL_TRANSPOSED", False)], {}),
-    "dqkv-in-place": ([(flash_attention_bwd, "GRADIENT_IN_PLACE", True)], {}),
+    "dqkv-stacked": ([(flash_attention_bwd, "GRADIENT_IN_PLACE", False)], {}),
     "ln-one-pass": ([(numerics, "LAYER_NORM_ONE_PASS", True)], {}),
-    "ln-out16": ([(numerics, "LAYER_NORM_OUT_IN_GEMM_DTYPE", True)], {}),
-    "ln-joint-sums": ([(numerics, "LAYER_NORM_JOINT_PARAMETER_SUMS", True)], {}),
+    "ln-out32": ([(numerics, "LAYER_NORM_OUT_IN_GEMM_DTYPE", False)], {}),
+    "ln-two-sums": ([(numerics, "LAYER_NORM_JOINT_PARAMETER_SUMS", False)], {}),
+    "hopper-forward": ([(flash_attention_bwd, "VJP_FORWARD_IMPLEMENTATION", "auto")], {}),
+    "generic-forward": ([(flash_attention_bwd, "VJP_FORWARD_IMPLEMENTATION", "generic")], {}),
 }
-VARIANTS["ln-all"] = ([s for v in ("ln-one-pass", "ln-out16", "ln-joint-sums") for s in VARIANTS[v][0]], {})
-VARIANTS["all-cuts"] = (VARIANTS["ln-all"][0] + VARIANTS["dqkv-in-place"][0], {})
 
 
 @contextlib.contextmanager

@@ -451,16 +451,16 @@ def test_train_programs_times_each_variant_and_restores_the_switches(tmp_path, m
                training._flash_attention.finite_rows, numerics.DX_IN_INPUT_DTYPE,
                numerics.WEIGHT_RESIDUAL_TRANSPOSED, flash_attention_bwd.GRADIENT_IN_PLACE,
                numerics.LAYER_NORM_ONE_PASS, numerics.LAYER_NORM_OUT_IN_GEMM_DTYPE,
-               numerics.LAYER_NORM_JOINT_PARAMETER_SUMS)
+               numerics.LAYER_NORM_JOINT_PARAMETER_SUMS, flash_attention_bwd.VJP_FORWARD_IMPLEMENTATION)
     monkeypatch.setenv("TTJ_BACKWARD_ATTENTION", "flash")
-    variants = ("default,before-f6ebade,ln-recompute,bias-gelu,dx32,weight-kn,dqkv-in-place,ln-one-pass,ln-out16,"
-                "ln-joint-sums")
+    variants = ("default,before-f6ebade,ln-recompute,bias-gelu,dx32,weight-kn,dqkv-stacked,ln-one-pass,ln-out32,"
+                "ln-two-sums,hopper-forward,generic-forward")
     assert train_programs.main(["--configs", "cpu-2", "--variants", variants,
                                 "--min-seconds", "0.01", "--repeats", "1", "--out", str(tmp_path)]) == 0
     (path,) = tmp_path.glob("train-programs-*.json")
     records = json.loads(path.read_text())["configs"]["cpu-2"]
-    assert set(records) == {"default", "before-f6ebade", "ln-recompute", "bias-gelu", "dx32", "weight-kn", "dqkv-in-place",
-                            "ln-one-pass", "ln-out16", "ln-joint-sums"}
+    assert set(records) == set(variants.split(","))
+    assert not any("error" in record for record in records.values())
     for record in records.values():
         assert record["forward_ms"] > 0 and record["backward_ms"] > 0
         assert max(record["rel_l2_vs_first"].values()) < 1e-3
@@ -469,7 +469,7 @@ def test_train_programs_times_each_variant_and_restores_the_switches(tmp_path, m
                        training._flash_attention.finite_rows, numerics.DX_IN_INPUT_DTYPE,
                        numerics.WEIGHT_RESIDUAL_TRANSPOSED, flash_attention_bwd.GRADIENT_IN_PLACE,
                        numerics.LAYER_NORM_ONE_PASS, numerics.LAYER_NORM_OUT_IN_GEMM_DTYPE,
-                       numerics.LAYER_NORM_JOINT_PARAMETER_SUMS)
+                       numerics.LAYER_NORM_JOINT_PARAMETER_SUMS, flash_attention_bwd.VJP_FORWARD_IMPLEMENTATION)
     assert "ln-recompute" in capsys.readouterr().out
     assert train_programs.main(["--variants", "default,magic"]) == 2
 

@@ -70,6 +70,11 @@ def test_key_masked_fused_entry_lowers_for_cuda():   # shape 8's call
                                                                                   clean_blocks=clean)).trace(
             fused, jax.ShapeDtypeStruct((2, 128), jnp.bool_)).lower(lowering_platforms=("cuda",)).as_text()
         assert _custom_calls(text).count("mosaic_gpu_v2") == 1
+    # the training forward's call: hd64 at S=4096 (GPT-2-like), the log-sum-exp returned
+    fused = jax.ShapeDtypeStruct((1, 4096, 3, 12, 64), jnp.float16)
+    text = jax.jit(lambda a, m: fm.flash_attention_mgpu_fused_qkv(a, causal=True, key_mask=m, return_lse=True)).trace(
+        fused, jax.ShapeDtypeStruct((1, 4096), jnp.bool_)).lower(lowering_platforms=("cuda",)).as_text()
+    assert _custom_calls(text).count("mosaic_gpu_v2") == 1
 
 
 def test_key_mask_must_be_bool_batch_by_seq_len():

@@ -95,6 +95,20 @@ def test_fused_qkv_entry_reads_q_k_v_in_place(batch, seq_len, num_heads, head_di
     np.testing.assert_array_equal(np.asarray(fused), np.asarray(split))
 
 
+def test_fused_qkv_entry_returns_the_log_sum_exp_of_the_split_call():
+    # return_lse through the fused entry (the training forward's): output and log-sum-exp equal to the
+    # three-array call's, bit for bit, with a key mask
+    rng = np.random.default_rng(7)
+    qkv = jnp.asarray(rng.standard_normal((1, 136, 3, 2, 64)).astype(np.float16))
+    mask = _key_mask(1, 136, 3)
+    fused = fm.flash_attention_mgpu_fused_qkv(qkv, causal=True, interpret=True, key_mask=mask, return_lse=True)
+    split = fm.flash_attention_mgpu(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], causal=True, interpret=True,
+                                    key_mask=mask, return_lse=True)
+    assert fused[1].shape == (1, 2, 136) and fused[1].dtype == jnp.float32
+    for a, b in zip(fused, split):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def _masked_reference(q, k, v, mask, causal):
     """fp32 attention over the valid keys (and causal), zeros for a row with no allowed key."""
     scores = jnp.einsum("bqhd,bkhd->bhqk", *(x.astype(jnp.float32) for x in (q, k)),

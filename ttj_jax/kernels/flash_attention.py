@@ -489,8 +489,7 @@ def flash_attention_fused_qkv(qkv: jax.Array, *, causal: bool, kv_lengths: jax.A
         a transpose first; give those to `flash_attention` as three arrays instead. The Hopper kernel
         (where the dispatch rule picks it: from the lengths of flash_attention_mgpu.FUSED_MIN_SEQ_LEN,
         shorter than `flash_attention`'s) reads this layout in place too (`flash_attention_mgpu_fused_qkv`).
-      return_lse: also return the rows' log-sum-exp, as `flash_attention` does; our generic kernel
-        computes it, so a call with it runs that kernel whatever `implementation` says.
+      return_lse: also return the rows' log-sum-exp, as `flash_attention` does (either kernel).
       Other arguments: as in `flash_attention`.
 
     Returns:
@@ -503,10 +502,11 @@ def flash_attention_fused_qkv(qkv: jax.Array, *, causal: bool, kv_lengths: jax.A
     _check_masks(kv_lengths, key_mask, qkv.shape[0], qkv.shape[1])
     if not isinstance(return_lse, bool):
         raise ValueError(f"return_lse={return_lse!r} must be a bool")
-    if not return_lse and use_mosaic_kernel(qkv.dtype, qkv.shape[1], qkv.shape[-1], masked=kv_lengths is not None,
-                                            key_mask=key_mask is not None, block_sizes=block_sizes,
-                                            interpret=interpret, implementation=implementation, fused=True):
-        return flash_attention_mgpu_fused_qkv(qkv, causal=causal, sm_scale=sm_scale, key_mask=key_mask)
+    if use_mosaic_kernel(qkv.dtype, qkv.shape[1], qkv.shape[-1], masked=kv_lengths is not None,
+                         key_mask=key_mask is not None, block_sizes=block_sizes,
+                         interpret=interpret, implementation=implementation, fused=True):
+        return flash_attention_mgpu_fused_qkv(qkv, causal=causal, sm_scale=sm_scale, key_mask=key_mask,
+                                              return_lse=return_lse)
     return _attention_pallas_call(qkv, qkv, qkv, kv_lengths, key_mask, fused=True, causal=causal,
                                   sm_scale=sm_scale, block_sizes=block_sizes, interpret=interpret,
                                   return_lse=return_lse)

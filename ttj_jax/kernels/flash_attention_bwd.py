@@ -90,11 +90,15 @@ MGPU_BACKWARD_MIN_SEQ_LEN = 512
 
 # flash_attention_vjp's forward: "generic" (our generic kernel), or "auto" (flash_attention's dispatch, which
 # takes the Hopper forward where it is measured faster, key-masked calls included; its log-sum-exp has the
-# same meaning). "generic": with "auto" the GPT-2-like step at S=4096 took 2.854 ms against 2.760 (one H100,
-# train-2026-12-06-h100-vjp-forward-*.json, same gradient errors), where ~0.09 ms less was predicted (the
-# two layers' attention forward at the Hopper kernel's ~440 TFLOP/s against the generic kernel's ~250).
-# Not traced yet.
-VJP_FORWARD_IMPLEMENTATION = "generic"
+# same meaning). Once "generic": the fused entry then returned a log-sum-exp only from the generic kernel, so
+# "auto" meant q, k, v sliced out first (the GPT-2-like step at S=4096: 2.854 ms against 2.760, one H100,
+# train-2026-12-06-h100-vjp-forward-*.json). The Hopper kernel's fused entry returns it too (bench/lse_check.py
+# on one H100, lse-check-2026-12-07-h100-fused.json); with it, on one H100 (train-programs-2026-12-07-h100-
+# hopper-forward.json): gpt2-s4096's training forward 0.806 -> 0.781 ms, bert-base, shapes 8 and 13 unchanged
+# (the dispatch keeps their S <= 1024 calls on the generic kernel). ~0.18 ms was predicted at gpt2-s4096 from
+# the generic kernel's 157 us per layer there: the key-masked Hopper build with its log-sum-exp takes ~145 us
+# at B=1, H=12, S=4096 (cuDNN's forward: 84 us).
+VJP_FORWARD_IMPLEMENTATION = "auto"
 
 
 def mgpu_backward_applies(q, interpret: bool) -> bool:

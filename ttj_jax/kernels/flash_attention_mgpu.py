@@ -160,22 +160,23 @@ def flash_attention_mgpu(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bo
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "sm_scale", "block_sizes", "lowering_semantics", "interpret",
-                                             "clean_blocks"))
+                                             "clean_blocks", "return_lse"))
 def flash_attention_mgpu_fused_qkv(qkv: jax.Array, *, causal: bool, interpret: bool | str = False,
                                    sm_scale: float | None = None, block_sizes: MgpuBlockSizes | None = None,
                                    lowering_semantics: str | None = None, key_mask: jax.Array | None = None,
-                                   clean_blocks: bool | None = None):
+                                   clean_blocks: bool | None = None, return_lse: bool = False):
     """`flash_attention_mgpu` on q, k, v read in place out of one fused projection: qkv [B, S, 3, H,
     head_dim] (the free reshape of a [B, S, 3 d] output of x @ W_qkv, columns ordered q | k | v, each
     head-major). The TMA copies index slot 0, 1 or 2 of the array itself: slicing q, k and v out first
-    cost more than the kernel at shape 8's call (3 x 11.4 us against 22.4). key_mask, clean_blocks: as in
-    `flash_attention_mgpu`. Returns [B, S, H, head_dim]."""
+    cost more than the kernel at shape 8's call (3 x 11.4 us against 22.4). key_mask, clean_blocks,
+    return_lse: as in `flash_attention_mgpu`. Returns [B, S, H, head_dim] (and the log-sum-exp [B, H, S]
+    with return_lse)."""
     if qkv.ndim != 5 or qkv.shape[2] != 3:
         raise ValueError(f"qkv.shape={qkv.shape} must be [batch, seq_len, 3, num_heads, head_dim]")
     view = jax.ShapeDtypeStruct(qkv.shape[:2] + qkv.shape[3:], qkv.dtype)
-    _check_inputs(view, view, view, causal, sm_scale, block_sizes, False, lowering_semantics, key_mask)
+    _check_inputs(view, view, view, causal, sm_scale, block_sizes, return_lse, lowering_semantics, key_mask)
     return _launch((qkv,), view.shape, causal=causal, interpret=interpret, sm_scale=sm_scale,
-                   block_sizes=block_sizes, lowering_semantics=lowering_semantics, return_lse=False,
+                   block_sizes=block_sizes, lowering_semantics=lowering_semantics, return_lse=return_lse,
                    key_mask=key_mask, clean_blocks=clean_blocks)
 
 
