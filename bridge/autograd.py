@@ -54,7 +54,7 @@ def training_mask_read() -> str:
 def flat_gradients(d_params, config: Config) -> jax.Array:
     """Every parameter's gradient as one fp32 vector in the harness's order, the key biases' as exact zeros
     (module docstring): one export to torch instead of one per parameter (~15-35 us of host time each),
-    whose views are the gradients (_to_torch)."""
+    whose views are the gradients (gradients_to_torch)."""
     named = params_to_state_dict(d_params)
     return jnp.concatenate([jnp.zeros(named[name].size, jnp.float32) if name.endswith(ZERO_GRADIENT_SUFFIX)
                             else named[name].astype(jnp.float32).reshape(-1) for name in expected_shapes(config)])
@@ -100,7 +100,7 @@ def jax_inputs(x: torch.Tensor, mask: torch.Tensor | None, params: list[torch.Te
     return transfer, to_jax, jparams, jmask
 
 
-def _to_torch(transfer, flat, gx, x: torch.Tensor, params: list[torch.Tensor], separate: bool = False):
+def gradients_to_torch(transfer, flat, gx, x: torch.Tensor, params: list[torch.Tensor], separate: bool = False):
     """(dL/dx, [dL/dp]) as torch tensors from a program's (flat_gradients, fp32 d x): one export for all
     the parameters, each gradient a view of it in its parameter's shape (one C++ call for all the views),
     dtype and device converted where the parameter's differ, or a copy with `separate` (a custom
@@ -133,7 +133,7 @@ def gradients(x: torch.Tensor, mask: torch.Tensor | None, params: list[torch.Ten
     transfer, to_jax, jparams, jmask = jax_inputs(x, mask, params, config)
     program = _vjp_program(model_key(config), x.device.type == "cuda", backward_attention())
     flat, gx = program(jparams, to_jax(x), jmask, to_jax(grad_out))   # ordered by jax_inputs
-    return _to_torch(transfer, flat, gx, x, params, separate=True)
+    return gradients_to_torch(transfer, flat, gx, x, params, separate=True)
 
 
 def training_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -162,7 +162,7 @@ def gradients_from(pull, x: torch.Tensor, params: list[torch.Tensor], config: Co
     transfer = transfer_for(x.device)
     transfer.order_before_jax()   # grad_out was made on torch's stream
     flat, gx = apply_program(model_key(config))(pull, transfer.to_jax(grad_out.detach().float().contiguous()))
-    return _to_torch(transfer, flat, gx, x, params)
+    return gradients_to_torch(transfer, flat, gx, x, params)
 
 
 def needs_grad(x: torch.Tensor, params) -> bool:
