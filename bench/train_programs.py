@@ -33,6 +33,8 @@ arithmetic more than its rounding shows. The variants:
   hopper-forward        the attention forward through flash_attention's dispatch, the Hopper kernel (its
                         log-sum-exp too) where it applies (flash_attention_bwd.VJP_FORWARD_IMPLEMENTATION "auto")
   generic-forward       the attention forward always our generic kernel (VJP_FORWARD_IMPLEMENTATION "generic")
+  mgpu-in-place         the Hopper attention backward reads q, k, v from the fused projection and writes its
+                        gradient in that layout (flash_attention_bwd.MGPU_BACKWARD_IN_PLACE)
 
     PYTHONPATH=. python3 -m bench.train_programs [--configs bert-base,8] [--variants default,ln-recompute] [--out DIR]
 
@@ -86,6 +88,7 @@ VARIANTS: dict[str, tuple[list, dict]] = {
     "ln-two-sums": ([(numerics, "LAYER_NORM_JOINT_PARAMETER_SUMS", False)], {}),
     "hopper-forward": ([(flash_attention_bwd, "VJP_FORWARD_IMPLEMENTATION", "auto")], {}),
     "generic-forward": ([(flash_attention_bwd, "VJP_FORWARD_IMPLEMENTATION", "generic")], {}),
+    "mgpu-in-place": ([(flash_attention_bwd, "MGPU_BACKWARD_IN_PLACE", True)], {}),
 }
 
 

@@ -175,7 +175,7 @@ def test_hopper_backward_dispatch_rule(monkeypatch):
     monkeypatch.setattr(fab, "on_hopper", lambda: True)
     calls = []
 
-    def spy(q, k, v, o, lse, do, *, causal, key_mask, config):
+    def spy(q, k, v, o, lse, do, *, causal, key_mask, config, interpret=False):
         calls.append((causal, key_mask is not None, config))
         return q, k, v
     monkeypatch.setattr(fab, "flash_attention_mgpu_bwd", spy)
@@ -185,3 +185,27 @@ def test_hopper_backward_dispatch_rule(monkeypatch):
     assert calls == [(True, True, fab.MGPU_BACKWARD_CONFIG)]
     fab._vjp_bwd(False, False, residuals, q)
     assert calls[-1] == (False, True, fab.MGPU_BACKWARD_CONFIG)
+
+
+@pytest.mark.slow
+@pytest.mark.interpret
+def test_hopper_backward_in_place_is_the_stacked_one(monkeypatch):
+    """MGPU_BACKWARD_IN_PLACE: the fused layout's Hopper backward through jax.vjp of
+    flash_attention_fused_vjp (the kernel in Mosaic GPU interpret mode) gives the stacked path's dL/dqkv
+    exactly, key-masked, and its program slices and stacks nothing."""
+    from ttj_jax.kernels import flash_attention_bwd as fab
+    monkeypatch.setattr(fab, "mgpu_backward_applies", lambda q, interpret: True)
+    keys = jax.random.split(jax.random.PRNGKey(1), 2)
+    qkv = jax.random.normal(keys[0], (2, 256, 3, 2, 64), jnp.float32).astype(jnp.float16)
+    do = jax.random.normal(keys[1], (2, 256, 2, 64), jnp.float32).astype(jnp.float16)
+    mask = jnp.arange(256)[None, :] < jnp.array([[256], [200]])
+    grads = {}
+    for in_place in (False, True):
+        monkeypatch.setattr(fab, "MGPU_BACKWARD_IN_PLACE", in_place)
+        _, pull = jax.vjp(lambda a: fab.flash_attention_fused_vjp(a, True, True, mask), qkv)
+        grads[in_place] = pull(do)[0]
+        program = str(jax.make_jaxpr(pull)(do))
+        stacks = "concatenate" in program or "= stack[" in program
+        assert stacks != in_place
+    assert grads[True].shape == qkv.shape and grads[True].dtype == qkv.dtype
+    np.testing.assert_array_equal(np.asarray(grads[True], np.float32), np.asarray(grads[False], np.float32))

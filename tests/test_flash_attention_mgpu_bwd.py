@@ -210,3 +210,39 @@ def test_bad_arguments_raise(change, match):
     do = jnp.zeros(change.get("do_shape", x.shape), dtype)
     with pytest.raises(ValueError, match=match):
         fb.flash_attention_mgpu_bwd(x, x, x, x, lse, do, causal=True, interpret=True)
+
+
+@pytest.mark.slow
+@pytest.mark.interpret
+@pytest.mark.parametrize("seq_len, causal, config", [(300, True, Config(block_q=128, eager_ds=True)),
+                                                     (256, False, Config())])
+def test_fused_entry_reads_and_writes_the_projection_layout(seq_len, causal, config):
+    """flash_attention_mgpu_bwd_fused_qkv: q, k, v read from slots of one [B, S, 3, H, hd] array, dk and dv
+    written into slots 1 and 2 of the result and dq into slot 0: bit for bit the three-array call's
+    gradients stacked, with a key mask (S=300: padded to whole KV tiles, the result sliced back)."""
+    positions = np.arange(seq_len)
+    key_mask = jnp.asarray(np.stack([positions < 200, (positions >= 10) & (positions % 7 != 3)]))
+    (q, k, v, o, lse, do), _ = _case_inputs(2, seq_len, 2, 64, causal, seed=3, key_mask=key_mask)
+    split = fb.flash_attention_mgpu_bwd(q, k, v, o, lse, do, causal=causal, key_mask=key_mask, interpret=True,
+                                        config=config)
+    fused = fb.flash_attention_mgpu_bwd_fused_qkv(jnp.stack([q, k, v], axis=2), o, lse, do, causal=causal,
+                                                  key_mask=key_mask, interpret=True, config=config)
+    assert fused.shape == (2, seq_len, 3, 2, 64) and fused.dtype == jnp.float16
+    np.testing.assert_array_equal(np.asarray(fused), np.asarray(jnp.stack(split, axis=2)))
+
+
+@pytest.mark.parametrize("seq_len, causal, masked", [(4096, True, True), (512, False, True), (1000, False, False)])
+def test_fused_entry_lowers_for_cuda_to_one_kernel(seq_len, causal, masked):
+    """The fused entry's GPU build (TMA copies into and out of slots of 5-D arrays) lowers for CUDA to the
+    one kernel; dq's rounding into slot 0 is XLA's."""
+    qkv = jax.ShapeDtypeStruct((2, seq_len, 3, 2, 64), jnp.float16)
+    x = jax.ShapeDtypeStruct((2, seq_len, 2, 64), jnp.float16)
+    lse = jax.ShapeDtypeStruct((2, 2, seq_len), jnp.float32)
+    mask = jax.ShapeDtypeStruct((2, seq_len), jnp.bool_)
+    fn = jax.jit(lambda a, o, l, do, m: fb.flash_attention_mgpu_bwd_fused_qkv(
+        a, o, l, do, causal=causal, key_mask=m if masked else None, config=Config(block_q=128, eager_ds=True)))
+    text = fn.trace(qkv, x, lse, x, mask).lower(lowering_platforms=("cuda",)).as_text()
+    assert re.findall(r"stablehlo\.custom_call @(\w+)", text) == ["mosaic_gpu_v2"]
+    with pytest.raises(ValueError, match="qkv.shape"):
+        fb.flash_attention_mgpu_bwd_fused_qkv(jnp.zeros((2, 128, 2, 64), jnp.float16), *(jnp.zeros(1),) * 3,
+                                              causal=True)

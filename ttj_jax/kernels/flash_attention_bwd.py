@@ -34,7 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from ttj_jax.kernels.flash_attention import flash_attention, flash_attention_fused_qkv, on_hopper, pad_seq_and_head_dim, padded_head_dim
-from ttj_jax.kernels.flash_attention_mgpu_bwd import MgpuBwdConfig, flash_attention_mgpu_bwd
+from ttj_jax.kernels.flash_attention_mgpu_bwd import MgpuBwdConfig, flash_attention_mgpu_bwd, flash_attention_mgpu_bwd_fused_qkv
 
 
 class BwdBlocks(NamedTuple):
@@ -86,6 +86,13 @@ MGPU_BACKWARD_HEAD_DIMS = (64,)
 # The shortest measured: at B=32 H=12 S=512 (bert-base's attention) on one H100, 0.273 ms against these
 # kernels' 0.311 non-causal and 0.219 against 0.219 causal (attention-bwd-2026-12-06-h100-s512.json).
 MGPU_BACKWARD_MIN_SEQ_LEN = 512
+# Whether the fused layout's Hopper backward (flash_attention_fused_vjp where mgpu_backward_applies) reads q,
+# k and v in place from the [B, S, 3, H, hd] projection and writes its gradient in that layout
+# (flash_attention_mgpu_bwd_fused_qkv), instead of slicing q, k and v out and stacking dq, dk and dv after:
+# at bert-base on one H100 the stacking took 67 us per layer and each slice ~19 us
+# (train-2026-12-07-h100-kernels-bert-gpt2.json). Predicted ~0.24 ms of bert-base's step and ~0.07 ms of
+# gpt2-s4096's; to measure (`python3 -m bench.train_programs`, variant "mgpu-in-place"). Off until then.
+MGPU_BACKWARD_IN_PLACE = False
 
 
 # flash_attention_vjp's forward: "generic" (our generic kernel), or "auto" (flash_attention's dispatch, which
@@ -360,7 +367,7 @@ def _vjp_bwd(causal, interpret, residuals, do):
     q, k, v, o, lse, key_mask = residuals
     if mgpu_backward_applies(q, interpret):
         dq, dk, dv = flash_attention_mgpu_bwd(q, k, v, o, lse, do.astype(q.dtype), causal=causal, key_mask=key_mask,
-                                              config=MGPU_BACKWARD_CONFIG)
+                                              interpret=interpret, config=MGPU_BACKWARD_CONFIG)
         return dq, dk, dv, None
     dq, dk, dv = flash_attention_bwd(q, k, v, o, lse, do.astype(q.dtype), causal=causal, key_mask=key_mask,
                                      interpret=interpret)
@@ -387,8 +394,12 @@ def _fused_vjp_fwd(qkv, causal, interpret, key_mask=None):
 
 def _fused_vjp_bwd(causal, interpret, residuals, do):
     qkv, o, lse, key_mask = residuals
-    if mgpu_backward_applies(qkv[:, :, 0], interpret):   # flash_attention_vjp's backward on the slices
-        q, k, v = (qkv[:, :, i] for i in range(3))
+    if mgpu_backward_applies(qkv[:, :, 0], interpret):
+        if MGPU_BACKWARD_IN_PLACE:
+            return flash_attention_mgpu_bwd_fused_qkv(qkv, o, lse, do.astype(qkv.dtype), causal=causal,
+                                                      key_mask=key_mask, interpret=interpret,
+                                                      config=MGPU_BACKWARD_CONFIG), None
+        q, k, v = (qkv[:, :, i] for i in range(3))   # flash_attention_vjp's backward on the slices
         *grads, _ = _vjp_bwd(causal, interpret, (q, k, v, o, lse, key_mask), do)
         return jnp.stack(grads, axis=2), None
     return flash_attention_bwd_fused_qkv(qkv, o, lse, do.astype(qkv.dtype), causal=causal, key_mask=key_mask,

@@ -46,7 +46,7 @@ from ttj_jax.kernels.flash_attention_mgpu_kernel import (
     interpret_kernel,
     mask_slot_bytes,
 )
-from ttj_jax.kernels.mosaic_primitives import plgpu_module
+from ttj_jax.kernels.mosaic_primitives import SlotRef, plgpu_module
 
 __all__ = ["FUSED_MIN_SEQ_LEN", "LOWERING_SEMANTICS", "MIN_SEQ_LEN", "SUPPORTED_HEAD_DIMS", "UNFUSED_MIN_SEQ_LEN",
            "MgpuBlockSizes", "attention_flops", "default_block_sizes", "default_lowering_semantics",
@@ -180,22 +180,6 @@ def flash_attention_mgpu_fused_qkv(qkv: jax.Array, *, causal: bool, interpret: b
                    key_mask=key_mask, clean_blocks=clean_blocks)
 
 
-class _SlotRef:
-    """q, k or v inside a fused [B, S, 3, H, head_dim] GMEM ref: `.at[b, rows, h]` (all the kernel asks
-    of its q/k/v refs) is the fused ref's `.at[b, rows, slot, h]`, one TMA copy out of the big array."""
-
-    def __init__(self, ref, slot: int):
-        self.ref, self.slot = ref, slot
-
-    @property
-    def at(self):
-        return self
-
-    def __getitem__(self, index):
-        batch, rows, head = index
-        return self.ref.at[batch, rows, self.slot, head]
-
-
 def _launch(operands: tuple, shape: tuple, *, causal, interpret, sm_scale, block_sizes, lowering_semantics,
             return_lse, key_mask=None, clean_blocks=None):
     """The kernel call: operands are (q, k, v) [B, S, H, hd] or (qkv,) [B, S, 3, H, hd] (fused);
@@ -264,7 +248,7 @@ def _launch(operands: tuple, shape: tuple, *, causal, interpret, sm_scale, block
                       smem, barriers, *mask_scoped, collective_axes="wg")
 
     def fused_entry(qkv_ref, *refs):
-        entry(_SlotRef(qkv_ref, 0), _SlotRef(qkv_ref, 1), _SlotRef(qkv_ref, 2), *refs)
+        entry(SlotRef(qkv_ref, 0), SlotRef(qkv_ref, 1), SlotRef(qkv_ref, 2), *refs)
 
     # The interpreter drops a partly out-of-bounds TMA write: there arrays are whole query tiles long.
     array_len = num_q_tiles * blocks.block_q if interpret else padded_seq_len(seq_len)

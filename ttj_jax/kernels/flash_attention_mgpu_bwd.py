@@ -42,7 +42,7 @@ from jax.experimental import pallas as pl
 from ttj_jax.kernels.attention_common import check_causal_and_scale, check_qkv_layout
 from ttj_jax.kernels.flash_attention_mgpu_config import SMEM_BUDGET_BYTES, swizzle_bytes
 from ttj_jax.kernels.flash_attention_mgpu_interpret import InterpretPallas, StagingPlgpu
-from ttj_jax.kernels.mosaic_primitives import plgpu_module
+from ttj_jax.kernels.mosaic_primitives import SlotRef, plgpu_module
 
 BLOCK_Q = 64             # queries per ring slot (the M of the dQ GEMM, the N of S^T's)
 KEYS_PER_CONSUMER = 64   # one wgmma M tile per consumer warpgroup
@@ -380,30 +380,55 @@ def flash_attention_mgpu_bwd(q, k, v, o, lse, do, *, causal: bool, key_mask=None
     [B, S] (False: a key no query sees; its dk and dv are zero) or None. Rows whose lse is -inf (no allowed
     key) get zero dq. config: MgpuBwdConfig, or None for DEFAULT_CONFIG. Returns three arrays in q's dtype."""
     _check(q, k, v, o, lse, do, causal, sm_scale, key_mask)
+    return _backward((q, k, v), o, lse, do, causal=causal, key_mask=key_mask, sm_scale=sm_scale,
+                     interpret=interpret, config=config)
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "sm_scale", "interpret", "config"))
+def flash_attention_mgpu_bwd_fused_qkv(qkv, o, lse, do, *, causal: bool, key_mask=None,
+                                       sm_scale: float | None = None, interpret: bool | str = False,
+                                       config: MgpuBwdConfig | None = None):
+    """`flash_attention_mgpu_bwd` for q, k, v read in place out of one fused [B, S, 3, H, head_dim]
+    projection (the forward's `flash_attention_mgpu_fused_qkv` layout), its gradient returned in that
+    layout: the kernel's TMA copies read slots 0, 1, 2 of qkv and write dk and dv into slots 1 and 2 of the
+    result, and dq (summed in fp32) is rounded into slot 0, so no q, k, v slices are made and no three
+    gradients stacked after. Returns [B, S, 3, H, head_dim] in qkv's dtype."""
+    if qkv.ndim != 5 or qkv.shape[2] != 3:
+        raise ValueError(f"qkv.shape={qkv.shape} must be [batch, seq_len, 3, num_heads, head_dim]")
+    view = jax.ShapeDtypeStruct(qkv.shape[:2] + qkv.shape[3:], qkv.dtype)
+    _check(view, view, view, o, lse, do, causal, sm_scale, key_mask)
+    return _backward((qkv,), o, lse, do, causal=causal, key_mask=key_mask, sm_scale=sm_scale,
+                     interpret=interpret, config=config)
+
+
+def _backward(sources, o, lse, do, *, causal, key_mask, sm_scale, interpret, config):
+    """The kernel call: sources (q, k, v) [B, S, H, hd] -> (dq, dk, dv), or (qkv,) [B, S, 3, H, hd] ->
+    dqkv in that layout (flash_attention_mgpu_bwd_fused_qkv)."""
+    fused = len(sources) == 1
     config = DEFAULT_CONFIG if config is None else config
     if not isinstance(config, MgpuBwdConfig):
         raise ValueError(f"config={config!r} must be an MgpuBwdConfig or None")
-    if config.block_q == BLOCK_KV and q.shape[-1] != 64:
+    batch, seq_len, heads, head_dim = o.shape
+    if config.block_q == BLOCK_KV and head_dim != 64:
         raise ValueError(f"{config} takes head_dim 64 only (its 64 x 128 score tiles and dK, dV accumulators "
-                         f"would not fit the registers at head_dim {q.shape[-1]})")
-    if smem_bytes(q.shape[-1], jnp.dtype(q.dtype).itemsize, config) > SMEM_BUDGET_BYTES:
-        raise ValueError(f"{config} at head_dim {q.shape[-1]} needs {smem_bytes(q.shape[-1], 2, config)} bytes of "
+                         f"would not fit the registers at head_dim {head_dim})")
+    if smem_bytes(head_dim, jnp.dtype(o.dtype).itemsize, config) > SMEM_BUDGET_BYTES:
+        raise ValueError(f"{config} at head_dim {head_dim} needs {smem_bytes(head_dim, 2, config)} bytes of "
                          f"shared memory, over {SMEM_BUDGET_BYTES}")
     plgpu = plgpu_module()
-    batch, seq_len, heads, head_dim = q.shape
-    dtype = jnp.dtype(q.dtype)
+    dtype = jnp.dtype(o.dtype)
     sm_scale = head_dim ** -0.5 if sm_scale is None else float(sm_scale)
     padded = padded_len(seq_len)
     delta = jnp.einsum("bshd,bshd->bhs", o.astype(jnp.float32), do.astype(jnp.float32))
     lse = lse.astype(jnp.float32)
     lse2 = jnp.where(jnp.isfinite(lse), lse * _LOG2_E, jnp.inf)   # no allowed key: P = 0
 
-    def pad_rows(x, value=0.0):   # [B, S, H, hd] and [B, S] on axis 1, [B, H, S] on axis 2
+    def pad_rows(x, value=0.0):   # [B, S, (3,) H, hd] and [B, S] on axis 1, [B, H, S] on axis 2
         axis = 2 if x.ndim == 3 else 1
         widths = [(0, 0)] * x.ndim
         widths[axis] = (0, padded - seq_len)
         return jnp.pad(x, widths, constant_values=value) if padded != seq_len else x
-    operands = (pad_rows(q), pad_rows(k), pad_rows(v), pad_rows(do), pad_rows(lse2, jnp.inf), pad_rows(delta))
+    operands = (*map(pad_rows, sources), pad_rows(do), pad_rows(lse2, jnp.inf), pad_rows(delta))
     key_masked = key_mask is not None
     if key_masked:   # [B, padded] fp32: 0 for a valid key, -inf for a masked or padded one
         operands += (pad_rows(jnp.where(key_mask, 0.0, -jnp.inf).astype(jnp.float32), -jnp.inf),)
@@ -439,26 +464,37 @@ def flash_attention_mgpu_bwd(q, k, v, o, lse, do, *, causal: bool, key_mask=None
                                sm_scale=sm_scale, config=config, dtype=dtype, interpret=bool(interpret),
                                key_masked=key_masked)
     params = plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane)
-    grads = jax.ShapeDtypeStruct((batch, padded, heads, head_dim), dtype)
+    if fused:   # one [B, padded, 3, H, hd] gradient: the kernel writes slots 1 and 2
+        grads = (jax.ShapeDtypeStruct((batch, padded, 3, heads, head_dim), dtype),)
+    else:
+        grads = (jax.ShapeDtypeStruct((batch, padded, heads, head_dim), dtype),) * 2
 
-    def body(*refs):   # the inputs, then dk, dv and dq (interpret: an output; else the accumulator)
-        pl.run_scoped(lambda *scoped: kernel(*refs, *scoped), smem, barriers, *stages, collective_axes="wg")
+    def body(*refs):   # the inputs, then the gradient(s) (dk, dv or dqkv) and dq (interpret: an output; else
+        #                the accumulator)
+        *inputs, dq = refs
+        if fused:
+            (qkv, *inputs), dqkv = inputs[:-1], inputs[-1]
+            inputs = [SlotRef(qkv, 0), SlotRef(qkv, 1), SlotRef(qkv, 2), *inputs, SlotRef(dqkv, 1), SlotRef(dqkv, 2)]
+        pl.run_scoped(lambda *scoped: kernel(*inputs, dq, *scoped), smem, barriers, *stages, collective_axes="wg")
 
     grid = dict(grid=(batch, heads, num_tiles), grid_names=(SEQUENCE_AXIS, HEAD_AXIS, KV_TILE_AXIS),
                 num_threads=NUM_CONSUMERS + 1, thread_name="wg")
     if interpret:
         from ttj_jax.kernels.flash_attention_mgpu_interpret import interpret_params  # noqa: PLC0415
         parts = jax.ShapeDtypeStruct((num_tiles * NUM_CONSUMERS, batch, padded, heads, head_dim), jnp.float32)
-        dk, dv, dq_parts = plgpu.kernel(body, out_type=(grads, grads, parts), compiler_params=params,
-                                        interpret=interpret_params(interpret), **grid)(*operands)
+        *outs, dq_parts = plgpu.kernel(body, out_type=(*grads, parts), compiler_params=params,
+                                       interpret=interpret_params(interpret), **grid)(*operands)
         dq = dq_parts.sum(axis=0)
     else:   # a Ref argument of pl.kernel is read and written in place (plgpu.kernel takes none)
         dq_acc = jax.new_ref(jnp.zeros((batch, padded, heads, head_dim), jnp.float32))
 
-        def ordered(*refs):   # pl.kernel passes the Ref among the inputs
-            *inputs, dq, dk, dv = refs
-            body(*inputs, dk, dv, dq)
-        dk, dv = pl.kernel(ordered, out_type=(grads, grads), mesh=plgpu.Mesh(**grid),
-                           compiler_params=params)(*operands, dq_acc)
+        def ordered(*refs):   # pl.kernel passes the Ref among the inputs, the outputs after
+            inputs, dq, grad_refs = refs[:len(operands)], refs[len(operands)], refs[len(operands) + 1:]
+            body(*inputs, *grad_refs, dq)
+        outs = pl.kernel(ordered, out_type=grads, mesh=plgpu.Mesh(**grid), compiler_params=params)(*operands, dq_acc)
+        outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
         dq = dq_acc[...]
-    return tuple(x[:, :seq_len] for x in (dq.astype(dtype), dk, dv))
+    if fused:   # dq rounded into slot 0 of the kernel's output (an in-place update of that buffer)
+        dqkv = outs[0].at[:, :, 0].set(dq.astype(dtype))
+        return dqkv[:, :seq_len] if padded != seq_len else dqkv
+    return tuple(x[:, :seq_len] for x in (dq.astype(dtype), *outs))

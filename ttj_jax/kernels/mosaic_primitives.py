@@ -92,3 +92,20 @@ def mosaic_cluster_arrive_from_warp(barrier_ref) -> None:
     barrier, transforms = state_primitives.get_ref_and_transforms(barrier_ref, None, "cluster_arrive_from_warp")
     flat_transforms, transforms_treedef = jax.tree_util.tree_flatten(transforms)
     _CLUSTER_ARRIVE_FROM_WARP.bind(barrier, *flat_transforms, transforms_treedef=transforms_treedef)
+
+
+class SlotRef:
+    """q, k or v (or their gradients) inside a fused [B, S, 3, H, head_dim] GMEM ref: `.at[b, rows, h]`
+    (all the attention kernels ask of such a ref) is the fused ref's `.at[b, rows, slot, h]`, one TMA
+    copy into or out of the big array."""
+
+    def __init__(self, ref, slot: int):
+        self.ref, self.slot = ref, slot
+
+    @property
+    def at(self):
+        return self
+
+    def __getitem__(self, index):
+        batch, rows, head = index
+        return self.ref.at[batch, rows, self.slot, head]
