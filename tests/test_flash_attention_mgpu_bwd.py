@@ -241,7 +241,9 @@ def test_fused_entry_lowers_for_cuda_to_one_kernel(seq_len, causal, masked):
     mask = jax.ShapeDtypeStruct((2, seq_len), jnp.bool_)
     fn = jax.jit(lambda a, o, l, do, m: fb.flash_attention_mgpu_bwd_fused_qkv(
         a, o, l, do, causal=causal, key_mask=m if masked else None, config=Config(block_q=128, eager_ds=True)))
-    text = fn.trace(qkv, x, lse, x, mask).lower(lowering_platforms=("cuda",)).as_text()
+    traced = fn.trace(qkv, x, lse, x, mask)
+    assert traced.out_info.shape == qkv.shape and traced.out_info.dtype == jnp.float16
+    text = traced.lower(lowering_platforms=("cuda",)).as_text()
     assert re.findall(r"stablehlo\.custom_call @(\w+)", text) == ["mosaic_gpu_v2"]
     with pytest.raises(ValueError, match="qkv.shape"):
         fb.flash_attention_mgpu_bwd_fused_qkv(jnp.zeros((2, 128, 2, 64), jnp.float16), *(jnp.zeros(1),) * 3,

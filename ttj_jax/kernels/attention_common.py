@@ -29,6 +29,14 @@ def check_qkv_layout(q, k, v):
         raise ValueError(f"q.dtype={q.dtype}, k.dtype={k.dtype} and v.dtype={v.dtype} must match")
 
 
+def fused_qkv_view(qkv) -> jax.ShapeDtypeStruct:
+    """q, k or v as one slot of a fused [batch, seq_len, 3, num_heads, head_dim] array shows it ([B, S, H,
+    head_dim], qkv's dtype); raises where qkv has another layout."""
+    if qkv.ndim != 5 or qkv.shape[2] != 3:
+        raise ValueError(f"qkv.shape={qkv.shape} must be [batch, seq_len, 3, num_heads, head_dim]")
+    return jax.ShapeDtypeStruct(qkv.shape[:2] + qkv.shape[3:], qkv.dtype)
+
+
 def check_causal_and_scale(causal, sm_scale):
     """The static arguments both attention kernels share."""
     if not isinstance(causal, bool):

@@ -37,7 +37,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from ttj_jax.device import default_device_is_hopper
-from ttj_jax.kernels.attention_common import attention_reference, check_causal_and_scale, check_qkv_layout
+from ttj_jax.kernels.attention_common import attention_reference, check_causal_and_scale, check_qkv_layout, fused_qkv_view
 from ttj_jax.kernels.flash_attention_mgpu import SUPPORTED_HEAD_DIMS as MOSAIC_HEAD_DIMS
 from ttj_jax.kernels.flash_attention_mgpu import (
     dispatch_min_seq_len,
@@ -496,8 +496,7 @@ def flash_attention_fused_qkv(qkv: jax.Array, *, causal: bool, kv_lengths: jax.A
       [B, S, H, head_dim] in qkv's dtype (and the log-sum-exp with return_lse).
     """
     _check_statics(causal, sm_scale, block_sizes)
-    if qkv.ndim != 5 or qkv.shape[2] != 3:
-        raise ValueError(f"qkv.shape={qkv.shape} must be [batch, seq_len, 3, num_heads, head_dim]")
+    fused_qkv_view(qkv)
     _check_dtype_and_head_dim("qkv", qkv)
     _check_masks(kv_lengths, key_mask, qkv.shape[0], qkv.shape[1])
     if not isinstance(return_lse, bool):

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from ttj_jax.kernels.attention_common import attention_reference, check_causal_and_scale, check_qkv_layout
+from ttj_jax.kernels.attention_common import attention_reference, check_causal_and_scale, check_qkv_layout, fused_qkv_view
 from ttj_jax.kernels.flash_attention_mgpu_config import (
     LOWERING_SEMANTICS,
     ROWS_PER_CONSUMER,
@@ -171,9 +171,7 @@ def flash_attention_mgpu_fused_qkv(qkv: jax.Array, *, causal: bool, interpret: b
     cost more than the kernel at shape 8's call (3 x 11.4 us against 22.4). key_mask, clean_blocks,
     return_lse: as in `flash_attention_mgpu`. Returns [B, S, H, head_dim] (and the log-sum-exp [B, H, S]
     with return_lse)."""
-    if qkv.ndim != 5 or qkv.shape[2] != 3:
-        raise ValueError(f"qkv.shape={qkv.shape} must be [batch, seq_len, 3, num_heads, head_dim]")
-    view = jax.ShapeDtypeStruct(qkv.shape[:2] + qkv.shape[3:], qkv.dtype)
+    view = fused_qkv_view(qkv)
     _check_inputs(view, view, view, causal, sm_scale, block_sizes, return_lse, lowering_semantics, key_mask)
     return _launch((qkv,), view.shape, causal=causal, interpret=interpret, sm_scale=sm_scale,
                    block_sizes=block_sizes, lowering_semantics=lowering_semantics, return_lse=return_lse,

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from ttj_jax.kernels.attention_common import check_causal_and_scale, check_qkv_layout
+from ttj_jax.kernels.attention_common import check_causal_and_scale, check_qkv_layout, fused_qkv_view
 from ttj_jax.kernels.flash_attention_mgpu_config import SMEM_BUDGET_BYTES, swizzle_bytes
 from ttj_jax.kernels.flash_attention_mgpu_interpret import InterpretPallas, StagingPlgpu
 from ttj_jax.kernels.mosaic_primitives import SlotRef, plgpu_module
@@ -393,9 +393,7 @@ def flash_attention_mgpu_bwd_fused_qkv(qkv, o, lse, do, *, causal: bool, key_mas
     layout: the kernel's TMA copies read slots 0, 1, 2 of qkv and write dk and dv into slots 1 and 2 of the
     result, and dq (summed in fp32) is rounded into slot 0, so no q, k, v slices are made and no three
     gradients stacked after. Returns [B, S, 3, H, head_dim] in qkv's dtype."""
-    if qkv.ndim != 5 or qkv.shape[2] != 3:
-        raise ValueError(f"qkv.shape={qkv.shape} must be [batch, seq_len, 3, num_heads, head_dim]")
-    view = jax.ShapeDtypeStruct(qkv.shape[:2] + qkv.shape[3:], qkv.dtype)
+    view = fused_qkv_view(qkv)
     _check(view, view, view, o, lse, do, causal, sm_scale, key_mask)
     return _backward((qkv,), o, lse, do, causal=causal, key_mask=key_mask, sm_scale=sm_scale,
                      interpret=interpret, config=config)
@@ -492,7 +490,6 @@ def _backward(sources, o, lse, do, *, causal, key_mask, sm_scale, interpret, con
             inputs, dq, grad_refs = refs[:len(operands)], refs[len(operands)], refs[len(operands) + 1:]
             body(*inputs, *grad_refs, dq)
         outs = pl.kernel(ordered, out_type=grads, mesh=plgpu.Mesh(**grid), compiler_params=params)(*operands, dq_acc)
-        outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
         dq = dq_acc[...]
     if fused:   # dq rounded into slot 0 of the kernel's output (an in-place update of that buffer)
         dqkv = outs[0].at[:, :, 0].set(dq.astype(dtype))
