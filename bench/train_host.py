@@ -85,15 +85,16 @@ def training_parts(module, x: torch.Tensor, mask: torch.Tensor, weights: torch.T
     key = model_key(config)
     forward = forward_program(key, x.is_cuda, backward_attention())
     apply = apply_program(key)
-    y, pull = forward(jparams, jx, jmask)
+    y, residuals = forward(jparams, jx, jmask)
+    forwarded = residuals.forwarded((jparams, jx, jmask))
     grad_out = to_jax(weights / weights.numel())
-    jax.block_until_ready(pull)
+    jax.block_until_ready(residuals)
 
     def loss():
         return (module(x, mask) * weights).mean()
 
     def outputs():
-        return jax.block_until_ready(apply(pull, grad_out))
+        return jax.block_until_ready(apply(residuals, forwarded, grad_out))
     parts = {
         "step": (None, lambda _: step()),
         "forward": (None, lambda _: module(x, mask)),
@@ -102,12 +103,14 @@ def training_parts(module, x: torch.Tensor, mask: torch.Tensor, weights: torch.T
         "forward_jax": (None, lambda _: forward(jparams, jx, jmask)),
         "export_y": (None, lambda _: transfer.to_torch(y)),
         "backward": (loss, lambda value: value.backward()),
-        "apply_jax": (None, lambda _: apply(pull, grad_out)),
+        "apply_jax": (None, lambda _: apply(residuals, forwarded, grad_out)),
         "to_torch": (outputs, lambda out: gradients_to_torch(transfer, *out, x, params)),
         "optimizer": (None, lambda _: optimizer.step()),
     }
-    arrays = {"forward_inputs": len(jax.tree.leaves((jparams, jx, jmask))), "forward_outputs": 1 + len(jax.tree.leaves(pull)),
-              "apply_inputs": len(jax.tree.leaves(pull)) + 1, "apply_outputs": 2}
+    kept = len(jax.tree.leaves(residuals))
+    arrays = {"forward_inputs": len(jax.tree.leaves((jparams, jx, jmask))), "forward_outputs": 1 + kept,
+              "forwarded": len(forwarded),
+              "apply_inputs": kept + len(forwarded) + 1, "apply_outputs": 2}
     return parts, arrays
 
 

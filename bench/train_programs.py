@@ -33,6 +33,10 @@ arithmetic more than its rounding shows. The variants:
   hopper-forward        the attention forward through flash_attention's dispatch, the Hopper kernel (its
                         log-sum-exp too) where it applies (flash_attention_bwd.VJP_FORWARD_IMPLEMENTATION "auto")
   generic-forward       the attention forward always our generic kernel (VJP_FORWARD_IMPLEMENTATION "generic")
+  mosaic-forward        the attention forward always the Hopper kernel (VJP_FORWARD_IMPLEMENTATION "mosaic";
+                        fails where that kernel does not apply)
+  inputs-in-residuals   the forward returns its whole pullback, its own inputs among the residuals (copied
+                        out), not training.Residuals
   mgpu-in-place         the Hopper attention backward reads q, k, v from the fused projection and writes its
                         gradient in that layout (flash_attention_bwd.MGPU_BACKWARD_IN_PLACE)
 
@@ -89,6 +93,8 @@ VARIANTS: dict[str, tuple[list, dict]] = {
     "hopper-forward": ([(flash_attention_bwd, "VJP_FORWARD_IMPLEMENTATION", "auto")], {}),
     "generic-forward": ([(flash_attention_bwd, "VJP_FORWARD_IMPLEMENTATION", "generic")], {}),
     "mgpu-in-place": ([(flash_attention_bwd, "MGPU_BACKWARD_IN_PLACE", True)], {}),
+    "mosaic-forward": ([(flash_attention_bwd, "VJP_FORWARD_IMPLEMENTATION", "mosaic")], {}),
+    "inputs-in-residuals": ([(sys.modules[__name__], "KEEP_INPUTS_IN_RESIDUALS", True)], {}),
 }
 
 
@@ -105,18 +111,38 @@ def switched(settings):
             setattr(obj, name, value)
 
 
-def programs(config, on_gpu: bool, xla_options: dict):
-    """(forward, backward) jitted: the bridge's training forward and the application of its pullback."""
-    def forward(params, x, mask):
-        y, pull = training.forward_with_pullback(params, x, mask, config=config, on_gpu=on_gpu,
-                                                 attention=training.backward_attention())
-        return y.astype(jnp.float32), pull
+# Variant "inputs-in-residuals": the forward returns its whole pullback, the residuals that are its own inputs
+# included (copied on the way out), as the bridge's forward did before training.Residuals.
+KEEP_INPUTS_IN_RESIDUALS = False
 
-    def backward(pull, grad_out):
-        d_params, d_x = training.apply_pullback(pull, grad_out)
+
+def programs(config, on_gpu: bool, xla_options: dict):
+    """(forward, backward) jitted: the bridge's training forward (forward(params, x, mask) -> (y,
+    residuals)) and the application of its residuals (backward(residuals, (params, x, mask), dL/dy))."""
+    options = dict(compiler_options=xla_options or None)
+    attention = training.backward_attention()
+    if KEEP_INPUTS_IN_RESIDUALS:
+        def forward(params, x, mask):
+            y, pull = training.forward_with_pullback(params, x, mask, config=config, on_gpu=on_gpu, attention=attention)
+            return y.astype(jnp.float32), pull
+
+        def apply(pull, grad_out):
+            d_params, d_x = training.apply_pullback(pull, grad_out)
+            return flat_gradients(d_params, config), d_x
+        apply = jax.jit(apply, **options)
+        return jax.jit(forward, **options), lambda pull, inputs, grad_out: apply(pull, grad_out)
+
+    def forward(params, x, mask):
+        y, residuals = training.forward_with_residuals(params, x, mask, config=config, on_gpu=on_gpu,
+                                                       attention=attention)
+        return y.astype(jnp.float32), residuals
+
+    def apply(residuals, forwarded, grad_out):
+        d_params, d_x = training.apply_residuals(residuals, forwarded, grad_out)
         return flat_gradients(d_params, config), d_x
-    return (jax.jit(forward, compiler_options=xla_options or None),
-            jax.jit(backward, compiler_options=xla_options or None))
+    apply = jax.jit(apply, **options)
+    return jax.jit(forward, **options), lambda residuals, inputs, grad_out: apply(
+        residuals, residuals.forwarded(inputs), grad_out)
 
 
 def _rel(a, b) -> float:
@@ -139,11 +165,11 @@ def run_config(config, variants: list[str], *, min_seconds: float, repeats: int)
                 forward, backward = programs(config, on_gpu, xla_options)
                 start = time.perf_counter()
                 y, pull = forward(params, x, mask)
-                outputs = jax.block_until_ready((y, *backward(pull, grad_out)))
+                outputs = jax.block_until_ready((y, *backward(pull, (params, x, mask), grad_out)))
                 compile_s = time.perf_counter() - start
                 forward_ms, _ = stream_ms_per_call(forward, (params, x, mask), min_seconds=min_seconds,
                                                    repeats=repeats)
-                backward_ms, _ = stream_ms_per_call(backward, (pull, grad_out), min_seconds=min_seconds,
+                backward_ms, _ = stream_ms_per_call(backward, (pull, (params, x, mask), grad_out), min_seconds=min_seconds,
                                                     repeats=repeats)
         except Exception as e:  # one variant that does not build must not end the others' measurement
             message = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]

@@ -29,7 +29,7 @@ from bridge.transfer import transfer_for
 from ttj_jax.config import Config
 from ttj_jax.params import expected_shapes, params_from_state_dict, params_to_state_dict
 from ttj_jax.programs import model_key
-from ttj_jax.training import apply_pullback, backward_attention, forward_with_pullback, pullback
+from ttj_jax.training import apply_residuals, backward_attention, forward_with_residuals, pullback
 
 # The parameter whose gradient is zero in exact arithmetic (module docstring).
 ZERO_GRADIENT_SUFFIX = "attention.k_proj.bias"
@@ -70,19 +70,21 @@ def _vjp_program(config: Config, on_gpu: bool, attention: str):
 
 @functools.cache
 def forward_program(config: Config, on_gpu: bool, attention: str):
-    """The jitted training forward (y as float32, its pullback) of a model key (one per process)."""
+    """The jitted training forward of a model key (one per process): (y as float32, its residuals,
+    training.Residuals, which leave out the program's own inputs)."""
     def program(params, x, mask):
-        y, pull = forward_with_pullback(params, x, mask, config=config, on_gpu=on_gpu, attention=attention)
-        return y.astype(jnp.float32), pull
+        y, residuals = forward_with_residuals(params, x, mask, config=config, on_gpu=on_gpu, attention=attention)
+        return y.astype(jnp.float32), residuals
     return jax.jit(program)
 
 
 @functools.cache
 def apply_program(config: Config):
-    """The jitted application of forward_program's pullback to dL/dy (training.apply_pullback): the
-    parameters' gradients as flat_gradients, and dL/dx."""
-    def program(pull, grad_out):
-        d_params, d_x = apply_pullback(pull, grad_out)
+    """The jitted application of forward_program's residuals to dL/dy (training.apply_residuals;
+    `forwarded`: residuals.forwarded((params, x, mask)) of the forward's inputs): the parameters'
+    gradients as flat_gradients, and dL/dx."""
+    def program(residuals, forwarded, grad_out):
+        d_params, d_x = apply_residuals(residuals, forwarded, grad_out)
         return flat_gradients(d_params, config), d_x.astype(jnp.float32)
     return jax.jit(program)
 
@@ -153,15 +155,19 @@ def forward_keeping_residuals(x: torch.Tensor, mask: torch.Tensor | None, params
     mask = training_mask(mask)
     transfer, to_jax, jparams, jmask = jax_inputs(x, mask, params, config, tree)
     program = forward_program(model_key(config), x.device.type == "cuda", backward_attention())
-    y, pull = program(jparams, to_jax(x), jmask)
-    return transfer.to_torch(y).to(x.dtype), pull
+    inputs = (jparams, to_jax(x), jmask)
+    y, residuals = program(*inputs)
+    return transfer.to_torch(y).to(x.dtype), (residuals, residuals.forwarded(inputs))
 
 
 def gradients_from(pull, x: torch.Tensor, params: list[torch.Tensor], config: Config, grad_out: torch.Tensor):
-    """(dL/dx, [dL/dp]) from forward_keeping_residuals's pull."""
+    """(dL/dx, [dL/dp]) from forward_keeping_residuals's pull: (training.Residuals, the forward's inputs
+    they need back)."""
     transfer = transfer_for(x.device)
     transfer.order_before_jax()   # grad_out was made on torch's stream
-    flat, gx = apply_program(model_key(config))(pull, transfer.to_jax(grad_out.detach().float().contiguous()))
+    residuals, forwarded = pull
+    flat, gx = apply_program(model_key(config))(residuals, forwarded,
+                                                transfer.to_jax(grad_out.detach().float().contiguous()))
     return gradients_to_torch(transfer, flat, gx, x, params)
 
 

@@ -518,3 +518,45 @@ def test_masked_cudnn_training_program_gives_the_xla_programs_gradients(monkeypa
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
         assert np.isfinite(a).all()
         assert np.linalg.norm(a - b) <= 5e-3 * np.linalg.norm(b) + floor
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_the_training_forward_returns_none_of_its_inputs_and_the_same_gradients(masked):
+    """The bridge's training forward (bridge.autograd.forward_program) leaves out of its outputs the
+    residuals that are its own inputs (a copy each: the fp32 x the first LayerNorm keeps, the LayerNorms'
+    parameters, the mask), and its backward, given them back, computes what the whole pullback does."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from bridge.autograd import apply_program, flat_gradients, forward_program
+    from ttj_jax import training
+    from ttj_jax.config import Config
+    from ttj_jax.params import init_params
+    from ttj_jax.programs import model_key
+    config = Config(batch_size=2, seq_len=16, d_model=32, num_heads=2, ffn_dim=64, num_layers=2, causal=True)
+    keys = jax.random.split(jax.random.PRNGKey(3), 3)
+    params = init_params(keys[0], config)
+    x = jax.random.normal(keys[1], (2, 16, 32))
+    mask = jnp.asarray(make_mask("prefix", 2, 16, seed=1).numpy()) if masked else None
+    g = jax.random.normal(keys[2], x.shape) / x.size
+    inputs = (params, x, mask)
+    forward = forward_program(model_key(config), False, "auto")
+    y, residuals = forward(*inputs)
+    input_leaves = jax.tree.leaves(inputs)
+    # x and the 10 LayerNorm parameters (2 per LayerNorm, 2 LayerNorms a layer and the final one); the
+    # flash attention's programs keep the mask too (on the CPU XLA's attention keeps a broadcast of it)
+    assert len(residuals.needed) >= 1 + 2 * (2 * config.num_layers + 1)
+    assert any(input_leaves[i] is x for i in residuals.needed)
+    jaxpr = jax.make_jaxpr(forward)(*inputs).jaxpr.eqns[0].params["jaxpr"].jaxpr
+    assert not set(map(id, jaxpr.outvars)) & set(map(id, jaxpr.invars))
+    flat, d_x = apply_program(model_key(config))(residuals, residuals.forwarded(inputs), g)
+
+    @jax.jit
+    def whole(params, x, mask, g):   # the pullback returned whole, as one program
+        y, pull = training.forward_with_pullback(params, x, mask, config=config, on_gpu=False)
+        return y, *training.apply_pullback(pull, g)
+    y_whole, d_params, d_x_whole = whole(params, x, mask, g)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(y_whole), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(d_x), np.asarray(d_x_whole), rtol=1e-5, atol=1e-9)
+    np.testing.assert_allclose(np.asarray(flat), np.asarray(flat_gradients(d_params, config)), rtol=1e-5, atol=1e-9)

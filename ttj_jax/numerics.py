@@ -310,10 +310,9 @@ def layer_norm(x: jax.Array, weight: jax.Array, bias: jax.Array, out_dtype=None)
     tiled it [32, 1, d], 32 rows a whole sequence apart, at 21 us per LayerNorm of vit-s197's residual
     where [B*S, d] tiles take 7 (docs/decisions.md, "Planner and stacks"). Its backward keeps the fp32
     input and the rows' mean and reciprocal deviation, and recomputes the normalised rows from them
-    (jax's own rule keeps two fp32 [rows, d] tensors)."""
-    shape = x.shape
-    rows = x.astype(jnp.float32).reshape(-1, shape[-1])
-    return _layer_norm_rows(rows, weight, bias, np.dtype(out_dtype or np.float32)).reshape(shape)
+    (jax's own rule keeps two fp32 [rows, d] tensors). It keeps x in its own shape, so that a program's
+    fp32 input kept for the backward is that input itself (training.Residuals leaves it out)."""
+    return _layer_norm_rows(x.astype(jnp.float32), weight, bias, np.dtype(out_dtype or np.float32))
 
 
 # Whether a LayerNorm's row statistics come from one pass over the rows (True): the sums of x - x0 and of
@@ -350,24 +349,29 @@ def _row_statistics(x):
 LAYER_NORM_KEEPS_STATISTICS = True
 
 
+def _rows(x):
+    return x.reshape(-1, x.shape[-1])
+
+
 def _layer_norm_forward(x, weight, bias, dtype):
-    mean, centered, rstd = _row_statistics(x)
+    mean, centered, rstd = _row_statistics(_rows(x))
     kept = (mean, rstd) if LAYER_NORM_KEEPS_STATISTICS else (None, None)
-    return (centered * rstd * weight + bias).astype(dtype), (x, *kept, weight, bias)
+    return (centered * rstd * weight + bias).astype(dtype).reshape(x.shape), (x, *kept, weight, bias)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _layer_norm_rows(x, weight, bias, dtype):
-    """The LayerNorm of fp32 rows, its output rounded to dtype inside the rule (the cotangent then comes
-    in dtype; fp32: no rounding)."""
+    """The LayerNorm of fp32 x (..., d), computed on its rows, its output rounded to dtype inside the rule
+    (the cotangent then comes in dtype; fp32: no rounding)."""
     return _layer_norm_forward(x, weight, bias, dtype)[0]
 
 
 def _layer_norm_backward(dtype, residuals, g):   # g comes in dtype
-    x, mean, rstd, weight, bias = residuals
+    x_in, mean, rstd, weight, bias = residuals
+    x = _rows(x_in)
     if mean is None:
         mean, _, rstd = _row_statistics(x)
-    g = g.astype(jnp.float32)
+    g = _rows(g).astype(jnp.float32)
     normalised = (x - mean) * rstd
     if LAYER_NORM_JOINT_PARAMETER_SUMS:   # one reduction over the rows of [g * normalised, g]
         sums = jnp.sum(jnp.stack([g * normalised, g], axis=1), axis=0)
@@ -379,7 +383,7 @@ def _layer_norm_backward(dtype, residuals, g):   # g comes in dtype
     gw = g * weight
     dx = rstd * (gw - jnp.mean(gw, axis=-1, keepdims=True)
                  - normalised * jnp.mean(gw * normalised, axis=-1, keepdims=True))
-    return dx, dw, db
+    return dx.reshape(x_in.shape), dw, db
 
 
 _layer_norm_rows.defvjp(_layer_norm_forward, _layer_norm_backward)
