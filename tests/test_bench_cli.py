@@ -455,7 +455,7 @@ def test_train_programs_times_each_variant_and_restores_the_switches(tmp_path, m
                flash_attention_bwd.MGPU_BACKWARD_IN_PLACE)
     monkeypatch.setenv("TTJ_BACKWARD_ATTENTION", "flash")
     variants = ("default,before-f6ebade,ln-recompute,bias-gelu,dx32,weight-kn,dqkv-stacked,ln-one-pass,ln-out32,"
-                "ln-two-sums,hopper-forward,generic-forward,mgpu-in-place")
+                "ln-two-sums,hopper-forward,generic-forward,mgpu-in-place,inputs-in-residuals")
     assert train_programs.main(["--configs", "cpu-2", "--variants", variants,
                                 "--min-seconds", "0.01", "--repeats", "1", "--out", str(tmp_path)]) == 0
     (path,) = tmp_path.glob("train-programs-*.json")
@@ -472,6 +472,7 @@ def test_train_programs_times_each_variant_and_restores_the_switches(tmp_path, m
                        numerics.LAYER_NORM_ONE_PASS, numerics.LAYER_NORM_OUT_IN_GEMM_DTYPE,
                        numerics.LAYER_NORM_JOINT_PARAMETER_SUMS, flash_attention_bwd.VJP_FORWARD_IMPLEMENTATION,
                        flash_attention_bwd.MGPU_BACKWARD_IN_PLACE)
+    assert train_programs.KEEP_INPUTS_IN_RESIDUALS is False
     assert "ln-recompute" in capsys.readouterr().out
     assert train_programs.main(["--variants", "default,magic"]) == 2
 
