@@ -35,6 +35,10 @@ arithmetic more than its rounding shows. The variants:
   generic-forward       the attention forward always our generic kernel (VJP_FORWARD_IMPLEMENTATION "generic")
   mosaic-forward        the attention forward always the Hopper kernel (VJP_FORWARD_IMPLEMENTATION "mosaic";
                         fails where that kernel does not apply)
+  forward-with-hopper-backward  the attention forward the Hopper kernel wherever the Hopper backward runs,
+                        not by the inference dispatch (flash_attention_bwd.VJP_FORWARD_WITH_HOPPER_BACKWARD)
+  mgpu-stacked          the Hopper backward on q, k, v sliced out, dq/dk/dv stacked after (MGPU_BACKWARD_IN_PLACE off)
+  bias-before-gelu      the MLP's first bias added before the GELU, the sum written in fp16 (MLP_BIAS_IN_GELU off)
   inputs-in-residuals   the forward returns its whole pullback, its own inputs among the residuals (copied
                         out), not training.Residuals
   mgpu-in-place         the Hopper attention backward reads q, k, v from the fused projection and writes its
@@ -94,6 +98,9 @@ VARIANTS: dict[str, tuple[list, dict]] = {
     "generic-forward": ([(flash_attention_bwd, "VJP_FORWARD_IMPLEMENTATION", "generic")], {}),
     "mgpu-in-place": ([(flash_attention_bwd, "MGPU_BACKWARD_IN_PLACE", True)], {}),
     "mosaic-forward": ([(flash_attention_bwd, "VJP_FORWARD_IMPLEMENTATION", "mosaic")], {}),
+    "forward-with-hopper-backward": ([(flash_attention_bwd, "VJP_FORWARD_WITH_HOPPER_BACKWARD", True)], {}),
+    "mgpu-stacked": ([(flash_attention_bwd, "MGPU_BACKWARD_IN_PLACE", False)], {}),
+    "bias-before-gelu": ([(numerics, "MLP_BIAS_IN_GELU", False)], {}),
     "inputs-in-residuals": ([(sys.modules[__name__], "KEEP_INPUTS_IN_RESIDUALS", True)], {}),
 }
 

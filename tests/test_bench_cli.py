@@ -452,10 +452,11 @@ def test_train_programs_times_each_variant_and_restores_the_switches(tmp_path, m
                numerics.WEIGHT_RESIDUAL_TRANSPOSED, flash_attention_bwd.GRADIENT_IN_PLACE,
                numerics.LAYER_NORM_ONE_PASS, numerics.LAYER_NORM_OUT_IN_GEMM_DTYPE,
                numerics.LAYER_NORM_JOINT_PARAMETER_SUMS, flash_attention_bwd.VJP_FORWARD_IMPLEMENTATION,
-               flash_attention_bwd.MGPU_BACKWARD_IN_PLACE)
+               flash_attention_bwd.MGPU_BACKWARD_IN_PLACE, flash_attention_bwd.VJP_FORWARD_WITH_HOPPER_BACKWARD)
     monkeypatch.setenv("TTJ_BACKWARD_ATTENTION", "flash")
     variants = ("default,before-f6ebade,ln-recompute,bias-gelu,dx32,weight-kn,dqkv-stacked,ln-one-pass,ln-out32,"
-                "ln-two-sums,hopper-forward,generic-forward,mgpu-in-place,inputs-in-residuals")
+                "ln-two-sums,hopper-forward,generic-forward,mgpu-in-place,inputs-in-residuals,"
+                "forward-with-hopper-backward,mgpu-stacked,bias-before-gelu")
     assert train_programs.main(["--configs", "cpu-2", "--variants", variants,
                                 "--min-seconds", "0.01", "--repeats", "1", "--out", str(tmp_path)]) == 0
     (path,) = tmp_path.glob("train-programs-*.json")
@@ -471,7 +472,7 @@ def test_train_programs_times_each_variant_and_restores_the_switches(tmp_path, m
                        numerics.WEIGHT_RESIDUAL_TRANSPOSED, flash_attention_bwd.GRADIENT_IN_PLACE,
                        numerics.LAYER_NORM_ONE_PASS, numerics.LAYER_NORM_OUT_IN_GEMM_DTYPE,
                        numerics.LAYER_NORM_JOINT_PARAMETER_SUMS, flash_attention_bwd.VJP_FORWARD_IMPLEMENTATION,
-                       flash_attention_bwd.MGPU_BACKWARD_IN_PLACE)
+                       flash_attention_bwd.MGPU_BACKWARD_IN_PLACE, flash_attention_bwd.VJP_FORWARD_WITH_HOPPER_BACKWARD)
     assert train_programs.KEEP_INPUTS_IN_RESIDUALS is False
     assert "ln-recompute" in capsys.readouterr().out
     assert train_programs.main(["--variants", "default,magic"]) == 2

@@ -209,3 +209,22 @@ def test_hopper_backward_in_place_is_the_stacked_one(monkeypatch):
         assert stacks != in_place
     assert grads[True].shape == qkv.shape and grads[True].dtype == qkv.dtype
     np.testing.assert_array_equal(np.asarray(grads[True], np.float32), np.asarray(grads[False], np.float32))
+
+
+def test_the_training_forward_follows_the_hopper_backward_only_when_switched_on(monkeypatch):
+    """VJP_FORWARD_WITH_HOPPER_BACKWARD: where the Hopper backward runs, the forward is forced onto the
+    Hopper kernel; off, or with a forced implementation, the forward keeps VJP_FORWARD_IMPLEMENTATION."""
+    import jax.numpy as jnp
+
+    from ttj_jax.kernels import flash_attention_bwd as fab
+    q = jnp.zeros((1, 512, 2, 64), jnp.float16)
+    monkeypatch.setattr(fab, "mgpu_backward_applies", lambda q, interpret: not interpret)
+    monkeypatch.setattr(fab, "VJP_FORWARD_IMPLEMENTATION", "auto")
+    monkeypatch.setattr(fab, "VJP_FORWARD_WITH_HOPPER_BACKWARD", True)
+    assert fab._vjp_forward_implementation(q, interpret=False) == "mosaic"
+    assert fab._vjp_forward_implementation(q, interpret=True) == "auto"
+    monkeypatch.setattr(fab, "VJP_FORWARD_IMPLEMENTATION", "generic")
+    assert fab._vjp_forward_implementation(q, interpret=False) == "generic"
+    monkeypatch.setattr(fab, "VJP_FORWARD_IMPLEMENTATION", "auto")
+    monkeypatch.setattr(fab, "VJP_FORWARD_WITH_HOPPER_BACKWARD", False)
+    assert fab._vjp_forward_implementation(q, interpret=False) == "auto"

@@ -91,8 +91,10 @@ MGPU_BACKWARD_MIN_SEQ_LEN = 512
 # (flash_attention_mgpu_bwd_fused_qkv), instead of slicing q, k and v out and stacking dq, dk and dv after:
 # at bert-base on one H100 the stacking took 67 us per layer and each slice ~19 us
 # (train-2026-12-07-h100-kernels-bert-gpt2.json). Predicted ~0.24 ms of bert-base's step and ~0.07 ms of
-# gpt2-s4096's; to measure (`python3 -m bench.train_programs`, variant "mgpu-in-place"). Off until then.
-MGPU_BACKWARD_IN_PLACE = False
+# gpt2-s4096's. Measured on one H100 (`python3 -m bench.train_programs`, variant "mgpu-in-place",
+# train-programs-2026-12-07-h100-residuals-a.json, -b.json): bert-base's backward 3.425 -> 3.315 and 3.393 ->
+# 3.276 ms in two runs (half the prediction), gpt2-s4096's 1.516 -> 1.522 (level), gradients within 5e-6.
+MGPU_BACKWARD_IN_PLACE = True
 
 
 # flash_attention_vjp's forward: "generic" (our generic kernel), or "auto" (flash_attention's dispatch, which
@@ -106,6 +108,16 @@ MGPU_BACKWARD_IN_PLACE = False
 # the generic kernel's 157 us per layer there: the key-masked Hopper build with its log-sum-exp takes ~145 us
 # at B=1, H=12, S=4096 (cuDNN's forward: 84 us).
 VJP_FORWARD_IMPLEMENTATION = "auto"
+# Whether, where the Hopper backward runs (mgpu_backward_applies), the forward is the Hopper kernel too,
+# whatever the inference dispatch says for that length (its log-sum-exp and key mask included). Timed alone
+# on one H100 (2026-12-07, the fused entry, key-masked, with the log-sum-exp): at bert-base's attention
+# (B=32, H=12, S=512) 103.0 us against the generic kernel's 116.5, which "auto" runs there (cuDNN through
+# jax.nn.dot_product_attention 154.9 with its layout copies); at gpt2-s4096's (S=4096, causal), where "auto"
+# already takes it, 117.0 against 161.0. Predicted ~0.03 ms of bert-base's training forward. Off until the
+# training programs are timed and compared with it (`python3 -m bench.train_programs`, variant
+# "forward-with-hopper-backward"): the Hopper forward's log-sum-exp is checked on the GPU at S=1024 and
+# 4096 (bench/lse_check.py), not yet at S=512.
+VJP_FORWARD_WITH_HOPPER_BACKWARD = False
 
 
 def mgpu_backward_applies(q, interpret: bool) -> bool:
@@ -359,7 +371,7 @@ def flash_attention_vjp(q, k, v, causal: bool, interpret: bool, key_mask=None):
 
 def _vjp_fwd(q, k, v, causal, interpret, key_mask=None):
     o, lse = flash_attention(q, k, v, causal=causal, key_mask=key_mask, interpret=interpret,
-                             implementation=VJP_FORWARD_IMPLEMENTATION, return_lse=True)
+                             implementation=_vjp_forward_implementation(q, interpret), return_lse=True)
     return o, (q, k, v, o, lse, key_mask)
 
 
@@ -386,9 +398,16 @@ def flash_attention_fused_vjp(qkv, causal: bool, interpret: bool, key_mask=None)
                                      implementation=VJP_FORWARD_IMPLEMENTATION)
 
 
+def _vjp_forward_implementation(q, interpret: bool) -> str:
+    if VJP_FORWARD_WITH_HOPPER_BACKWARD and VJP_FORWARD_IMPLEMENTATION == "auto" and mgpu_backward_applies(q, interpret):
+        return "mosaic"
+    return VJP_FORWARD_IMPLEMENTATION
+
+
 def _fused_vjp_fwd(qkv, causal, interpret, key_mask=None):
     o, lse = flash_attention_fused_qkv(qkv, causal=causal, key_mask=key_mask, interpret=interpret,
-                                       implementation=VJP_FORWARD_IMPLEMENTATION, return_lse=True)
+                                       implementation=_vjp_forward_implementation(qkv[:, :, 0], interpret),
+                                       return_lse=True)
     return o, (qkv, o, lse, key_mask)
 
 
