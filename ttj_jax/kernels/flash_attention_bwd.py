@@ -110,7 +110,8 @@ MGPU_BACKWARD_IN_PLACE = True
 VJP_FORWARD_IMPLEMENTATION = "auto"
 # Whether, where the Hopper backward runs (mgpu_backward_applies), the forward is the Hopper kernel too,
 # whatever the inference dispatch says for that length (its log-sum-exp and key mask included). Timed alone
-# on one H100 (2026-12-07, the fused entry, key-masked, with the log-sum-exp): at bert-base's attention
+# on one H100 (2026-12-07, attention-fwd-sweep-2026-12-07-h100.json: the fused entry, key-masked, with the
+# log-sum-exp): at bert-base's attention
 # (B=32, H=12, S=512) 103.0 us against the generic kernel's 116.5, which "auto" runs there (cuDNN through
 # jax.nn.dot_product_attention 154.9 with its layout copies); at gpt2-s4096's (S=4096, causal), where "auto"
 # already takes it, 117.0 against 161.0. Predicted ~0.03 ms of bert-base's training forward. Off until the
