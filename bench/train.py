@@ -247,18 +247,18 @@ def step_breakdown(baseline, ours, peer: Peer, x, mask, weights, device, *, warm
     out["ttj_residual_mb"] = sum(leaf.nbytes for leaf in jax.tree.leaves(residuals) if hasattr(leaf, "nbytes")) / 1e6
     apply = apply_program(model_key(config))
     g = to_jax(weights / weights.numel())
-    pull = (residuals, residuals.forwarded((jparams, jx, jmask)), g)
+    apply_args = (residuals, residuals.forwarded((jparams, jx, jmask)), g)
     out["jax_forward_ms"], _ = stream_ms_per_call(forward, (jparams, jx, jmask), min_seconds=0.2, repeats=3)
-    out["jax_backward_ms"], _ = stream_ms_per_call(apply, pull, min_seconds=0.2, repeats=3)
+    out["jax_backward_ms"], _ = stream_ms_per_call(apply, apply_args, min_seconds=0.2, repeats=3)
     if kernels and device.type == "cuda":   # where the GPU time of each goes, per kernel
         from bench.cuda_trace import kernel_table, profile_cuda
         from bench.hlo_table import annotate
         forward_text = forward.lower(jparams, jx, jmask).compile().as_text()
-        apply_text = apply.lower(*pull).compile().as_text()
+        apply_text = apply.lower(*apply_args).compile().as_text()
         out["kernels"] = {
             "jax_forward": annotate(kernel_table(profile_cuda(lambda: forward(jparams, jx, jmask), calls=5), calls=5,
                                                  top=KERNEL_ROWS), forward_text),
-            "jax_backward": annotate(kernel_table(profile_cuda(lambda: jax.block_until_ready(apply(*pull)), calls=5),
+            "jax_backward": annotate(kernel_table(profile_cuda(lambda: jax.block_until_ready(apply(*apply_args)), calls=5),
                                                   calls=5, top=KERNEL_ROWS), apply_text),
             "peer_step": kernel_table(profile_cuda(steps["peer"], calls=5), calls=5)}
     return out

@@ -115,8 +115,8 @@ class Residuals:
     not the forward's own inputs (`kept`, the pytree's leaves), and, as static data, the pull's structure
     and, for each of its leaves, the index of the input leaf it is (or None: kept). A program returning one
     of its own inputs pays a copy of it (an output may not alias an argument that is not donated): the
-    fp32 x the first LayerNorm keeps, the LayerNorms' parameters and the mask, 13 copies per call at two
-    layers. `forwarded(inputs)` picks, from the same (params, x, mask) the forward took, the arrays
+    fp32 x the first LayerNorm keeps, the LayerNorms' parameters and the mask, 12 copies per call at two
+    layers on the flash path. `forwarded(inputs)` picks, from the same (params, x, mask) the forward took, the arrays
     `pullback` needs back."""
 
     def __init__(self, kept, treedef, sources: tuple):
