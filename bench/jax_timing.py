@@ -45,3 +45,17 @@ def stream_ms_per_call(fn, args, *, min_seconds: float, repeats: int) -> tuple[f
         jax.block_until_ready(out)
         timings.append((time.perf_counter() - start) / calls)
     return statistics.median(timings) * 1e3, calls
+
+
+def drained_dispatch_us(fn, args, *, calls: int) -> float:
+    """Median host microseconds of fn(*args) returning (its dispatch: argument checks, the executable's
+    launches, output arrays), the device drained before each call, so no queue back-pressure is timed.
+    Warm up (compile) before calling this."""
+    samples = []
+    for _ in range(calls):
+        jax.block_until_ready(fn(*args))
+        start = time.perf_counter()
+        out = fn(*args)
+        samples.append((time.perf_counter() - start) * 1e6)
+        jax.block_until_ready(out)
+    return statistics.median(samples)

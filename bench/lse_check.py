@@ -34,9 +34,12 @@ CASES = ((4096, 64, True), (4096, 64, False), (1000, 64, False), (5000, 128, Fal
          (100_000, 64, True))
 ROWS = 8192
 TOLERANCE = 1e-3
-# (S, head_dim, causal) through flash_attention_fused_qkv with an all-True key mask: the training forward's
-# call (the fused entry of either kernel, the key-masked build)
-FUSED_CASES = ((4096, 64, True), (1024, 64, False), (2048, 128, True))
+# (S, head_dim, causal, implementation) through flash_attention_fused_qkv with an all-True key mask: the
+# training forward's call (the fused entry of either kernel, the key-masked build). "mosaic": the Hopper
+# kernel below the lengths the inference dispatch gives it, as the training forward takes it where the Hopper
+# backward runs (flash_attention_bwd.VJP_FORWARD_WITH_HOPPER_BACKWARD).
+FUSED_CASES = ((4096, 64, True, "auto"), (1024, 64, False, "auto"), (2048, 128, True, "auto"),
+               (512, 64, False, "mosaic"), (512, 64, True, "mosaic"))
 
 
 def main(argv=None) -> int:
@@ -44,14 +47,15 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=default_out_dir())
     args = parser.parse_args(argv)
     checks = []
-    cases = [(*case, False) for case in CASES] + [(*case, True) for case in FUSED_CASES]
-    for seq_len, head_dim, causal, fused in cases:
+    cases = [(*case, "auto", False) for case in CASES] + [(*case, True) for case in FUSED_CASES]
+    for seq_len, head_dim, causal, implementation, fused in cases:
         keys = jax.random.split(jax.random.key(seq_len + head_dim), 3)
         q, k, v = (jax.random.normal(key, (1, seq_len, 4, head_dim), jnp.float32).astype(jnp.float16) for key in keys)
         if fused:
             qkv, mask = jnp.stack([q, k, v], axis=2), jnp.ones((1, seq_len), bool)
-            out, lse = flash_attention_fused_qkv(qkv, causal=causal, key_mask=mask, return_lse=True)
-            plain = flash_attention_fused_qkv(qkv, causal=causal, key_mask=mask)
+            out, lse = flash_attention_fused_qkv(qkv, causal=causal, key_mask=mask, return_lse=True,
+                                                 implementation=implementation)
+            plain = flash_attention_fused_qkv(qkv, causal=causal, key_mask=mask, implementation=implementation)
         else:
             out, lse = flash_attention(q, k, v, causal=causal, return_lse=True)
             plain = flash_attention(q, k, v, causal=causal)
@@ -62,9 +66,10 @@ def main(argv=None) -> int:
             scores = jnp.where(jnp.arange(seq_len)[None, :] <= jnp.arange(first, seq_len)[:, None], scores, -jnp.inf)
         err = float(jnp.max(jnp.abs(lse[:, :, first:] - jax.nn.logsumexp(scores, axis=-1))))
         identical = bool(jnp.array_equal(out, plain))
-        kernel = "mosaic_gpu" if use_mosaic_kernel(q.dtype, seq_len, head_dim, masked=False, block_sizes=None,
+        kernel = "mosaic_gpu" if implementation == "mosaic" or use_mosaic_kernel(q.dtype, seq_len, head_dim, masked=False, block_sizes=None,
                                                    interpret=False, fused=fused, key_mask=fused) else "generic"
         checks.append({"S": seq_len, "head_dim": head_dim, "causal": causal, "fused_qkv_key_mask": fused,
+                       "implementation": implementation,
                        "kernel": kernel,
                        "lse_max_abs_err_last_rows": err, "rows_checked": seq_len - first,
                        "out_bit_identical_without_lse": identical, "passed": err <= TOLERANCE and identical})

@@ -43,6 +43,12 @@ arithmetic more than its rounding shows. The variants:
                         out), not training.Residuals
   mgpu-in-place         the Hopper attention backward reads q, k, v from the fused projection and writes its
                         gradient in that layout (flash_attention_bwd.MGPU_BACKWARD_IN_PLACE)
+  command-buffers-off   both programs compiled without XLA's command buffers (CUDA graphs of runs of kernels)
+  command-buffers-all   both programs compiled with every kernel kind XLA can put in a command buffer in one,
+                        from runs of one kernel on (xla_gpu_graph_min_graph_size=1)
+
+Per variant also the host time of each program's dispatch, the device drained first (median of
+DISPATCH_CALLS): what the bridge's training step pays on the host per program, beside its GPU time.
 
     PYTHONPATH=. python3 -m bench.train_programs [--configs bert-base,8] [--variants default,ln-recompute] [--out DIR]
 
@@ -64,7 +70,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench.jax_timing import stream_ms_per_call  # noqa: E402
+from bench.jax_timing import drained_dispatch_us, stream_ms_per_call  # noqa: E402
 from bench.paths import result_file, run_header  # noqa: E402
 from bridge.autograd import flat_gradients  # noqa: E402
 from ttj_jax import numerics, training  # noqa: E402
@@ -102,7 +108,11 @@ VARIANTS: dict[str, tuple[list, dict]] = {
     "mgpu-stacked": ([(flash_attention_bwd, "MGPU_BACKWARD_IN_PLACE", False)], {}),
     "bias-before-gelu": ([(numerics, "MLP_BIAS_IN_GELU", False)], {}),
     "inputs-in-residuals": ([(sys.modules[__name__], "KEEP_INPUTS_IN_RESIDUALS", True)], {}),
+    "command-buffers-off": ([], {"xla_gpu_enable_command_buffer": ""}),
+    "command-buffers-all": ([], {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN",
+                                 "xla_gpu_graph_min_graph_size": 1}),
 }
+DISPATCH_CALLS = 30
 
 
 @contextlib.contextmanager
@@ -178,6 +188,8 @@ def run_config(config, variants: list[str], *, min_seconds: float, repeats: int)
                                                    repeats=repeats)
                 backward_ms, _ = stream_ms_per_call(backward, (pull, (params, x, mask), grad_out), min_seconds=min_seconds,
                                                     repeats=repeats)
+                forward_us = drained_dispatch_us(forward, (params, x, mask), calls=DISPATCH_CALLS)
+                backward_us = drained_dispatch_us(backward, (pull, (params, x, mask), grad_out), calls=DISPATCH_CALLS)
         except Exception as e:  # one variant that does not build must not end the others' measurement
             message = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
             records[name] = {"error": message}
@@ -186,11 +198,13 @@ def run_config(config, variants: list[str], *, min_seconds: float, repeats: int)
         del pull
         first = first or outputs
         records[name] = {"forward_ms": forward_ms, "backward_ms": backward_ms, "total_ms": forward_ms + backward_ms,
+                         "forward_dispatch_us": forward_us, "backward_dispatch_us": backward_us,
                          "compile_s": compile_s,
                          "rel_l2_vs_first": dict(zip(("y", "d_params", "d_x"), map(_rel, outputs, first)))}
         errs = records[name]["rel_l2_vs_first"]
         print(f"  {name:22s} forward {forward_ms:7.3f} ms  backward {backward_ms:7.3f}  total "
-              f"{forward_ms + backward_ms:7.3f}   vs {variants[0]}: y {errs['y']:.1e}, params "
+              f"{forward_ms + backward_ms:7.3f}  dispatch {forward_us:5.0f}+{backward_us:5.0f} us   vs {variants[0]}: "
+              f"y {errs['y']:.1e}, params "
               f"{errs['d_params']:.1e}, x {errs['d_x']:.1e}", flush=True)
     return records
 
