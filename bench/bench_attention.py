@@ -14,6 +14,13 @@ H200 the 700 W cap sets the clock, and the clock the TFLOP/s).
 
 --check runs only the correctness parts (exit status 1 if one fails). --quick skips S=100000 and times
 fewer block-size variants. --smoke runs tiny cases in interpret mode to test this script on a CPU.
+
+--ragged runs only the check and timing of `flash_attention.UNPADDED_SEQUENCE` (sequences that are not a
+block multiple read in place, no padded copy): per case of RAGGED_CASES (the fused-qkv entry the layers call,
+fp16, with the harness's all-True key mask, as a bridge call passes it), the generic kernel with the
+switch off (padded copies) and on, the two outputs compared element by element (exit status 1 unless they
+agree within 1 fp16 ulp of the output scale and are finite), each call timed whole (its copies included).
+Writes <out>/attention-ragged-<date>-<gpu>.json.
 """
 
 from __future__ import annotations
@@ -54,6 +61,11 @@ CASES = [(1, 16, 100_000, 64), (1, 16, 16384, 64), (64, 4, 1024, 32),
          (64, 4, 128, 8), (64, 4, 128, 32), (64, 4, 128, 128), (64, 4, 128, 256),
          (4, 16, 8192, 32)]   # the last: head_dim 32 on the Hopper kernel
 SMOKE_CASES = [(1, 2, 100, 64), (2, 2, 40, 8)]
+# --ragged: (B, H, S, head_dim, causal) shaped like the general suite's odd lengths (CLIP-text S=77, a
+# ViT's 197 tokens, an encoder's 1000), plus a decoder's causal odd length.
+RAGGED_CASES = [(64, 8, 77, 64, False), (64, 8, 77, 64, True), (64, 12, 197, 64, False), (8, 12, 1000, 64, False),
+                (4, 8, 1000, 128, True), (64, 4, 100, 32, False)]
+RAGGED_SMOKE_CASES = [(2, 2, 77, 64, False), (1, 2, 45, 32, True)]
 CHECK_PREFIX_LEN = 4096    # rows of a big case checked against the reference on the prefix
 CHECK_LAST_ROWS = 64       # and the last rows, which see the most keys
 XLA_SCORES_LIMIT_BYTES = 8e9
@@ -380,6 +392,43 @@ def _print_table(results: list[dict]):
         log(f"{case:28s} {r['contender']:10s} {variant:34s} {r['ms']:10.3f} {r['tflops']:8.1f} {ratio:>8s} {clock:>5s}{flag}")
 
 
+def run_ragged(interpret: bool, smoke: bool) -> tuple[list[dict], bool]:
+    """--ragged (module docstring): (one record per case, whether every comparison passed)."""
+    import importlib
+    module = importlib.import_module("ttj_jax.kernels.flash_attention")   # the package exports the function
+    records, passed = [], True
+    for batch, heads, seq_len, head_dim, causal in (RAGGED_SMOKE_CASES if smoke else RAGGED_CASES):
+        qkv = jnp.stack(_random_qkv(seq_len, (batch, seq_len, heads, head_dim), jnp.float16), axis=2)
+        mask = jnp.ones((batch, seq_len), bool)
+        record = {"B": batch, "H": heads, "S": seq_len, "head_dim": head_dim, "causal": causal}
+        outputs = {}
+        try:
+            for name, unpadded in (("padded", False), ("unpadded", True)):
+                module.UNPADDED_SEQUENCE = unpadded
+                jax.clear_caches()   # the switch is read while tracing; a cached trace would not see it
+                fn = jax.jit(lambda x, m: flash_attention_fused_qkv(x, causal=causal, key_mask=m, interpret=interpret,
+                                                                    implementation="generic"))
+                outputs[name] = np.asarray(jax.block_until_ready(fn(qkv, mask)).astype(jnp.float32))
+                if not smoke:
+                    record[f"{name}_us"] = stream_ms_per_call(fn, (qkv, mask), min_seconds=0.1, repeats=5)[0] * 1e3
+        except Exception as e:  # noqa: BLE001 - recorded, the other cases still run
+            record["error"] = describe_error(e)
+        finally:
+            module.UNPADDED_SEQUENCE = False
+            jax.clear_caches()
+        if len(outputs) == 2:
+            scale = float(np.max(np.abs(outputs["padded"])))
+            record["max_abs_diff"] = float(np.max(np.abs(outputs["unpadded"] - outputs["padded"])))
+            record["finite"] = bool(np.isfinite(outputs["unpadded"]).all())
+            record["passed"] = record["finite"] and record["max_abs_diff"] <= scale * 2.0 ** -10
+        else:
+            record["passed"] = False
+        passed &= record["passed"]
+        records.append(record)
+        log(f"  {record}")
+    return records, passed
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -388,6 +437,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=default_out_dir(), help="folder for the JSON")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny cases in interpret mode: tests this script on a CPU, numbers mean nothing")
+    parser.add_argument("--ragged", action="store_true",
+                        help="only the unpadded-sequence check and timing (flash_attention.UNPADDED_SEQUENCE)")
     args = parser.parse_args(argv)
 
     device = jax.devices()[0]
@@ -398,6 +449,15 @@ def main(argv=None) -> int:
     gpu_name = getattr(device, "device_kind", device.platform)
     log(f"device: {gpu_name}, jax {jax.__version__}")
     started = time.perf_counter()
+    if args.ragged:
+        records, passed = run_ragged(interpret, args.smoke)
+        date = datetime.date.today().isoformat()
+        command = "python bench/bench_attention.py " + " ".join(sys.argv[1:] if argv is None else argv)
+        path = write_json({"gpu": gpu_name, "jax": jax.__version__, "date": date, "command": command,
+                           "cases": records}, args.out,
+                          f"attention-ragged-{date}-{slug(gpu_name)}" + ("-smoke" if args.smoke else ""))
+        log(f"{'every case agrees' if passed else 'FAILED'}; wrote {path}")
+        return 0 if passed else 1
 
     log("correctness sweep:")
     checks = run_sweep(interpret, args.smoke)

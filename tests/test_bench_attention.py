@@ -130,3 +130,14 @@ def test_backward_bench_masks_and_variants():
     assert all(mask[b, :n].all() and not mask[b, n:].any() for b, n in enumerate(mask.sum(axis=1)))
     for name, config in bab.MGPU_VARIANTS.items():
         assert fb.smem_bytes(64, 2, config) <= fb.SMEM_BUDGET_BYTES, name
+
+
+@pytest.mark.interpret
+def test_ragged_smoke_compares_both_forms_and_writes_its_json(tmp_path):
+    """--ragged --smoke: the unpadded and padded calls agree on every smoke case, and the JSON says so."""
+    import json
+    assert ba.main(["--ragged", "--smoke", "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("attention-ragged-*-smoke.json")
+    cases = json.loads(path.read_text())["cases"]
+    assert len(cases) == len(ba.RAGGED_SMOKE_CASES)
+    assert all(c["passed"] and c["finite"] and c["max_abs_diff"] == 0.0 for c in cases)

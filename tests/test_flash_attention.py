@@ -17,6 +17,8 @@ rows of v, so max|v| bounds the output and its error), in units of the dot opera
 
 from __future__ import annotations
 
+import importlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -338,3 +340,62 @@ def test_log_sum_exp_argument_is_checked():
     q, k, v = _inputs(0, 16, 64)
     with pytest.raises(ValueError, match="return_lse"):
         flash_attention(q, k, v, causal=True, return_lse=1, interpret=True)
+
+
+# UNPADDED_SEQUENCE: a sequence that is not a block multiple read in place, its overhanging blocks under
+# masks. Interpret mode fills what overhangs an array with NaN, so an unmasked read or write shows up as a
+# NaN or a wrong row here. The unpadded call must give exactly the padded call's output and log-sum-exp:
+# the same kernel on the same values, only without the copies.
+_RAGGED_CASES = [  # (S, head_dim, causal, masks, block_sizes)
+    (77, 64, False, "key_mask", None),          # clip-text-like: 64-row blocks, 51 rows past S
+    (77, 64, True, "none", None),
+    (45, 32, True, "key_mask", UNEVEN_BLOCKS),  # q and k blocks of different sizes
+    (33, 16, False, "kv_lengths", SMALL_BLOCKS),
+    (200, 64, True, "both", None),              # several key blocks before the overhanging one
+]
+
+
+def _ragged_masks(kind: str, seq_len: int):
+    masks = {}
+    if kind in ("key_mask", "both"):
+        masks["key_mask"] = _random_mask(3, BATCH, seq_len, fully_masked_row=None)
+    if kind in ("kv_lengths", "both"):
+        masks["kv_lengths"] = jnp.asarray([seq_len, max(seq_len // 2, 1)], jnp.int32)
+    return masks
+
+
+@pytest.mark.parametrize("seq_len,head_dim,causal,kind,block_sizes", _RAGGED_CASES)
+@pytest.mark.interpret
+def test_an_unpadded_sequence_gives_the_padded_calls_output(monkeypatch, seq_len, head_dim, causal, kind,
+                                                            block_sizes):
+    module = importlib.import_module("ttj_jax.kernels.flash_attention")   # the package exports the function
+    q, k, v = _inputs(11, seq_len, head_dim)
+    masks = _ragged_masks(kind, seq_len)
+    padded = flash_attention(q, k, v, causal=causal, block_sizes=block_sizes, interpret=True, return_lse=True,
+                             **masks)
+    monkeypatch.setattr(module, "UNPADDED_SEQUENCE", True)
+    jax.clear_caches()   # flash_attention is jitted: the switch is read while tracing
+    out, lse = flash_attention(q, k, v, causal=causal, block_sizes=block_sizes, interpret=True, return_lse=True,
+                               **masks)
+    _check(q, k, v, causal=causal, block_sizes=block_sizes, **masks)
+    assert out.shape == q.shape and lse.shape == (BATCH, HEADS, seq_len)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(padded[0]))
+    np.testing.assert_array_equal(np.asarray(lse), np.asarray(padded[1]))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.interpret
+def test_an_unpadded_fused_sequence_reads_the_projection_in_place(monkeypatch, causal):
+    """The fused layout's unpadded call: no pad, no slice in its program, and the padded call's output."""
+    module = importlib.import_module("ttj_jax.kernels.flash_attention")   # the package exports the function
+    seq_len = 77
+    q, k, v = _inputs(5, seq_len, 64)
+    qkv = jnp.stack([q, k, v], axis=2)
+    mask = _random_mask(4, BATCH, seq_len)
+    padded = flash_attention_fused_qkv(qkv, causal=causal, key_mask=mask, interpret=True)
+    monkeypatch.setattr(module, "UNPADDED_SEQUENCE", True)
+    jax.clear_caches()
+    call = lambda x, m: flash_attention_fused_qkv(x, causal=causal, key_mask=m, interpret=True)  # noqa: E731
+    text = str(jax.make_jaxpr(call)(qkv, mask))
+    assert " pad[" not in text and "slice[" not in text, "the unpadded call still copies around the kernel"
+    np.testing.assert_array_equal(np.asarray(call(qkv, mask)), np.asarray(padded))

@@ -122,6 +122,16 @@ _CAUSAL_BLOCK_SIZES: dict[tuple[int, str], BlockSizes] = {
 }
 
 
+# Whether a sequence that is not a multiple of the blocks runs without the padded copy of q, k, v (and of the
+# key mask) and the sliced copy of the output: the last blocks overhang the arrays, read under masks (zeros
+# past S) and stored under masks (power-of-two head_dims only; others still pad both dims). At clip-text-s77
+# (B=64, S=77, 64-row blocks) on one H100 the pad and the slice took 17 and 4 us per layer beside the
+# kernel's 15 (bench/results/infer-kernels-2026-12-07-h100.json). Checked in interpret mode, which fills
+# what overhangs an array with NaN; not yet on a GPU: off until the GPU check and timing
+# (`python -m bench.bench_attention --ragged`).
+UNPADDED_SEQUENCE = False
+
+
 def seq_len_bucket(seq_len: int) -> str:
     """The default table's length bucket of a call: "short", "medium" or "long"."""
     return next((name for limit, name in _SEQ_LEN_BUCKETS if seq_len <= limit), "long")
@@ -149,9 +159,12 @@ def resolve_block_sizes(seq_len: int, head_dim: int, block_sizes: BlockSizes | N
 
 def _flash_attention_kernel(q_ref, k_ref, v_ref, kv_lengths_ref, key_mask_ref, o_ref, lse_ref=None, *,
                             causal: bool, sm_scale: float, block_q: int, block_k: int,
-                            num_q_blocks: int, static_key_limit: int | None, dot_dtype):
+                            num_q_blocks: int, static_key_limit: int | None, dot_dtype,
+                            ragged_len: int | None = None):
     # Refs: q (block_q, hd), k and v (S_pad, hd) for this (batch, head), kv_lengths (1,) int32 or None,
     # key_mask (S_pad,) int8 or None, o (block_q, hd), lse (block_q,) fp32 or None (return_lse).
+    # ragged_len: the arrays hold only S = ragged_len < S_pad rows (no padded copy): the blocks that
+    # overhang their end are read under masks (zeros past S) and the output rows past S never stored.
     q_block = pl.program_id(0)
     if causal:
         # Heaviest query blocks (most keys under the diagonal) first, so the light ones fill the tail.
@@ -165,18 +178,32 @@ def _flash_attention_kernel(q_ref, k_ref, v_ref, kv_lengths_ref, key_mask_ref, o
 
     # Fold the softmax scale and log2(e) into one multiply so the kernel can use exp2.
     score_scale = sm_scale * _LOG2_E
-    q = q_ref[...].astype(dot_dtype)
+    if ragged_len is None:
+        q = q_ref[...].astype(dot_dtype)
+    else:
+        q_rows = (q_start + jnp.arange(block_q, dtype=jnp.int32)) < ragged_len
+        q = pltriton.load(q_ref, mask=q_rows[:, None], other=0).astype(dot_dtype)
+
+    def load_keys(ref, key_start, ragged: bool):
+        # (block_k, ...) rows of a per-key ref from key_start; under a mask where they may pass S
+        if not ragged:
+            return ref[pl.ds(key_start, block_k)]
+        key_rows = (key_start + jnp.arange(block_k, dtype=jnp.int32)) < ragged_len
+        block = ref.at[pl.ds(key_start, block_k)]
+        return pltriton.load(block, mask=key_rows.reshape((block_k,) + (1,) * (len(block.shape) - 1)), other=0)
 
     def step(key_block, carry, *, mask_causal_and_limit: bool):
         o, m_prev, l_prev = carry
         key_start = pl.multiple_of(key_block * block_k, block_k)
-        k = k_ref[pl.ds(key_start, block_k), :].astype(dot_dtype)
+        # only the masked steps can reach the block that overhangs S (its limit, S, makes them masked)
+        ragged = ragged_len is not None and mask_causal_and_limit
+        k = load_keys(k_ref, key_start, ragged).astype(dot_dtype)
         scores = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                                  preferred_element_type=jnp.float32) * score_scale  # (block_q, block_k)
 
         allowed = None
         if key_mask_ref is not None:
-            allowed = (key_mask_ref[pl.ds(key_start, block_k)] != 0)[None, :]
+            allowed = (load_keys(key_mask_ref, key_start, ragged) != 0)[None, :]
         if mask_causal_and_limit:
             key_pos = key_start + jnp.arange(block_k, dtype=jnp.int32)
             if causal:
@@ -194,7 +221,7 @@ def _flash_attention_kernel(q_ref, k_ref, v_ref, kv_lengths_ref, key_mask_ref, o
         correction = jnp.exp2(m_prev - m_next)
         p = jnp.exp2(scores - m_next[:, None])
         l_next = l_prev * correction + p.sum(axis=1)
-        v = v_ref[pl.ds(key_start, block_k), :].astype(dot_dtype)
+        v = load_keys(v_ref, key_start, ragged).astype(dot_dtype)
         o = o * correction[:, None] + lax.dot_general(
             p.astype(dot_dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
         return o, m_next, l_next
@@ -230,11 +257,18 @@ def _flash_attention_kernel(q_ref, k_ref, v_ref, kv_lengths_ref, key_mask_ref, o
         o = jnp.where(saw_a_key[:, None], o / jnp.where(saw_a_key, l, 1.0)[:, None], 0.0)
     else:
         o = o / l[:, None]
-    o_ref[...] = o.astype(o_ref.dtype)
+    if ragged_len is None:
+        o_ref[...] = o.astype(o_ref.dtype)
+    else:
+        pltriton.store(o_ref, o.astype(o_ref.dtype), mask=q_rows[:, None])
     if lse_ref is not None:
         # log(sum_j exp(sm_scale q.k_j)) in natural units: m and l count in log2 units (the exp2 above)
         lse = (m + jnp.log2(l)) * _LN_2
-        lse_ref[...] = jnp.where(saw_a_key, lse, -jnp.inf) if may_see_no_key else lse
+        lse = jnp.where(saw_a_key, lse, -jnp.inf) if may_see_no_key else lse
+        if ragged_len is None:
+            lse_ref[...] = lse
+        else:
+            pltriton.store(lse_ref, lse, mask=q_rows)
 
 
 def _fori_loop(lower, upper, body, carry):
@@ -354,14 +388,18 @@ def _attention_pallas_call(q_src, k_src, v_src, kv_lengths, key_mask, *, fused: 
     block_q, block_k = blocks.block_q, blocks.block_k
 
     # Both blocks are powers of two, so a multiple of the larger one is a multiple of both. These pads
-    # are the only copies the wrapper makes; shapes that need neither read the inputs in place.
+    # are the only copies the wrapper makes; shapes that need neither read the inputs in place. With
+    # UNPADDED_SEQUENCE and a power-of-two head_dim, a sequence that is not a block multiple is not
+    # copied either: the kernel's last blocks overhang the arrays and are read and written under masks.
     seq_pad = -seq_len % max(block_q, block_k)
     head_dim_pad = padded_head_dim(head_dim) - head_dim
     padded_len, padded_hd = seq_len + seq_pad, head_dim + head_dim_pad
+    ragged = bool(seq_pad) and not head_dim_pad and UNPADDED_SEQUENCE
+    copied_pad = 0 if ragged else seq_pad
     if fused:
-        q_src = k_src = v_src = pad_seq_and_head_dim(q_src, seq_pad, head_dim_pad)
+        q_src = k_src = v_src = pad_seq_and_head_dim(q_src, copied_pad, head_dim_pad)
     else:
-        q_src, k_src, v_src = (pad_seq_and_head_dim(x, seq_pad, head_dim_pad) for x in (q_src, k_src, v_src))
+        q_src, k_src, v_src = (pad_seq_and_head_dim(x, copied_pad, head_dim_pad) for x in (q_src, k_src, v_src))
 
     num_q_blocks = padded_len // block_q
     if causal:
@@ -392,8 +430,8 @@ def _attention_pallas_call(q_src, k_src, v_src, kv_lengths, key_mask, *, fused: 
         # bridge's launch of a program's kernels reads in place (bridge/triton_launch.py), padded only
         # where the sequence is.
         key_mask = key_mask.astype(jnp.int8)
-        if seq_pad:
-            key_mask = jnp.pad(key_mask, ((0, 0), (0, seq_pad)))
+        if copied_pad:
+            key_mask = jnp.pad(key_mask, ((0, 0), (0, copied_pad)))
         in_specs.append(pl.BlockSpec((None, padded_len), lambda i, b, h: (b, 0)))
     else:
         in_specs.append(None)
@@ -402,12 +440,13 @@ def _attention_pallas_call(q_src, k_src, v_src, kv_lengths, key_mask, *, fused: 
     kernel = functools.partial(
         _flash_attention_kernel, causal=causal, sm_scale=sm_scale, block_q=block_q, block_k=block_k,
         num_q_blocks=num_q_blocks, static_key_limit=static_key_limit,
-        dot_dtype=jnp.bfloat16 if dtype == jnp.bfloat16 else jnp.float16)
+        dot_dtype=jnp.bfloat16 if dtype == jnp.bfloat16 else jnp.float16, ragged_len=seq_len if ragged else None)
+    out_len = seq_len if ragged else padded_len
     out_spec = pl.BlockSpec((None, block_q, None, padded_hd), lambda i, b, h: (b, q_block_index(i), h, 0))
-    out_shape = jax.ShapeDtypeStruct((batch, padded_len, num_heads, padded_hd), dtype)
+    out_shape = jax.ShapeDtypeStruct((batch, out_len, num_heads, padded_hd), dtype)
     if return_lse:
         out_spec = (out_spec, pl.BlockSpec((None, None, block_q), lambda i, b, h: (b, h, q_block_index(i))))
-        out_shape = (out_shape, jax.ShapeDtypeStruct((batch, num_heads, padded_len), jnp.float32))
+        out_shape = (out_shape, jax.ShapeDtypeStruct((batch, num_heads, out_len), jnp.float32))
     out = pl.pallas_call(
         kernel,
         grid=(num_q_blocks, batch, num_heads),
@@ -419,7 +458,7 @@ def _attention_pallas_call(q_src, k_src, v_src, kv_lengths, key_mask, *, fused: 
         name="ttj_flash_attention",
     )(q_src, k_src, v_src, kv_lengths, key_mask)
     out, lse = out if return_lse else (out, None)
-    if seq_pad or head_dim_pad:
+    if copied_pad or head_dim_pad:
         out = out[:, :seq_len, :, :head_dim]
     if return_lse:
         return out, lse[:, :, :seq_len]
