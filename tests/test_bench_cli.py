@@ -456,7 +456,7 @@ def test_train_programs_times_each_variant_and_restores_the_switches(tmp_path, m
     monkeypatch.setenv("TTJ_BACKWARD_ATTENTION", "flash")
     variants = ("default,before-f6ebade,ln-recompute,bias-gelu,dx32,weight-kn,dqkv-stacked,ln-one-pass,ln-out32,"
                 "ln-two-sums,hopper-forward,generic-forward,mgpu-in-place,inputs-in-residuals,"
-                "forward-with-hopper-backward,mgpu-stacked,bias-before-gelu")
+                "forward-with-hopper-backward,mgpu-stacked,bias-before-gelu,command-buffers-off,command-buffers-all")
     assert train_programs.main(["--configs", "cpu-2", "--variants", variants,
                                 "--min-seconds", "0.01", "--repeats", "1", "--out", str(tmp_path)]) == 0
     (path,) = tmp_path.glob("train-programs-*.json")
@@ -465,6 +465,7 @@ def test_train_programs_times_each_variant_and_restores_the_switches(tmp_path, m
     assert not any("error" in record for record in records.values())
     for record in records.values():
         assert record["forward_ms"] > 0 and record["backward_ms"] > 0
+        assert record["forward_dispatch_us"] > 0 and record["backward_dispatch_us"] > 0
         assert max(record["rel_l2_vs_first"].values()) < 1e-3
     assert shipped == (training.FUSED_QKV_ATTENTION, numerics.gelu_erf, numerics.LAYER_NORM_KEEPS_STATISTICS,
                        numerics.MLP_BIAS_IN_GELU, flash_attention_bwd.MGPU_BACKWARD_MIN_SEQ_LEN,
@@ -568,3 +569,13 @@ def test_training_peer_on_cuda_raises_dynamos_recompile_limit(monkeypatch):
         assert getattr(config, name) >= PEER_RECOMPILE_LIMIT and len(compiled) == 1
     finally:
         config.load_config(saved)
+
+
+def test_gpu_only_kernel_tables_and_tilings_say_so_on_the_cpu(capsys):
+    """bench.infer_kernels (torch.profiler's kernel records) and bench.attention_tilings (the Hopper
+    kernel) refuse a machine without their GPU with exit status 2 and a line that says why."""
+    from bench import attention_tilings, infer_kernels
+    assert infer_kernels.main(["--configs", "gpt2-s4096"]) == 2
+    assert attention_tilings.main([]) == 2
+    err = capsys.readouterr().err
+    assert "no CUDA device" in err and "sm_90" in err
