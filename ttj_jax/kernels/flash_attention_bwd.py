@@ -116,8 +116,10 @@ VJP_FORWARD_IMPLEMENTATION = "auto"
 # jax.nn.dot_product_attention 154.9 with its layout copies); at gpt2-s4096's (S=4096, causal), where "auto"
 # already takes it, 117.0 against 161.0. Predicted ~0.03 ms of bert-base's training forward. Off until the
 # training programs are timed and compared with it (`python3 -m bench.train_programs`, variant
-# "forward-with-hopper-backward"): the Hopper forward's log-sum-exp is checked on the GPU at S=1024 and
-# 4096 (bench/lse_check.py), not yet at S=512.
+# "forward-with-hopper-backward"). Its log-sum-exp at S=512 checked on one H100 (lse-check-2026-12-07-h100-s512.json);
+# timed there in the programs (train-programs-2026-12-07-h100-command-buffers.json): bert-base's forward 1.747 ->
+# 1.734 ms, its two programs 5.007 -> 5.036 (noise in the backward), gpt2-s4096 level (it runs the Hopper
+# forward already). Half the predicted 0.03 ms, inside the run's noise: stays off.
 VJP_FORWARD_WITH_HOPPER_BACKWARD = False
 
 
