@@ -1,6 +1,7 @@
 """The Hopper attention forward's tilings at head_dim 64 over a grid of (B, H, S, causal) shapes, in the two
-forms the layers call: the training forward's (fused q/k/v, all-True key mask, with the log-sum-exp) and the
-inference forward's (fused, mask-free, no log-sum-exp). Per shape: the generic kernel's training form (its
+forms the layers call: the training forward's (fused q/k/v, all-True key mask, with the log-sum-exp), the
+bridge's inference forward's (fused, key-masked, as a harness call with its all-True mask tensor runs:
+the mask decided on the device) and a JAX caller's mask-free one. Per shape: the generic kernel's training form (its
 output and log-sum-exp are the reference), then each tiling of TILINGS in both forms, each checked against
 the generic output (the harness's rule: worst |err| / max(0.002, 0.02 |ref|)) and log-sum-exp (max abs
 difference), and timed as a stream of calls (bench.jax_timing.stream_ms_per_call). Which tiling wins
@@ -54,13 +55,16 @@ def measure_shape(batch: int, heads: int, seq_len: int, causal: bool) -> dict:
     ref32 = ref.astype(jnp.float32)
     tolerance = jnp.maximum(0.002, 0.02 * jnp.abs(ref32))
     for name, blocks in TILINGS.items():
-        for form in ("lse_mask", "plain"):
+        for form in ("lse_mask", "mask", "plain"):
             key = f"{name}|{form}"
             try:
                 if form == "lse_mask":
                     us, (out, lse) = _timed(lambda x, m, b=blocks: flash_attention_mgpu_fused_qkv(
                         x, causal=causal, key_mask=m, block_sizes=b, return_lse=True), qkv, mask)
                     record[f"{key}_lse_max_abs_diff"] = float(jnp.max(jnp.abs(lse - ref_lse)))
+                elif form == "mask":
+                    us, out = _timed(lambda x, m, b=blocks: flash_attention_mgpu_fused_qkv(
+                        x, causal=causal, key_mask=m, block_sizes=b), qkv, mask)
                 else:
                     us, out = _timed(lambda x, b=blocks: flash_attention_mgpu_fused_qkv(
                         x, causal=causal, block_sizes=b), qkv)
