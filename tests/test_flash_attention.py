@@ -364,17 +364,28 @@ def _ragged_masks(kind: str, seq_len: int):
     return masks
 
 
+@pytest.fixture
+def unpadded(monkeypatch):
+    """Returns a function that turns UNPADDED_SEQUENCE on. flash_attention is jitted and the switch is read
+    while tracing, so jax's caches are cleared when it changes and again after the test. No trace made
+    with it on is left for later tests."""
+    module = importlib.import_module("ttj_jax.kernels.flash_attention")   # the package exports the function
+
+    def turn_on():
+        monkeypatch.setattr(module, "UNPADDED_SEQUENCE", True)
+        jax.clear_caches()
+    yield turn_on
+    jax.clear_caches()
+
+
 @pytest.mark.parametrize("seq_len,head_dim,causal,kind,block_sizes", _RAGGED_CASES)
 @pytest.mark.interpret
-def test_an_unpadded_sequence_gives_the_padded_calls_output(monkeypatch, seq_len, head_dim, causal, kind,
-                                                            block_sizes):
-    module = importlib.import_module("ttj_jax.kernels.flash_attention")   # the package exports the function
+def test_an_unpadded_sequence_gives_the_padded_calls_output(unpadded, seq_len, head_dim, causal, kind, block_sizes):
     q, k, v = _inputs(11, seq_len, head_dim)
     masks = _ragged_masks(kind, seq_len)
     padded = flash_attention(q, k, v, causal=causal, block_sizes=block_sizes, interpret=True, return_lse=True,
                              **masks)
-    monkeypatch.setattr(module, "UNPADDED_SEQUENCE", True)
-    jax.clear_caches()   # flash_attention is jitted: the switch is read while tracing
+    unpadded()
     out, lse = flash_attention(q, k, v, causal=causal, block_sizes=block_sizes, interpret=True, return_lse=True,
                                **masks)
     _check(q, k, v, causal=causal, block_sizes=block_sizes, **masks)
@@ -385,16 +396,14 @@ def test_an_unpadded_sequence_gives_the_padded_calls_output(monkeypatch, seq_len
 
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.interpret
-def test_an_unpadded_fused_sequence_reads_the_projection_in_place(monkeypatch, causal):
+def test_an_unpadded_fused_sequence_reads_the_projection_in_place(unpadded, causal):
     """The fused layout's unpadded call: no pad, no slice in its program, and the padded call's output."""
-    module = importlib.import_module("ttj_jax.kernels.flash_attention")   # the package exports the function
     seq_len = 77
     q, k, v = _inputs(5, seq_len, 64)
     qkv = jnp.stack([q, k, v], axis=2)
     mask = _random_mask(4, BATCH, seq_len)
     padded = flash_attention_fused_qkv(qkv, causal=causal, key_mask=mask, interpret=True)
-    monkeypatch.setattr(module, "UNPADDED_SEQUENCE", True)
-    jax.clear_caches()
+    unpadded()
     call = lambda x, m: flash_attention_fused_qkv(x, causal=causal, key_mask=m, interpret=True)  # noqa: E731
     text = str(jax.make_jaxpr(call)(qkv, mask))
     assert " pad[" not in text and "slice[" not in text, "the unpadded call still copies around the kernel"
