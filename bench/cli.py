@@ -41,6 +41,7 @@ import torch  # noqa: E402
 
 import bridge  # noqa: E402  (sets up jax's allocator before jax touches the GPU)
 import ttj_jax as T  # noqa: E402
+from bench import switches  # noqa: E402
 from bench.baseline import TransformerConfig, check_close, harness_models, make_inputs  # noqa: E402
 from bench.gpu_power import PowerSampler, sampling  # noqa: E402
 from bench.paths import default_out_dir  # noqa: E402
@@ -88,6 +89,9 @@ def parse_args(argv=None):
     p.add_argument("--warm", action="store_true",
                    help="run nothing else: let the measured planner decide each shape's plan ahead of time (for the "
                         "bridge, x in the shape's dtype and mask) and keep the decisions in the plan cache")
+    p.add_argument("--switch", action="append", default=[], metavar="MODULE.NAME=VALUE",
+                   help="set a module switch for this run (bench/switches.py), e.g. "
+                        "ttj_jax.kernels.flash_attention.UNPADDED_SEQUENCE=true; repeatable; recorded in the JSON")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--report", default=None, metavar="JSON",
                    help="run nothing: print the table of a saved result file and write its PNG beside it")
@@ -455,6 +459,11 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.report:
         return report(args.report, write_plot=not args.no_plot, markdown=args.markdown)
+    try:
+        switched = switches.apply(args.switch)
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 2
     if args.warm:
         return warm(args)
     forced = args.force_device
@@ -497,7 +506,7 @@ def main(argv=None) -> int:
                 # the TTJ_* switches in effect (bridge/settings.py, ttj_jax's autotune and cache): the
                 # command line does not show them
                 "environment": {k: v for k, v in sorted(os.environ.items()) if k.startswith("TTJ_") and v},
-                "shapes": {}}
+                "switches": switched, "shapes": {}}
     previous = _load(json_path) if (args.merge or forced) else None
     if forced:
         # a forced-device run adds its records to the file's "forced_device" section; the rest is kept

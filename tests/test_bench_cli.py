@@ -1,6 +1,7 @@
 """The main job end to end on the CPU: one small shape, all contenders, JSON written, exit code 0."""
 
 import dataclasses
+import importlib
 import json
 import pathlib
 
@@ -579,3 +580,34 @@ def test_gpu_only_kernel_tables_and_tilings_say_so_on_the_cpu(capsys):
     assert attention_tilings.main([]) == 2
     err = capsys.readouterr().err
     assert "no CUDA device" in err and "sm_90" in err
+
+
+def test_switch_sets_a_module_switch_for_the_run_and_records_it(tmp_path, monkeypatch):
+    """--switch: a built-but-off switch set for one run (read as its own type) and named in the JSON; a bad
+    one (no such switch, not a switch, a package outside the project, a value of the wrong type) sets
+    nothing and exits 2."""
+    from bench import switches
+    from ttj_jax.kernels import flash_attention_bwd
+    module = importlib.import_module("ttj_jax.kernels.flash_attention")
+    monkeypatch.setattr(module, "UNPADDED_SEQUENCE", False)
+    monkeypatch.setattr(flash_attention_bwd, "MGPU_BACKWARD_MIN_SEQ_LEN", flash_attention_bwd.MGPU_BACKWARD_MIN_SEQ_LEN)
+    rc = cli.main(["--suite", "small", "--shapes", "cpu-12", "--warmup", "1", "--rounds", "1", "--calls", "1",
+                   "--extra-seeds", "0", "--out", str(tmp_path), "--tag", "s", "--no-plot",
+                   "--switch", "ttj_jax.kernels.flash_attention.UNPADDED_SEQUENCE=true",
+                   "--switch", "ttj_jax.kernels.flash_attention_bwd.MGPU_BACKWARD_MIN_SEQ_LEN=1024"])
+    assert rc == 0
+    assert module.UNPADDED_SEQUENCE is True and flash_attention_bwd.MGPU_BACKWARD_MIN_SEQ_LEN == 1024
+    document = json.loads((tmp_path / "s.json").read_text())
+    assert document["switches"] == {"ttj_jax.kernels.flash_attention.UNPADDED_SEQUENCE": True,
+                                    "ttj_jax.kernels.flash_attention_bwd.MGPU_BACKWARD_MIN_SEQ_LEN": 1024}
+    assert document["shapes"]["cpu-12"]["failed_elements"] == 0
+    monkeypatch.setattr(module, "UNPADDED_SEQUENCE", False)
+    for bad in ("ttj_jax.kernels.flash_attention.NO_SUCH=1", "ttj_jax.kernels.flash_attention.flash_attention=1",
+                "os.SEP=x", "UNPADDED_SEQUENCE=true", "ttj_jax.kernels.flash_attention.UNPADDED_SEQUENCE=maybe",
+                "ttj_jax.kernels.flash_attention_bwd.MGPU_BACKWARD_MIN_SEQ_LEN=long"):
+        with pytest.raises(ValueError, match="--switch"):
+            switches.parse(bad)
+    assert cli.main(["--suite", "small", "--shapes", "cpu-12", "--out", str(tmp_path),
+                     "--switch", "ttj_jax.kernels.flash_attention.UNPADDED_SEQUENCE=true",
+                     "--switch", "ttj_jax.nope.X=1"]) == 2
+    assert module.UNPADDED_SEQUENCE is False   # all parsed before any is set
