@@ -21,8 +21,8 @@ def parse(text: str):
                          "e.g. ttj_jax.kernels.flash_attention.UNPADDED_SEQUENCE=true")
     if module_name.split(".")[0] not in PACKAGES:
         raise ValueError(f"--switch {text!r}: only switches of {' and '.join(PACKAGES)} modules may be set")
-    if not name.isupper():
-        raise ValueError(f"--switch {text!r}: {name} is not a switch (switches are UPPER_CASE module constants)")
+    if not name.isupper() or name.startswith("_"):
+        raise ValueError(f"--switch {text!r}: {name} is not a switch (switches are public UPPER_CASE module constants)")
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:

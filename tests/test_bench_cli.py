@@ -603,7 +603,8 @@ def test_switch_sets_a_module_switch_for_the_run_and_records_it(tmp_path, monkey
     assert document["shapes"]["cpu-12"]["failed_elements"] == 0
     monkeypatch.setattr(module, "UNPADDED_SEQUENCE", False)
     for bad in ("ttj_jax.kernels.flash_attention.NO_SUCH=1", "ttj_jax.kernels.flash_attention.flash_attention=1",
-                "os.SEP=x", "UNPADDED_SEQUENCE=true", "ttj_jax.kernels.flash_attention.UNPADDED_SEQUENCE=maybe",
+                "os.SEP=x", "UNPADDED_SEQUENCE=true", "ttj_jax.kernels.flash_attention._MASK_VALUE=0",
+                "ttj_jax.kernels.flash_attention.UNPADDED_SEQUENCE=maybe",
                 "ttj_jax.kernels.flash_attention_bwd.MGPU_BACKWARD_MIN_SEQ_LEN=long"):
         with pytest.raises(ValueError, match="--switch"):
             switches.parse(bad)
