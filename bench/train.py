@@ -40,6 +40,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import bridge  # noqa: E402
 import ttj_jax as T  # noqa: E402
+from bench import switches  # noqa: E402
 from bench.baseline import Attention, TransformerConfig, harness_models, make_inputs  # noqa: E402
 from bench.paths import result_file, run_header  # noqa: E402
 from bench.timing import time_contenders  # noqa: E402
@@ -306,7 +307,14 @@ def main(argv=None) -> int:
                         f"({', '.join(BACKWARD_ATTENTIONS)}), as contenders ttj_attention_<kind>")
     p.add_argument("--peer-autocast", choices=tuple(PEER_AUTOCAST), default="float16",
                    help="the peer's autocast dtype: float16 with a GradScaler (torch's recipe), or bfloat16")
+    p.add_argument("--switch", action="append", default=[], metavar="MODULE.NAME=VALUE",
+                   help="set a module switch for the run (bench/switches.py); repeatable; recorded in the JSON")
     args = p.parse_args(argv)
+    try:
+        switched = switches.apply(args.switch)
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 2
     set_attention_kernels(args.attention_kernels)
 
     def listed(option: str, text: str, allowed: tuple[str, ...]) -> tuple[str, ...]:   # comma-separated
@@ -332,7 +340,7 @@ def main(argv=None) -> int:
     path = result_file("train", name, args.out)
     document = {"device": name, **run_header("ttj-bench --suite train " + " ".join(
         sys.argv[1:] if argv is None else argv)), "attention_kernels": attention_kernels(), "peer_autocast": args.peer_autocast,
-        "configs": {}}
+        "switches": switched, "configs": {}}
     for config_id in ids:
         print(f"{config_id}: {shapes[config_id].describe()}", flush=True)
         record = run_config(shapes[config_id], device, warmup=args.warmup, rounds=args.rounds,

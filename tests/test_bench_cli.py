@@ -415,6 +415,19 @@ def test_train_times_ttj_under_each_mask_read(tmp_path, capsys):
         train.main(["--configs", "cpu-2", "--mask-reads", "sometimes"])
 
 
+def test_train_records_its_switches_and_refuses_a_bad_one(tmp_path, monkeypatch):
+    from bench import train
+    from ttj_jax import numerics
+    monkeypatch.setattr(numerics, "MLP_BIAS_IN_GELU", numerics.MLP_BIAS_IN_GELU)
+    assert train.main(["--configs", "cpu-2", "--warmup", "1", "--rounds", "1", "--calls", "1", "--out", str(tmp_path),
+                       "--switch", "ttj_jax.numerics.MLP_BIAS_IN_GELU=false"]) == 0
+    (path,) = tmp_path.glob("train-*.json")
+    document = json.loads(path.read_text())
+    assert document["switches"] == {"ttj_jax.numerics.MLP_BIAS_IN_GELU": False} and numerics.MLP_BIAS_IN_GELU is False
+    assert document["configs"]["cpu-2"]["ttj"]["max_rel_grad_err"] < 1e-2
+    assert train.main(["--configs", "cpu-2", "--switch", "ttj_jax.numerics.NOPE=1"]) == 2
+
+
 def test_train_breakdown_times_the_parts_and_sizes_the_residuals(tmp_path, capsys):
     from bench import train
     assert train.main(["--configs", "cpu-2", "--breakdown", "--warmup", "1", "--rounds", "1", "--calls", "1",
