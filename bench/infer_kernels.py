@@ -24,7 +24,7 @@ import torch  # noqa: E402
 import bridge  # noqa: E402
 from bench.baseline import TransformerConfig, harness_models, make_inputs  # noqa: E402
 from bench.cuda_trace import kernel_table, profile_cuda  # noqa: E402
-from bench.paths import result_file, run_header  # noqa: E402
+from bench.paths import find_configs, result_file, run_header  # noqa: E402
 from bench.torch_peer import build_peer  # noqa: E402
 from ttj_jax.shapes import find  # noqa: E402
 
@@ -58,11 +58,7 @@ def main(argv=None) -> int:
         print("bench.infer_kernels: no CUDA device here (torch.profiler's kernel records need one)", file=sys.stderr)
         return 2
     ids = args.configs.split(",")
-    try:
-        for config_id in ids:
-            find(config_id)
-    except KeyError as e:
-        print(f"unknown config id: {e}", file=sys.stderr)
+    if find_configs(ids) is None:
         return 2
     gpu = torch.cuda.get_device_name()
     path = result_file("infer-kernels", gpu, args.out)

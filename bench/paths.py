@@ -36,3 +36,16 @@ def run_header(command: str) -> dict:
         except ImportError:
             pass
     return {**header, "command": command}
+
+
+def find_configs(ids: list[str]) -> dict | None:
+    """{id: Shape} for config ids of any suite (ttj_jax.shapes.find), or None after one line on stderr
+    naming the first unknown id (the caller then exits 2)."""
+    import sys
+
+    from ttj_jax.shapes import find
+    try:
+        return {config_id: find(config_id) for config_id in ids}
+    except KeyError as e:
+        print(f"unknown config id: {e}", file=sys.stderr)
+        return None

@@ -42,7 +42,7 @@ import bridge  # noqa: E402
 import ttj_jax as T  # noqa: E402
 from bench import switches  # noqa: E402
 from bench.baseline import Attention, TransformerConfig, harness_models, make_inputs  # noqa: E402
-from bench.paths import result_file, run_header  # noqa: E402
+from bench.paths import find_configs, result_file, run_header  # noqa: E402
 from bench.timing import time_contenders  # noqa: E402
 from bench.torch_peer import VersionedRead, raise_call_time_recompile_limit  # noqa: E402
 from bridge.autograd import TRAINING_MASK_ENV, TRAINING_MASK_READS, ZERO_GRADIENT_SUFFIX  # noqa: E402
@@ -332,10 +332,8 @@ def main(argv=None) -> int:
         torch.set_float32_matmul_precision("high")
     name = torch.cuda.get_device_name(device) if on_cuda else "cpu"
     ids = (args.configs or (DEFAULT_CONFIGS if on_cuda else "cpu-2")).split(",")
-    try:
-        shapes = {config_id: T.shapes.find(config_id) for config_id in ids}
-    except KeyError as e:
-        print(f"unknown config id: {e}", file=sys.stderr)
+    shapes = find_configs(ids)
+    if shapes is None:
         return 2
     path = result_file("train", name, args.out)
     document = {"device": name, **run_header("ttj-bench --suite train " + " ".join(

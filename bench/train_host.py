@@ -45,7 +45,7 @@ import torch  # noqa: E402
 import bridge  # noqa: E402
 from bench.baseline import TransformerConfig, harness_models, make_inputs  # noqa: E402
 from bench.host_overhead import HOST_OVER_GPU_TARGET  # noqa: E402
-from bench.paths import result_file, run_header  # noqa: E402
+from bench.paths import find_configs, result_file, run_header  # noqa: E402
 from bench.timing import time_contenders  # noqa: E402
 from bench.train import LEARNING_RATE, step_fn  # noqa: E402
 from bridge import runtime  # noqa: E402
@@ -155,11 +155,7 @@ def main(argv=None) -> int:
         print("bench.train_host: no CUDA device here (--device cpu runs the CPU path)", file=sys.stderr)
         return 2
     ids = (args.configs or ("gpt2-s4096,1" if device.type == "cuda" else "cpu-2")).split(",")
-    try:
-        for config_id in ids:
-            find(config_id)
-    except KeyError as e:
-        print(f"unknown config id: {e}", file=sys.stderr)
+    if find_configs(ids) is None:
         return 2
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     path = result_file("train-host", name, args.out)

@@ -71,12 +71,11 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench.jax_timing import drained_dispatch_us, stream_ms_per_call  # noqa: E402
-from bench.paths import result_file, run_header  # noqa: E402
+from bench.paths import find_configs, result_file, run_header  # noqa: E402
 from bridge.autograd import flat_gradients  # noqa: E402
 from ttj_jax import numerics, training  # noqa: E402
 from ttj_jax.kernels import flash_attention_bwd  # noqa: E402
 from ttj_jax.params import init_params  # noqa: E402
-from ttj_jax.shapes import find  # noqa: E402
 
 # variant -> [(object, attribute, value)], the XLA options given to both programs' compilation
 _SEPARATE = (training, "FUSED_QKV_ATTENTION", False)
@@ -225,10 +224,8 @@ def main(argv=None) -> int:
         return 2
     on_gpu = jax.default_backend() == "gpu"
     ids = (args.configs or ("bert-base,8" if on_gpu else "cpu-2")).split(",")
-    try:
-        shapes = {config_id: find(config_id) for config_id in ids}
-    except KeyError as e:
-        print(f"unknown config id: {e}", file=sys.stderr)
+    shapes = find_configs(ids)
+    if shapes is None:
         return 2
     name = jax.devices()[0].device_kind if on_gpu else "cpu"
     path = result_file("train-programs", name, args.out)

@@ -625,3 +625,12 @@ def test_switch_sets_a_module_switch_for_the_run_and_records_it(tmp_path, monkey
                      "--switch", "ttj_jax.kernels.flash_attention.UNPADDED_SEQUENCE=true",
                      "--switch", "ttj_jax.nope.X=1"]) == 2
     assert module.UNPADDED_SEQUENCE is False   # all parsed before any is set
+
+
+def test_find_configs_takes_any_suites_ids_and_names_an_unknown_one(capsys):
+    from bench.paths import find_configs
+    found = find_configs(["1", "gpt2-s4096", "cpu-2"])
+    assert list(found) == ["1", "gpt2-s4096", "cpu-2"] and found["gpt2-s4096"].config.seq_len == 4096
+    assert find_configs(["1", "gpt3-xl"]) is None
+    err = capsys.readouterr().err
+    assert "unknown config id" in err and "gpt3-xl" in err
