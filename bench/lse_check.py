@@ -66,8 +66,9 @@ def main(argv=None) -> int:
             scores = jnp.where(jnp.arange(seq_len)[None, :] <= jnp.arange(first, seq_len)[:, None], scores, -jnp.inf)
         err = float(jnp.max(jnp.abs(lse[:, :, first:] - jax.nn.logsumexp(scores, axis=-1))))
         identical = bool(jnp.array_equal(out, plain))
-        kernel = "mosaic_gpu" if implementation == "mosaic" or use_mosaic_kernel(q.dtype, seq_len, head_dim, masked=False, block_sizes=None,
-                                                   interpret=False, fused=fused, key_mask=fused) else "generic"
+        kernel = "mosaic_gpu" if use_mosaic_kernel(q.dtype, seq_len, head_dim, masked=False, block_sizes=None,
+                                                   interpret=False, implementation=implementation, fused=fused,
+                                                   key_mask=fused) else "generic"
         checks.append({"S": seq_len, "head_dim": head_dim, "causal": causal, "fused_qkv_key_mask": fused,
                        "implementation": implementation,
                        "kernel": kernel,

@@ -17,7 +17,8 @@ arithmetic more than its rounding shows. The variants:
   hopper-bwd-from-2048  the Hopper attention backward from S=2048 (MGPU_BACKWARD_MIN_SEQ_LEN)
   ln-recompute          LayerNorm's statistics recomputed in the backward (numerics.LAYER_NORM_KEEPS_STATISTICS)
   cublas-gemms          both programs compiled with XLA's Triton GEMMs off (xla_gpu_enable_triton_gemm)
-  bias-gelu             the MLP's first bias added inside the GELU's rule (numerics.MLP_BIAS_IN_GELU)
+  bias-gelu             the MLP's first bias added inside the GELU's rule (numerics.MLP_BIAS_IN_GELU; the
+                        default since 42daa00, so now the same programs as default: bias-before-gelu is the other form)
   cudnn-masked          cuDNN's attention with the mask in extra lanes, not our flash kernels (training.MASKED_CUDNN)
   dx32                  an fp16 input's gradient written in fp32 by its GEMM, then converted
                         (numerics.DX_IN_INPUT_DTYPE off)
@@ -42,7 +43,8 @@ arithmetic more than its rounding shows. The variants:
   inputs-in-residuals   the forward returns its whole pullback, its own inputs among the residuals (copied
                         out), not training.Residuals
   mgpu-in-place         the Hopper attention backward reads q, k, v from the fused projection and writes its
-                        gradient in that layout (flash_attention_bwd.MGPU_BACKWARD_IN_PLACE)
+                        gradient in that layout (flash_attention_bwd.MGPU_BACKWARD_IN_PLACE; the default since
+                        42daa00, so now the same programs as default: mgpu-stacked is the other form)
   command-buffers-off   both programs compiled without XLA's command buffers (CUDA graphs of runs of kernels)
   command-buffers-all   both programs compiled with every kernel kind XLA can put in a command buffer in one,
                         from runs of one kernel on (xla_gpu_graph_min_graph_size=1)

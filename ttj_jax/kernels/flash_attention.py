@@ -441,7 +441,7 @@ def _attention_pallas_call(q_src, k_src, v_src, kv_lengths, key_mask, *, fused: 
         _flash_attention_kernel, causal=causal, sm_scale=sm_scale, block_q=block_q, block_k=block_k,
         num_q_blocks=num_q_blocks, static_key_limit=static_key_limit,
         dot_dtype=jnp.bfloat16 if dtype == jnp.bfloat16 else jnp.float16, ragged_len=seq_len if ragged else None)
-    out_len = seq_len if ragged else padded_len
+    out_len = seq_len + copied_pad
     out_spec = pl.BlockSpec((None, block_q, None, padded_hd), lambda i, b, h: (b, q_block_index(i), h, 0))
     out_shape = jax.ShapeDtypeStruct((batch, out_len, num_heads, padded_hd), dtype)
     if return_lse:
