@@ -7,6 +7,7 @@ docs/spec.md ("Numerics known to matter") sets the constraints this policy encod
 - LayerNorm statistics and the softmax are computed in FP32.
 - The GELU is the erf GELU, except in the GEMM-bound policy `mixed_fp16_gemm16_tanh`, whose tanh
   approximation cuBLASLt computes in the GEMM's epilogue (chosen by measured time and margin: planner.py).
+  The fast policies evaluate it as PyTorch writes it (gelu_erf); EXACT_FP32 through erfc (gelu_exact).
 `EXACT_FP32` is the policy tests compare against: FP32 everywhere with the highest matmul precision.
 `MIXED_FP16_TRAIN` is the gradients' policy: mixed_fp16_gemm16's forward (q/k/v and the MLP's
 pre-activation written in fp16 by their GEMMs, erf GELU), whose backward GEMMs take fp16 operands too
@@ -50,9 +51,14 @@ class NumericsPolicy:
     # second GEMM takes in gemm_dtype: fp32, or gemm_dtype so the GEMM writes half the bytes and the
     # GELU pass reads half (one more fp16 rounding, of the GELU's input).
     hidden_dtype: np.dtype = np.dtype(np.float32)
-    # "erf": the model's GELU (docs/spec.md). "tanh": its tanh approximation (within 4.8e-4 of it,
-    # under half an fp16 ulp of the hidden value there), evaluated on the pre-activation in
-    # hidden_dtype without a conversion between, the pattern cuBLASLt can take into its epilogue.
+    # "erf": the model's GELU (docs/spec.md) as PyTorch writes it, x (1 + erf(x / sqrt 2)) / 2
+    # (gelu_erf). "erfc": the same function through erfc (gelu_exact, jax.nn.gelu's form), accurate
+    # to fp32's relative precision in the far negative tail, at the cost of an exponential and a
+    # division per element: the pass that reads a GEMM's fp32 output, adds the bias and applies it
+    # took 43 us per layer at gpt2-s4096 on an H100, against 26 us for the peer's erf pass
+    # (bench/results/infer-kernels-2026-12-07-h100.json). "tanh": its tanh approximation (within
+    # 4.8e-4 of it, under half an fp16 ulp of the hidden value there), evaluated on the pre-activation
+    # in hidden_dtype without a conversion between, the pattern cuBLASLt can take into its epilogue.
     gelu: str = "erf"
     # Whether the backward of `matmul` (under jax.vjp / jax.grad) takes fp16 operands too: the cotangent
     # rounded to fp16, fp32 accumulation (as torch's fp16 autocast does). Without it, differentiation
@@ -70,8 +76,8 @@ class NumericsPolicy:
     split_products: int = 1
 
     def __post_init__(self):
-        if self.gelu not in ("erf", "tanh"):
-            raise ValueError(f"NumericsPolicy.gelu={self.gelu!r} must be 'erf' or 'tanh'")
+        if self.gelu not in ("erf", "erfc", "tanh"):
+            raise ValueError(f"NumericsPolicy.gelu={self.gelu!r} must be 'erf', 'erfc' or 'tanh'")
         if self.split_products not in (1, 3):
             raise ValueError(f"NumericsPolicy.split_products={self.split_products!r} must be 1 or 3")
         if self.split_products == 3 and (np.dtype(self.weight_dtype or self.gemm_dtype) != np.float32
@@ -124,8 +130,8 @@ class NumericsPolicy:
         """GELU(x @ w + b), the MLP's hidden layer in hidden_dtype: the pre-activation accumulated in
         fp32 and written in hidden_dtype; the erf GELU evaluated in fp32, the tanh GELU directly on the
         pre-activation (XLA hands that expression to cuBLASLt's epilogue where it can)."""
-        if self.hidden_dtype == self.accumulate_dtype and self.gelu == "erf":
-            return gelu_exact(self.matmul(x, w) + b)
+        if self.hidden_dtype == self.accumulate_dtype and self.gelu != "tanh":
+            return self._gelu_fp32(self.matmul(x, w) + b)
         if self.fp16_cotangents and self.gelu == "erf" and MLP_BIAS_IN_GELU:
             return _bias_gelu(self._gemm(x, w, self.hidden_dtype), b).astype(self.hidden_dtype)
         pre = self._affine_in(x, w, b, self.hidden_dtype)
@@ -133,7 +139,11 @@ class NumericsPolicy:
             return jax.nn.gelu(pre, approximate=True)
         if self.fp16_cotangents:
             return _gelu_saving_its_input(pre).astype(self.hidden_dtype)
-        return gelu_exact(pre.astype(jnp.float32)).astype(self.hidden_dtype)
+        return self._gelu_fp32(pre.astype(jnp.float32)).astype(self.hidden_dtype)
+
+    def _gelu_fp32(self, pre: jax.Array) -> jax.Array:
+        """The erf GELU of an fp32 pre-activation in this policy's form (`gelu`)."""
+        return gelu_exact(pre) if self.gelu == "erfc" else gelu_erf(pre)
 
     @property
     def norm_dtype(self):
@@ -151,7 +161,7 @@ class NumericsPolicy:
 MIXED_FP16 = NumericsPolicy("mixed_fp16", gemm_dtype=np.dtype(np.float16),
                             precision=jax.lax.Precision.DEFAULT)
 EXACT_FP32 = NumericsPolicy("exact_fp32", gemm_dtype=np.dtype(np.float32),
-                            precision=jax.lax.Precision.HIGHEST)
+                            precision=jax.lax.Precision.HIGHEST, gelu="erfc")
 # The planner's choice for GEMM-bound calls (planner.GEMM_BOUND_MIN_D_MODEL, with cuBLAS GEMMs: see there
 # for the measurement); mixed_fp16 elsewhere. Weights prepared for either serve both.
 MIXED_FP16_QKV16 = NumericsPolicy("mixed_fp16_qkv16", gemm_dtype=np.dtype(np.float16),
