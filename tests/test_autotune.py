@@ -225,6 +225,11 @@ def test_candidates_include_the_gemm_bound_numerics_and_cudnn_for_a_bert_like_mo
     found = planner.candidates(bert, _facts(bert), H200)
     names = {(p.attention, p.policy) for p in found}
     assert {("pallas", "mixed_fp16"), ("pallas", planner.GEMM_BOUND_POLICY), ("cudnn", "mixed_fp16")} <= names
+    # and each attention's program in the peer's numerics, on cuBLAS
+    peers = [p for p in found if p.policy == planner.PEER_NUMERICS_POLICY]
+    assert {p.attention for p in peers} == {"pallas", "cudnn"}
+    assert all(p.xla_options == planner.GEMM_BOUND_XLA_OPTIONS and p.qkv_gemms == 1 for p in peers)
+    assert len(found) <= planner.MAX_CANDIDATES
     # beside cuDNN's GEMM-bound plan, its twin with q, k and v by three GEMMs, kept apart from XLA's merger
     [three] = [p for p in found if p.qkv_gemms == 3]
     assert (three.attention, three.policy, three.xla_options) == ("cudnn", planner.GEMM_BOUND_POLICY,

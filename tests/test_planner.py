@@ -201,22 +201,41 @@ def test_the_triton_whole_stack_kernel_is_planned_only_up_to_the_lengths_it_was_
 def test_deep_models_get_their_xla_program_alternatives_scanned_over_the_layers():
     """From SCAN_MIN_LAYERS layers the measured planner's XLA-program alternatives are lax.scan programs
     (one layer to compile), the rules' plan first and unrolled, its scanned twin beside it; queued last,
-    the unrolled twins of the scanned cuDNN plans of the GEMM-bound policy (what a call would run,
-    measured where they compile in time)."""
-    from ttj_jax.planner import GEMM_BOUND_POLICY, MAX_SCANNED_CANDIDATES, SCAN_MIN_LAYERS, UNROLLED_TWINS_AT_DEPTH, candidates
+    the unrolled twins of the scanned cuBLAS plans, cuDNN's first (what a call would run, measured where
+    they compile in time). A key-masked call at head_dim 128, which cuDNN's plans do not take, still gets
+    unrolled cuBLAS twins (our attention's, XLA's)."""
+    from ttj_jax.planner import (
+        GEMM_BOUND_POLICY,
+        MAX_SCANNED_CANDIDATES,
+        PEER_NUMERICS_POLICY,
+        SCAN_MIN_LAYERS,
+        UNROLLED_TWINS_AT_DEPTH,
+        candidates,
+    )
     deep = T.Config(batch_size=8, seq_len=512, d_model=256, num_heads=2, ffn_dim=768, num_layers=SCAN_MIN_LAYERS + 2,
                     causal=True)
-    found = candidates(deep, facts(deep), H200)
-    assert not found[0].scan_layers and found[0] == T.plan(deep, facts(deep), H200)
-    assert found[1] == dataclasses.replace(found[0], scan_layers=True) and "/scan" in found[1].name
-    twins = found[len(found) - UNROLLED_TWINS_AT_DEPTH:]
-    assert all(not p.scan_layers and p.attention == "cudnn" and p.policy == GEMM_BOUND_POLICY for p in twins)
-    assert all(dataclasses.replace(p, scan_layers=True) in found for p in twins)
-    assert {p.qkv_gemms for p in twins} == {1, 3} and all("lax.scan" not in p.reason for p in twins)
-    scanned_part = found[1:len(found) - UNROLLED_TWINS_AT_DEPTH]
-    assert all(p.scan_layers for p in scanned_part if p.stack == "layers")
-    assert len(found) <= MAX_SCANNED_CANDIDATES + UNROLLED_TWINS_AT_DEPTH
-    assert len({(p.name, p.xla_options) for p in found}) == len(found)
+    for mask in (MaskKind.ALL_TRUE, MaskKind.UNKNOWN):
+        found = candidates(deep, facts(deep, mask), H200)
+        assert not found[0].scan_layers and found[0] == T.plan(deep, facts(deep, mask), H200)
+        assert found[1] == dataclasses.replace(found[0], scan_layers=True) and "/scan" in found[1].name
+        twins = found[len(found) - UNROLLED_TWINS_AT_DEPTH:]
+        assert all(not p.scan_layers and p.xla_options and "lax.scan" not in p.reason for p in twins)
+        assert all(dataclasses.replace(p, scan_layers=True) in found for p in twins)
+        scanned_cublas = [p for p in found if p.scan_layers and p.xla_options]
+        cudnn_first = ([p for p in scanned_cublas if p.attention == "cudnn"]
+                       + [p for p in scanned_cublas if p.attention != "cudnn"])
+        assert twins == [dataclasses.replace(p, scan_layers=False, reason=t.reason)
+                         for p, t in zip(cudnn_first, twins)]
+        if mask == MaskKind.ALL_TRUE:
+            assert all(p.attention == "cudnn" and p.policy == GEMM_BOUND_POLICY for p in twins[:2])
+        else:   # no cuDNN plan: our attention's GEMM-bound and peer-numerics programs, unrolled
+            assert not any(p.attention == "cudnn" for p in found)
+            assert [(p.attention, p.policy) for p in twins[:2]] == [("pallas", GEMM_BOUND_POLICY),
+                                                                   ("pallas", PEER_NUMERICS_POLICY)]
+        scanned_part = found[1:len(found) - UNROLLED_TWINS_AT_DEPTH]
+        assert all(p.scan_layers for p in scanned_part if p.stack == "layers")
+        assert len(found) <= MAX_SCANNED_CANDIDATES + UNROLLED_TWINS_AT_DEPTH
+        assert len({(p.name, p.xla_options) for p in found}) == len(found)
     shallow = dataclasses.replace(deep, num_layers=4)
     assert not any(p.scan_layers for p in candidates(shallow, facts(shallow), H200))
     with pytest.raises(ValueError, match="scan_layers"):

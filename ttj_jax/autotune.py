@@ -92,7 +92,7 @@ TRACING_GRACE_S = 5.0
 BRIDGE_HOST_MS = 0.040
 ISSUE_SAMPLES = 11   # single calls whose host time (median) is a plan's host time per call
 # Bumped when the candidates or the timing change: older decisions then read as misses.
-VERSION = 6
+VERSION = 7
 
 
 def enabled(device: DeviceFacts, autotune: bool | None = None) -> bool:

@@ -157,6 +157,13 @@ GEMM_BOUND_XLA_OPTIONS = (("xla_gpu_enable_triton_gemm", False),)
 # vit-s197, 1.286 against 1.363 at bert-base, 0.272 against 0.278 at clip-text-s77, 0.510 against 0.470
 # at dec-l8-d256-hd128, where three small GEMMs lose to one (bench/results/qkv-gemms-2026-12-05-h100.json).
 QKV_SPLIT_XLA_OPTIONS = GEMM_BOUND_XLA_OPTIONS + (("xla_disable_hlo_passes", "dot-merger"),)
+# The torch peer's own arithmetic as a measured candidate beside each attention's default and GEMM-bound
+# plans: q/k/v written in fp16 by their cuBLAS GEMM, the bias added in its epilogue before the one
+# rounding (no fp32 [B*S, 3d] tensor and no conversion pass: 18 us per layer at gpt2-s4096 on one H100,
+# bench/results/infer-kernels-2026-12-07-h100.json), the MLP's pre-activation in fp32 and the erf GELU.
+# Where the GEMM-bound policy's tanh GELU and fp16 pre-activation cost too much accuracy (deep models),
+# this one keeps the default policy's: its only extra rounding is the bias's, to fp16.
+PEER_NUMERICS_POLICY = "mixed_fp16_qkv16"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -422,7 +429,9 @@ def plan(config: Config, inputs: InputFacts, device: DeviceFacts = CPU, *,
 
 # The measured planner (autotune.py) times at most this many candidates per input signature, the
 # rules' plan first: each costs one compilation (~1-3 s on the H200) and a few milliseconds of runs.
-MAX_CANDIDATES = 6
+# (6 until the peer-numerics candidates: two more, one per attention that takes a call at most, with
+# the two attentions most calls have.)
+MAX_CANDIDATES = 8
 # From this depth the XLA-program alternatives are timed as one lax.scan over the layers (one layer's
 # body to compile, at any depth): at 8 layers, six unrolled programs compiling side by side left four
 # uncompiled after the 15 s budget, in two runs on the H200 (dec-l8-d256-hd128,
@@ -432,10 +441,12 @@ SCAN_MIN_LAYERS = 6
 MAX_SCANNED_CANDIDATES = 8
 # A scanned program runs slower than its unrolled twin (dec-l8-d256-hd128 on one H100: the rules' plan
 # 0.688 ms scanned against 0.538 unrolled, general-2026-12-05-h100-qkv3.json), so at depth the unrolled
-# twins of the cuDNN plans of the GEMM-bound policy (cuBLAS GEMMs and cuDNN: the cheapest unrolled
-# compiles, and the alternatives that win on GPU-bound models) are timed too, queued last: where they
-# compile within the budget, the program a call would run is the one measured.
-UNROLLED_TWINS_AT_DEPTH = 2
+# twins of the scanned cuBLAS plans (the alternatives that win on GPU-bound models), cuDNN's first (with
+# cuBLAS, the cheapest unrolled compiles), are timed too, queued last: where they compile within the
+# budget, the program a call would run is the one measured. (Until 2026-12-07 only cuDNN's twins, so a
+# model whose key mask or head_dim keeps cuDNN out, dec-l8-d256-hd128, had no unrolled alternative: its
+# unrolled GEMM-bound program took 0.39 ms against the rules' plan's 0.49, decisions.md.)
+UNROLLED_TWINS_AT_DEPTH = 3
 # XLA's explicit-softmax attention is a candidate only while its [B, H, S, S] fp32 scores stay this small.
 XLA_ATTENTION_MAX_SCORE_BYTES = 256 * 2**20
 
@@ -443,12 +454,13 @@ XLA_ATTENTION_MAX_SCORE_BYTES = 256 * 2**20
 def candidates(config: Config, inputs: InputFacts, device: DeviceFacts = CPU) -> list[Plan]:
     """The plans the measured planner may time for this call, the rules' plan (`plan`) first, then the
     alternatives in the order the rules prefer them: the other stacks that take the call, then the
-    layer-by-layer XLA program with each attention implementation that takes it, in the default numerics
-    and in the GEMM-bound variant (fp16 q/k/v and MLP pre-activation, tanh GELU in cuBLAS's epilogue).
+    layer-by-layer XLA program with each attention implementation that takes it, in the default numerics,
+    in the GEMM-bound variant (fp16 q/k/v and MLP pre-activation, tanh GELU in cuBLAS's epilogue) and in
+    the peer's (fp16 q/k/v written by cuBLAS, PEER_NUMERICS_POLICY).
     Only one-device, unchunked calls on a GPU have alternatives; elsewhere the rules' plan is the only one.
     At most MAX_CANDIDATES; from SCAN_MIN_LAYERS layers on, the XLA-program alternatives scanned over the
     layers, the rules' plan's scanned twin among them, at most MAX_SCANNED_CANDIDATES, then the unrolled
-    twins of the scanned cuDNN plans of the GEMM-bound policy (UNROLLED_TWINS_AT_DEPTH)."""
+    twins of the scanned cuBLAS plans, cuDNN's first (UNROLLED_TWINS_AT_DEPTH)."""
     prior = plan(config, inputs, device)
     if not device.is_gpu or prior.data_parallel > 1 or prior.sequence_parallel > 1 or prior.batch_chunk:
         return [prior]
@@ -506,9 +518,13 @@ def candidates(config: Config, inputs: InputFacts, device: DeviceFacts = CPU) ->
         if attention == "cudnn" and gemm_bound.stack == "layers" and gemm_bound.sequence_parallel == 1:
             add(dataclasses.replace(gemm_bound, qkv_gemms=3, xla_options=QKV_SPLIT_XLA_OPTIONS,
                                     reason=f"{gemm_bound.reason}; q, k and v by three GEMMs"))
+        if base.stack == "layers":
+            add(dataclasses.replace(base, policy=PEER_NUMERICS_POLICY, xla_options=GEMM_BOUND_XLA_OPTIONS,
+                                    reason=f"{base.reason}; numerics {PEER_NUMERICS_POLICY} (the peer's) with "
+                                           "cuBLAS GEMMs"))
     if scanned:
-        twins = [unrolled[p] for p in found
-                 if p in unrolled and p.attention == "cudnn" and p.policy == GEMM_BOUND_POLICY]
+        cublas = [unrolled[p] for p in found if p in unrolled and p.xla_options]
+        twins = [p for p in cublas if p.attention == "cudnn"] + [p for p in cublas if p.attention != "cudnn"]
         found += [p for p in twins if p not in found][:UNROLLED_TWINS_AT_DEPTH]
     return found
 
