@@ -440,10 +440,11 @@ MAX_CANDIDATES = 8
 SCAN_MIN_LAYERS = 6
 MAX_SCANNED_CANDIDATES = 8
 # A scanned program runs slower than its unrolled twin (dec-l8-d256-hd128 on one H100: the rules' plan
-# 0.688 ms scanned against 0.538 unrolled, general-2026-12-05-h100-qkv3.json), so at depth the unrolled
-# twins of the scanned cuBLAS plans (the alternatives that win on GPU-bound models), cuDNN's first (with
-# cuBLAS, the cheapest unrolled compiles), are timed too, queued last: where they compile within the
-# budget, the program a call would run is the one measured. (Until 2026-12-07 only cuDNN's twins, so a
+# 0.688 ms scanned against 0.538 unrolled, general-2026-12-05-h100-qkv3.json; 0.801 against 0.587 in
+# general-2026-12-07-h100-subset.json), so at depth the unrolled twins of the scanned cuBLAS plans (the
+# alternatives that win on GPU-bound models), cuDNN's first (with cuBLAS, the cheapest unrolled
+# compiles), are timed too, queued right after the rules' plan and its scanned twin: where they compile
+# within the budget, the program a call would run is the one measured. (Until 2026-12-07 only cuDNN's twins, so a
 # model whose key mask or head_dim keeps cuDNN out, dec-l8-d256-hd128, had no unrolled alternative: its
 # unrolled GEMM-bound program took 0.39 ms against the rules' plan's 0.49, decisions.md.)
 UNROLLED_TWINS_AT_DEPTH = 3
@@ -459,8 +460,9 @@ def candidates(config: Config, inputs: InputFacts, device: DeviceFacts = CPU) ->
     the peer's (fp16 q/k/v written by cuBLAS, PEER_NUMERICS_POLICY).
     Only one-device, unchunked calls on a GPU have alternatives; elsewhere the rules' plan is the only one.
     At most MAX_CANDIDATES; from SCAN_MIN_LAYERS layers on, the XLA-program alternatives scanned over the
-    layers, the rules' plan's scanned twin among them, at most MAX_SCANNED_CANDIDATES, then the unrolled
-    twins of the scanned cuBLAS plans, cuDNN's first (UNROLLED_TWINS_AT_DEPTH)."""
+    layers, the rules' plan's scanned twin among them, at most MAX_SCANNED_CANDIDATES, and the unrolled
+    twins of the scanned cuBLAS plans, cuDNN's first (UNROLLED_TWINS_AT_DEPTH), queued after the rules'
+    plan and its scanned twin."""
     prior = plan(config, inputs, device)
     if not device.is_gpu or prior.data_parallel > 1 or prior.sequence_parallel > 1 or prior.batch_chunk:
         return [prior]
@@ -525,7 +527,11 @@ def candidates(config: Config, inputs: InputFacts, device: DeviceFacts = CPU) ->
     if scanned:
         cublas = [unrolled[p] for p in found if p in unrolled and p.xla_options]
         twins = [p for p in cublas if p.attention == "cudnn"] + [p for p in cublas if p.attention != "cudnn"]
-        found += [p for p in twins if p not in found][:UNROLLED_TWINS_AT_DEPTH]
+        twins = [p for p in twins if p not in found][:UNROLLED_TWINS_AT_DEPTH]
+        # queued right after the rules' plan and its scanned twin: their compiles are the long ones, and
+        # the candidates compile in this order (autotune.measure)
+        first = 2 if len(found) > 1 and found[1] == dataclasses.replace(found[0], scan_layers=True) else 1
+        found = found[:first] + twins + found[first:]
     return found
 
 
