@@ -463,9 +463,9 @@ def test_cudnn_attention_carries_a_key_mask_in_extra_lanes_with_exact_gradients(
         layers.cudnn_attention(wide, jnp.ones((1, 8), bool), causal=False, policy=T.EXACT_FP32)
 
 
-def test_fp16_projection_policy_is_requested_only_and_meets_the_rule(harness_rule):
-    # mixed_fp16_qkv16 writes the q/k/v projection in fp16 (bench/ablate.py measures whether that
-    # pays on the GPU); the planner never picks it on its own
+def test_fp16_projection_policy_is_never_the_rules_choice_and_meets_the_rule(harness_rule):
+    # mixed_fp16_qkv16 writes the q/k/v projection in fp16: the torch peer's numerics, which only the
+    # measured planner may choose (planner.PEER_NUMERICS_POLICY, a candidate on the GPU), never the rules
     from ttj_jax.numerics import MIXED_FP16_QKV16
     h = jnp.ones((2, 8), jnp.float32)
     w = jnp.ones((8, 6), jnp.float16)
