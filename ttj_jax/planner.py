@@ -530,7 +530,8 @@ def candidates(config: Config, inputs: InputFacts, device: DeviceFacts = CPU) ->
         twins = [p for p in twins if p not in found][:UNROLLED_TWINS_AT_DEPTH]
         # queued right after the rules' plan and its scanned twin: their compiles are the long ones, and
         # the candidates compile in this order (autotune.measure)
-        first = 2 if len(found) > 1 and found[1] == dataclasses.replace(found[0], scan_layers=True) else 1
+        first = 2 if (prior.stack == "layers" and len(found) > 1
+                      and found[1] == dataclasses.replace(prior, scan_layers=True)) else 1
         found = found[:first] + twins + found[first:]
     return found
 
