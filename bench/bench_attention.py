@@ -396,6 +396,7 @@ def run_ragged(interpret: bool, smoke: bool) -> tuple[list[dict], bool]:
     """--ragged (module docstring): (one record per case, whether every comparison passed)."""
     import importlib
     module = importlib.import_module("ttj_jax.kernels.flash_attention")   # the package exports the function
+    shipped = module.UNPADDED_SEQUENCE
     records, passed = [], True
     for batch, heads, seq_len, head_dim, causal in (RAGGED_SMOKE_CASES if smoke else RAGGED_CASES):
         qkv = jnp.stack(_random_qkv(seq_len, (batch, seq_len, heads, head_dim), jnp.float16), axis=2)
@@ -414,7 +415,7 @@ def run_ragged(interpret: bool, smoke: bool) -> tuple[list[dict], bool]:
         except Exception as e:  # noqa: BLE001 - recorded, the other cases still run
             record["error"] = describe_error(e)
         finally:
-            module.UNPADDED_SEQUENCE = False
+            module.UNPADDED_SEQUENCE = shipped
             jax.clear_caches()
         if len(outputs) == 2:
             scale = float(np.max(np.abs(outputs["padded"])))

@@ -366,15 +366,16 @@ def _ragged_masks(kind: str, seq_len: int):
 
 @pytest.fixture
 def unpadded(monkeypatch):
-    """Returns a function that turns UNPADDED_SEQUENCE on. flash_attention is jitted and the switch is read
-    while tracing, so jax's caches are cleared when it changes and again after the test. No trace made
-    with it on is left for later tests."""
+    """Returns a function that sets UNPADDED_SEQUENCE (on by default; the tests compute the padded call
+    with it off first). flash_attention is jitted and the switch is read while tracing, so jax's caches
+    are cleared when it changes and again after the test: no trace made with it off is left for later
+    tests."""
     module = importlib.import_module("ttj_jax.kernels.flash_attention")   # the package exports the function
 
-    def turn_on():
-        monkeypatch.setattr(module, "UNPADDED_SEQUENCE", True)
+    def turn(on: bool = True):
+        monkeypatch.setattr(module, "UNPADDED_SEQUENCE", on)
         jax.clear_caches()
-    yield turn_on
+    yield turn
     jax.clear_caches()
 
 
@@ -383,6 +384,7 @@ def unpadded(monkeypatch):
 def test_an_unpadded_sequence_gives_the_padded_calls_output(unpadded, seq_len, head_dim, causal, kind, block_sizes):
     q, k, v = _inputs(11, seq_len, head_dim)
     masks = _ragged_masks(kind, seq_len)
+    unpadded(False)
     padded = flash_attention(q, k, v, causal=causal, block_sizes=block_sizes, interpret=True, return_lse=True,
                              **masks)
     unpadded()
@@ -402,6 +404,7 @@ def test_an_unpadded_fused_sequence_reads_the_projection_in_place(unpadded, caus
     q, k, v = _inputs(5, seq_len, 64)
     qkv = jnp.stack([q, k, v], axis=2)
     mask = _random_mask(4, BATCH, seq_len)
+    unpadded(False)
     padded = flash_attention_fused_qkv(qkv, causal=causal, key_mask=mask, interpret=True)
     unpadded()
     call = lambda x, m: flash_attention_fused_qkv(x, causal=causal, key_mask=m, interpret=True)  # noqa: E731

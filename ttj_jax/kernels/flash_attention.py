@@ -127,9 +127,12 @@ _CAUSAL_BLOCK_SIZES: dict[tuple[int, str], BlockSizes] = {
 # past S) and stored under masks (power-of-two head_dims only; others still pad both dims). At clip-text-s77
 # (B=64, S=77, 64-row blocks) on one H100 the pad and the slice took 17 and 4 us per layer beside the
 # kernel's 15 (bench/results/infer-kernels-2026-12-07-h100.json). Checked in interpret mode, which fills
-# what overhangs an array with NaN; not yet on a GPU: off until the GPU check and timing
-# (`python -m bench.bench_attention --ragged`).
-UNPADDED_SEQUENCE = False
+# what overhangs an array with NaN, and on one H100 (`python bench/bench_attention.py --ragged`,
+# attention-ragged-2026-12-07-h100.json): outputs equal to the padded call's at six shapes, each call
+# faster with its copies gone (S=77: 50.4 -> 39.4 us; S=197: 129.1 -> 63.3; S=1000: 141.0 -> 105.0).
+# Through the harness with the measured planner (general-2026-12-07-h100-unpadded-{on,off}.json):
+# peer/ttj 0.83 -> 0.95 at clip-text-s77, 0.94 -> 1.07 at vit-s197.
+UNPADDED_SEQUENCE = True
 
 
 def seq_len_bucket(seq_len: int) -> str:
