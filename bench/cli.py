@@ -44,7 +44,7 @@ import ttj_jax as T  # noqa: E402
 from bench import switches  # noqa: E402
 from bench.baseline import TransformerConfig, check_close, harness_models, make_inputs  # noqa: E402
 from bench.gpu_power import PowerSampler, sampling  # noqa: E402
-from bench.paths import default_out_dir  # noqa: E402
+from bench.paths import default_out_dir, settings_environment  # noqa: E402
 from bench.report import by_shape_id, geomean, markdown_table, peer_over_bridge, slug  # noqa: E402
 from bench.timing import interleaved_host_overhead_us, time_contenders  # noqa: E402
 from bridge import settings  # noqa: E402
@@ -503,9 +503,7 @@ def main(argv=None) -> int:
     document = {"gpu": device_name if on_cuda else None, "device": device_name, "jax": jax.__version__,
                 "torch": torch.__version__, "date": date, "suite": suite_name, "command": command,
                 "bridge_keep_x_import": settings.keep_x_import(),
-                # the TTJ_* switches in effect (bridge/settings.py, ttj_jax's autotune and cache): the
-                # command line does not show them
-                "environment": {k: v for k, v in sorted(os.environ.items()) if k.startswith("TTJ_") and v},
+                "environment": settings_environment(),
                 "switches": switched, "shapes": {}}
     previous = _load(json_path) if (args.merge or forced) else None
     if forced:

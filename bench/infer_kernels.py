@@ -26,13 +26,11 @@ import torch  # noqa: E402
 import bridge  # noqa: E402
 from bench.baseline import TransformerConfig, harness_models, make_inputs  # noqa: E402
 from bench.cuda_trace import kernel_table, profile_cuda  # noqa: E402
-from bench.paths import find_configs, result_file, run_header  # noqa: E402
+from bench.paths import find_configs, result_file, run_header, settings_environment  # noqa: E402
 from bench.torch_peer import build_peer  # noqa: E402
 from ttj_jax.shapes import find  # noqa: E402
 
 DEFAULT_CONFIGS = "gpt2-s4096,clip-text-s77,dec-l8-d256-hd128,enc-s128-pad70"
-# Settings recorded in the JSON where the run's environment has them (they change ttj's programs).
-ENVIRONMENT = ("TTJ_POLICY", "TTJ_AUTOTUNE", "XLA_FLAGS", "TTJ_FORCE_DEVICE")
 
 
 def tables(config_id: str, calls: int, top: int = 22, peer: bool = True) -> dict:
@@ -73,10 +71,10 @@ def main(argv=None) -> int:
     path = result_file("infer-kernels", gpu, args.out)
     document = {"device": gpu, **run_header("python3 -m bench.infer_kernels " + " ".join(
         sys.argv[1:] if argv is None else argv)), "calls": args.calls,
-        "environment": {k: os.environ[k] for k in ENVIRONMENT if k in os.environ}, "configs": {}}
+        "environment": settings_environment("XLA_FLAGS"), "configs": {}}
     for config_id in ids:
         record = document["configs"][config_id] = tables(config_id, args.calls, peer=not args.no_peer)
-        for name in ("ttj", "peer")[:1 if args.no_peer else 2]:
+        for name in [n for n in ("ttj", "peer") if n in record]:
             t = record[name]
             print(f"== {config_id} {name}: kernels {t['kernel_us_per_call']:.1f} us, span {t['span_us_per_call']:.1f} us")
             if name == "ttj":

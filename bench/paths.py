@@ -38,6 +38,14 @@ def run_header(command: str) -> dict:
     return {**header, "command": command}
 
 
+def settings_environment(*names: str) -> dict[str, str]:
+    """The environment settings a result file records because its command line does not show them: every
+    non-empty TTJ_* variable (bridge/settings.py, ttj_jax's autotune and cache) and the other `names`
+    that are set (XLA_FLAGS, say)."""
+    import os
+    return {k: v for k, v in sorted(os.environ.items()) if (k.startswith("TTJ_") and v) or k in names}
+
+
 def find_configs(ids: list[str]) -> dict | None:
     """{id: Shape} for config ids of any suite (ttj_jax.shapes.find), or None after one line on stderr
     naming the first unknown id (the caller then exits 2)."""

@@ -528,10 +528,10 @@ def candidates(config: Config, inputs: InputFacts, device: DeviceFacts = CPU) ->
         cublas = [unrolled[p] for p in found if p in unrolled and p.xla_options]
         twins = [p for p in cublas if p.attention == "cudnn"] + [p for p in cublas if p.attention != "cudnn"]
         twins = [p for p in twins if p not in found][:UNROLLED_TWINS_AT_DEPTH]
-        # queued right after the rules' plan and its scanned twin: their compiles are the long ones, and
-        # the candidates compile in this order (autotune.measure)
-        first = 2 if (prior.stack == "layers" and len(found) > 1
-                      and found[1] == dataclasses.replace(prior, scan_layers=True)) else 1
+        # queued right after the rules' plan and its scanned twin (found[1] where the rules give the layer
+        # stack: add(prior) above): their compiles are the long ones, and the candidates compile in this
+        # order (autotune.measure)
+        first = 2 if prior.stack == "layers" else 1
         found = found[:first] + twins + found[first:]
     return found
 
